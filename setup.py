@@ -1,0 +1,38 @@
+"""neuron-di: prefill/decode disaggregated inference for LLM serving."""
+from setuptools import find_packages, setup
+
+setup(
+    name="neuron-di",
+    version="0.1.0",
+    description="Prefill/decode disaggregated LLM inference: proxy, KV connector, transfer engine, reference worker.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*"]),
+    package_data={"worker": ["assets/**/*", "py.typed"]},
+    include_package_data=True,
+    install_requires=[
+        # Pinned exactly: a range admitting newer releases pulls CUDA builds.
+        "torch==2.13.0",
+        "numpy>=1.26,<3",
+        "quart>=0.19,<0.24",
+        "hypercorn>=0.17,<0.19",
+        "httpx>=0.27,<0.29",
+        "sniffio>=1.3,<2",
+        "pyzmq>=26,<28",
+        "aetcd>=1.0,<2",
+        "safetensors>=0.4,<0.9",
+        "tokenizers>=0.20,<0.24",
+        "prometheus-client>=0.20,<0.27",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8,<10",
+            "pytest-timeout>=2.3,<3",
+            "hypothesis>=6.100,<7",
+            "openai>=1.40,<4",
+            "transformers>=4.45,<6",
+        ],
+        "nixl": ["nixl>=0.5,<2"],
+        "bench": ["matplotlib>=3.8,<4", "transformers>=4.45,<6"],
+    },
+)

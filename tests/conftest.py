@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from tests.helpers import EtcdServer
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", help="also run the slow load/soak tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --full")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def etcd_server() -> Iterator[EtcdServer]:
+    server = EtcdServer()
+    try:
+        yield server
+    finally:
+        server.stop()
