@@ -1,0 +1,34 @@
+"""Errors of the transfer engine.
+
+    TransferError
+    ├── LayoutMismatch      the peer's KV layout cannot hold our blocks
+    ├── InvalidBlocks       a block id out of range, or src/dst lists of different length
+    ├── TransferTimeout     the transfer did not complete in time
+    ├── PeerLost            the peer closed, died or never answered
+    └── BackendUnavailable  the backend cannot run on this machine (e.g. no torch-neuronx)
+"""
+from __future__ import annotations
+
+
+class TransferError(Exception):
+    """Base class of every error the transfer engine raises or reports on a token."""
+
+
+class LayoutMismatch(TransferError):
+    pass
+
+
+class InvalidBlocks(TransferError):
+    pass
+
+
+class TransferTimeout(TransferError):
+    pass
+
+
+class PeerLost(TransferError):
+    pass
+
+
+class BackendUnavailable(TransferError):
+    pass
