@@ -28,7 +28,7 @@ def _nixl(host: str, engine_id: str, **opts: Any) -> list[Backend]:
 
 def _neuron(host: str, engine_id: str, **opts: Any) -> list[Backend]:
     from transfer.neuron import NeuronBackend
-    return [NeuronBackend(engine_id, **opts)]
+    return [NeuronBackend(engine_id, host, **opts)]
 
 
 def _auto(host: str, engine_id: str, **opts: Any) -> list[Backend]:
