@@ -2,70 +2,86 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from typing import Iterator
 
 import pytest
-import torch
 
-from tests.transfer.conftest import LAYOUT, PROCESS_BACKENDS
-from tests.transfer.peer_proc import block_bytes, fill
+from tests.transfer.conftest import LAYOUT, OUR_PIDS, PROCESS_BACKENDS
+from tests.transfer.peer_proc import PeerProcess, block_bytes, fill
+from transfer import TransferEngine, create_engine
+
+
+@dataclass
+class Setup:
+    engine: TransferEngine
+    peers: list[PeerProcess]
+    peer_ids: list[str]
+
+    def ours(self, ids: list[int]) -> bytes:
+        return block_bytes(self.engine._region.tensor, ids)  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module", params=PROCESS_BACKENDS)
+def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
+    """Our engine and two peer processes on one backend, shared by this module's tests."""
+    backend = request.param
+    engine = create_engine(backend)
+    fill(engine.allocate_region(LAYOUT), seed=7)
+    peers: list[PeerProcess] = []
+    try:
+        for seed in (8, 9):
+            peers.append(PeerProcess.start(backend, LAYOUT.to_dict(), seed))
+            OUR_PIDS.add(peers[-1].pid)
+        yield Setup(engine, peers, [engine.connect(p.call("descriptor")) for p in peers])
+    finally:
+        for peer in peers:
+            peer.stop()
+        engine.close()
 
 
 def random_blocks(rng: random.Random, count: int) -> tuple[list[int], list[int]]:
-    """Non-contiguous source and destination ids with some adjacent runs mixed in."""
+    """Non-contiguous source and destination ids, with an adjacent run mixed in."""
     src = rng.sample(range(LAYOUT.num_blocks), count)
     start = rng.randrange(LAYOUT.num_blocks - count)
-    dst = list(range(start, start + count // 2)) + rng.sample(
-        [b for b in range(LAYOUT.num_blocks) if not start <= b < start + count // 2], count - count // 2)
-    return src, dst
+    run = list(range(start, start + count // 2))
+    rest = [b for b in range(LAYOUT.num_blocks) if b not in run]
+    return src, run + rng.sample(rest, count - len(run))
 
 
-def expected(seed: int, ids: list[int]) -> bytes:
-    pool = torch.empty(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
-    fill(pool, seed)
-    return block_bytes(pool, ids)
+def test_push_random_blocks(setup: Setup) -> None:
+    src, dst = random_blocks(random.Random(1), 24)
+    setup.engine.queue_transfer_with_token(setup.peer_ids[0], src, dst).wait(20)
+    assert setup.peers[0].call("dump", dst) == setup.ours(src)
 
 
-@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
-def test_push_and_pull_random_blocks(backend: str, make_engine, make_peer) -> None:
-    engine = make_engine(backend, seed=7)
-    peer = make_peer(backend, seed=8)
-    peer_id = engine.connect(peer.call("descriptor"))
-    rng = random.Random(backend)
-    theirs, ours = random_blocks(rng, 17)
-    engine.queue_transfer_with_token(peer_id, theirs, ours, direction="pull").wait(20)
-    assert block_bytes(engine._region.tensor, ours) == expected(8, theirs)
-
-    src, dst = random_blocks(rng, 24)
-    src = [b for b in src if b not in ours][:12]
-    engine.queue_transfer_with_token(peer_id, src, dst[:len(src)]).wait(20)
-    assert peer.call("dump", dst[:len(src)]) == expected(7, src)
+def test_pull_random_blocks(setup: Setup) -> None:
+    theirs, ours = random_blocks(random.Random(2), 17)
+    before = setup.peers[1].call("dump", theirs)
+    setup.engine.queue_transfer_with_token(setup.peer_ids[1], theirs, ours, direction="pull").wait(20)
+    assert setup.ours(ours) == before
+    assert before != bytes(len(before))  # the peer's blocks were not blank
 
 
-@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
-def test_peer_process_pushes_into_our_pool(backend: str, make_engine, make_peer) -> None:
-    engine = make_engine(backend, seed=3)
-    peer = make_peer(backend, seed=4)
-    ours_id = peer.call("connect", engine.descriptor())
-    src, dst = random_blocks(random.Random(5), 30)
-    assert peer.call("transfer", ours_id, src, dst, 20.0, "push") is None
-    assert block_bytes(engine._region.tensor, dst) == expected(4, src)
+def test_peer_process_pushes_into_our_pool(setup: Setup) -> None:
+    peer = setup.peers[0]
+    our_id = peer.call("connect", setup.engine.descriptor())
+    src, dst = random_blocks(random.Random(3), 30)
+    sent = peer.call("dump", src)
+    assert peer.call("transfer", our_id, src, dst, 20.0, "push") is None
+    assert setup.ours(dst) == sent
 
 
-@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
-def test_sixteen_concurrent_transfers_to_two_peers(backend: str, make_engine, make_peer) -> None:
-    engine = make_engine(backend, seed=11)
-    peers = [make_peer(backend, seed=s) for s in (12, 13)]
-    ids = [engine.connect(p.call("descriptor")) for p in peers]
+def test_sixteen_concurrent_transfers_to_two_peers(setup: Setup) -> None:
     rng = random.Random(16)
-    # Each peer gets 8 transfers into disjoint destination blocks, all queued at once.
     jobs = []
-    for n, peer_id in enumerate(ids):
+    for n, peer_id in enumerate(setup.peer_ids):
+        # 8 transfers per peer, all queued at once, into disjoint destination blocks.
         dst_all = rng.sample(range(LAYOUT.num_blocks), 8 * 10)
         for k in range(8):
-            src = rng.sample(range(LAYOUT.num_blocks), 10)
-            dst = dst_all[k * 10:(k + 1) * 10]
-            jobs.append((n, src, dst, engine.queue_transfer_with_token(peer_id, src, dst)))
-    for _, _, _, token in jobs:
+            src, dst = rng.sample(range(LAYOUT.num_blocks), 10), dst_all[k * 10:(k + 1) * 10]
+            jobs.append((n, src, dst, setup.engine.queue_transfer_with_token(peer_id, src, dst)))
+    for *_, token in jobs:
         token.wait(30)
     for n, src, dst, _ in jobs:
-        assert peers[n].call("dump", dst) == expected(11, src)
+        assert setup.peers[n].call("dump", dst) == setup.ours(src)
