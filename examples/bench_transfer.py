@@ -189,7 +189,8 @@ def block_sets(layout: KVLayout, sizes: list[int]) -> dict[int, tuple[list[int],
     sets = {}
     for size in sizes:
         count = size * MIB // layout.block_bytes
-        sets[size] = (rng.sample(range(layout.num_blocks), count), rng.sample(range(layout.num_blocks), count))
+        sets[size] = (rng.sample(range(layout.num_blocks), count),
+                      rng.sample(range(layout.num_blocks), count))
     return sets
 
 

@@ -6,6 +6,8 @@
     token = engine.queue_transfer_with_token(peer, src_block_ids, dst_block_ids)
     token.is_done() / token.wait(timeout) / token.error
 """
+from __future__ import annotations
+
 from transfer.backend import Backend, Link
 from transfer.blocks import Run, plan_runs
 from transfer.engine import DEFAULT_TIMEOUT, TransferEngine

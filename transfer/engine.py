@@ -127,8 +127,10 @@ class TransferEngine:
             if backend is None or not peer_id:
                 raise PeerLost(f"no transport of {self.backend!r} reaches peer {peer_id!r} "
                                f"(offers {sorted(descriptor.get('transports', {}))})")
-            self._peers[peer_id] = Peer(peer_id, backend.name, layout,
-                                        lambda deadline: backend.connect(descriptor, layout, deadline), lambda: self._region)
+            self._peers[peer_id] = Peer(
+                peer_id, backend.name, layout,
+                open_link=lambda deadline: backend.connect(descriptor, layout, deadline),
+                current_region=lambda: self._region)
             return peer_id
 
     def peer_backend(self, peer: str) -> str:
@@ -150,7 +152,8 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------------------
     def queue_transfer_with_token(self, peer: str, src_block_ids: Sequence[int],
                                   dst_block_ids: Sequence[int], token: CompletionToken | None = None,
-                                  timeout: float = DEFAULT_TIMEOUT, direction: str = "push") -> CompletionToken:
+                                  timeout: float = DEFAULT_TIMEOUT,
+                                  direction: str = "push") -> CompletionToken:
         """Queues a copy of blocks src -> dst and returns its token at once.
 
         push: src ids are ours, dst ids the peer's. pull: src ids are the peer's, dst ours.

@@ -6,7 +6,6 @@ from typing import Any, Callable
 
 from transfer.backend import Backend
 from transfer.engine import TransferEngine, new_engine_id
-from transfer.errors import BackendUnavailable
 
 BACKENDS = ("auto", "shm", "tcp", "nixl", "neuron")
 

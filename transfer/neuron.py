@@ -27,7 +27,8 @@ def _load_runtime() -> Any:
         importlib.import_module("torch_neuronx")
         import torch
     except ImportError as exc:
-        raise BackendUnavailable("the neuron backend needs torch-neuronx (Trainium/Inferentia hosts)") from exc
+        raise BackendUnavailable("the neuron backend needs torch-neuronx "
+                                 "(Trainium/Inferentia hosts)") from exc
     return torch
 
 

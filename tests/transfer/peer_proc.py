@@ -64,6 +64,27 @@ def peer_main(conn: Connection, backend: str, layout: dict[str, Any], seed: int)
         conn.send(("closed", None))
 
 
+def _allocate_and_return(layout: dict[str, Any]) -> None:
+    from transfer import KVLayout, create_engine
+    create_engine("shm").allocate_region(KVLayout.from_dict(layout))
+
+
+def exit_without_close(layout: dict[str, Any]) -> Any:
+    """Runs a process that allocates an shm pool and exits normally without close()."""
+    proc = _context().Process(target=_allocate_and_return, args=(layout,))
+    proc.start()
+    proc.join(60)
+    return proc
+
+
+def _context() -> Any:
+    # A fork server with torch preloaded starts each peer in milliseconds instead of
+    # re-importing torch; the server itself never runs torch ops, so forking it is safe.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transfer", "tests.transfer.peer_proc"])
+    return ctx
+
+
 @dataclass
 class PeerProcess:
     """The test's handle on one peer process; `stop` always leaves no process behind."""
@@ -74,10 +95,7 @@ class PeerProcess:
 
     @classmethod
     def start(cls, backend: str, layout: dict[str, Any], seed: int) -> PeerProcess:
-        # A fork server with torch preloaded starts each peer in milliseconds instead of
-        # re-importing torch; the server itself never runs torch ops, so forking it is safe.
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "transfer", "tests.transfer.peer_proc"])
+        ctx = _context()
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=peer_main, args=(theirs, backend, layout, seed), daemon=True)
         proc.start()
@@ -115,7 +133,8 @@ class PeerProcess:
             self.resume()
             try:
                 self.conn.send(("close",))
-                wait_until(lambda: self.conn.poll(0) or not self.proc.is_alive(), timeout=15, what="peer close")
+                wait_until(lambda: self.conn.poll(0) or not self.proc.is_alive(),
+                           timeout=15, what="peer close")
             except (OSError, AssertionError):
                 pass
         self.kill()

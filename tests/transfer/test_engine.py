@@ -103,6 +103,15 @@ def test_register_existing_tensor(make_engine) -> None:
         engine.close()
 
 
+def test_shm_shares_only_its_own_pools() -> None:
+    engine = create_engine("shm")
+    try:
+        with pytest.raises(TransferError, match="allocate_region"):
+            engine.register_region(torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype), LAYOUT)
+    finally:
+        engine.close()
+
+
 def test_close_is_idempotent_and_frees_everything() -> None:
     engine, other = create_engine("auto"), create_engine("auto")
     engine.allocate_region(LAYOUT)

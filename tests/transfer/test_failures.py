@@ -6,8 +6,8 @@ import time
 import pytest
 
 from tests.helpers import wait_until
-from tests.transfer.conftest import LAYOUT, PROCESS_BACKENDS, shm_segments
-from tests.transfer.peer_proc import block_bytes
+from tests.transfer.conftest import LAYOUT, OUR_PIDS, PROCESS_BACKENDS, shm_segments
+from tests.transfer.peer_proc import block_bytes, exit_without_close
 from transfer import (KVLayout, PeerLost, RegionNotRegistered, TransferEngine, TransferTimeout)
 
 # Large enough that a whole-pool transfer cannot fit in loopback socket buffers.
@@ -56,7 +56,7 @@ def test_one_sided_peer_killed_during_transfers(backend: str, make_engine, make_
     with pytest.raises(PeerLost):
         after.wait(20)
     # The dead owner's segment is unlinked by the side that noticed the death.
-    assert not any(str(victim.pid) in name for name in shm_segments())
+    assert not any(f"-{victim.pid}-" in name for name in shm_segments())
     still_works(engine, make_engine, backend)
 
 
@@ -79,14 +79,37 @@ def test_tcp_peer_never_answers(make_engine, make_peer) -> None:
     assert slow.call("dump", [10, 11, 0]) == block_bytes(engine._region.tensor, [3, 4, 9])
 
 
-def test_shm_transfer_needs_no_answer_from_a_stopped_peer(make_engine, make_peer) -> None:
-    engine = make_engine("shm", seed=3)
-    stopped = make_peer("shm")
+@pytest.mark.parametrize("backend", [b for b in PROCESS_BACKENDS if b != "tcp"])
+def test_one_sided_transfer_needs_no_answer_from_a_stopped_peer(backend: str, make_engine, make_peer) -> None:
+    engine = make_engine(backend, seed=3)
+    stopped = make_peer(backend)
     peer = engine.connect(stopped.call("descriptor"))
+    engine.queue_transfer_with_token(peer, [0], [0], timeout=10).wait(15)  # link established
     stopped.pause()
     engine.queue_transfer_with_token(peer, [5, 6], [1, 2], timeout=5).wait(10)
     stopped.resume()
     assert stopped.call("dump", [1, 2]) == block_bytes(engine._region.tensor, [5, 6])
+
+
+@pytest.mark.skipif("nixl" not in PROCESS_BACKENDS, reason="nixl is not installed")
+def test_nixl_peer_never_answers_the_connection(make_engine, make_peer) -> None:
+    """UCX needs the peer to take part in wiring up a new connection."""
+    engine = make_engine("nixl", seed=5)
+    slow = make_peer("nixl")
+    peer = engine.connect(slow.call("descriptor"))
+    slow.pause()
+    with pytest.raises(TransferTimeout):
+        engine.queue_transfer_with_token(peer, [1], [1], timeout=1.5).wait(10)
+    slow.resume()
+    engine.queue_transfer_with_token(peer, [3, 4], [8, 9], timeout=20).wait(25)
+    assert slow.call("dump", [8, 9]) == block_bytes(engine._region.tensor, [3, 4])
+
+
+def test_owner_exiting_without_close_leaves_no_segment() -> None:
+    proc = exit_without_close(LAYOUT.to_dict())
+    OUR_PIDS.add(proc.pid)
+    assert proc.exitcode == 0
+    assert not any(f"-{proc.pid}-" in name for name in shm_segments())
 
 
 def test_tcp_unreachable_peer(make_engine) -> None:
