@@ -116,7 +116,8 @@ class TcpBackend(Backend):
 
     def connect(self, descriptor: dict[str, Any], peer_layout: KVLayout, deadline: float) -> Link:
         info = descriptor["transports"]["tcp"]
-        hello = {"engine_id": descriptor.get("engine_id"), "layout": peer_layout.to_dict()}
+        # The listener checks it serves this engine: a restarted peer on the same port does not.
+        hello = {"engine_id": descriptor.get("engine_id")}
         return TcpLink((info["host"], int(info["port"])), hello, peer_layout, deadline)
 
     def close(self) -> None:
@@ -165,6 +166,8 @@ class TcpBackend(Backend):
                     self._serve_read(conn, tid, ranges, payload, deadline)
         except TransferError as exc:
             log.debug("tcp connection ended: %s", exc)
+        except Exception:  # noqa: BLE001 - a bad peer must not take the listener down
+            log.exception("tcp connection failed")
         finally:
             with self._lock:
                 self._conns.discard(conn)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
@@ -156,3 +157,20 @@ def test_a_token_serves_one_transfer(make_engine) -> None:
         engine.queue_transfer_with_token(peer, [1], [1], token)
     with pytest.raises(ValueError, match="direction"):
         engine.queue_transfer_with_token(peer, [1], [1], direction="sideways")
+
+
+def test_tcp_listener_serves_only_its_engine_and_survives_garbage(make_engine) -> None:
+    engine, other = make_engine("tcp", seed=6), make_engine("tcp")
+    impostor = {**other.descriptor(), "engine_id": "restarted-1"}
+    with pytest.raises(PeerLost, match="serves engine"):
+        engine.queue_transfer_with_token(engine.connect(impostor), [1], [1]).wait(10)
+    info = other.descriptor()["transports"]["tcp"]
+    with socket.create_connection((info["host"], info["port"]), timeout=5) as junk:
+        junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)
+        try:  # the listener hangs up on a stream that is not ours (unread bytes: a reset)
+            assert junk.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    peer = engine.connect(other.descriptor())
+    engine.queue_transfer_with_token(peer, [2], [3]).wait(10)
+    assert block_bytes(other._region.tensor, [3]) == block_bytes(engine._region.tensor, [2])
