@@ -46,6 +46,9 @@ def parse_args() -> argparse.Namespace:
                         help="backends to measure (default: shm, tcp and nixl when installed)")
     parser.add_argument("--quick", action="store_true", help="64 and 256 MiB, 3 repeats: under a minute")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--pattern", choices=("random", "contiguous"), default="random",
+                        help="random: scattered source and destination blocks (the normal case); "
+                             "contiguous: the same ids on both sides, merged into one run")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     args.sizes = [64, 256] if args.quick else [64, 256, 1024]
@@ -183,14 +186,17 @@ def run_group(makers: list[Callable[[], Any]], sizes: list[int], repeats: int) -
             session.close()
 
 
-def block_sets(layout: KVLayout, sizes: list[int]) -> dict[int, tuple[list[int], list[int]]]:
-    """Random, non-contiguous source and destination blocks, the same for every backend."""
+def block_sets(layout: KVLayout, sizes: list[int], pattern: str) -> dict[int, tuple[list[int], list[int]]]:
+    """Source and destination blocks per size, the same for every backend."""
     rng = random.Random(0)
     sets = {}
     for size in sizes:
         count = size * MIB // layout.block_bytes
-        sets[size] = (rng.sample(range(layout.num_blocks), count),
-                      rng.sample(range(layout.num_blocks), count))
+        if pattern == "contiguous":
+            sets[size] = (list(range(count)), list(range(count)))
+        else:
+            sets[size] = (rng.sample(range(layout.num_blocks), count),
+                          rng.sample(range(layout.num_blocks), count))
     return sets
 
 
@@ -212,7 +218,7 @@ def main() -> None:
     layers, heads, head_dim, dtype = MODELS[args.model]
     probe = KVLayout(layers, 1, 16, heads, head_dim, dtype)
     layout = KVLayout(layers, max(args.sizes) * MIB // probe.block_bytes, 16, heads, head_dim, dtype)
-    sets = block_sets(layout, args.sizes)
+    sets = block_sets(layout, args.sizes, args.pattern)
     nbytes = max(args.sizes) * MIB
     engine = lambda name: (lambda: EngineSession(name, layout, sets))  # noqa: E731
     # Each backend runs in turns with the ceiling it is compared to; one group at a time
@@ -224,7 +230,8 @@ def main() -> None:
     for group in groups:
         results.update(run_group(group, args.sizes, args.repeats))
     print(f"model {args.model}: {layout.block_bytes // 1024} KiB blocks of 16 tokens, "
-          f"{layout.chunk_bytes // 1024} KiB per (layer, k/v) chunk; median of {args.repeats}")
+          f"{layout.chunk_bytes // 1024} KiB per (layer, k/v) chunk; {args.pattern} blocks; "
+          f"median of {args.repeats}")
     print_table(results, args.sizes)
     top = max(args.sizes)
     ratios = {"shm_over_memcpy": ratio(results, "shm", "memcpy", top),
@@ -234,7 +241,7 @@ def main() -> None:
     print(f"ratios at {top} MiB: " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
     if args.json:
         args.json.write_text(json.dumps({
-            "model": args.model, "layout": layout.to_dict(), "block_bytes": layout.block_bytes,
+            "model": args.model, "pattern": args.pattern, "layout": layout.to_dict(), "block_bytes": layout.block_bytes,
             "sizes_mib": args.sizes, "repeats": args.repeats, "largest_mib": top,
             "gbps": {name: {str(s): round(v, 3) for s, v in row.items()} for name, row in results.items()},
             "ratios": ratios}, indent=2))
