@@ -241,7 +241,8 @@ def main() -> None:
     print(f"ratios at {top} MiB: " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
     if args.json:
         args.json.write_text(json.dumps({
-            "model": args.model, "pattern": args.pattern, "layout": layout.to_dict(), "block_bytes": layout.block_bytes,
+            "model": args.model, "pattern": args.pattern, "layout": layout.to_dict(),
+            "block_bytes": layout.block_bytes,
             "sizes_mib": args.sizes, "repeats": args.repeats, "largest_mib": top,
             "gbps": {name: {str(s): round(v, 3) for s, v in row.items()} for name, row in results.items()},
             "ratios": ratios}, indent=2))

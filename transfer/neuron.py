@@ -33,6 +33,8 @@ def _load_runtime() -> Any:
 
 
 class NeuronLink(Link):
+    """A send communicator to the peer's core, driving the runtime's transfer engine."""
+
     def __init__(self, torch: Any, remote_ip: str, core: int, peer_core: int, layout: KVLayout) -> None:
         self._torch = torch
         self._layout = layout

@@ -32,6 +32,8 @@ def _load_nixl() -> Any:
 
 
 class NixlLink(Link):
+    """A remote NIXL agent; a transfer is one posted request over all chunk ranges."""
+
     def __init__(self, backend: NixlBackend, remote: str, address: int, layout: KVLayout) -> None:
         self._backend = backend
         self._remote = remote

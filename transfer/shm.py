@@ -49,6 +49,8 @@ class _ProcessWatch:
 
 
 class ShmLink(Link):
+    """The peer's pool mapped into this process; a transfer is memcpy per chunk range."""
+
     def __init__(self, segment: ShmSegment, watch: _ProcessWatch, layout: KVLayout) -> None:
         self._segment = segment
         self._watch = watch

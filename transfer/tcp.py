@@ -39,9 +39,9 @@ def _read_reply(sock: socket.socket, deadline: float) -> wire.Reply:
 
 
 class TcpLink(Link):
-    def __init__(self, address: tuple[str, int], hello: dict[str, Any], layout: KVLayout,
-                 deadline: float) -> None:
-        self._layout = layout
+    """One persistent connection to a peer's listener, one framed transfer at a time."""
+
+    def __init__(self, address: tuple[str, int], hello: dict[str, Any], deadline: float) -> None:
         self._ids = itertools.count(1)
         with translated(f"connect to {address[0]}:{address[1]}"):
             self._sock = blocking(socket.create_connection(address, timeout=remaining(deadline)))
@@ -118,7 +118,7 @@ class TcpBackend(Backend):
         info = descriptor["transports"]["tcp"]
         # The listener checks it serves this engine: a restarted peer on the same port does not.
         hello = {"engine_id": descriptor.get("engine_id")}
-        return TcpLink((info["host"], int(info["port"])), hello, peer_layout, deadline)
+        return TcpLink((info["host"], int(info["port"])), hello, deadline)
 
     def close(self) -> None:
         self.unbind()
