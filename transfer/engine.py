@@ -174,7 +174,10 @@ class TransferEngine:
                 # Runs in destination order: every backend then writes front to back.
                 runs = plan_runs(_ints(local_ids), _ints(remote_ids),
                                  region.layout.num_blocks, handle.layout.num_blocks, by_remote=push)
-                handle.submit(Job(token, region, runs, push))
+                if runs:
+                    handle.submit(Job(token, region, runs, push))
+                else:
+                    token._finish(None)  # nothing to move, e.g. a prompt served from cache
         except TransferError as exc:
             token._finish(exc)
         return token

@@ -41,6 +41,8 @@ def test_bad_block_ids_end_the_token(backend: str, make_engine) -> None:
             assert token.is_done() and isinstance(token.error, InvalidBlocks), (src, dst)
             with pytest.raises(InvalidBlocks):
                 token.wait(1)
+    empty = engine.queue_transfer_with_token(peer, [], [])
+    assert empty.is_done() and empty.error is None
     engine.queue_transfer_with_token(peer, [3, 4], [5, 6]).wait(10)
     assert block_bytes(other._region.tensor, [5, 6]) == block_bytes(engine._region.tensor, [3, 4])
 
