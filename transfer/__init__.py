@@ -5,6 +5,11 @@
     peer = engine.connect(peer_descriptor)         # descriptor() of the other side, as JSON
     token = engine.queue_transfer_with_token(peer, src_block_ids, dst_block_ids)
     token.is_done() / token.wait(timeout) / token.error
+
+Backends: `shm` (same host, the pool in POSIX shared memory, one memcpy per chunk range),
+`tcp` (one connection per peer, scatter-gather send, receive straight into the pool),
+`nixl` (NIXL/UCX, optional extra), `neuron` (torch-neuronx only) and `auto` (neuron when
+installed, else shm for same-host peers and tcp for the rest).
 """
 from __future__ import annotations
 
