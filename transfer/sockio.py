@@ -36,9 +36,10 @@ def _arm(sock: socket.socket, option: int, deadline: float | None) -> None:
     move a whole batch of views; Python's own timeouts would return after every partial
     write and cost a Python round trip per socket-buffer's worth of bytes.
     """
-    left = 0.0 if deadline is None else max(remaining(deadline), 1e-6)
-    seconds = int(left)
-    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, int((left - seconds) * 1e6)))
+    # A zero timeval would mean "no timeout": a live deadline gets at least 1 us.
+    micros = 0 if deadline is None else max(1, int(remaining(deadline) * 1e6))
+    seconds, micros = divmod(micros, 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, micros))
 
 
 def blocking(sock: socket.socket) -> socket.socket:
