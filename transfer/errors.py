@@ -5,6 +5,7 @@
     ├── InvalidBlocks       a block id out of range, or src/dst lists of different length
     ├── TransferTimeout     the transfer did not complete in time
     ├── PeerLost            the peer closed, died or never answered
+    ├── RegionNotRegistered the local or the peer's KV region is not (or no longer) registered
     └── BackendUnavailable  the backend cannot run on this machine (e.g. no torch-neuronx)
 """
 from __future__ import annotations
@@ -27,6 +28,10 @@ class TransferTimeout(TransferError):
 
 
 class PeerLost(TransferError):
+    pass
+
+
+class RegionNotRegistered(TransferError):
     pass
 
 

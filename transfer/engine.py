@@ -1,0 +1,203 @@
+"""The transfer engine: one registered KV region, its transports, and connected peers."""
+from __future__ import annotations
+
+import operator
+import os
+import threading
+import time
+import uuid
+from typing import Any, Sequence
+
+import torch
+
+from transfer.backend import Backend
+from transfer.blocks import plan_runs
+from transfer.errors import InvalidBlocks, PeerLost, RegionNotRegistered, TransferError
+from transfer.layout import KVLayout
+from transfer.peer import Job, Peer
+from transfer.region import SHM_PREFIX, Region, host_identity
+from transfer.token import CompletionToken
+
+DEFAULT_TIMEOUT = 30.0
+
+
+class TransferEngine:
+    """Moves KV blocks between this process's registered pool and connected peers' pools.
+
+    Push is the default direction: the side that owns the source blocks queues the write,
+    learns completion from its token and can free those blocks at once; the destination
+    learns it from one reply on the signal plane. Pull (`direction="pull"`) reads a peer's
+    blocks into ours through the same links.
+
+    Thread-safe; `queue_transfer_with_token` never blocks on I/O. Transfers to one peer run
+    in order on that peer's thread; different peers run in parallel.
+    """
+
+    def __init__(self, backends: Sequence[Backend], shm_pool: bool, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.backends = list(backends)
+        self._shm_pool = shm_pool
+        self._lock = threading.RLock()
+        self._region: Region | None = None
+        self._peers: dict[str, Peer] = {}
+        self._closed = False
+
+    @property
+    def backend(self) -> str:
+        return "+".join(b.name for b in self.backends)
+
+    # -- the local region -------------------------------------------------------------
+    def allocate_region(self, layout: KVLayout) -> torch.Tensor:
+        """A zeroed, pre-touched pool of `layout.shape`, registered (in shm when peers may map it)."""
+        name = f"{SHM_PREFIX}{self.engine_id}-{uuid.uuid4().hex[:6]}" if self._shm_pool else None
+        with self._lock:
+            self._check_open()
+            self._check_unregistered()
+            self._bind(Region.allocate(layout, name))
+            return self._region.tensor  # type: ignore[union-attr]
+
+    def register_region(self, tensor: torch.Tensor, layout: KVLayout) -> None:
+        """Registers an existing contiguous CPU tensor of `layout.shape` as the pool."""
+        with self._lock:
+            self._check_open()
+            self._check_unregistered()
+            self._bind(Region(layout, tensor))
+
+    def unregister_region(self) -> None:
+        """Stops offering the pool; queued transfers fail with RegionNotRegistered."""
+        with self._lock:
+            region, self._region = self._region, None
+            if region is None:
+                return
+            for backend in self.backends:
+                backend.unbind()
+            if region.segment is not None:
+                region.segment.release()
+
+    def _bind(self, region: Region) -> None:
+        try:
+            for backend in self.backends:
+                backend.bind(region)
+        except BaseException:
+            for backend in self.backends:
+                backend.unbind()
+            if region.segment is not None:
+                region.segment.release()
+            raise
+        self._region = region
+
+    def _check_unregistered(self) -> None:
+        if self._region is not None:
+            raise TransferError("a region is already registered; unregister it first")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the transfer engine is closed")
+
+    # -- peers ------------------------------------------------------------------------
+    def descriptor(self) -> dict[str, Any]:
+        """JSON-serializable description a peer passes to `connect`."""
+        with self._lock:
+            if self._region is None:
+                raise RegionNotRegistered("register or allocate a region before describing it")
+            transports = {b.name: d for b in self.backends if (d := b.describe()) is not None}
+            return {"engine_id": self.engine_id, "backend": self.backend, "host_id": host_identity(),
+                    "pid": os.getpid(), "layout": self._region.layout.to_dict(), "transports": transports}
+
+    def connect(self, descriptor: dict[str, Any]) -> str:
+        """Connects to the peer that produced `descriptor`; returns its peer id.
+
+        Raises LayoutMismatch if its blocks cannot hold ours, PeerLost if no transport of
+        ours reaches it. The link itself opens on the first transfer.
+        """
+        with self._lock:
+            self._check_open()
+            if self._region is None:
+                raise RegionNotRegistered("register or allocate a region before connecting")
+            layout = KVLayout.from_dict(descriptor.get("layout", {}))
+            self._region.layout.check_compatible(layout)
+            peer_id = str(descriptor.get("engine_id", ""))
+            if peer_id in self._peers:
+                return peer_id
+            backend = next((b for b in self.backends if b.reaches(descriptor)), None)
+            if backend is None or not peer_id:
+                raise PeerLost(f"no transport of {self.backend!r} reaches peer {peer_id!r} "
+                               f"(offers {sorted(descriptor.get('transports', {}))})")
+            self._peers[peer_id] = Peer(peer_id, backend.name, layout,
+                                        lambda deadline: backend.connect(descriptor, layout, deadline), lambda: self._region)
+            return peer_id
+
+    def peer_backend(self, peer: str) -> str:
+        """Name of the transport used for `peer`."""
+        return self._peer(peer).backend_name
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            handle = self._peers.pop(peer, None)
+        if handle is not None:
+            handle.close()
+
+    def _peer(self, peer: str) -> Peer:
+        handle = self._peers.get(peer)
+        if handle is None:
+            raise PeerLost(f"unknown or disconnected peer {peer!r}")
+        return handle
+
+    # -- transfers --------------------------------------------------------------------
+    def queue_transfer_with_token(self, peer: str, src_block_ids: Sequence[int],
+                                  dst_block_ids: Sequence[int], token: CompletionToken | None = None,
+                                  timeout: float = DEFAULT_TIMEOUT, direction: str = "push") -> CompletionToken:
+        """Queues a copy of blocks src -> dst and returns its token at once.
+
+        push: src ids are ours, dst ids the peer's. pull: src ids are the peer's, dst ours.
+        Every failure, including bad ids, ends the token with a typed error.
+        """
+        if direction not in ("push", "pull"):
+            raise ValueError(f"direction must be 'push' or 'pull', not {direction!r}")
+        token = token if token is not None else CompletionToken()
+        token._arm(time.monotonic() + timeout)
+        push = direction == "push"
+        local_ids, remote_ids = (src_block_ids, dst_block_ids) if push else (dst_block_ids, src_block_ids)
+        try:
+            with self._lock:
+                handle, region = self._peer(peer), self._region
+            if region is None:
+                raise RegionNotRegistered("no local region is registered")
+            runs = plan_runs(_ints(local_ids), _ints(remote_ids),
+                             region.layout.num_blocks, handle.layout.num_blocks)
+        except TransferError as exc:
+            token._finish(exc)
+            return token
+        handle.submit(Job(token, region, runs, push))
+        return token
+
+    def close(self) -> None:
+        """Disconnects every peer, stops transports and frees the region; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+        for handle in peers:
+            handle.close()
+        self.unregister_region()
+        for backend in self.backends:
+            backend.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def new_engine_id() -> str:
+    return f"{uuid.uuid4().hex[:12]}-{os.getpid()}"
+
+
+def _ints(ids: Sequence[int]) -> list[int]:
+    try:
+        return [operator.index(b) for b in ids]
+    except TypeError as exc:
+        raise InvalidBlocks(f"block ids must be integers: {exc}") from exc
+

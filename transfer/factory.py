@@ -1,0 +1,70 @@
+"""Choosing backends by name."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Callable
+
+from transfer.backend import Backend
+from transfer.engine import TransferEngine, new_engine_id
+from transfer.errors import BackendUnavailable
+
+BACKENDS = ("auto", "shm", "tcp", "nixl", "neuron")
+
+
+def _shm(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+    from transfer.shm import ShmBackend
+    return [ShmBackend()]
+
+
+def _tcp(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+    from transfer.tcp import TcpBackend
+    return [TcpBackend(host, engine_id=engine_id, **opts)]
+
+
+def _nixl(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+    from transfer.nixl import NixlBackend
+    return [NixlBackend(engine_id, **opts)]
+
+
+def _neuron(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+    from transfer.neuron import NeuronBackend
+    return [NeuronBackend(engine_id, host, **opts)]
+
+
+def _auto(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+    # Each peer gets the first transport that reaches it: shm on the same host, else tcp.
+    if _neuron_available():
+        return _neuron(host, engine_id, **opts)
+    return _shm(host, engine_id) + _tcp(host, engine_id, **opts)
+
+
+_FACTORIES: dict[str, Callable[..., list[Backend]]] = {
+    "shm": _shm, "tcp": _tcp, "nixl": _nixl, "neuron": _neuron, "auto": _auto}
+
+
+def _neuron_available() -> bool:
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+def _nixl_available() -> bool:
+    return importlib.util.find_spec("nixl") is not None
+
+
+def available_backends() -> list[str]:
+    """Backend names that can run on this machine."""
+    optional = {"nixl": _nixl_available(), "neuron": _neuron_available()}
+    return [name for name in BACKENDS if optional.get(name, True)]
+
+
+def create_engine(backend: str = "auto", host: str = "127.0.0.1", **opts: Any) -> TransferEngine:
+    """A TransferEngine using `backend`; `host` is where tcp listens and is reached.
+
+    Raises BackendUnavailable for a backend this machine cannot run, ValueError for an
+    unknown name.
+    """
+    factory = _FACTORIES.get(backend)
+    if factory is None:
+        raise ValueError(f"unknown transfer backend {backend!r}; expected one of {BACKENDS}")
+    engine_id = new_engine_id()
+    backends = factory(host, engine_id, **opts)
+    return TransferEngine(backends, shm_pool=any(b.name == "shm" for b in backends), engine_id=engine_id)

@@ -1,0 +1,129 @@
+"""KV regions: the registered pool tensor, in plain host memory or POSIX shared memory."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from transfer.errors import LayoutMismatch, RegionNotRegistered
+from transfer.layout import KVLayout
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "neuron-di-kv-"
+# The segment starts with one page of header so the pool itself stays page aligned.
+HEADER_BYTES = 4096
+_PAGE = 4096
+_REGISTERED, _UNREGISTERED = 1, 0
+
+
+def host_identity() -> str:
+    """Same string on two processes iff they share a host (and its /dev/shm)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "unknown-boot"
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+def pretouch(flat: torch.Tensor, write: bool) -> None:
+    """Faults in every page now, so the first transfer does not pay for page faults."""
+    if write:
+        flat.zero_()
+    else:
+        int(flat[::_PAGE].sum())
+
+
+class ShmSegment:
+    """A named POSIX shared-memory file: a state header page followed by the pool bytes.
+
+    The owner creates and unlinks it; peers map it by name. The header's state word lets
+    a peer see that the owner unregistered the pool even though its mapping stays valid.
+    """
+
+    def __init__(self, name: str, pool_bytes: int, create: bool) -> None:
+        self.name = name
+        self.path = SHM_DIR / name
+        self.owner = create
+        total = HEADER_BYTES + pool_bytes
+        if create:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, total)
+            finally:
+                os.close(fd)
+        else:
+            self._check_peer_file(total)
+        whole = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.uint8)
+        self.state = whole[:8].view(torch.int64)
+        self.pool_flat = whole[HEADER_BYTES:]
+        pretouch(self.pool_flat, write=create)
+        if create:
+            self.state[0] = _REGISTERED
+
+    def _check_peer_file(self, total: int) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError as exc:
+            raise RegionNotRegistered(f"peer shm segment {self.name} does not exist") from exc
+        if size != total:
+            raise LayoutMismatch(f"peer shm segment {self.name} has {size} bytes, expected {total}")
+
+    @property
+    def registered(self) -> bool:
+        return int(self.state[0]) == _REGISTERED
+
+    def release(self) -> None:
+        """Owner: mark unregistered and unlink the name; the memory goes with the last mapping."""
+        if self.owner:
+            self.state[0] = _UNREGISTERED
+            unlink_segment(self.name)
+
+
+def unlink_segment(name: str) -> None:
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass(eq=False)
+class Region:
+    """The registered KV pool: a contiguous tensor of `layout.shape`."""
+
+    layout: KVLayout
+    tensor: torch.Tensor
+    segment: ShmSegment | None = None
+    flat: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        t = self.tensor
+        if tuple(t.shape) != self.layout.shape or t.dtype != self.layout.torch_dtype:
+            raise LayoutMismatch(f"tensor {tuple(t.shape)} {t.dtype} does not match layout "
+                                 f"{self.layout.shape} {self.layout.dtype}")
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise LayoutMismatch("a KV region must be a contiguous CPU tensor")
+        self.flat = t.view(-1).view(torch.uint8)
+
+    @property
+    def address(self) -> int:
+        return self.flat.data_ptr()
+
+    def memoryview(self) -> memoryview:
+        return memoryview(self.flat.numpy())
+
+    @classmethod
+    def allocate(cls, layout: KVLayout, shm_name: str | None) -> Region:
+        """A zeroed, pre-touched pool, in shared memory when `shm_name` is given."""
+        if shm_name is None:
+            flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
+            pretouch(flat, write=True)
+            return cls(layout, _as_pool(flat, layout))
+        segment = ShmSegment(shm_name, layout.total_bytes, create=True)
+        return cls(layout, _as_pool(segment.pool_flat, layout), segment)
+
+
+def _as_pool(flat: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    return flat.view(layout.torch_dtype).view(layout.shape)

@@ -1,0 +1,121 @@
+"""Same-host transport: the peer's pool is mapped from POSIX shared memory and a transfer
+is one memcpy per (run, layer, k/v) chunk range, straight from source to destination
+blocks, with no serialization and no peer involvement.
+
+Because the copy is one-sided, the peer cannot report failures itself: a link watches
+the peer process through a pidfd (immune to pid reuse) and the segment's state word,
+before and after every copy.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+from typing import Any, Sequence
+
+from transfer.backend import Backend, Link, remaining
+from transfer.blocks import Run, local_ranges, remote_ranges
+from transfer.errors import PeerLost, RegionNotRegistered, TransferError
+from transfer.layout import KVLayout
+from transfer.region import Region, ShmSegment, host_identity, unlink_segment
+
+
+class _ProcessWatch:
+    """Tells whether a same-host process is still alive."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError as exc:
+            raise PeerLost(f"peer process {pid} is gone") from exc
+        except OSError:
+            self._fd = None  # no pidfd support: fall back to signal 0
+
+    def alive(self) -> bool:
+        if self._fd is None:
+            try:
+                os.kill(self.pid, 0)
+                return True
+            except ProcessLookupError:
+                return False
+        # A pidfd becomes readable when the process exits.
+        return not select.select([self._fd], [], [], 0)[0]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class ShmLink(Link):
+    def __init__(self, segment: ShmSegment, watch: _ProcessWatch, layout: KVLayout) -> None:
+        self._segment = segment
+        self._watch = watch
+        self._layout = layout
+        self._address = segment.pool_flat.data_ptr()
+
+    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+        self._copy(region, runs, deadline, push=True)
+
+    def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+        self._copy(region, runs, deadline, push=False)
+
+    def _copy(self, region: Region, runs: Sequence[Run], deadline: float, push: bool) -> None:
+        self._check_peer()
+        ours = local_ranges(region.layout, runs)
+        theirs = remote_ranges(self._layout, runs)
+        for (lo, n), (ro, _) in zip(ours, theirs):
+            remaining(deadline)
+            src, dst = (region.address + lo, self._address + ro) if push else \
+                       (self._address + ro, region.address + lo)
+            ctypes.memmove(dst, src, n)  # releases the GIL: the engine loop keeps running
+        self._check_peer()
+
+    def _check_peer(self) -> None:
+        if not self._watch.alive():
+            # The owner died without unlinking its segment; nobody else will.
+            unlink_segment(self._segment.name)
+            raise PeerLost(f"peer process {self._watch.pid} died")
+        if not self._segment.registered:
+            raise RegionNotRegistered(f"peer unregistered its region {self._segment.name}")
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+class ShmBackend(Backend):
+    """Offers a pool allocated in shared memory; reaches peers on the same host."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._region: Region | None = None
+        self._host_id = host_identity()
+
+    def bind(self, region: Region) -> None:
+        self._region = region
+
+    def unbind(self) -> None:
+        self._region = None
+
+    def describe(self) -> dict[str, Any] | None:
+        if self._region is None or self._region.segment is None:
+            return None
+        return {"segment": self._region.segment.name}
+
+    def reaches(self, descriptor: dict[str, Any]) -> bool:
+        return descriptor.get("host_id") == self._host_id and "shm" in descriptor.get("transports", {})
+
+    def connect(self, descriptor: dict[str, Any], peer_layout: KVLayout, deadline: float) -> Link:
+        watch = _ProcessWatch(int(descriptor["pid"]))
+        try:
+            segment = ShmSegment(descriptor["transports"]["shm"]["segment"],
+                                 peer_layout.total_bytes, create=False)
+        except TransferError:
+            watch.close()
+            raise
+        except OSError as exc:
+            watch.close()
+            raise PeerLost(f"cannot map peer segment: {exc}") from exc
+        return ShmLink(segment, watch, peer_layout)

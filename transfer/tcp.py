@@ -1,0 +1,210 @@
+"""Cross-host transport over one persistent TCP connection per peer.
+
+The side whose pool is written (decode, for push) runs a listener; each accepted
+connection gets a thread that serves requests one after another. A write request is a
+header with the destination block ranges followed by the source chunk ranges sent with
+scatter-gather `sendmsg`; the server receives them with `recvmsg_into` straight into its
+pool and acks, so the sender's token completes only after the bytes landed. A read is
+the mirror image. One transfer at a time per connection, each framed by its header, so
+any number of queued transfers share the connection safely.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from typing import Any, Sequence
+
+from transfer.backend import Backend, Link, remaining
+from transfer.blocks import Run, byte_ranges, local_ranges
+from transfer.errors import InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, TransferError
+from transfer.layout import KVLayout
+from transfer.region import Region
+from transfer.sockio import deadline_in, drain, recv_bytes, recv_views, send_views, translated
+from transfer import wire
+
+log = logging.getLogger(__name__)
+
+
+def _views(region: Region, ranges: list[tuple[int, int]]) -> list[memoryview]:
+    whole = region.memoryview()
+    return [whole[off:off + n] for off, n in ranges]
+
+
+def _read_reply(sock: socket.socket, deadline: float) -> wire.Reply:
+    head, msg_len = wire.decode_reply_head(recv_bytes(sock, wire.REPLY_BYTES, deadline))
+    message = recv_bytes(sock, msg_len, deadline).decode(errors="replace")
+    return wire.Reply(head.op, head.transfer_id, head.status, head.payload_bytes, message)
+
+
+class TcpLink(Link):
+    def __init__(self, address: tuple[str, int], hello: dict[str, Any], layout: KVLayout,
+                 deadline: float) -> None:
+        self._layout = layout
+        self._ids = itertools.count(1)
+        with translated(f"connect to {address[0]}:{address[1]}"):
+            self._sock = socket.create_connection(address, timeout=remaining(deadline))
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_views(self._sock, [memoryview(wire.encode_hello(hello))], deadline)
+            _read_reply(self._sock, deadline).raise_for_status()
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+        views = _views(region, local_ranges(region.layout, runs))
+        tid = self._request(wire.OP_WRITE, runs, sum(v.nbytes for v in views), views, deadline)
+        self._reply(tid, deadline)
+
+    def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+        views = _views(region, local_ranges(region.layout, runs))
+        size = sum(v.nbytes for v in views)
+        tid = self._request(wire.OP_READ, runs, size, [], deadline)
+        reply = self._reply(tid, deadline)
+        if reply.payload_bytes != size:
+            raise PeerLost(f"peer sent {reply.payload_bytes} bytes, expected {size}")
+        recv_views(self._sock, views, deadline)
+
+    def _request(self, op: int, runs: Sequence[Run], size: int, views: list[memoryview],
+                 deadline: float) -> int:
+        tid = next(self._ids)
+        head = wire.encode_request(wire.Request(op, tid, [(r.remote, r.count) for r in runs], size))
+        send_views(self._sock, [memoryview(head), *views], deadline)
+        return tid
+
+    def _reply(self, tid: int, deadline: float) -> wire.Reply:
+        reply = _read_reply(self._sock, deadline)
+        if reply.transfer_id != tid:
+            raise PeerLost(f"reply for transfer {reply.transfer_id}, expected {tid}")
+        reply.raise_for_status()
+        return reply
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class TcpBackend(Backend):
+    """Listens on `host:port` (0: any free port) and reaches peers that offer tcp."""
+
+    name = "tcp"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 frame_timeout: float = 60.0, engine_id: str = "") -> None:
+        self._region: Region | None = None
+        self._engine_id = engine_id
+        self._frame_timeout = frame_timeout
+        self._listener = socket.create_server((host, port), backlog=64)
+        self._address = (advertise_host or (socket.gethostname() if host in ("", "0.0.0.0") else host),
+                         self._listener.getsockname()[1])
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="tcp-listener", daemon=True).start()
+
+    def bind(self, region: Region) -> None:
+        self._region = region
+
+    def unbind(self) -> None:
+        self._region = None
+
+    def describe(self) -> dict[str, Any] | None:
+        return {"host": self._address[0], "port": self._address[1]}
+
+    def reaches(self, descriptor: dict[str, Any]) -> bool:
+        return "tcp" in descriptor.get("transports", {})
+
+    def connect(self, descriptor: dict[str, Any], peer_layout: KVLayout, deadline: float) -> Link:
+        info = descriptor["transports"]["tcp"]
+        hello = {"engine_id": descriptor.get("engine_id"), "layout": peer_layout.to_dict()}
+        return TcpLink((info["host"], int(info["port"])), hello, peer_layout, deadline)
+
+    def close(self) -> None:
+        self.unbind()
+        self._listener.close()
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    # -- server side --------------------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                # Idle connections wait without limit; once a frame starts it must finish.
+                head = recv_bytes(conn, wire.REQUEST_BYTES, None)
+                op, tid, count, payload = wire.decode_request_head(head)
+                deadline = deadline_in(self._frame_timeout)
+                if op == wire.OP_HELLO:
+                    self._serve_hello(conn, recv_bytes(conn, payload, deadline), deadline)
+                    continue
+                ranges = wire.decode_ranges(recv_bytes(conn, 16 * count, deadline))
+                if op == wire.OP_WRITE:
+                    self._serve_write(conn, tid, ranges, payload, deadline)
+                else:
+                    self._serve_read(conn, tid, ranges, payload, deadline)
+        except TransferError as exc:
+            log.debug("tcp connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_hello(self, conn: socket.socket, body: bytes, deadline: float) -> None:
+        hello = wire.decode_hello(body)
+        error: TransferError | None = None
+        if hello.get("engine_id") != self._engine_id:
+            error = PeerLost(f"this listener serves engine {self._engine_id}, not {hello.get('engine_id')}")
+        send_views(conn, [memoryview(wire.encode_reply(wire.OP_HELLO, 0, error))], deadline)
+        if error is not None:
+            raise error
+
+    def _target(self, ranges: list[tuple[int, int]], payload: int) -> list[memoryview]:
+        """Views of our pool for the requested ranges, after checking them."""
+        region = self._region
+        if region is None:
+            raise RegionNotRegistered("no region is registered on this peer")
+        layout = region.layout
+        bad = [(s, c) for s, c in ranges if c <= 0 or s + c > layout.num_blocks]
+        if bad:
+            raise InvalidBlocks(f"block ranges out of [0, {layout.num_blocks}): {bad[:8]}")
+        spans = list(byte_ranges(layout, ranges))
+        if sum(n for _, n in spans) != payload:
+            raise LayoutMismatch(f"payload of {payload} bytes does not match the blocks' size")
+        return _views(region, spans)
+
+    def _serve_write(self, conn: socket.socket, tid: int, ranges: list[tuple[int, int]],
+                     payload: int, deadline: float) -> None:
+        try:
+            views = self._target(ranges, payload)
+        except TransferError as exc:
+            drain(conn, payload, deadline)
+            send_views(conn, [memoryview(wire.encode_reply(wire.OP_WRITE, tid, exc))], deadline)
+            return
+        recv_views(conn, views, deadline)
+        send_views(conn, [memoryview(wire.encode_reply(wire.OP_WRITE, tid))], deadline)
+
+    def _serve_read(self, conn: socket.socket, tid: int, ranges: list[tuple[int, int]],
+                    payload: int, deadline: float) -> None:
+        try:
+            views = self._target(ranges, payload)
+        except TransferError as exc:
+            send_views(conn, [memoryview(wire.encode_reply(wire.OP_READ, tid, exc))], deadline)
+            return
+        reply = wire.encode_reply(wire.OP_READ, tid, payload_bytes=payload)
+        send_views(conn, [memoryview(reply), *views], deadline)
