@@ -111,6 +111,9 @@ class RecvBuffer:
             return None if link is None else link.info
 
     def close(self) -> None:
+        """Stops the thread and closes every DEALER; idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._waker.wake()
         if self._thread is not None:

@@ -87,6 +87,8 @@ class SendBuffer:
 
     def close(self) -> None:
         """Stops the thread and closes the socket; every block still held is released."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._waker.wake()
         if self._thread is not None:
