@@ -112,6 +112,8 @@ class LookupAll:
 
 @dataclass(frozen=True, slots=True)
 class HandshakeReply:
+    """P's identity: `timestamp` is when its signal plane started, so a restart shows."""
+
     TYPE: ClassVar[str] = "handshake"
     timestamp: float
     engine_id: str

@@ -179,7 +179,11 @@ class RecvBuffer:
                 log.warning("bad reply from %s: %s", address, exc)
                 continue
             with self._changed:
-                answer = self._on_reply(address, reply)
+                try:
+                    answer = self._on_reply(address, reply)
+                except Exception:  # noqa: BLE001 - one bad reply must not stop every pull
+                    log.exception("handling a reply from %s failed", address)
+                    answer = None
                 self._changed.notify_all()
             if answer is not None:
                 channel.send(answer)

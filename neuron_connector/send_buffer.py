@@ -59,12 +59,14 @@ class SendBuffer:
         self._thread: threading.Thread | None = None
         self._context = new_context()
         self._router: RouterChannel | None = None
+        self._started_at = 0.0
         self.stats = SendStats()
         self.port = kv_port
 
     def start(self) -> None:
         """Binds the ROUTER (PeerUnavailable if the port is taken) and starts serving."""
         self._router = RouterChannel(self._context, *self._bind)
+        self._started_at = time.time()
         self.port = self._router.port
         self._thread = threading.Thread(target=self._serve, name=f"kv-send-{self.port}", daemon=True)
         self._thread.start()
@@ -126,10 +128,17 @@ class SendBuffer:
             if message is None:
                 return
             identity, payload = message
-            if identity:
+            if not identity:
+                continue
+            try:
                 reply = self._handle(identity, payload)
-                if reply is not None and not self._router.send(identity, reply):
-                    log.warning("dropped a reply to unreachable peer %r", identity)
+            except Exception as exc:  # noqa: BLE001 - one bad message must not stop the plane
+                log.exception("handling a message from %r failed", identity)
+                kind, rid = request_fields(payload)
+                reply = ErrorReply(f"internal error in {self.engine_id}: {exc}", BAD_REQUEST, kind,
+                                   rid).to_bytes()
+            if reply is not None and not self._router.send(identity, reply):
+                log.warning("dropped a reply to unreachable peer %r", identity)
 
     def _handle(self, identity: bytes, payload: bytes) -> bytes | None:
         try:
@@ -139,7 +148,7 @@ class SendBuffer:
             kind, rid = request_fields(payload)
             return ErrorReply(str(exc), BAD_REQUEST, kind, rid).to_bytes()
         if isinstance(message, Handshake):
-            return HandshakeReply(time.time(), self.engine_id, self._engine.descriptor()).to_bytes()
+            return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor()).to_bytes()
         if isinstance(message, KVMapInit):
             return self._kv_map_init(identity, message).to_bytes()
         reply = self._lookup(identity, message)

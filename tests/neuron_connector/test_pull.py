@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from neuron_connector import (
-    DuplicateRequest, PeerUnavailable, PullState, PullTimeout, UnknownRequest)
+    SendBuffer, DuplicateRequest, PeerUnavailable, PullState, PullTimeout, UnknownRequest)
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair
-from tests.neuron_connector.kv import wait_terminal
+from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
 
 
 def _pull(pair: Pair, rid: str, dst: list[int], deadline_s: float | None = None) -> None:
@@ -160,3 +160,25 @@ def test_close_releases_held_blocks(shm_pair: Pair) -> None:
     assert shm_pair.releases() == ["held"]
     shm_pair.send.close()   # idempotent
     assert shm_pair.releases() == ["held"]
+
+
+def test_one_decode_pulls_from_two_prefills_on_demand(shm_pair: Pair) -> None:
+    """xPyD: the RecvBuffer opens a DEALER per prefill peer the first time it needs one."""
+    other_engine, other_pool = engine_with_pool("shm", seed=2)
+    other = SendBuffer(other_engine, LAYOUT, "prefill-1", "127.0.0.1", 0, shm_pair.on_release)
+    other.start()
+    try:
+        shm_pair.send.publish("x", [1], output_token=1)
+        other.publish("y", [1], output_token=2)
+        _pull(shm_pair, "x", [10])
+        shm_pair.recv.request_pull("y", "127.0.0.1", other.port, [11])
+        assert wait_terminal(shm_pair.recv, "x").output_token == 1
+        assert wait_terminal(shm_pair.recv, "y").output_token == 2
+        assert torch.equal(shm_pair.d_pool[:, :, 10], shm_pair.p_pool[:, :, 1])
+        assert torch.equal(shm_pair.d_pool[:, :, 11], other_pool[:, :, 1])
+        assert sorted(shm_pair.recv.connection_dict) == sorted(
+            [f"127.0.0.1:{shm_pair.send.port}", f"127.0.0.1:{other.port}"])
+        assert shm_pair.recv.peer_info("127.0.0.1", other.port).engine_id == "prefill-1"  # type: ignore[union-attr]
+    finally:
+        other.close()
+        other_engine.close()

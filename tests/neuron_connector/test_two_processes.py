@@ -82,9 +82,10 @@ def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
         first.kill9()
     finally:
         first.stop()
+    # Asked while no prefill listens: the lookups wait for the new process's handshake.
+    recv.request_pull("b", "127.0.0.1", port, [7, 8])
     second = start_prefill(port, "--seed", "2", "--publish", "b:5,6:20", backend=backend)
     try:
-        recv.request_pull("b", "127.0.0.1", port, [7, 8])
         status = wait_terminal(recv, "b")
         assert status.state is PullState.DONE and status.output_token == 20, status
         assert torch.equal(pool[:, :, [7, 8]], seeded(LAYOUT, 2)[:, :, [5, 6]])
