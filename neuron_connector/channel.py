@@ -103,6 +103,7 @@ class DealerChannel:
     """D's DEALER to one prefill peer, with identity `"{host}:{http_port}"` of this D."""
 
     def __init__(self, context: zmq.Context, identity: str, host: str, port: int) -> None:
+        self.address = f"{host}:{port}"
         self.socket = context.socket(zmq.DEALER)
         _configure(self.socket)
         self.socket.setsockopt(zmq.IDENTITY, identity.encode())

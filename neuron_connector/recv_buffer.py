@@ -60,13 +60,14 @@ class RecvBuffer:
                 link = self._links.get(address)
                 if link is not None and link.ready and link.info is not None:
                     return link.info
-                if link is not None and link.error is not None:
-                    del self._links[address]
-                    raise link.error
+                error = link.error if link is not None else None
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerUnavailable(f"prefill peer {address} did not answer the handshake "
-                                          f"within {timeout}s")
+                if error is None and left <= 0:
+                    error = PeerUnavailable(f"prefill peer {address} did not answer the handshake "
+                                            f"within {timeout}s")
+                if error is not None:
+                    self._drop_idle_link(address)
+                    raise error
                 self._changed.wait(left)
 
     def maybe_setup_buffer(self, peer_host: str, peer_kv_port: int) -> str:
@@ -79,6 +80,12 @@ class RecvBuffer:
                                                 resend_after=self._resend_after)
         self._waker.wake()
         return address
+
+    def _drop_idle_link(self, address: str) -> None:
+        """Forgets a link no pull needs (its DEALER is closed by the thread); lock held."""
+        if address not in self._pulls.peers_in_use():
+            self._links.pop(address, None)
+            self._waker.wake()
 
     def request_pull(self, request_id: str, peer_host: str, peer_kv_port: int,
                      dst_block_ids: list[int], deadline_s: float | None = None) -> None:
@@ -130,7 +137,7 @@ class RecvBuffer:
         poller = Poller()
         poller.register(self._waker)
         while not self._stop.is_set():
-            self._open_channels(poller)
+            self._sync_channels(poller)
             self._send_due()
             with self._lock:
                 timeout = min(_MAX_POLL_S, self._pulls.next_event(time.monotonic()))
@@ -144,16 +151,23 @@ class RecvBuffer:
                 self._pulls.expire(time.monotonic(), ready)
                 self._changed.notify_all()
 
-    def _open_channels(self, poller: Poller) -> None:
+    def _sync_channels(self, poller: Poller) -> None:
+        """Opens a DEALER per linked peer, and closes those whose link was dropped."""
         with self._lock:
             wanted = [a for a in self._links if a not in self.connection_dict]
+            dropped = [a for a in self.connection_dict if a not in self._links]
+        for address in dropped:
+            channel = self.connection_dict.pop(address)
+            poller.unregister(channel)
+            channel.close()
         for address in wanted:
             host, port = address.rsplit(":", 1)
             try:
                 channel = DealerChannel(self._context, self.identity, host, int(port))
             except PeerUnavailable as exc:
                 with self._changed:
-                    self._links[address].fail(exc)
+                    if (link := self._links.get(address)) is not None:
+                        link.fail(exc)
                     self._pulls.fail_peer(address, exc)
                     self._changed.notify_all()
                 continue
@@ -171,7 +185,7 @@ class RecvBuffer:
             self.connection_dict[address].send(payload)
 
     def _drain(self, channel: DealerChannel) -> None:
-        address = next(a for a, c in self.connection_dict.items() if c is channel)
+        address = channel.address
         while (payload := channel.recv()) is not None:
             try:
                 reply = decode_reply(payload)

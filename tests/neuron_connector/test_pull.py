@@ -142,6 +142,9 @@ def test_no_prefill_listening_fails_with_peer_unavailable(shm_pair: Pair) -> Non
     port = free_port()
     with pytest.raises(PeerUnavailable, match=f"127.0.0.1:{port}"):
         shm_pair.recv.connect("127.0.0.1", port, timeout=0.5)
+    # Nothing needs that peer any more: its DEALER is closed, not kept retrying forever.
+    wait_until(lambda: f"127.0.0.1:{port}" not in shm_pair.recv.connection_dict, timeout=5,
+               what="the idle DEALER to close")
     shm_pair.recv.request_pull("lost", "127.0.0.1", port, [0], deadline_s=0.5)
     status = wait_terminal(shm_pair.recv, "lost", timeout=10)
     assert isinstance(status.error, PeerUnavailable) and "handshake" in status.message
