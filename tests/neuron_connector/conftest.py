@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -9,6 +10,26 @@ import torch
 
 from neuron_connector import RecvBuffer, SendBuffer
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool
+
+
+_OUR_THREADS = ("kv-send-", "kv-recv-", "etcd-keepalive")
+
+
+def _our_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(_OUR_THREADS))
+
+
+def _shm_segments_of_this_process() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if f"-{os.getpid()}-" in name}
+
+
+@pytest.fixture(autouse=True)
+def nothing_leaks() -> Iterator[None]:
+    """Every buffer thread, registration thread and shm pool is gone after each test."""
+    threads, segments = _our_threads(), _shm_segments_of_this_process()
+    yield
+    assert _our_threads() == threads, "a connector thread outlived its test"
+    assert _shm_segments_of_this_process() <= segments, "an shm pool outlived its test"
 
 
 @dataclass

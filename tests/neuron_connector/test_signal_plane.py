@@ -7,7 +7,7 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from neuron_connector import SendBuffer
+from neuron_connector import PeerUnavailable, SendBuffer
 from neuron_connector.protocol import Handshake, KVMapInit, LookupAll
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, layout
 
@@ -87,3 +87,31 @@ def test_kv_map_init_agrees_or_names_the_mismatch(prefill, dealer) -> None:
         assert malformed["status"] == "error" and "malformed KV layout" in malformed["message"]
     finally:
         d_engine.close()
+
+
+def test_replies_to_a_vanished_peer_are_dropped_and_serving_goes_on(prefill) -> None:
+    send, _ = prefill
+    ctx = zmq.Context()
+    try:
+        gone = ctx.socket(zmq.DEALER)
+        gone.setsockopt(zmq.IDENTITY, b"127.0.0.1:1")
+        gone.connect(f"tcp://127.0.0.1:{send.port}")
+        for _ in range(50):
+            gone.send(Handshake().to_bytes())
+        gone.close(linger=-1)     # delivered, then gone before any reply
+        fresh = ctx.socket(zmq.DEALER)
+        fresh.setsockopt(zmq.IDENTITY, b"127.0.0.1:2")
+        fresh.setsockopt(zmq.RCVTIMEO, 5000)
+        fresh.connect(f"tcp://127.0.0.1:{send.port}")
+        assert _ask(fresh, Handshake().to_bytes())["status"] == "ok"
+        fresh.close(linger=0)
+    finally:
+        ctx.term()
+
+
+def test_taken_port_is_a_clear_error(prefill) -> None:
+    send, engine = prefill
+    clash = SendBuffer(engine, LAYOUT, "prefill-8", "127.0.0.1", send.port, lambda rid: None)
+    with pytest.raises(PeerUnavailable, match=f"cannot bind the KV signal plane on 127.0.0.1:{send.port}"):
+        clash.start()
+    clash.close()

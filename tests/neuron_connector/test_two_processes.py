@@ -1,6 +1,7 @@
 """Prefill in a child process, decode in the test process: handshake, pulls, restarts."""
 from __future__ import annotations
 
+import os
 import re
 from typing import Iterator
 
@@ -10,6 +11,15 @@ import torch
 from neuron_connector import LayoutMismatch, PullState, RecvBuffer
 from tests.helpers import ManagedProcess, free_port, python_process, wait_until
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, seeded, wait_terminal
+
+
+def kill9_and_reap(proc: ManagedProcess) -> None:
+    """SIGKILL leaves the process's shm pool behind (nobody unlinks it); the test does."""
+    pid = proc.pid
+    proc.kill9()
+    for name in os.listdir("/dev/shm"):
+        if f"-{pid}-" in name:
+            os.unlink(os.path.join("/dev/shm", name))
 
 
 def start_prefill(port: int, *extra: str, backend: str = "shm") -> ManagedProcess:
@@ -79,7 +89,7 @@ def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
         recv.request_pull("a", "127.0.0.1", port, [0])
         assert wait_terminal(recv, "a").output_token == 10
         old = recv.peer_info("127.0.0.1", port)
-        first.kill9()
+        kill9_and_reap(first)
     finally:
         first.stop()
     # Asked while no prefill listens: the lookups wait for the new process's handshake.
