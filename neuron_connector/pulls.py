@@ -58,7 +58,7 @@ class PullTracker:
     resend_after: float = 1.0
     grace: float = 5.0
     first_backoff: float = 0.005
-    max_backoff: float = 0.2
+    max_backoff: float = 0.02
 
     def __post_init__(self) -> None:
         self._pulls: dict[str, _Pull] = {}

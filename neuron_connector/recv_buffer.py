@@ -27,16 +27,22 @@ class RecvBuffer:
     blocks `dst_block_ids`; the buffer's thread connects to that peer on demand (one
     DEALER per peer, kept in `connection_dict`), handshakes, and sends `lookup_all` with
     backoff until the peer pushed the blocks or the deadline passed. `poll` never waits.
+
+    `max_backoff` bounds the wait between "not finished yet" and the next lookup (it is the
+    worst extra latency after the prefill finishes); an unanswered lookup is resent after
+    `resend_after`; a pull whose lookup is unanswered at its deadline waits `grace` more
+    seconds for the answer, since the peer may be writing into our blocks.
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, identity: str,
-                 default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0) -> None:
+                 default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
+                 max_backoff: float = 0.02) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.identity = identity
         self.default_timeout = default_timeout
         self._resend_after = resend_after
-        self._pulls = PullTracker(resend_after=resend_after, grace=grace)
+        self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff)
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
         self._lock = threading.Lock()

@@ -19,7 +19,7 @@ from transfer import LayoutMismatch as TransferLayoutMismatch
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.05      # how often expiry runs when nothing happens
-_BUSY_POLL_S = 0.002     # how often running transfers are checked
+_BUSY_POLL_S = 0.0005    # how often running transfers are checked (only while some run)
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
 
 
