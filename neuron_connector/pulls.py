@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from neuron_connector.errors import (
-    ConnectorError, DuplicateRequest, PeerUnavailable, PullTimeout, UnknownRequest)
+    ConnectorError, DuplicateRequest, PeerUnavailable, ProtocolError, PullTimeout, UnknownRequest)
 from neuron_connector.protocol import LookupAll, LookupReply
 
 
@@ -88,6 +88,10 @@ class PullTracker:
         if pull.cancelled:
             pull.result = PullStatus(PullState.FAILED, error=UnknownRequest(
                 f"pull of {pull.request_id!r} was cancelled"))
+        elif reply.success and reply.block_ids_in_peer_device != pull.dst:
+            pull.result = PullStatus(PullState.FAILED, error=ProtocolError(
+                f"prefill peer {pull.peer} filled blocks {list(reply.block_ids_in_peer_device)} of "
+                f"{pull.request_id!r}, we offered {list(pull.dst)}"))
         elif reply.success:
             pull.result = PullStatus(PullState.DONE, output_token=reply.output_token)
         elif reply.error is not None:
@@ -97,11 +101,12 @@ class PullTracker:
             pull.next_send_at = now + pull.backoff
             pull.backoff = min(2 * pull.backoff, self.max_backoff)
 
-    def resend_now(self, request_id: str) -> None:
-        """The peer lost our state (restart): the lookup goes again once it is ready."""
-        pull = self._pulls.get(request_id)
-        if pull is not None and pull.result is PENDING:
-            pull.sent_at, pull.next_send_at = None, 0.0
+    def resend_peer(self, peer: str) -> None:
+        """The peer restarted: nothing it had is in flight; every lookup goes again once
+        it is ready (and a cancelled pull is simply over)."""
+        for pull in self._pulls.values():
+            if pull.peer == peer and pull.result is PENDING:
+                pull.sent_at, pull.next_send_at = None, 0.0
 
     def fail_peer(self, peer: str, error: ConnectorError) -> None:
         for pull in self._pulls.values():

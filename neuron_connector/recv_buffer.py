@@ -223,8 +223,7 @@ class RecvBuffer:
                 self._pulls.fail_peer(address, link.error)
         elif isinstance(reply, ErrorReply) and reply.code == HANDSHAKE_REQUIRED:
             link.reset()
-            if reply.request_id is not None:
-                self._pulls.resend_now(reply.request_id)
+            self._pulls.resend_peer(address)
         elif isinstance(reply, ErrorReply) and reply.reply_to == LookupAll.TYPE and reply.request_id:
             self._pulls.on_reply(LookupReply(reply.request_id, False, error=reply.message), now)
         else:

@@ -72,7 +72,15 @@ class SendBuffer:
         self._thread.start()
 
     def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
-        """Prefill finished: the blocks stay pinned until pulled or `abort_timeout` passes."""
+        """Prefill finished: the blocks stay pinned until pulled or `abort_timeout` passes.
+
+        Raises DuplicateRequest for an id already published (the first entry stays),
+        ConnectorError when the buffer is not serving, ValueError for bad block ids.
+        """
+        if self._thread is None or self._stop.is_set():
+            raise ConnectorError("SendBuffer is not serving (call start(); not after close())")
+        if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
+            raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
         with self._lock:
             self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
 

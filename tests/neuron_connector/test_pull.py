@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from neuron_connector import (
-    SendBuffer, DuplicateRequest, PeerUnavailable, PullState, PullTimeout, UnknownRequest)
+    ConnectorError, SendBuffer, DuplicateRequest, PeerUnavailable, PullState, PullTimeout, UnknownRequest)
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
@@ -109,6 +109,17 @@ def test_block_count_mismatch_is_terminal(shm_pair: Pair) -> None:
     status = wait_terminal(shm_pair.recv, "short", timeout=10)
     assert status.state is PullState.FAILED and "holds 3 blocks, peer offered 1" in status.message
     wait_until(lambda: shm_pair.releases() == ["short"], timeout=5, what="release")
+
+
+def test_prefill_side_argument_errors(shm_pair: Pair) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        shm_pair.send.publish("r", [16], output_token=1)
+    with pytest.raises(ValueError, match="empty"):
+        shm_pair.send.publish("r", [], output_token=1)
+    shm_pair.send.close()
+    with pytest.raises(ConnectorError, match="not serving"):
+        shm_pair.send.publish("r", [1], output_token=1)
+    assert shm_pair.releases() == []
 
 
 def test_decode_side_argument_errors(shm_pair: Pair) -> None:

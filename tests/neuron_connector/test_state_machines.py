@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from neuron_connector.errors import (
-    DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable, PullTimeout, UnknownRequest)
+    DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout,
+    UnknownRequest)
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
@@ -145,10 +146,21 @@ class TestPullTracker:
         pulls.add("a", "p", [1], deadline=10, now=0)
         pulls.add("b", "p", [2], deadline=10, now=0)
         pulls.due(0, {"p"})
-        pulls.resend_now("a")
-        assert [m.request_id for _, m in pulls.due(0.1, {"p"})] == ["a"]
+        pulls.add("c", "q", [3], deadline=10, now=0)
+        pulls.due(0, {"q"})
+        pulls.resend_peer("p")
+        assert sorted(m.request_id for _, m in pulls.due(0.1, {"p", "q"})) == ["a", "b"]
         pulls.fail_peer("p", LayoutMismatch("head_dim"))
         assert [pulls.poll(r).message for r in ("a", "b")] == ["head_dim", "head_dim"]
+        assert pulls.poll("c").state is PullState.PENDING
+
+    def test_reply_for_other_blocks_is_a_protocol_error(self) -> None:
+        pulls = PullTracker()
+        pulls.add("r", "p", [1, 2], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        pulls.on_reply(LookupReply("r", True, 5, (2, 1)), 1)
+        status = pulls.poll("r")
+        assert isinstance(status.error, ProtocolError) and "we offered [1, 2]" in status.message
 
 
 class TestPeerLink:
