@@ -3,7 +3,8 @@
     ConnectorError
     ├── ProtocolError       a signal-plane message that is not valid JSON or not a known message
     ├── HandshakeError      the prefill peer refused or never answered the handshake
-    │   └── LayoutMismatch  the two KV layouts cannot exchange blocks (wraps transfer's)
+    │   └── LayoutMismatch  the two KV layouts cannot exchange blocks (the prefill side's
+    │                       transfer.LayoutMismatch, carried back over the signal plane)
     ├── PullTimeout         the prefill peer had no finished request for the id before the deadline
     ├── PeerUnavailable     the prefill peer could not be reached
     ├── RegistrationError   etcd registration failed (etcd unreachable, lease lost)

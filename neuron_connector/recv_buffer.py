@@ -7,13 +7,13 @@ import time
 from typing import Any
 
 from neuron_connector.channel import DealerChannel, Poller, Waker, new_context
-from neuron_connector.errors import ConnectorError, PeerUnavailable, ProtocolError
+from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerInfo, PeerLink
 from neuron_connector.protocol import (
     HANDSHAKE_REQUIRED, ErrorReply, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
     decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
-from transfer.layout import KVLayout
+from transfer import KVLayout, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,16 @@ class RecvBuffer:
         with self._lock:
             link = self._links.get(address)
             if link is None or link.state is LinkState.FAILED:
-                self._links[address] = PeerLink(address, self.layout.to_dict(), self._engine.descriptor(),
+                self._links[address] = PeerLink(address, self.layout.to_dict(), self._descriptor(),
                                                 resend_after=self._resend_after)
         self._waker.wake()
         return address
+
+    def _descriptor(self) -> dict[str, Any]:
+        try:
+            return self._engine.descriptor()
+        except TransferError as exc:
+            raise HandshakeError(f"our transfer engine cannot describe its KV pool: {exc}") from exc
 
     def _drop_idle_link(self, address: str) -> None:
         """Forgets a link no pull needs (its DEALER is closed by the thread); lock held."""

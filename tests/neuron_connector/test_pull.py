@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from neuron_connector import (
-    ConnectorError, SendBuffer, DuplicateRequest, PeerUnavailable, PullState, PullTimeout, UnknownRequest)
+    ConnectorError, DuplicateRequest, HandshakeError, RecvBuffer, SendBuffer, PeerUnavailable, PullState, PullTimeout, UnknownRequest)
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
+from transfer import create_engine
 
 
 def _pull(pair: Pair, rid: str, dst: list[int], deadline_s: float | None = None) -> None:
@@ -196,3 +197,15 @@ def test_one_decode_pulls_from_two_prefills_on_demand(shm_pair: Pair) -> None:
     finally:
         other.close()
         other_engine.close()
+
+
+def test_engine_without_a_pool_is_a_handshake_error() -> None:
+    engine = create_engine("tcp")
+    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8202")
+    recv.start()
+    try:
+        with pytest.raises(HandshakeError, match="cannot describe its KV pool"):
+            recv.request_pull("r", "127.0.0.1", 1, [0])
+    finally:
+        recv.close()
+        engine.close()
