@@ -89,24 +89,24 @@ class LookupTable:
                                                       now + self.abort_timeout)
 
     def lookup(self, request_id: str, peer: bytes, dst: tuple[int, ...]) -> Decision:
+        def refuse(why: str) -> Answer:
+            return Answer(LookupReply(request_id, False, error=f"request {request_id!r} {why}"))
+
         tomb = self._tombstones.get(request_id)
         if tomb is not None:
-            if tomb.peer in (None, peer):
-                return Answer(tomb.reply)
-            return Answer(LookupReply(request_id, False, error=f"request {request_id!r} was pulled by another peer"))
+            return Answer(tomb.reply) if tomb.peer in (None, peer) else refuse("was pulled by another peer")
         entry = self._entries.get(request_id)
         if entry is None:
             return NotReady()
         if entry.peer is not None:
-            return InProgress() if entry.peer == peer else Answer(
-                LookupReply(request_id, False, error=f"request {request_id!r} is being pulled by another peer"))
+            return InProgress() if entry.peer == peer else refuse("is being pulled by another peer")
         if len(dst) != len(entry.block_ids):
-            return Answer(LookupReply(request_id, False, error=(
-                f"request {request_id!r} holds {len(entry.block_ids)} blocks, peer offered {len(dst)}")))
+            return refuse(f"holds {len(entry.block_ids)} blocks, peer offered {len(dst)}")
         entry.peer, entry.dst = peer, dst
         return Start(entry.block_ids, dst)
 
-    def transfer_done(self, request_id: str, error: str | None, now: float) -> tuple[bytes, LookupReply] | None:
+    def transfer_done(self, request_id: str, error: str | None,
+                      now: float) -> tuple[bytes, LookupReply] | None:
         """Ends a started transfer; returns (peer, reply) to send, and queues the release."""
         entry = self._entries.get(request_id)
         if entry is None or entry.peer is None:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from neuron_connector import (
-    ConnectorError, DuplicateRequest, HandshakeError, RecvBuffer, SendBuffer, PeerUnavailable, PullState, PullTimeout, UnknownRequest)
+    ConnectorError, DuplicateRequest, HandshakeError, PeerUnavailable, PullState, PullTimeout,
+    RecvBuffer, SendBuffer, UnknownRequest)
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
