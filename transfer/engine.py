@@ -196,7 +196,10 @@ def new_engine_id() -> str:
 
 
 def _ints(ids: Sequence[int]) -> list[int]:
+    """Plain ints from any integer type (numpy, torch scalars); bools are not block ids."""
     try:
+        if any(isinstance(b, bool) for b in ids):
+            raise TypeError("bool is not a block id")
         return [operator.index(b) for b in ids]
     except TypeError as exc:
         raise InvalidBlocks(f"block ids must be integers: {exc}") from exc

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from transfer.backend import Backend, Link, remaining
 from transfer.blocks import Run, local_ranges, remote_ranges
-from transfer.errors import BackendUnavailable, PeerLost
+from transfer.errors import BackendUnavailable, PeerLost, TransferError
 from transfer.layout import KVLayout
 from transfer.region import Region
 
@@ -48,24 +48,33 @@ class NixlLink(Link):
         agent, lock = self._backend.agent, self._backend.lock
         ours = [(region.address + off, n, 0) for off, n in local_ranges(region.layout, runs)]
         theirs = [(self._address + off, n, 0) for off, n in remote_ranges(self._layout, runs)]
-        with lock:
-            handle = agent.initialize_xfer(op, agent.get_xfer_descs(ours, "DRAM"),
-                                           agent.get_xfer_descs(theirs, "DRAM"), self._remote)
-            state = agent.transfer(handle)
+        handle = None
         try:
+            with lock:
+                handle = agent.initialize_xfer(op, agent.get_xfer_descs(ours, "DRAM"),
+                                               agent.get_xfer_descs(theirs, "DRAM"), self._remote)
+                state = agent.transfer(handle)
             while state == "PROC":
                 remaining(deadline)
                 time.sleep(_POLL_SECONDS)
                 with lock:
                     state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise PeerLost(f"nixl {op} to {self._remote} failed ({state})")
+        except TransferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - nixl's native errors have no common base
+            raise PeerLost(f"nixl {op} to {self._remote} failed: {exc!r}") from exc
         finally:
-            with lock:
-                try:
-                    agent.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001 - an unfinished request may refuse release
-                    pass
+            if handle is not None:
+                self._release(handle)
+        if state != "DONE":
+            raise PeerLost(f"nixl {op} to {self._remote} failed ({state})")
+
+    def _release(self, handle: Any) -> None:
+        with self._backend.lock:
+            try:
+                self._backend.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - an unfinished request may refuse release
+                pass
 
     def close(self) -> None:
         with self._backend.lock:

@@ -121,6 +121,11 @@ class TcpBackend(Backend):
 
     def close(self) -> None:
         self.unbind()
+        try:
+            # close() alone leaves a thread blocked in accept() and the port listening.
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()

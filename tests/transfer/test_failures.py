@@ -1,0 +1,123 @@
+"""Each failure ends its token with a typed error in time, and the engine keeps working."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import wait_until
+from tests.transfer.conftest import LAYOUT, PROCESS_BACKENDS, shm_segments
+from tests.transfer.peer_proc import block_bytes
+from transfer import (KVLayout, PeerLost, RegionNotRegistered, TransferEngine, TransferTimeout)
+
+# Large enough that a whole-pool transfer cannot fit in loopback socket buffers.
+BIG = KVLayout(num_layers=4, num_blocks=256, block_size=16, num_kv_heads=8, head_dim=64, dtype="float32")
+ALL = list(range(BIG.num_blocks))
+
+
+def still_works(engine: TransferEngine, make_engine, backend: str) -> None:
+    """A fresh peer gets exact bytes from `engine` after a failure."""
+    layout = engine._region.layout
+    other = make_engine(backend, layout=layout)
+    peer = engine.connect(other.descriptor())
+    engine.queue_transfer_with_token(peer, [1, 2, 5], [7, 3, 4]).wait(20)
+    assert block_bytes(other._region.tensor, [7, 3, 4]) == block_bytes(engine._region.tensor, [1, 2, 5])
+
+
+def test_tcp_peer_killed_mid_transfer(make_engine, make_peer) -> None:
+    engine = make_engine("tcp", layout=BIG, seed=1)
+    victim = make_peer("tcp", layout=BIG)
+    peer = engine.connect(victim.call("descriptor"))
+    victim.pause()  # the peer stops reading: the sender blocks with bytes in flight
+    token = engine.queue_transfer_with_token(peer, ALL, ALL, timeout=60)
+    wait_until(lambda: token._state == "running", timeout=10, what="transfer in flight")
+    assert not token.is_done()
+    victim.kill()
+    with pytest.raises(PeerLost):
+        token.wait(10)
+    with pytest.raises(PeerLost):
+        engine.queue_transfer_with_token(peer, [0], [0]).wait(10)
+    still_works(engine, make_engine, "tcp")
+
+
+@pytest.mark.parametrize("backend", [b for b in PROCESS_BACKENDS if b != "tcp"])
+def test_one_sided_peer_killed_during_transfers(backend: str, make_engine, make_peer) -> None:
+    """shm and nixl copies need no help from the peer, so its death is seen between copies."""
+    engine = make_engine(backend, layout=BIG, seed=1)
+    victim = make_peer(backend, layout=BIG)
+    peer = engine.connect(victim.call("descriptor"))
+    tokens = [engine.queue_transfer_with_token(peer, ALL, ALL) for _ in range(6)]
+    tokens[0].wait(20)
+    victim.kill()
+    after = engine.queue_transfer_with_token(peer, ALL, ALL)
+    for token in tokens[1:]:
+        wait_until(token.is_done, timeout=20, what="queued transfer to end")
+        assert token.error is None or isinstance(token.error, (PeerLost, TransferTimeout))
+    with pytest.raises(PeerLost):
+        after.wait(20)
+    # The dead owner's segment is unlinked by the side that noticed the death.
+    assert not any(str(victim.pid) in name for name in shm_segments())
+    still_works(engine, make_engine, backend)
+
+
+def test_tcp_peer_never_answers(make_engine, make_peer) -> None:
+    engine = make_engine("tcp", layout=BIG, seed=2)
+    slow = make_peer("tcp", layout=BIG)
+    peer = engine.connect(slow.call("descriptor"))
+    slow.pause()
+    started = time.monotonic()
+    stuck = engine.queue_transfer_with_token(peer, ALL, ALL, timeout=1.5)
+    queued = engine.queue_transfer_with_token(peer, [0], [0], timeout=0.5)
+    with pytest.raises(TransferTimeout):
+        queued.wait(5)  # expires in the queue behind the stuck one
+    with pytest.raises(TransferTimeout):
+        stuck.wait(5)
+    assert time.monotonic() - started < 5
+    slow.resume()
+    # Same peer, new connection: exact bytes again.
+    engine.queue_transfer_with_token(peer, [3, 4, 9], [10, 11, 0]).wait(20)
+    assert slow.call("dump", [10, 11, 0]) == block_bytes(engine._region.tensor, [3, 4, 9])
+
+
+def test_shm_transfer_needs_no_answer_from_a_stopped_peer(make_engine, make_peer) -> None:
+    engine = make_engine("shm", seed=3)
+    stopped = make_peer("shm")
+    peer = engine.connect(stopped.call("descriptor"))
+    stopped.pause()
+    engine.queue_transfer_with_token(peer, [5, 6], [1, 2], timeout=5).wait(10)
+    stopped.resume()
+    assert stopped.call("dump", [1, 2]) == block_bytes(engine._region.tensor, [5, 6])
+
+
+def test_tcp_unreachable_peer(make_engine) -> None:
+    engine = make_engine("tcp")
+    gone = make_engine("tcp")
+    descriptor = gone.descriptor()
+    gone.close()  # nothing listens on its port any more
+    peer = engine.connect(descriptor)
+    with pytest.raises(PeerLost):
+        engine.queue_transfer_with_token(peer, [0], [0], timeout=5).wait(10)
+    still_works(engine, make_engine, "tcp")
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_peer_unregistered_its_region(backend: str, make_engine, make_peer) -> None:
+    engine = make_engine(backend, seed=4)
+    peer_proc = make_peer(backend)
+    peer = engine.connect(peer_proc.call("descriptor"))
+    engine.queue_transfer_with_token(peer, [1], [1]).wait(10)
+    peer_proc.call("unregister")
+    with pytest.raises(RegionNotRegistered):
+        engine.queue_transfer_with_token(peer, [1], [2]).wait(10)
+    still_works(engine, make_engine, backend)
+
+
+@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
+def test_local_region_unregistered(backend: str, make_engine) -> None:
+    engine, other = make_engine(backend), make_engine(backend)
+    peer = engine.connect(other.descriptor())
+    engine.unregister_region()
+    with pytest.raises(RegionNotRegistered):
+        engine.queue_transfer_with_token(peer, [1], [2]).wait(10)
+    engine.allocate_region(LAYOUT)  # registering again makes the engine usable again
+    engine.queue_transfer_with_token(peer, [1], [2]).wait(10)
