@@ -96,18 +96,28 @@ class KVMapInit:
 
 @dataclass(frozen=True, slots=True)
 class LookupAll:
+    """`timeout_s`: how long D still waits; P's transfer must not write after that."""
+
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
     block_ids_in_peer_device: tuple[int, ...]
+    timeout_s: float | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "request_id": self.request_id,
-                      "block_ids_in_peer_device": list(self.block_ids_in_peer_device)})
+        obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
+                               "block_ids_in_peer_device": list(self.block_ids_in_peer_device)}
+        if self.timeout_s is not None:
+            obj["timeout_s"] = self.timeout_s
+        return _dump(obj)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> LookupAll:
+        timeout = _get(obj, "timeout_s", (int, float), None)
+        if timeout is not None and not timeout > 0:
+            raise ProtocolError(f"field 'timeout_s' must be positive, got {timeout}")
         return cls(request_id=_request_id(obj),
-                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"))
+                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
+                   timeout_s=None if timeout is None else float(timeout))
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,8 @@ class PullTracker:
             resend = pull.sent_at is not None and now - pull.sent_at >= self.resend_after
             if (pull.sent_at is None and now >= pull.next_send_at) or resend:
                 pull.sent_at = now
-                out.append((pull.peer, LookupAll(pull.request_id, pull.dst)))
+                left = max(pull.deadline - now, 0.001)
+                out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3))))
         return out
 
     def on_reply(self, reply: LookupReply, now: float) -> None:

@@ -41,16 +41,20 @@ class SendBuffer:
     The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all`
     then queues the push of its blocks; `on_release(request_id)` is called from this
     buffer's thread once the blocks may be freed (pulled, failed, discarded or expired).
+    A push never runs past `transfer_timeout`, nor past the time the decode peer said it
+    still waits, so a peer that gave up never has its blocks written afterwards.
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
-                 kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0) -> None:
+                 kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
+                 transfer_timeout: float = 30.0) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.engine_id = engine_id
         self._bind = (bind_host, kv_port)
         self._on_release = on_release
         self._table = LookupTable(abort_timeout)
+        self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
         self._peers: dict[bytes, Any] = {}                       # identity -> transfer peer
         self._running: dict[str, CompletionToken] = {}           # request id -> token
@@ -189,12 +193,14 @@ class SendBuffer:
             return decision.reply
         if isinstance(decision, InProgress):
             return None
-        return self._start(rid, peer, decision)
+        timeout = min(self.transfer_timeout, message.timeout_s or self.transfer_timeout)
+        return self._start(rid, peer, decision, timeout)
 
-    def _start(self, rid: str, peer: Any, start: Start) -> LookupReply | None:
+    def _start(self, rid: str, peer: Any, start: Start, timeout: float) -> LookupReply | None:
         token = CompletionToken()
         try:
-            self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token)
+            self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token,
+                                                   timeout=timeout)
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]

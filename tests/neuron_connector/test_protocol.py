@@ -17,6 +17,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     Handshake(),
     KVMapInit(LAYOUT, {"engine_id": "d0", "transports": {"tcp": {"port": 1}}}),
     LookupAll("req-1", (3, 0, 7)),
+    LookupAll("req-1", (3,), timeout_s=2.5),
 ])
 def test_requests_round_trip(message: object) -> None:
     assert decode_request(message.to_bytes()) == message  # type: ignore[attr-defined]
@@ -61,6 +62,8 @@ def test_wire_format_matches_the_design() -> None:
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [true]}', "non-negative"),
     (b'{"type": "lookup_all", "request_id": 7, "block_ids_in_peer_device": []}', "must be"),
     (b'{"type": "kv_map_init", "kv_map": [], "transfer": {}}', "'kv_map' must be"),
+    (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "timeout_s": 0}',
+     "'timeout_s' must be positive"),
 ])
 def test_bad_requests_raise_protocol_error(data: bytes, fragment: str) -> None:
     with pytest.raises(ProtocolError, match=fragment.replace("(", r"\(")):

@@ -81,7 +81,7 @@ class TestPullTracker:
         pulls = PullTracker(resend_after=1.0, first_backoff=0.01, max_backoff=0.04)
         pulls.add("r", "p", [3], deadline=10, now=0)
         assert pulls.due(0, ready_peers=set()) == []                  # peer not ready yet
-        assert pulls.due(0, {"p"}) == [("p", LookupAll("r", (3,)))]
+        assert pulls.due(0, {"p"}) == [("p", LookupAll("r", (3,), timeout_s=10.0))]
         assert pulls.due(0.5, {"p"}) == []                            # outstanding
         backoffs = []
         for now in (1.0, 2.0, 3.0, 4.0):
