@@ -27,7 +27,7 @@ LAYOUT_MISMATCH = "layout_mismatch"
 def _load(data: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:   # bad UTF-8, bad JSON, absurd nesting
         raise ProtocolError(f"message is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")

@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from neuron_connector.errors import ProtocolError
 from neuron_connector.protocol import (
@@ -54,6 +56,7 @@ def test_wire_format_matches_the_design() -> None:
     (b"{not json", "not valid JSON"),
     (b"\xff\xfe", "not valid JSON"),
     (b"[1, 2]", "JSON object"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
     (b'{"type": "teleport"}', "unknown message type 'teleport'"),
     (b'{"no_type": 1}', "unknown message type None"),
     (b'{"type": "lookup_all", "block_ids_in_peer_device": [1]}', "lacks field 'request_id'"),
@@ -82,3 +85,28 @@ def test_request_fields_reads_what_it_can() -> None:
     assert request_fields(b'{"type": "lookup_all", "request_id": "r9"}') == ("lookup_all", "r9")
     assert request_fields(b'{"type": 3}') == (None, None)
     assert request_fields(b"garbage") == (None, None)
+
+
+ids = st.text(min_size=1, max_size=40)
+blocks = st.lists(st.integers(min_value=0, max_value=2**31), max_size=64).map(tuple)
+
+
+@given(ids, blocks, st.none() | st.floats(min_value=0.001, max_value=1e6))
+def test_lookup_round_trips_for_any_id_and_blocks(rid: str, block_ids: tuple, timeout: float | None) -> None:
+    message = LookupAll(rid, block_ids, timeout)
+    assert decode_request(message.to_bytes()) == message
+
+
+@given(ids, st.booleans(), st.integers(min_value=-2**40, max_value=2**40), blocks)
+def test_lookup_reply_round_trips(rid: str, success: bool, token: int, block_ids: tuple) -> None:
+    message = LookupReply(rid, True, token, block_ids) if success else LookupReply(rid, False, error=rid)
+    assert decode_reply(message.to_bytes()) == message
+
+
+@given(st.binary(max_size=200) | st.from_regex(rb'\{"type": ?"(lookup_all|kv_map_init|handshake)".{0,60}\}'))
+def test_arbitrary_bytes_decode_or_raise_protocol_error_only(data: bytes) -> None:
+    for decode in (decode_request, decode_reply):
+        try:
+            decode(data)
+        except ProtocolError:
+            pass
