@@ -122,7 +122,9 @@ class Registration:
         self._keepalive = asyncio.run_coroutine_threadsafe(self._keep_alive(), self._loop)
 
     def stop(self) -> None:
-        """Revokes the lease (the key disappears at once) and stops the thread."""
+        """Revokes the lease (the key disappears at once) and stops the thread; idempotent."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            return
         if self._keepalive is not None:
             self._loop.call_soon_threadsafe(self._keepalive.cancel)
         try:

@@ -35,6 +35,7 @@ def test_key_appears_with_the_json_and_disappears_on_stop(etcd_server: EtcdServe
         registration.stop()
     # Revoking the lease deletes the key at once: no polling needed.
     assert list_workers(etcd_server.endpoint) == []
+    registration.stop()   # idempotent
 
 
 def test_list_workers_filters_by_role(etcd_server: EtcdServer) -> None:
