@@ -3,6 +3,20 @@
 Prefill workers serve KV lookups with a `SendBuffer`; decode workers pull with a
 `RecvBuffer`; both register in etcd with a `Registration`; the proxy reads them back with
 `list_workers`.
+
+    # prefill
+    send = SendBuffer(engine, layout, engine_id, "0.0.0.0", kv_port, on_release=free_blocks)
+    send.start()
+    send.publish(request_id, block_ids, first_token)       # prefill done; blocks stay pinned
+    send.discard(request_id)                               # aborted
+
+    # decode
+    recv = RecvBuffer(engine, layout, identity=f"{host}:{http_port}")
+    recv.start()
+    recv.connect(p_host, p_kv_port)                        # 1P1D: fail fast on a bad peer
+    recv.request_pull(request_id, p_host, p_kv_port, dst_block_ids)
+    recv.poll(request_id)        # PENDING | DONE(output_token) | FAILED(error), never blocks
+    recv.cancel(request_id)      # True: blocks free now; False: poll until FAILED first
 """
 from __future__ import annotations
 
