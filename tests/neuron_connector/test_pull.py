@@ -1,6 +1,8 @@
 """Pulls between a SendBuffer and a RecvBuffer over real ZMQ and real transfer engines."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -210,3 +212,25 @@ def test_engine_without_a_pool_is_a_handshake_error() -> None:
     finally:
         recv.close()
         engine.close()
+
+
+def test_interleaved_publishes_and_pulls_keep_every_byte(pair: Pair) -> None:
+    """Forty requests, published and pulled in shuffled orders, each into its own blocks."""
+    rng = random.Random(7)
+    # 16 blocks per pool: request i uses P blocks {i % 16} and D blocks {(5 * i) % 16}.
+    # Requests run in waves of 16 so no two in flight share a D block.
+    for wave in range(0, 40, 16):
+        ids = list(range(wave, min(wave + 16, 40)))
+        events = [("pub", i) for i in ids] + [("pull", i) for i in ids]
+        rng.shuffle(events)
+        for kind, i in events:
+            if kind == "pub":
+                pair.send.publish(f"w{i}", [i % 16], output_token=i)
+            else:
+                _pull(pair, f"w{i}", [(5 * i) % 16])
+        for i in ids:
+            assert wait_terminal(pair.recv, f"w{i}").output_token == i
+            assert torch.equal(pair.d_pool[:, :, (5 * i) % 16], pair.p_pool[:, :, i % 16])
+    wait_until(lambda: len(pair.releases()) == 40, timeout=10, what="forty releases")
+    assert sorted(pair.releases()) == sorted(f"w{i}" for i in range(40))
+    assert pair.send.pending() == 0
