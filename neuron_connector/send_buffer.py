@@ -19,7 +19,9 @@ from transfer import LayoutMismatch as TransferLayoutMismatch
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.05      # how often expiry runs when nothing happens
-_BUSY_POLL_S = 0.0005    # how often running transfers are checked (only while some run)
+# Running transfers are checked every tenth of the youngest one's age, within these bounds:
+# a short transfer is noticed within ~0.5 ms, a long one costs few wake-ups.
+_BUSY_POLL_MIN_S, _BUSY_POLL_MAX_S = 0.0005, 0.005
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
 
 
@@ -57,7 +59,7 @@ class SendBuffer:
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
         self._peers: dict[bytes, Any] = {}                       # identity -> transfer peer
-        self._running: dict[str, CompletionToken] = {}           # request id -> token
+        self._running: dict[str, tuple[CompletionToken, float]] = {}  # id -> (token, start)
         self._waker = Waker()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,7 +125,7 @@ class SendBuffer:
         poller.register(self._router)
         poller.register(self._waker)
         while not self._stop.is_set():
-            ready = poller.poll(_BUSY_POLL_S if self._running else _IDLE_POLL_S)
+            ready = poller.poll(self._poll_interval())
             if self._waker in ready:
                 self._waker.drain()
             if self._router in ready:
@@ -132,6 +134,12 @@ class SendBuffer:
             with self._lock:
                 self._table.expire(time.monotonic())
             self._release_due()
+
+    def _poll_interval(self) -> float:
+        if not self._running:
+            return _IDLE_POLL_S
+        youngest = time.monotonic() - max(start for _, start in self._running.values())
+        return min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_MIN_S, youngest / 10))
 
     def _drain_router(self) -> None:
         assert self._router is not None
@@ -204,12 +212,12 @@ class SendBuffer:
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
-        self._running[rid] = token
+        self._running[rid] = (token, time.monotonic())
         return None
 
     def _check_transfers(self) -> None:
         assert self._router is not None
-        for rid, token in list(self._running.items()):
+        for rid, (token, _) in list(self._running.items()):
             if not token.is_done():
                 continue
             del self._running[rid]
