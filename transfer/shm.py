@@ -63,13 +63,15 @@ class ShmLink(Link):
 
     def _copy(self, region: Region, runs: Sequence[Run], deadline: float, push: bool) -> None:
         self._check_peer()
-        ours = local_ranges(region.layout, runs)
-        theirs = remote_ranges(self._layout, runs)
-        for (lo, n), (ro, _) in zip(ours, theirs):
-            remaining(deadline)
-            src, dst = (region.address + lo, self._address + ro) if push else \
-                       (self._address + ro, region.address + lo)
-            ctypes.memmove(dst, src, n)  # releases the GIL: the engine loop keeps running
+        ours, theirs = region.address, self._address
+        src_base, dst_base = (ours, theirs) if push else (theirs, ours)
+        pairs = zip(local_ranges(region.layout, runs), remote_ranges(self._layout, runs))
+        move = ctypes.memmove  # releases the GIL: the engine loop keeps running
+        for i, ((lo, n), (ro, _)) in enumerate(pairs):
+            if i % len(runs) == 0:
+                remaining(deadline)  # once per plane: cheap enough, and bounds a stuck copy
+            src, dst = (lo, ro) if push else (ro, lo)
+            move(dst_base + dst, src_base + src, n)
         self._check_peer()
 
     def _check_peer(self) -> None:

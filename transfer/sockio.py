@@ -6,6 +6,7 @@ a reset, a broken pipe or an early EOF becomes PeerLost.
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -22,14 +23,27 @@ IOV_MAX = 1024
 def translated(what: str) -> Iterator[None]:
     try:
         yield
-    except socket.timeout as exc:
+    except (socket.timeout, BlockingIOError) as exc:  # SO_*TIMEO expiry surfaces as EAGAIN
         raise TransferTimeout(f"{what}: peer did not answer in time") from exc
     except OSError as exc:
         raise PeerLost(f"{what}: {exc}") from exc
 
 
-def _arm(sock: socket.socket, deadline: float | None) -> None:
-    sock.settimeout(None if deadline is None else remaining(deadline))
+def _arm(sock: socket.socket, option: int, deadline: float | None) -> None:
+    """Kernel-side timeout for the next blocking call; 0 means wait forever.
+
+    Blocking calls with SO_SNDTIMEO/SO_RCVTIMEO let one sendmsg or recvmsg_into(WAITALL)
+    move a whole batch of views; Python's own timeouts would return after every partial
+    write and cost a Python round trip per socket-buffer's worth of bytes.
+    """
+    left = 0.0 if deadline is None else max(remaining(deadline), 1e-6)
+    seconds = int(left)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, int((left - seconds) * 1e6)))
+
+
+def blocking(sock: socket.socket) -> socket.socket:
+    sock.settimeout(None)
+    return sock
 
 
 def send_views(sock: socket.socket, views: Sequence[memoryview], deadline: float) -> None:
@@ -37,7 +51,7 @@ def send_views(sock: socket.socket, views: Sequence[memoryview], deadline: float
     pending = deque(v.cast("B") for v in views if v.nbytes)
     with translated("send"):
         while pending:
-            _arm(sock, deadline)
+            _arm(sock, socket.SO_SNDTIMEO, deadline)
             sent = sock.sendmsg([pending[i] for i in range(min(IOV_MAX, len(pending)))])
             _advance(pending, sent)
 
@@ -47,8 +61,9 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview], deadline: float
     pending = deque(v.cast("B") for v in views if v.nbytes)
     with translated("receive"):
         while pending:
-            _arm(sock, deadline)
-            got = sock.recvmsg_into([pending[i] for i in range(min(IOV_MAX, len(pending)))])[0]
+            _arm(sock, socket.SO_RCVTIMEO, deadline)
+            batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
+            got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
             if got == 0:
                 raise PeerLost("peer closed the connection mid-transfer")
             _advance(pending, got)

@@ -21,7 +21,7 @@ from transfer.blocks import Run, byte_ranges, local_ranges
 from transfer.errors import InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, TransferError
 from transfer.layout import KVLayout
 from transfer.region import Region
-from transfer.sockio import deadline_in, drain, recv_bytes, recv_views, send_views, translated
+from transfer.sockio import blocking, deadline_in, drain, recv_bytes, recv_views, send_views, translated
 from transfer import wire
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class TcpLink(Link):
         self._layout = layout
         self._ids = itertools.count(1)
         with translated(f"connect to {address[0]}:{address[1]}"):
-            self._sock = socket.create_connection(address, timeout=remaining(deadline))
+            self._sock = blocking(socket.create_connection(address, timeout=remaining(deadline)))
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             send_views(self._sock, [memoryview(wire.encode_hello(hello))], deadline)

@@ -14,6 +14,8 @@ from transfer.errors import RegionNotRegistered
 def test_adjacent_pairs_merge_into_runs() -> None:
     runs = plan_runs([7, 3, 4, 5, 9, 10], [20, 0, 1, 2, 30, 40], 16, 64)
     assert runs == [Run(3, 0, 3), Run(7, 20, 1), Run(9, 30, 1), Run(10, 40, 1)]
+    by_peer = plan_runs([1, 2, 3, 8], [50, 51, 52, 4], 16, 64, by_remote=True)
+    assert by_peer == [Run(8, 4, 1), Run(1, 50, 3)]
 
 
 @pytest.mark.parametrize("local, remote", [([16], [0]), ([0], [64]), ([1, 1], [2, 3]), ([1], [])])
@@ -26,8 +28,8 @@ def test_byte_ranges_walk_runs_then_planes() -> None:
     layout = KVLayout(num_layers=2, num_blocks=10, block_size=2, num_kv_heads=1, head_dim=4, dtype="float32")
     chunk = layout.chunk_bytes  # 32
     assert list(byte_ranges(layout, [(3, 2), (9, 1)])) == [
-        (3 * chunk, 2 * chunk), (13 * chunk, 2 * chunk), (23 * chunk, 2 * chunk), (33 * chunk, 2 * chunk),
-        (9 * chunk, chunk), (19 * chunk, chunk), (29 * chunk, chunk), (39 * chunk, chunk)]
+        (3 * chunk, 2 * chunk), (9 * chunk, chunk), (13 * chunk, 2 * chunk), (19 * chunk, chunk),
+        (23 * chunk, 2 * chunk), (29 * chunk, chunk), (33 * chunk, 2 * chunk), (39 * chunk, chunk)]
 
 
 def test_request_and_reply_round_trip() -> None:

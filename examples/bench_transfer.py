@@ -1,0 +1,243 @@
+"""KV transfer throughput per backend, against this machine's own limits.
+
+Moves the same set of non-contiguous KV blocks (64 MiB, 256 MiB and 1 GiB of 16-token
+blocks of the model's layout) from this process into a peer process with each backend,
+and in the same run measures the two ceilings they should approach: a single-thread
+memcpy between two pre-touched buffers (for shm) and one raw TCP stream on loopback
+(for tcp). Prints a table; `--json PATH` writes GB/s per backend and size plus the
+ratios for the largest size; `--quick` runs 64 and 256 MiB only, in under a minute.
+
+    python examples/bench_transfer.py --quick --json bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import random
+import socket
+import statistics
+import struct
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from transfer import KVLayout, available_backends, create_engine  # noqa: E402
+
+MIB = 1 << 20
+# (layers, kv heads, head dim, dtype) of the KV cache of models we serve.
+MODELS = {
+    "llama-3.1-8b": (32, 8, 128, "bfloat16"),
+    "llama-3.2-1b": (16, 8, 64, "bfloat16"),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
+    parser.add_argument("--backends", nargs="+", default=None,
+                        help="backends to measure (default: shm, tcp and nixl when installed)")
+    parser.add_argument("--quick", action="store_true", help="64 and 256 MiB, 3 repeats: under a minute")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args()
+    args.sizes = [64, 256] if args.quick else [64, 256, 1024]
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.backends = args.backends or [b for b in ("shm", "tcp", "nixl") if b in available_backends()]
+    return args
+
+
+def touched(nbytes: int) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.fill_(1)  # fault every page in now, not during the timed copies
+    return buf
+
+
+class Memcpy:
+    """Single-thread memcpy between two pre-touched buffers: the ceiling for shm."""
+
+    name = "memcpy"
+
+    def __init__(self, nbytes: int) -> None:
+        self._src, self._dst = touched(nbytes), touched(nbytes)
+
+    def run(self, size: int) -> None:
+        ctypes.memmove(self._dst.data_ptr(), self._src.data_ptr(), size * MIB)
+
+    def close(self) -> None:
+        del self._src, self._dst
+
+
+def _raw_tcp_receiver(port_out: Connection, nbytes: int) -> None:
+    buf = memoryview(touched(nbytes).numpy())
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port_out.send(server.getsockname()[1])
+        conn, _ = server.accept()
+        with conn:
+            while head := conn.recv(8, socket.MSG_WAITALL):
+                size, got = struct.unpack("!Q", head)[0], 0
+                while got < size:
+                    got += conn.recv_into(buf[got:size])
+                conn.sendall(b"k")
+
+
+class RawTcp:
+    """One plain TCP stream on loopback into another process, acked: the ceiling for tcp."""
+
+    name = "raw_tcp"
+
+    def __init__(self, nbytes: int) -> None:
+        ours, theirs = mp.Pipe()
+        self._proc = mp.get_context("spawn").Process(target=_raw_tcp_receiver, args=(theirs, nbytes))
+        self._proc.start()
+        self._payload = memoryview(touched(nbytes).numpy())
+        self._sock = socket.create_connection(("127.0.0.1", ours.recv()))
+
+    def run(self, size: int) -> None:
+        self._sock.sendall(struct.pack("!Q", size * MIB))
+        self._sock.sendall(self._payload[:size * MIB])
+        self._sock.recv(1)
+
+    def close(self) -> None:
+        self._sock.close()
+        self._proc.join(30)
+        self._proc.kill()
+
+
+def _peer(backend: str, layout: dict[str, Any], conn: Connection) -> None:
+    torch.set_num_threads(1)
+    engine = create_engine(backend)
+    pool = engine.allocate_region(KVLayout.from_dict(layout))
+    conn.send(engine.descriptor())
+    while (ids := conn.recv()) is not None:  # block ids whose bytes the bench checks
+        conn.send(_bytes(pool, ids))
+    engine.close()
+
+
+def _bytes(pool: torch.Tensor, ids: list[int]) -> bytes:
+    return pool[:, :, ids].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+class EngineSession:
+    """Our engine pushing block sets into a peer process's pool with one backend."""
+
+    def __init__(self, backend: str, layout: KVLayout, sets: dict[int, tuple[list[int], list[int]]]) -> None:
+        self.name = backend
+        self._sets = sets
+        self._conn, theirs = mp.Pipe()
+        self._proc = mp.get_context("spawn").Process(target=_peer, args=(backend, layout.to_dict(), theirs))
+        self._proc.start()
+        self._engine = create_engine(backend)
+        self._pool = self._engine.allocate_region(layout)
+        self._pool.view(-1).view(torch.uint8)[::4093] = 7  # a pattern the peer must end up with
+        self._peer = self._engine.connect(self._conn.recv())
+
+    def run(self, size: int) -> None:
+        src, dst = self._sets[size]
+        self._engine.queue_transfer_with_token(self._peer, src, dst, timeout=120).wait(130)
+
+    def check(self, size: int) -> None:
+        src, dst = self._sets[size]
+        self._conn.send(dst[:4])
+        if self._conn.recv() != _bytes(self._pool, src[:4]):
+            raise SystemExit(f"{self.name}: destination bytes differ from the source")
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._engine.close()
+        self._proc.join(30)
+        self._proc.kill()
+
+
+def measure(sessions: list[Any], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Median GB/s per session and size, the sessions taking turns run by run so that
+    load from elsewhere on the machine hits the baseline and the backend alike."""
+    rates: dict[str, dict[int, list[float]]] = {s.name: {size: [] for size in sizes} for s in sessions}
+    for size in sizes:
+        for session in sessions:
+            session.run(size)  # warm-up: connections, first touches
+            getattr(session, "check", lambda _: None)(size)
+        for _ in range(repeats):
+            for session in sessions:
+                start = time.perf_counter()
+                session.run(size)
+                rates[session.name][size].append(size * MIB / (time.perf_counter() - start) / 1e9)
+    return {name: {size: statistics.median(r) for size, r in row.items()} for name, row in rates.items()}
+
+
+def run_group(makers: list[Callable[[], Any]], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    sessions: list[Any] = []
+    try:
+        for make in makers:
+            sessions.append(make())
+        return measure(sessions, sizes, repeats)
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def block_sets(layout: KVLayout, sizes: list[int]) -> dict[int, tuple[list[int], list[int]]]:
+    """Random, non-contiguous source and destination blocks, the same for every backend."""
+    rng = random.Random(0)
+    sets = {}
+    for size in sizes:
+        count = size * MIB // layout.block_bytes
+        sets[size] = (rng.sample(range(layout.num_blocks), count), rng.sample(range(layout.num_blocks), count))
+    return sets
+
+
+def print_table(results: dict[str, dict[int, float]], sizes: list[int]) -> None:
+    print(f"{'GB/s':<10}" + "".join(f"{f'{s} MiB':>12}" for s in sizes))
+    for name, row in results.items():
+        print(f"{name:<10}" + "".join(f"{row[s]:>12.2f}" for s in sizes))
+
+
+def ratio(results: dict[str, dict[int, float]], a: str, b: str, size: int) -> float | None:
+    if a not in results or b not in results:
+        return None
+    return round(results[a][size] / results[b][size], 3)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    layers, heads, head_dim, dtype = MODELS[args.model]
+    probe = KVLayout(layers, 1, 16, heads, head_dim, dtype)
+    layout = KVLayout(layers, max(args.sizes) * MIB // probe.block_bytes, 16, heads, head_dim, dtype)
+    sets = block_sets(layout, args.sizes)
+    nbytes = max(args.sizes) * MIB
+    engine = lambda name: (lambda: EngineSession(name, layout, sets))  # noqa: E731
+    # Each backend runs in turns with the ceiling it is compared to; one group at a time
+    # keeps at most four pools of the largest size in memory.
+    groups = [[lambda: Memcpy(nbytes)] + ([engine("shm")] if "shm" in args.backends else []),
+              [lambda: RawTcp(nbytes)] + ([engine("tcp")] if "tcp" in args.backends else [])]
+    groups += [[engine(b)] for b in args.backends if b not in ("shm", "tcp")]
+    results: dict[str, dict[int, float]] = {}
+    for group in groups:
+        results.update(run_group(group, args.sizes, args.repeats))
+    print(f"model {args.model}: {layout.block_bytes // 1024} KiB blocks of 16 tokens, "
+          f"{layout.chunk_bytes // 1024} KiB per (layer, k/v) chunk; median of {args.repeats}")
+    print_table(results, args.sizes)
+    top = max(args.sizes)
+    ratios = {"shm_over_memcpy": ratio(results, "shm", "memcpy", top),
+              "tcp_over_raw_tcp": ratio(results, "tcp", "raw_tcp", top),
+              "shm_over_nixl": ratio(results, "shm", "nixl", top),
+              "tcp_over_nixl": ratio(results, "tcp", "nixl", top)}
+    print(f"ratios at {top} MiB: " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": args.model, "layout": layout.to_dict(), "block_bytes": layout.block_bytes,
+            "sizes_mib": args.sizes, "repeats": args.repeats, "largest_mib": top,
+            "gbps": {name: {str(s): round(v, 3) for s, v in row.items()} for name, row in results.items()},
+            "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
