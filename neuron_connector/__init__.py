@@ -1,1 +1,41 @@
-"""neuron_connector."""
+"""neuron_connector: the worker's side of disaggregated inference.
+
+Prefill workers serve KV lookups with a `SendBuffer`; decode workers pull with a
+`RecvBuffer`; both register in etcd with a `Registration`; the proxy reads them back with
+`list_workers`.
+
+    # prefill
+    send = SendBuffer(engine, layout, engine_id, "0.0.0.0", kv_port, on_release=free_blocks)
+    send.start()
+    send.publish(request_id, block_ids, first_token)       # prefill done; blocks stay pinned
+    send.discard(request_id)                               # aborted
+
+    # decode
+    recv = RecvBuffer(engine, layout, identity=f"{host}:{http_port}")
+    recv.start()
+    recv.connect(p_host, p_kv_port)                        # 1P1D: fail fast on a bad peer
+    recv.request_pull(request_id, p_host, p_kv_port, dst_block_ids)
+    recv.poll(request_id)        # PENDING | DONE(output_token) | FAILED(error), never blocks
+    recv.cancel(request_id)      # True: blocks free now; False: poll until FAILED first
+"""
+from __future__ import annotations
+
+from neuron_connector.errors import (
+    ConnectorError, DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable,
+    ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
+from neuron_connector.peer_link import PeerInfo
+from neuron_connector.pulls import PullState, PullStatus
+from neuron_connector.recv_buffer import RecvBuffer
+from neuron_connector.registry import (
+    Registration, WorkerRecord, list_workers, list_workers_async)
+from neuron_connector.send_buffer import SendBuffer, SendStats
+
+DEFAULT_KV_PORT = 14579
+
+__all__ = [
+    "DEFAULT_KV_PORT",
+    "ConnectorError", "DuplicateRequest", "HandshakeError", "LayoutMismatch", "PeerUnavailable",
+    "ProtocolError", "PullTimeout", "RegistrationError", "UnknownRequest",
+    "PeerInfo", "PullState", "PullStatus", "RecvBuffer", "SendBuffer", "SendStats",
+    "Registration", "WorkerRecord", "list_workers", "list_workers_async",
+]

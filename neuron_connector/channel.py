@@ -1,0 +1,162 @@
+"""The only module that owns ZMQ sockets and pollers.
+
+A channel belongs to exactly one thread (ZMQ sockets are not thread-safe); other threads
+reach that thread through a `Waker` (a pipe the poller also watches) plus shared state.
+Sends never block: a reply to a peer that is gone or whose queue is full is dropped and
+reported as `False`, so a slow or dead peer cannot stall the serving loop.
+"""
+from __future__ import annotations
+
+import os
+from typing import Union
+
+import zmq
+
+from neuron_connector.errors import PeerUnavailable
+
+# Bounds what is in flight per peer; a peer over the bound gets its message dropped.
+HIGH_WATER_MARK = 1024
+_RECONNECT_IVL_MS = 100
+_RECONNECT_IVL_MAX_MS = 1000
+
+
+class Waker:
+    """Lets any thread interrupt a poll: one byte into a pipe the poller watches."""
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write_fd, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (a wake-up is already pending) or closed during shutdown
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _configure(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+
+
+class RouterChannel:
+    """P's ROUTER: bound at `host:port` (0 picks a free port), addressed by peer identity."""
+
+    def __init__(self, context: zmq.Context, host: str, port: int) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        _configure(self.socket)
+        # Without MANDATORY a ROUTER silently drops replies to unknown or full peers.
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A decode worker that reconnects (same identity) takes over its old slot.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            if port == 0:
+                self.port = self.socket.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.socket.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError as exc:
+            self.socket.close(linger=0)
+            raise PeerUnavailable(f"cannot bind the KV signal plane on {host}:{port}: {exc}") from exc
+
+    def recv(self) -> tuple[bytes, bytes] | None:
+        """One (identity, payload) if a message is waiting; malformed frames are skipped."""
+        try:
+            frames = self.socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        if len(frames) != 2:
+            return b"", b""
+        return frames[0], frames[1]
+
+    def send(self, identity: bytes, payload: bytes) -> bool:
+        try:
+            self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False  # EHOSTUNREACH (peer gone) or queue full: the peer retries
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class DealerChannel:
+    """D's DEALER to one prefill peer, with identity `"{host}:{http_port}"` of this D."""
+
+    def __init__(self, context: zmq.Context, identity: str, host: str, port: int) -> None:
+        self.address = f"{host}:{port}"
+        self.socket = context.socket(zmq.DEALER)
+        _configure(self.socket)
+        self.socket.setsockopt(zmq.IDENTITY, identity.encode())
+        self.socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
+        try:
+            self.socket.connect(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self.socket.close(linger=0)
+            raise PeerUnavailable(f"cannot connect to the KV signal plane at {host}:{port}: {exc}") from exc
+
+    def recv(self) -> bytes | None:
+        try:
+            return self.socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def send(self, payload: bytes) -> bool:
+        try:
+            self.socket.send(payload, zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False  # queue full while the peer is away: retried on the next resend
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+Pollable = Union[Waker, RouterChannel, DealerChannel]
+
+
+class Poller:
+    """Waits on channels and wakers; `poll` returns the ones that are readable."""
+
+    def __init__(self) -> None:
+        self._poller = zmq.Poller()
+        self._by_key: dict[object, Pollable] = {}
+
+    def register(self, item: Pollable) -> None:
+        key: object = item.fileno() if isinstance(item, Waker) else item.socket
+        self._poller.register(key, zmq.POLLIN)
+        self._by_key[key] = item
+
+    def unregister(self, item: Pollable) -> None:
+        key: object = item.fileno() if isinstance(item, Waker) else item.socket
+        self._poller.unregister(key)
+        del self._by_key[key]
+
+    def poll(self, timeout_s: float) -> list[Pollable]:
+        events = self._poller.poll(max(0, int(timeout_s * 1000)))
+        return [self._by_key[key] for key, _ in events if key in self._by_key]
+
+
+def new_context() -> zmq.Context:
+    """A private context per buffer, so closing one never affects another."""
+    return zmq.Context()

@@ -1,0 +1,50 @@
+"""Errors of the KV connector.
+
+    ConnectorError
+    ├── ProtocolError       a signal-plane message that is not valid JSON or not a known message
+    ├── HandshakeError      the prefill peer refused or never answered the handshake
+    │   └── LayoutMismatch  the two KV layouts cannot exchange blocks (the prefill side's
+    │                       transfer.LayoutMismatch, carried back over the signal plane)
+    ├── PullTimeout         the prefill peer had no finished request for the id before the deadline
+    ├── PeerUnavailable     the prefill peer could not be reached
+    ├── RegistrationError   etcd registration failed (etcd unreachable, lease lost)
+    ├── UnknownRequest      a request id this side does not know
+    └── DuplicateRequest    a request id that is already published or already being pulled
+"""
+from __future__ import annotations
+
+
+class ConnectorError(Exception):
+    """Base class of every error the connector raises."""
+
+
+class ProtocolError(ConnectorError):
+    pass
+
+
+class HandshakeError(ConnectorError):
+    pass
+
+
+class LayoutMismatch(HandshakeError):
+    pass
+
+
+class PullTimeout(ConnectorError):
+    pass
+
+
+class PeerUnavailable(ConnectorError):
+    pass
+
+
+class RegistrationError(ConnectorError):
+    pass
+
+
+class UnknownRequest(ConnectorError):
+    pass
+
+
+class DuplicateRequest(ConnectorError):
+    pass

@@ -1,0 +1,150 @@
+"""The prefill side's lookup table, sans I/O: which finished requests hold which blocks.
+
+Every published request ends in exactly one release (its blocks go back to the engine):
+after its transfer completes or fails, when the engine discards it, or when nobody pulled
+it within `abort_timeout`. A finished request leaves a tombstone for `abort_timeout` so a
+repeated lookup (a lost reply, a reconnecting peer) gets the same final answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from neuron_connector.errors import DuplicateRequest
+from neuron_connector.protocol import LookupReply
+
+
+@dataclass(frozen=True, slots=True)
+class NotReady:
+    """Not published (yet): the peer retries until its deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Answer at once with this final reply."""
+
+    reply: LookupReply
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Queue the transfer of `src` (ours) into `dst` (the peer's)."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InProgress:
+    """Already transferring to this peer; the reply goes out when it completes."""
+
+
+Decision = Union[NotReady, Answer, Start, InProgress]
+
+
+@dataclass(slots=True)
+class _Entry:
+    block_ids: tuple[int, ...]
+    output_token: int
+    published_at: float
+    peer: bytes | None = None          # set once a transfer started
+    dst: tuple[int, ...] = ()
+    discarded: bool = False
+
+
+@dataclass(slots=True)
+class _Tombstone:
+    peer: bytes | None
+    reply: LookupReply
+    expires_at: float
+
+
+@dataclass
+class LookupTable:
+    """Published requests of one prefill engine; not thread-safe (the owner locks)."""
+
+    abort_timeout: float
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _tombstones: dict[str, _Tombstone] = field(default_factory=dict)
+    _releases: list[str] = field(default_factory=list)
+
+    def publish(self, request_id: str, block_ids: list[int], output_token: int, now: float) -> None:
+        if request_id in self._entries or request_id in self._tombstones:
+            raise DuplicateRequest(f"request {request_id!r} was already published")
+        self._entries[request_id] = _Entry(tuple(block_ids), output_token, now)
+
+    def discard(self, request_id: str, now: float) -> None:
+        """The engine aborted the request: release now, or once its running transfer ends."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.peer is not None:
+            entry.discarded = True
+            return
+        if entry is not None:
+            self._finish(request_id, None, f"request {request_id!r} was aborted on the prefill side", now)
+        elif request_id not in self._tombstones:
+            # Aborted before it was published: a later lookup fails at once instead of at the
+            # peer's deadline. Nothing to release.
+            error = f"request {request_id!r} was aborted on the prefill side"
+            self._tombstones[request_id] = _Tombstone(None, LookupReply(request_id, False, error=error),
+                                                      now + self.abort_timeout)
+
+    def lookup(self, request_id: str, peer: bytes, dst: tuple[int, ...]) -> Decision:
+        def refuse(why: str) -> Answer:
+            return Answer(LookupReply(request_id, False, error=f"request {request_id!r} {why}"))
+
+        tomb = self._tombstones.get(request_id)
+        if tomb is not None:
+            return Answer(tomb.reply) if tomb.peer in (None, peer) else refuse("was pulled by another peer")
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return NotReady()
+        if entry.peer is not None:
+            return InProgress() if entry.peer == peer else refuse("is being pulled by another peer")
+        if len(dst) != len(entry.block_ids):
+            return refuse(f"holds {len(entry.block_ids)} blocks, peer offered {len(dst)}")
+        entry.peer, entry.dst = peer, dst
+        return Start(entry.block_ids, dst)
+
+    def transfer_done(self, request_id: str, error: str | None,
+                      now: float) -> tuple[bytes, LookupReply] | None:
+        """Ends a started transfer; returns (peer, reply) to send, and queues the release."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.peer is None:
+            return None
+        peer = entry.peer
+        if entry.discarded and error is None:
+            error = f"request {request_id!r} was aborted on the prefill side"
+        return peer, self._finish(request_id, peer, error, now)
+
+    def expire(self, now: float) -> None:
+        """Releases requests nobody pulled within abort_timeout; forgets old tombstones."""
+        stale = [rid for rid, e in self._entries.items()
+                 if e.peer is None and now - e.published_at >= self.abort_timeout]
+        for rid in stale:
+            self._finish(rid, None, f"request {rid!r} was not pulled within {self.abort_timeout}s; "
+                         "its blocks were released", now)
+        for rid in [rid for rid, t in self._tombstones.items() if t.expires_at <= now]:
+            del self._tombstones[rid]
+
+    def release_all(self, reason: str, now: float) -> None:
+        """Shutdown: every held request is released, running transfers included."""
+        for rid, entry in list(self._entries.items()):
+            self._finish(rid, entry.peer, f"request {rid!r}: {reason}", now)
+
+    def take_releases(self) -> list[str]:
+        """Request ids whose blocks may be freed now, each reported exactly once."""
+        released, self._releases = self._releases, []
+        return released
+
+    def pending(self) -> int:
+        return len(self._entries)
+
+    def _finish(self, request_id: str, peer: bytes | None, error: str | None, now: float) -> LookupReply:
+        entry = self._entries.pop(request_id)
+        if error is None:
+            reply = LookupReply(request_id, True, entry.output_token, entry.dst)
+        else:
+            reply = LookupReply(request_id, False, error=error)
+        self._tombstones[request_id] = _Tombstone(peer, reply, now + self.abort_timeout)
+        self._releases.append(request_id)
+        return reply

@@ -1,0 +1,244 @@
+"""Signal-plane messages between a decode DEALER and a prefill ROUTER.
+
+Every message is a frozen dataclass that encodes itself with `to_bytes` and decodes with
+`from_bytes`; this module is the only place that touches the wire format. Requests carry
+`"type"`; replies carry the `"type"` of the request they answer (so a DEALER can match
+out-of-order replies), or `"status": "error"` for an `ErrorReply`.
+
+    D -> P                                      P -> D
+    Handshake                                   HandshakeReply (engine id, transfer descriptor)
+    KVMapInit (D's layout + descriptor)         KVMapReply (agreed layout) | ErrorReply
+    LookupAll (request id, D's block ids)       LookupReply | ErrorReply
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+from neuron_connector.errors import ProtocolError
+
+# ErrorReply codes.
+BAD_REQUEST = "bad_request"
+HANDSHAKE_REQUIRED = "handshake_required"
+LAYOUT_MISMATCH = "layout_mismatch"
+
+
+def _load(data: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:   # bad UTF-8, bad JSON, absurd nesting
+        raise ProtocolError(f"message is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _dump(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _get(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if name not in obj:
+        if default is ...:
+            raise ProtocolError(f"message {obj.get('type')!r} lacks field {name!r}")
+        return default
+    value = obj[name]
+    # bool is an int subclass; a block id or token of `true` is a bug, not a number.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ProtocolError(f"field {name!r} must be {kind}, got a bool")
+    if not isinstance(value, kind):
+        raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
+    return value
+
+
+def _block_ids(obj: dict[str, Any], name: str) -> tuple[int, ...]:
+    ids = _get(obj, name, list)
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+        raise ProtocolError(f"field {name!r} must be a list of non-negative integers")
+    return tuple(ids)
+
+
+def _request_id(obj: dict[str, Any]) -> str:
+    rid = _get(obj, "request_id", str)
+    if not rid:
+        raise ProtocolError("field 'request_id' must not be empty")
+    return rid
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    TYPE: ClassVar[str] = "handshake"
+
+    def to_bytes(self) -> bytes:
+        return _dump({"type": self.TYPE})
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Handshake:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class KVMapInit:
+    """D's KV layout (`kv_map`, a KVLayout dict) and D's transfer descriptor."""
+
+    TYPE: ClassVar[str] = "kv_map_init"
+    kv_map: dict[str, Any]
+    transfer: dict[str, Any]
+
+    def to_bytes(self) -> bytes:
+        return _dump({"type": self.TYPE, "kv_map": self.kv_map, "transfer": self.transfer})
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> KVMapInit:
+        return cls(kv_map=_get(obj, "kv_map", dict), transfer=_get(obj, "transfer", dict))
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAll:
+    """`timeout_s`: how long D still waits; P's transfer must not write after that."""
+
+    TYPE: ClassVar[str] = "lookup_all"
+    request_id: str
+    block_ids_in_peer_device: tuple[int, ...]
+    timeout_s: float | None = None
+
+    def to_bytes(self) -> bytes:
+        obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
+                               "block_ids_in_peer_device": list(self.block_ids_in_peer_device)}
+        if self.timeout_s is not None:
+            obj["timeout_s"] = self.timeout_s
+        return _dump(obj)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> LookupAll:
+        timeout = _get(obj, "timeout_s", (int, float), None)
+        if timeout is not None and not timeout > 0:
+            raise ProtocolError(f"field 'timeout_s' must be positive, got {timeout}")
+        return cls(request_id=_request_id(obj),
+                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
+                   timeout_s=None if timeout is None else float(timeout))
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeReply:
+    """P's identity: `timestamp` is when its signal plane started, so a restart shows."""
+
+    TYPE: ClassVar[str] = "handshake"
+    timestamp: float
+    engine_id: str
+    transfer: dict[str, Any]
+
+    def to_bytes(self) -> bytes:
+        return _dump({"type": self.TYPE, "status": "ok", "timestamp": self.timestamp,
+                      "engine_id": self.engine_id, "transfer": self.transfer})
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> HandshakeReply:
+        return cls(timestamp=float(_get(obj, "timestamp", (int, float))),
+                   engine_id=_get(obj, "engine_id", str), transfer=_get(obj, "transfer", dict))
+
+
+@dataclass(frozen=True, slots=True)
+class KVMapReply:
+    """The layout both sides agreed on (P's own layout, checked against D's)."""
+
+    TYPE: ClassVar[str] = "kv_map_init"
+    kv_map: dict[str, Any]
+
+    def to_bytes(self) -> bytes:
+        return _dump({"type": self.TYPE, "status": "ok", "kv_map": self.kv_map})
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> KVMapReply:
+        return cls(kv_map=_get(obj, "kv_map", dict))
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    """`success=False` without `error`: not finished yet, retry. With `error`: terminal."""
+
+    TYPE: ClassVar[str] = "lookup_all"
+    request_id: str
+    success: bool
+    output_token: int | None = None
+    block_ids_in_peer_device: tuple[int, ...] = field(default=())
+    error: str | None = None
+
+    def to_bytes(self) -> bytes:
+        obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id, "success": self.success}
+        if self.success:
+            obj["output_token"] = self.output_token
+            obj["block_ids_in_peer_device"] = list(self.block_ids_in_peer_device)
+        if self.error is not None:
+            obj["error"] = self.error
+        return _dump(obj)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> LookupReply:
+        rid, success = _request_id(obj), _get(obj, "success", bool)
+        if not success:
+            return cls(request_id=rid, success=False, error=_get(obj, "error", str, None))
+        return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int),
+                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"))
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """A refused message; `reply_to` and `request_id` are set when they could be read."""
+
+    message: str
+    code: str = BAD_REQUEST
+    reply_to: str | None = None
+    request_id: str | None = None
+
+    def to_bytes(self) -> bytes:
+        obj: dict[str, Any] = {"status": "error", "message": self.message, "code": self.code}
+        if self.reply_to is not None:
+            obj["type"] = self.reply_to
+        if self.request_id is not None:
+            obj["request_id"] = self.request_id
+        return _dump(obj)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> ErrorReply:
+        return cls(message=_get(obj, "message", str), code=_get(obj, "code", str, BAD_REQUEST),
+                   reply_to=_get(obj, "type", str, None), request_id=_get(obj, "request_id", str, None))
+
+
+Request = Union[Handshake, KVMapInit, LookupAll]
+Reply = Union[HandshakeReply, KVMapReply, LookupReply, ErrorReply]
+
+_REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll)}
+_REPLIES: dict[str, Any] = {c.TYPE: c for c in (HandshakeReply, KVMapReply, LookupReply)}
+
+
+def _decode(data: bytes, table: dict[str, Any], what: str) -> Any:
+    obj = _load(data)
+    kind = obj.get("type")
+    if kind not in table:
+        raise ProtocolError(f"unknown {what} type {kind!r}; expected one of {sorted(table)}")
+    return table[kind].from_dict(obj)
+
+
+def decode_request(data: bytes) -> Request:
+    """Decodes a D -> P message; raises ProtocolError for bad JSON or an unknown type."""
+    return _decode(data, _REQUESTS, "message")
+
+
+def decode_reply(data: bytes) -> Reply:
+    """Decodes a P -> D message; raises ProtocolError for bad JSON or an unknown type."""
+    obj = _load(data)
+    if obj.get("status") == "error":
+        return ErrorReply.from_dict(obj)
+    return _decode(data, _REPLIES, "reply")
+
+
+def request_fields(data: bytes) -> tuple[str | None, str | None]:
+    """Best-effort (type, request_id) of a message that failed to decode, for the error reply."""
+    try:
+        obj = _load(data)
+    except ProtocolError:
+        return None, None
+    kind, rid = obj.get("type"), obj.get("request_id")
+    return (kind if isinstance(kind, str) else None), (rid if isinstance(rid, str) else None)

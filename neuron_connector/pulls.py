@@ -1,0 +1,170 @@
+"""The decode side's pulls, sans I/O: when to send `lookup_all`, and what each reply means.
+
+A pull is WAITING (a lookup is due at `next_send_at`), or AWAITING a reply (resent every
+`resend_after` seconds, since a reply can be lost when the peer restarts), or terminal.
+While a lookup is outstanding the peer may be writing into our blocks, so such a pull is
+only failed (timeout or cancel) once the peer answered or `grace` seconds passed after
+the deadline: FAILED always means our blocks are safe to reuse.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from neuron_connector.errors import (
+    ConnectorError, DuplicateRequest, PeerUnavailable, ProtocolError, PullTimeout, UnknownRequest)
+from neuron_connector.protocol import LookupAll, LookupReply
+
+
+class PullState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class PullStatus:
+    """What `RecvBuffer.poll` reports: PENDING, DONE(output_token) or FAILED(error)."""
+
+    state: PullState
+    output_token: int | None = None
+    error: ConnectorError | None = None
+
+    @property
+    def message(self) -> str | None:
+        return None if self.error is None else str(self.error)
+
+
+PENDING = PullStatus(PullState.PENDING)
+
+
+@dataclass
+class _Pull:
+    request_id: str
+    peer: str
+    dst: tuple[int, ...]
+    deadline: float
+    next_send_at: float
+    backoff: float
+    sent_at: float | None = None        # set while a lookup is outstanding
+    result: PullStatus = PENDING
+    cancelled: bool = False
+
+
+@dataclass
+class PullTracker:
+    """All pulls of one decode engine; not thread-safe (the owner locks)."""
+
+    resend_after: float = 1.0
+    grace: float = 5.0
+    first_backoff: float = 0.005
+    max_backoff: float = 0.02
+
+    def __post_init__(self) -> None:
+        self._pulls: dict[str, _Pull] = {}
+
+    def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float) -> None:
+        if request_id in self._pulls:
+            raise DuplicateRequest(f"a pull of request {request_id!r} is already registered")
+        self._pulls[request_id] = _Pull(request_id, peer, tuple(dst), deadline, now, self.first_backoff)
+
+    def due(self, now: float, ready_peers: set[str]) -> list[tuple[str, LookupAll]]:
+        """(peer, lookup) pairs to send now; marks them outstanding."""
+        out = []
+        for pull in self._pulls.values():
+            if pull.result is not PENDING or pull.cancelled or pull.peer not in ready_peers:
+                continue
+            resend = pull.sent_at is not None and now - pull.sent_at >= self.resend_after
+            if (pull.sent_at is None and now >= pull.next_send_at) or resend:
+                pull.sent_at = now
+                left = max(pull.deadline - now, 0.001)
+                out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3))))
+        return out
+
+    def on_reply(self, reply: LookupReply, now: float) -> None:
+        pull = self._pulls.get(reply.request_id)
+        if pull is None or pull.result is not PENDING or pull.sent_at is None:
+            return  # a duplicate answer to a resent lookup
+        pull.sent_at = None
+        if pull.cancelled:
+            pull.result = PullStatus(PullState.FAILED, error=UnknownRequest(
+                f"pull of {pull.request_id!r} was cancelled"))
+        elif reply.success and reply.block_ids_in_peer_device != pull.dst:
+            pull.result = PullStatus(PullState.FAILED, error=ProtocolError(
+                f"prefill peer {pull.peer} filled blocks {list(reply.block_ids_in_peer_device)} of "
+                f"{pull.request_id!r}, we offered {list(pull.dst)}"))
+        elif reply.success:
+            pull.result = PullStatus(PullState.DONE, output_token=reply.output_token)
+        elif reply.error is not None:
+            pull.result = PullStatus(PullState.FAILED, error=ConnectorError(
+                f"prefill peer {pull.peer} failed request {pull.request_id!r}: {reply.error}"))
+        else:
+            pull.next_send_at = now + pull.backoff
+            pull.backoff = min(2 * pull.backoff, self.max_backoff)
+
+    def resend_peer(self, peer: str) -> None:
+        """The peer restarted: nothing it had is in flight; every lookup goes again once
+        it is ready (and a cancelled pull is simply over)."""
+        for pull in self._pulls.values():
+            if pull.peer == peer and pull.result is PENDING:
+                pull.sent_at, pull.next_send_at = None, 0.0
+
+    def fail_peer(self, peer: str, error: ConnectorError) -> None:
+        for pull in self._pulls.values():
+            if pull.peer == peer and pull.result is PENDING:
+                pull.sent_at, pull.result = None, PullStatus(PullState.FAILED, error=error)
+
+    def expire(self, now: float, ready_peers: set[str]) -> None:
+        for pull in self._pulls.values():
+            if pull.result is not PENDING:
+                continue
+            if pull.sent_at is not None and now < pull.deadline + self.grace:
+                continue
+            if pull.cancelled:
+                pull.result = PullStatus(PullState.FAILED, error=UnknownRequest(
+                    f"pull of {pull.request_id!r} was cancelled"))
+            elif now >= pull.deadline:
+                pull.result = PullStatus(PullState.FAILED, error=self._timeout_error(pull, ready_peers))
+
+    def cancel(self, request_id: str) -> bool:
+        """True if our blocks are free at once; False: poll until FAILED before reusing them."""
+        pull = self._pulls.get(request_id)
+        if pull is None:
+            return True
+        if pull.sent_at is None or pull.result is not PENDING:
+            del self._pulls[request_id]
+            return True
+        pull.cancelled = True
+        return False
+
+    def poll(self, request_id: str) -> PullStatus:
+        """The pull's status; a terminal status is reported once, then the id is forgotten."""
+        pull = self._pulls.get(request_id)
+        if pull is None:
+            raise UnknownRequest(f"no pull of request {request_id!r} is registered")
+        if pull.result is not PENDING:
+            del self._pulls[request_id]
+        return pull.result
+
+    def peers_in_use(self) -> set[str]:
+        return {p.peer for p in self._pulls.values() if p.result is PENDING}
+
+    def next_event(self, now: float) -> float:
+        """Seconds until something may be due (a send, a resend or an expiry)."""
+        times = [self.resend_after]
+        for p in self._pulls.values():
+            if p.result is PENDING:
+                times += [p.deadline - now, (p.next_send_at - now) if p.sent_at is None
+                          else (p.sent_at + self.resend_after - now)]
+        return max(0.0, min(times))
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    @staticmethod
+    def _timeout_error(pull: _Pull, ready_peers: set[str]) -> ConnectorError:
+        if pull.peer not in ready_peers:
+            return PeerUnavailable(f"pull of {pull.request_id!r}: prefill peer {pull.peer} did not "
+                                   "complete the handshake before the deadline")
+        return PullTimeout(f"pull of {pull.request_id!r}: prefill peer {pull.peer} did not report the "
+                           "request finished before the deadline (unknown id, or prefill never done)")

@@ -1,0 +1,237 @@
+"""The decode side: one DEALER per prefill peer, owned by the buffer's own thread."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from neuron_connector.channel import DealerChannel, Poller, Waker, new_context
+from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
+from neuron_connector.peer_link import LinkState, PeerInfo, PeerLink
+from neuron_connector.protocol import (
+    HANDSHAKE_REQUIRED, ErrorReply, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
+    decode_reply)
+from neuron_connector.pulls import PullStatus, PullTracker
+from transfer import KVLayout, TransferError
+
+log = logging.getLogger(__name__)
+
+_MAX_POLL_S = 0.05
+
+
+class RecvBuffer:
+    """The decode worker's end of the signal plane.
+
+    `request_pull` registers a pull of a request's KV blocks from a prefill peer into our
+    blocks `dst_block_ids`; the buffer's thread connects to that peer on demand (one
+    DEALER per peer, kept in `connection_dict`), handshakes, and sends `lookup_all` with
+    backoff until the peer pushed the blocks or the deadline passed. `poll` never waits.
+
+    `max_backoff` bounds the wait between "not finished yet" and the next lookup (it is the
+    worst extra latency after the prefill finishes); an unanswered lookup is resent after
+    `resend_after`; a pull whose lookup is unanswered at its deadline waits `grace` more
+    seconds for the answer, since the peer may be writing into our blocks.
+    """
+
+    def __init__(self, transfer_engine: Any, layout: KVLayout, identity: str,
+                 default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
+                 max_backoff: float = 0.02) -> None:
+        self._engine = transfer_engine
+        self.layout = layout
+        self.identity = identity
+        self.default_timeout = default_timeout
+        self._resend_after = resend_after
+        self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff)
+        self._links: dict[str, PeerLink] = {}
+        self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._waker = Waker()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._context = new_context()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name=f"kv-recv-{self.identity}", daemon=True)
+        self._thread.start()
+
+    def connect(self, peer_host: str, peer_kv_port: int, timeout: float = 10.0) -> PeerInfo:
+        """Static (1P1D) set-up: handshakes with the peer now; raises HandshakeError,
+        LayoutMismatch or PeerUnavailable instead of failing later pulls."""
+        address = self.maybe_setup_buffer(peer_host, peer_kv_port)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                link = self._links.get(address)
+                if link is not None and link.ready and link.info is not None:
+                    return link.info
+                error = link.error if link is not None else None
+                left = deadline - time.monotonic()
+                if error is None and left <= 0:
+                    error = PeerUnavailable(f"prefill peer {address} did not answer the handshake "
+                                            f"within {timeout}s")
+                if error is not None:
+                    self._drop_idle_link(address)
+                    raise error
+                self._changed.wait(left)
+
+    def maybe_setup_buffer(self, peer_host: str, peer_kv_port: int) -> str:
+        """Makes sure a link to the peer exists (created on demand); returns its address."""
+        address = f"{peer_host}:{peer_kv_port}"
+        with self._lock:
+            link = self._links.get(address)
+            if link is None or link.state is LinkState.FAILED:
+                self._links[address] = PeerLink(address, self.layout.to_dict(), self._descriptor(),
+                                                resend_after=self._resend_after)
+        self._waker.wake()
+        return address
+
+    def _descriptor(self) -> dict[str, Any]:
+        try:
+            return self._engine.descriptor()
+        except TransferError as exc:
+            raise HandshakeError(f"our transfer engine cannot describe its KV pool: {exc}") from exc
+
+    def _drop_idle_link(self, address: str) -> None:
+        """Forgets a link no pull needs (its DEALER is closed by the thread); lock held."""
+        if address not in self._pulls.peers_in_use():
+            self._links.pop(address, None)
+            self._waker.wake()
+
+    def request_pull(self, request_id: str, peer_host: str, peer_kv_port: int,
+                     dst_block_ids: list[int], deadline_s: float | None = None) -> None:
+        """Starts pulling; `deadline_s` (default `default_timeout`) bounds the whole pull."""
+        if not self._thread or not self._thread.is_alive():
+            raise ConnectorError("RecvBuffer is not running (call start())")
+        if any(b < 0 or b >= self.layout.num_blocks for b in dst_block_ids):
+            raise ValueError(f"block ids {dst_block_ids} out of range [0, {self.layout.num_blocks})")
+        address = self.maybe_setup_buffer(peer_host, peer_kv_port)
+        now = time.monotonic()
+        timeout = self.default_timeout if deadline_s is None else deadline_s
+        with self._lock:
+            self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now)
+        self._waker.wake()
+
+    def poll(self, request_id: str) -> PullStatus:
+        """PENDING, DONE(output_token) or FAILED(error); terminal states are reported once."""
+        with self._lock:
+            return self._pulls.poll(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stops a pull. True: our blocks are free now. False: the peer may be writing into
+        them; `poll` reports FAILED once they are safe to reuse."""
+        with self._lock:
+            return self._pulls.cancel(request_id)
+
+    def peer_info(self, peer_host: str, peer_kv_port: int) -> PeerInfo | None:
+        with self._lock:
+            link = self._links.get(f"{peer_host}:{peer_kv_port}")
+            return None if link is None else link.info
+
+    def close(self) -> None:
+        """Stops the thread and closes every DEALER; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._waker.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+        for channel in self.connection_dict.values():
+            channel.close()
+        self.connection_dict.clear()
+        self._context.term()
+        self._waker.close()
+
+    # --- the buffer's thread -------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = Poller()
+        poller.register(self._waker)
+        while not self._stop.is_set():
+            self._sync_channels(poller)
+            self._send_due()
+            with self._lock:
+                timeout = min(_MAX_POLL_S, self._pulls.next_event(time.monotonic()))
+            for item in poller.poll(timeout):
+                if item is self._waker:
+                    self._waker.drain()
+                else:
+                    self._drain(item)  # type: ignore[arg-type]
+            with self._changed:
+                ready = {a for a, link in self._links.items() if link.ready}
+                self._pulls.expire(time.monotonic(), ready)
+                self._changed.notify_all()
+
+    def _sync_channels(self, poller: Poller) -> None:
+        """Opens a DEALER per linked peer, and closes those whose link was dropped."""
+        with self._lock:
+            wanted = [a for a in self._links if a not in self.connection_dict]
+            dropped = [a for a in self.connection_dict if a not in self._links]
+        for address in dropped:
+            channel = self.connection_dict.pop(address)
+            poller.unregister(channel)
+            channel.close()
+        for address in wanted:
+            host, port = address.rsplit(":", 1)
+            try:
+                channel = DealerChannel(self._context, self.identity, host, int(port))
+            except PeerUnavailable as exc:
+                with self._changed:
+                    if (link := self._links.get(address)) is not None:
+                        link.fail(exc)
+                    self._pulls.fail_peer(address, exc)
+                    self._changed.notify_all()
+                continue
+            self.connection_dict[address] = channel
+            poller.register(channel)
+
+    def _send_due(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            outgoing = [(a, m) for a, link in self._links.items()
+                        if a in self.connection_dict and (m := link.due(now)) is not None]
+            ready = {a for a, link in self._links.items() if link.ready}
+            outgoing += [(a, m.to_bytes()) for a, m in self._pulls.due(now, ready)]
+        for address, payload in outgoing:
+            self.connection_dict[address].send(payload)
+
+    def _drain(self, channel: DealerChannel) -> None:
+        address = channel.address
+        while (payload := channel.recv()) is not None:
+            try:
+                reply = decode_reply(payload)
+            except ProtocolError as exc:
+                log.warning("bad reply from %s: %s", address, exc)
+                continue
+            with self._changed:
+                try:
+                    answer = self._on_reply(address, reply)
+                except Exception:  # noqa: BLE001 - one bad reply must not stop every pull
+                    log.exception("handling a reply from %s failed", address)
+                    answer = None
+                self._changed.notify_all()
+            if answer is not None:
+                channel.send(answer)
+
+    def _on_reply(self, address: str, reply: Any) -> bytes | None:
+        link, now = self._links.get(address), time.monotonic()
+        if link is None:
+            return None
+        if isinstance(reply, LookupReply):
+            self._pulls.on_reply(reply, now)
+        elif isinstance(reply, HandshakeReply):
+            return link.on_handshake(reply, now)
+        elif isinstance(reply, KVMapReply) or (isinstance(reply, ErrorReply)
+                                                and reply.reply_to == KVMapInit.TYPE):
+            link.on_kv_map(reply)
+            if link.error is not None:
+                self._pulls.fail_peer(address, link.error)
+        elif isinstance(reply, ErrorReply) and reply.code == HANDSHAKE_REQUIRED:
+            link.reset()
+            self._pulls.resend_peer(address)
+        elif isinstance(reply, ErrorReply) and reply.reply_to == LookupAll.TYPE and reply.request_id:
+            self._pulls.on_reply(LookupReply(reply.request_id, False, error=reply.message), now)
+        else:
+            log.warning("unexpected reply from %s: %r", address, reply)
+        return None

@@ -1,0 +1,250 @@
+"""The prefill side: serves decode peers' lookups and pushes finished requests' KV blocks."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from neuron_connector.channel import Poller, RouterChannel, Waker, new_context
+from neuron_connector.errors import ConnectorError, ProtocolError
+from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
+from neuron_connector.protocol import (
+    BAD_REQUEST, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, ErrorReply, Handshake, HandshakeReply,
+    KVMapInit, KVMapReply, LookupAll, LookupReply, decode_request, request_fields)
+from transfer import CompletionToken, KVLayout, TransferError
+from transfer import LayoutMismatch as TransferLayoutMismatch
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.05      # how often expiry runs when nothing happens
+# Running transfers are checked every tenth of the youngest one's age, within these bounds:
+# a short transfer is noticed within ~0.5 ms, a long one costs few wake-ups.
+_BUSY_POLL_MIN_S, _BUSY_POLL_MAX_S = 0.0005, 0.005
+_MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
+
+
+@dataclass
+class SendStats:
+    """Counters of one SendBuffer (read them for metrics; approximate under load)."""
+
+    lookups: int = 0
+    not_ready: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    released: int = 0
+    bad_messages: int = 0
+
+
+class SendBuffer:
+    """The prefill worker's end of the signal plane: a ROUTER served by its own thread.
+
+    The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all`
+    then queues the push of its blocks; `on_release(request_id)` is called from this
+    buffer's thread once the blocks may be freed (pulled, failed, discarded or expired).
+    A push never runs past `transfer_timeout`, nor past the time the decode peer said it
+    still waits, so a peer that gave up never has its blocks written afterwards.
+    """
+
+    def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
+                 kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
+                 transfer_timeout: float = 30.0) -> None:
+        self._engine = transfer_engine
+        self.layout = layout
+        self.engine_id = engine_id
+        self._bind = (bind_host, kv_port)
+        self._on_release = on_release
+        self._table = LookupTable(abort_timeout)
+        self.transfer_timeout = transfer_timeout
+        self._lock = threading.Lock()
+        self._peers: dict[bytes, Any] = {}                       # identity -> transfer peer
+        self._running: dict[str, tuple[CompletionToken, float]] = {}  # id -> (token, start)
+        self._waker = Waker()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._context = new_context()
+        self._router: RouterChannel | None = None
+        self._started_at = 0.0
+        self.stats = SendStats()
+        self.port = kv_port
+
+    def start(self) -> None:
+        """Binds the ROUTER (PeerUnavailable if the port is taken) and starts serving."""
+        self._router = RouterChannel(self._context, *self._bind)
+        self._started_at = time.time()
+        self.port = self._router.port
+        self._thread = threading.Thread(target=self._serve, name=f"kv-send-{self.port}", daemon=True)
+        self._thread.start()
+
+    def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
+        """Prefill finished: the blocks stay pinned until pulled or `abort_timeout` passes.
+
+        Raises DuplicateRequest for an id already published (the first entry stays),
+        ConnectorError when the buffer is not serving, ValueError for bad block ids.
+        """
+        if self._thread is None or self._stop.is_set():
+            raise ConnectorError("SendBuffer is not serving (call start(); not after close())")
+        if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
+            raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
+        with self._lock:
+            self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
+
+    def discard(self, request_id: str) -> None:
+        """The engine aborted the request; a later lookup of it gets a terminal error."""
+        with self._lock:
+            self._table.discard(request_id, time.monotonic())
+        self._waker.wake()
+
+    def pending(self) -> int:
+        """Published requests whose blocks are still held."""
+        with self._lock:
+            return self._table.pending()
+
+    def close(self) -> None:
+        """Stops the thread and closes the socket; every block still held is released."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._waker.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+        with self._lock:
+            self._table.release_all("the prefill worker's KV signal plane closed", time.monotonic())
+        self._release_due()
+        if self._router is not None:
+            self._router.close()
+        self._context.term()
+        self._waker.close()
+
+    # --- the buffer's thread -------------------------------------------------------------
+
+    def _serve(self) -> None:
+        assert self._router is not None
+        poller = Poller()
+        poller.register(self._router)
+        poller.register(self._waker)
+        while not self._stop.is_set():
+            ready = poller.poll(self._poll_interval())
+            if self._waker in ready:
+                self._waker.drain()
+            if self._router in ready:
+                self._drain_router()
+            self._check_transfers()
+            with self._lock:
+                self._table.expire(time.monotonic())
+            self._release_due()
+
+    def _poll_interval(self) -> float:
+        if not self._running:
+            return _IDLE_POLL_S
+        youngest = time.monotonic() - max(start for _, start in self._running.values())
+        return min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_MIN_S, youngest / 10))
+
+    def _drain_router(self) -> None:
+        assert self._router is not None
+        for _ in range(_MAX_BATCH):
+            message = self._router.recv()
+            if message is None:
+                return
+            identity, payload = message
+            if not identity:
+                continue
+            try:
+                reply = self._handle(identity, payload)
+            except Exception as exc:  # noqa: BLE001 - one bad message must not stop the plane
+                log.exception("handling a message from %r failed", identity)
+                kind, rid = request_fields(payload)
+                reply = ErrorReply(f"internal error in {self.engine_id}: {exc}", BAD_REQUEST, kind,
+                                   rid).to_bytes()
+            if reply is not None and not self._router.send(identity, reply):
+                log.warning("dropped a reply to unreachable peer %r", identity)
+
+    def _handle(self, identity: bytes, payload: bytes) -> bytes | None:
+        try:
+            message = decode_request(payload)
+        except ProtocolError as exc:
+            self.stats.bad_messages += 1
+            kind, rid = request_fields(payload)
+            return ErrorReply(str(exc), BAD_REQUEST, kind, rid).to_bytes()
+        if isinstance(message, Handshake):
+            return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor()).to_bytes()
+        if isinstance(message, KVMapInit):
+            return self._kv_map_init(identity, message).to_bytes()
+        reply = self._lookup(identity, message)
+        return None if reply is None else reply.to_bytes()
+
+    def _kv_map_init(self, identity: bytes, message: KVMapInit) -> KVMapReply | ErrorReply:
+        try:
+            peer_layout = KVLayout.from_dict(message.kv_map)
+            self.layout.check_compatible(peer_layout)
+            self._peers[identity] = self._engine.connect(message.transfer)
+        except TransferError as exc:
+            code = LAYOUT_MISMATCH if isinstance(exc, TransferLayoutMismatch) else BAD_REQUEST
+            return ErrorReply(f"kv_map_init refused by {self.engine_id}: {exc}", code, KVMapInit.TYPE)
+        return KVMapReply(self.layout.to_dict())
+
+    def _lookup(self, identity: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:
+        rid = message.request_id
+        self.stats.lookups += 1
+        peer = self._peers.get(identity)
+        if peer is None:
+            # Typically this prefill worker restarted: the peer must handshake again.
+            return ErrorReply(f"{identity.decode(errors='replace')} has not sent kv_map_init",
+                              HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
+        with self._lock:
+            decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device)
+        if isinstance(decision, NotReady):
+            self.stats.not_ready += 1
+            return LookupReply(rid, False)
+        if isinstance(decision, Answer):
+            return decision.reply
+        if isinstance(decision, InProgress):
+            return None
+        timeout = min(self.transfer_timeout, message.timeout_s or self.transfer_timeout)
+        return self._start(rid, peer, decision, timeout)
+
+    def _start(self, rid: str, peer: Any, start: Start, timeout: float) -> LookupReply | None:
+        token = CompletionToken()
+        try:
+            self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token,
+                                                   timeout=timeout)
+        except (TransferError, ConnectorError, ValueError) as exc:
+            done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
+            return None if done is None else done[1]
+        self._running[rid] = (token, time.monotonic())
+        return None
+
+    def _check_transfers(self) -> None:
+        assert self._router is not None
+        for rid, (token, _) in list(self._running.items()):
+            if not token.is_done():
+                continue
+            del self._running[rid]
+            try:
+                token.wait(0)
+                error = None
+            except TransferError as exc:
+                error = f"transfer of {rid!r} failed: {exc}"
+            done = self._transfer_done(rid, error)
+            if done is not None and not self._router.send(done[0], done[1].to_bytes()):
+                log.warning("peer %r left before the reply for %s", done[0], rid)
+
+    def _transfer_done(self, rid: str, error: str | None) -> tuple[bytes, LookupReply] | None:
+        if error is None:
+            self.stats.transfers_ok += 1
+        else:
+            self.stats.transfers_failed += 1
+            log.warning("%s", error)
+        with self._lock:
+            return self._table.transfer_done(rid, error, time.monotonic())
+
+    def _release_due(self) -> None:
+        with self._lock:
+            released = self._table.take_releases()
+        for rid in released:
+            self.stats.released += 1
+            try:
+                self._on_release(rid)
+            except Exception:  # noqa: BLE001 - an engine callback must not kill the signal plane
+                log.exception("on_release(%r) raised", rid)

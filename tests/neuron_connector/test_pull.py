@@ -1,0 +1,236 @@
+"""Pulls between a SendBuffer and a RecvBuffer over real ZMQ and real transfer engines."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from neuron_connector import (
+    ConnectorError, DuplicateRequest, HandshakeError, PeerUnavailable, PullState, PullTimeout,
+    RecvBuffer, SendBuffer, UnknownRequest)
+from tests.helpers import wait_until
+from tests.neuron_connector.conftest import Pair
+from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
+from transfer import create_engine
+
+
+def _pull(pair: Pair, rid: str, dst: list[int], deadline_s: float | None = None) -> None:
+    pair.recv.request_pull(rid, "127.0.0.1", pair.send.port, dst, deadline_s=deadline_s)
+
+
+def test_full_pull_before_publish(pair: Pair) -> None:
+    src, dst = [3, 7, 1], [0, 5, 9]
+    _pull(pair, "r1", dst)
+    # D asks before P has finished: it is told "not yet" and keeps asking.
+    wait_until(lambda: pair.send.stats.not_ready >= 3, timeout=10, what="repeated lookups")
+    assert pair.recv.poll("r1").state is PullState.PENDING
+    assert pair.releases() == []
+
+    pair.send.publish("r1", src, output_token=1234)
+    status = wait_terminal(pair.recv, "r1")
+
+    assert status.state is PullState.DONE and status.output_token == 1234, status
+    assert torch.equal(pair.d_pool[:, :, dst], pair.p_pool[:, :, src])
+    untouched = [b for b in range(pair.d_pool.shape[2]) if b not in dst]
+    assert not pair.d_pool[:, :, untouched].any()
+    wait_until(lambda: pair.releases() == ["r1"], timeout=5, what="on_release")
+    assert pair.send.pending() == 0 and pair.send.stats.transfers_ok == 1
+    with pytest.raises(UnknownRequest):
+        pair.recv.poll("r1")   # a terminal status is reported once
+
+
+def test_many_pulls_in_parallel(pair: Pair) -> None:
+    for i in range(6):
+        pair.send.publish(f"m{i}", [i], output_token=100 + i)
+    for i in range(6):
+        _pull(pair, f"m{i}", [15 - i])
+    tokens = [wait_terminal(pair.recv, f"m{i}").output_token for i in range(6)]
+    assert tokens == [100, 101, 102, 103, 104, 105]
+    for i in range(6):
+        assert torch.equal(pair.d_pool[:, :, 15 - i], pair.p_pool[:, :, i])
+    wait_until(lambda: sorted(pair.releases()) == [f"m{i}" for i in range(6)], timeout=5,
+               what="six releases")
+
+
+def test_unknown_id_fails_after_deadline(shm_pair: Pair) -> None:
+    _pull(shm_pair, "ghost", [0], deadline_s=0.5)
+    status = wait_terminal(shm_pair.recv, "ghost", timeout=10)
+    assert status.state is PullState.FAILED
+    assert isinstance(status.error, PullTimeout)
+    assert "'ghost'" in status.message and "before the deadline" in status.message
+    assert not shm_pair.d_pool.any()
+
+
+def test_never_published_fails_and_late_publish_is_released(shm_pair: Pair) -> None:
+    _pull(shm_pair, "late", [2], deadline_s=0.3)
+    assert isinstance(wait_terminal(shm_pair.recv, "late", timeout=10).error, PullTimeout)
+    shm_pair.send.publish("late", [4], output_token=1)
+    # Nobody pulls any more: abort_timeout (1 s here) gives the blocks back.
+    wait_until(lambda: shm_pair.releases() == ["late"], timeout=10, what="release by abort_timeout")
+    assert shm_pair.send.pending() == 0
+
+
+def test_never_pulled_is_released_after_abort_timeout(shm_pair: Pair) -> None:
+    shm_pair.send.publish("orphan", [1, 2], output_token=7)
+    assert shm_pair.send.pending() == 1
+    wait_until(lambda: shm_pair.releases() == ["orphan"], timeout=10, what="release by abort_timeout")
+    # A pull that comes too late gets a terminal error at once, not at its deadline.
+    _pull(shm_pair, "orphan", [0, 1], deadline_s=30)
+    status = wait_terminal(shm_pair.recv, "orphan", timeout=10)
+    assert status.state is PullState.FAILED and "not pulled within" in status.message
+    assert not shm_pair.d_pool.any()
+
+
+def test_duplicate_publish_keeps_the_first_entry(pair: Pair) -> None:
+    pair.send.publish("dup", [1, 2], output_token=5)
+    with pytest.raises(DuplicateRequest, match="dup"):
+        pair.send.publish("dup", [3], output_token=6)
+    _pull(pair, "dup", [8, 9])
+    status = wait_terminal(pair.recv, "dup")
+    assert status.output_token == 5
+    assert torch.equal(pair.d_pool[:, :, [8, 9]], pair.p_pool[:, :, [1, 2]])
+    wait_until(lambda: pair.releases() == ["dup"], timeout=5, what="one release")
+
+
+def test_discard_releases_and_fails_the_pull(shm_pair: Pair) -> None:
+    shm_pair.send.publish("gone", [5], output_token=3)
+    shm_pair.send.discard("gone")
+    wait_until(lambda: shm_pair.releases() == ["gone"], timeout=5, what="release on discard")
+    _pull(shm_pair, "gone", [5], deadline_s=30)
+    status = wait_terminal(shm_pair.recv, "gone", timeout=10)
+    assert status.state is PullState.FAILED and "aborted" in status.message
+    # Discarding an id never published: no release, but its pull fails fast too.
+    shm_pair.send.discard("never")
+    _pull(shm_pair, "never", [6], deadline_s=30)
+    assert "aborted" in wait_terminal(shm_pair.recv, "never", timeout=10).message
+    assert shm_pair.releases() == ["gone"]
+
+
+def test_block_count_mismatch_is_terminal(shm_pair: Pair) -> None:
+    shm_pair.send.publish("short", [1, 2, 3], output_token=3)
+    _pull(shm_pair, "short", [0], deadline_s=30)
+    status = wait_terminal(shm_pair.recv, "short", timeout=10)
+    assert status.state is PullState.FAILED and "holds 3 blocks, peer offered 1" in status.message
+    wait_until(lambda: shm_pair.releases() == ["short"], timeout=5, what="release")
+
+
+def test_prefill_side_argument_errors(shm_pair: Pair) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        shm_pair.send.publish("r", [16], output_token=1)
+    with pytest.raises(ValueError, match="empty"):
+        shm_pair.send.publish("r", [], output_token=1)
+    shm_pair.send.close()
+    with pytest.raises(ConnectorError, match="not serving"):
+        shm_pair.send.publish("r", [1], output_token=1)
+    assert shm_pair.releases() == []
+
+
+def test_decode_side_argument_errors(shm_pair: Pair) -> None:
+    with pytest.raises(UnknownRequest):
+        shm_pair.recv.poll("nobody")
+    with pytest.raises(ValueError, match="out of range"):
+        _pull(shm_pair, "big", [16])
+    _pull(shm_pair, "twice", [1], deadline_s=30)
+    with pytest.raises(DuplicateRequest):
+        _pull(shm_pair, "twice", [2])
+    assert shm_pair.recv.cancel("nobody") is True
+
+
+def test_cancel_waits_for_an_outstanding_lookup(shm_pair: Pair) -> None:
+    _pull(shm_pair, "c1", [1], deadline_s=30)
+    wait_until(lambda: shm_pair.send.stats.not_ready >= 1, timeout=10, what="a lookup")
+    if shm_pair.recv.cancel("c1"):
+        with pytest.raises(UnknownRequest):
+            shm_pair.recv.poll("c1")
+    else:
+        status = wait_terminal(shm_pair.recv, "c1", timeout=10)
+        assert status.state is PullState.FAILED and "cancelled" in status.message
+    # No lookup goes out for a cancelled pull: publishing it later is never pulled.
+    shm_pair.send.publish("c1", [1], output_token=1)
+    wait_until(lambda: shm_pair.releases() == ["c1"], timeout=10, what="release by abort_timeout")
+    assert shm_pair.send.stats.transfers_ok == 0
+
+
+def test_no_prefill_listening_fails_with_peer_unavailable(shm_pair: Pair) -> None:
+    from tests.helpers import free_port
+    port = free_port()
+    with pytest.raises(PeerUnavailable, match=f"127.0.0.1:{port}"):
+        shm_pair.recv.connect("127.0.0.1", port, timeout=0.5)
+    # Nothing needs that peer any more: its DEALER is closed, not kept retrying forever.
+    wait_until(lambda: f"127.0.0.1:{port}" not in shm_pair.recv.connection_dict, timeout=5,
+               what="the idle DEALER to close")
+    shm_pair.recv.request_pull("lost", "127.0.0.1", port, [0], deadline_s=0.5)
+    status = wait_terminal(shm_pair.recv, "lost", timeout=10)
+    assert isinstance(status.error, PeerUnavailable) and "handshake" in status.message
+
+
+def test_connect_returns_peer_info(pair: Pair) -> None:
+    info = pair.recv.connect("127.0.0.1", pair.send.port, timeout=10)
+    assert info.engine_id == "prefill-0"
+    assert info.kv_map == pair.send.layout.to_dict()
+    assert info.transfer["engine_id"] == pair.engines[0].engine_id
+
+
+def test_close_releases_held_blocks(shm_pair: Pair) -> None:
+    shm_pair.send.publish("held", [1], output_token=1)
+    shm_pair.send.close()
+    assert shm_pair.releases() == ["held"]
+    shm_pair.send.close()   # idempotent
+    assert shm_pair.releases() == ["held"]
+
+
+def test_one_decode_pulls_from_two_prefills_on_demand(shm_pair: Pair) -> None:
+    """xPyD: the RecvBuffer opens a DEALER per prefill peer the first time it needs one."""
+    other_engine, other_pool = engine_with_pool("shm", seed=2)
+    other = SendBuffer(other_engine, LAYOUT, "prefill-1", "127.0.0.1", 0, shm_pair.on_release)
+    other.start()
+    try:
+        shm_pair.send.publish("x", [1], output_token=1)
+        other.publish("y", [1], output_token=2)
+        _pull(shm_pair, "x", [10])
+        shm_pair.recv.request_pull("y", "127.0.0.1", other.port, [11])
+        assert wait_terminal(shm_pair.recv, "x").output_token == 1
+        assert wait_terminal(shm_pair.recv, "y").output_token == 2
+        assert torch.equal(shm_pair.d_pool[:, :, 10], shm_pair.p_pool[:, :, 1])
+        assert torch.equal(shm_pair.d_pool[:, :, 11], other_pool[:, :, 1])
+        assert sorted(shm_pair.recv.connection_dict) == sorted(
+            [f"127.0.0.1:{shm_pair.send.port}", f"127.0.0.1:{other.port}"])
+        assert shm_pair.recv.peer_info("127.0.0.1", other.port).engine_id == "prefill-1"  # type: ignore[union-attr]
+    finally:
+        other.close()
+        other_engine.close()
+
+
+def test_engine_without_a_pool_is_a_handshake_error() -> None:
+    engine = create_engine("tcp")
+    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8202")
+    recv.start()
+    try:
+        with pytest.raises(HandshakeError, match="cannot describe its KV pool"):
+            recv.request_pull("r", "127.0.0.1", 1, [0])
+    finally:
+        recv.close()
+        engine.close()
+
+
+def test_interleaved_publishes_and_pulls_keep_every_byte(pair: Pair) -> None:
+    """Forty requests, published and pulled in shuffled orders, each into its own blocks."""
+    rng = random.Random(7)
+    # 16 blocks per pool: request i uses P blocks {i % 16} and D blocks {(5 * i) % 16}.
+    # Requests run in waves of 16 so no two in flight share a D block.
+    for wave in range(0, 40, 16):
+        ids = list(range(wave, min(wave + 16, 40)))
+        events = [("pub", i) for i in ids] + [("pull", i) for i in ids]
+        rng.shuffle(events)
+        for kind, i in events:
+            if kind == "pub":
+                pair.send.publish(f"w{i}", [i % 16], output_token=i)
+            else:
+                _pull(pair, f"w{i}", [(5 * i) % 16])
+        for i in ids:
+            assert wait_terminal(pair.recv, f"w{i}").output_token == i
+            assert torch.equal(pair.d_pool[:, :, (5 * i) % 16], pair.p_pool[:, :, i % 16])
+    wait_until(lambda: len(pair.releases()) == 40, timeout=10, what="forty releases")
+    assert sorted(pair.releases()) == sorted(f"w{i}" for i in range(40))
+    assert pair.send.pending() == 0

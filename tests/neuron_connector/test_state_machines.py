@@ -1,0 +1,189 @@
+"""The sans-I/O halves: the prefill lookup table, decode pulls and peer links, driven by hand."""
+from __future__ import annotations
+
+import pytest
+
+from neuron_connector.errors import (
+    DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout,
+    UnknownRequest)
+from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
+from neuron_connector.peer_link import LinkState, PeerLink
+from neuron_connector.protocol import (
+    LAYOUT_MISMATCH, ErrorReply, HandshakeReply, KVMapReply, LookupAll, LookupReply, decode_request)
+from neuron_connector.pulls import PullState, PullTracker
+
+D1, D2 = b"127.0.0.1:8200", b"127.0.0.1:8201"
+
+
+class TestLookupTable:
+    def test_publish_lookup_transfer_release(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        assert table.lookup("r", D1, (0,)) == NotReady()
+        table.publish("r", [4, 5], 99, now=0)
+        assert table.lookup("r", D1, (7, 8)) == Start((4, 5), (7, 8))
+        assert table.lookup("r", D1, (7, 8)) == InProgress()          # a resent lookup
+        assert table.take_releases() == []
+        peer, reply = table.transfer_done("r", None, now=1)
+        assert peer == D1 and reply == LookupReply("r", True, 99, (7, 8))
+        assert table.take_releases() == ["r"] and table.take_releases() == []
+        # A lost reply is answered again, identically, to the same peer only.
+        assert table.lookup("r", D1, (7, 8)) == Answer(reply)
+        assert "another peer" in table.lookup("r", D2, (7, 8)).reply.error  # type: ignore[union-attr]
+
+    def test_duplicate_publish_leaves_the_entry_alone(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [1], 5, now=0)
+        with pytest.raises(DuplicateRequest):
+            table.publish("r", [2, 3], 6, now=0)
+        assert table.lookup("r", D1, (9,)) == Start((1,), (9,))
+
+    def test_expiry_releases_only_unpulled_entries(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("idle", [1], 5, now=0)
+        table.publish("busy", [2], 6, now=0)
+        table.lookup("busy", D1, (3,))
+        table.expire(now=10)
+        assert table.take_releases() == ["idle"] and table.pending() == 1
+        assert "not pulled within" in table.lookup("idle", D1, (1,)).reply.error  # type: ignore[union-attr]
+        table.expire(now=21)                  # the tombstone is forgotten after abort_timeout
+        assert table.lookup("idle", D1, (1,)) == NotReady()
+
+    def test_discard_while_transferring_releases_after_the_transfer(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [1], 5, now=0)
+        table.lookup("r", D1, (3,))
+        table.discard("r", now=1)
+        assert table.take_releases() == []
+        _, reply = table.transfer_done("r", None, now=2)
+        assert not reply.success and "aborted" in reply.error  # type: ignore[operator]
+        assert table.take_releases() == ["r"]
+
+    def test_failed_transfer_and_short_block_list_are_terminal(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [1, 2], 5, now=0)
+        assert "offered 1" in table.lookup("r", D1, (3,)).reply.error  # type: ignore[union-attr]
+        table.lookup("r", D1, (3, 4))
+        _, reply = table.transfer_done("r", "peer lost", now=1)
+        assert reply == LookupReply("r", False, error="peer lost")
+        assert table.take_releases() == ["r"]
+
+    def test_release_all_on_shutdown(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("a", [1], 5, now=0)
+        table.publish("b", [2], 5, now=0)
+        table.lookup("b", D1, (3,))
+        table.release_all("closed", now=1)
+        assert sorted(table.take_releases()) == ["a", "b"] and table.pending() == 0
+
+
+class TestPullTracker:
+    def test_retries_with_backoff_until_done(self) -> None:
+        pulls = PullTracker(resend_after=1.0, first_backoff=0.01, max_backoff=0.04)
+        pulls.add("r", "p", [3], deadline=10, now=0)
+        assert pulls.due(0, ready_peers=set()) == []                  # peer not ready yet
+        assert pulls.due(0, {"p"}) == [("p", LookupAll("r", (3,), timeout_s=10.0))]
+        assert pulls.due(0.5, {"p"}) == []                            # outstanding
+        backoffs = []
+        for now in (1.0, 2.0, 3.0, 4.0):
+            pulls.on_reply(LookupReply("r", False), now)
+            assert pulls.due(now, {"p"}) == []
+            backoffs.append(round(pulls.next_event(now), 3))
+            assert len(pulls.due(now + 1, {"p"})) == 1
+        assert backoffs == [0.01, 0.02, 0.04, 0.04]
+        pulls.on_reply(LookupReply("r", True, 7, (3,)), 5.0)
+        status = pulls.poll("r")
+        assert status.state is PullState.DONE and status.output_token == 7
+        with pytest.raises(UnknownRequest):
+            pulls.poll("r")
+
+    def test_lost_reply_is_resent(self) -> None:
+        pulls = PullTracker(resend_after=1.0)
+        pulls.add("r", "p", [3], deadline=10, now=0)
+        assert len(pulls.due(0, {"p"})) == 1
+        assert pulls.due(0.9, {"p"}) == []
+        assert len(pulls.due(1.0, {"p"})) == 1
+
+    def test_deadline_with_and_without_an_outstanding_lookup(self) -> None:
+        pulls = PullTracker(resend_after=100, grace=5)
+        pulls.add("idle", "p", [1], deadline=1, now=0)
+        pulls.add("asked", "p", [2], deadline=1, now=0)
+        pulls.add("unready", "q", [3], deadline=1, now=0)
+        pulls.due(0, {"p"})
+        pulls.on_reply(LookupReply("idle", False), 0.1)
+        pulls.expire(1.0, {"p"})
+        assert isinstance(pulls.poll("idle").error, PullTimeout)
+        assert isinstance(pulls.poll("unready").error, PeerUnavailable)
+        # The peer may be writing into our blocks: wait for its answer, or for the grace.
+        assert pulls.poll("asked").state is PullState.PENDING
+        pulls.expire(5.9, {"p"})
+        assert pulls.poll("asked").state is PullState.PENDING
+        pulls.expire(6.0, {"p"})
+        assert isinstance(pulls.poll("asked").error, PullTimeout)
+
+    def test_cancel(self) -> None:
+        pulls = PullTracker()
+        pulls.add("quiet", "p", [1], deadline=10, now=0)
+        assert pulls.cancel("quiet") is True
+        pulls.add("asked", "p", [2], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        assert pulls.cancel("asked") is False
+        assert pulls.due(5, {"p"}) == []                 # no resend for a cancelled pull
+        assert pulls.poll("asked").state is PullState.PENDING
+        pulls.on_reply(LookupReply("asked", True, 1, (2,)), 1)
+        assert "cancelled" in pulls.poll("asked").message  # type: ignore[operator]
+
+    def test_terminal_error_and_duplicates(self) -> None:
+        pulls = PullTracker()
+        pulls.add("r", "p", [1], deadline=10, now=0)
+        with pytest.raises(DuplicateRequest):
+            pulls.add("r", "p", [1], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        pulls.on_reply(LookupReply("r", False, error="aborted"), 1)
+        assert "aborted" in pulls.poll("r").message  # type: ignore[operator]
+
+    def test_restart_resends_and_peer_failure_fails_all(self) -> None:
+        pulls = PullTracker(resend_after=100)
+        pulls.add("a", "p", [1], deadline=10, now=0)
+        pulls.add("b", "p", [2], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        pulls.add("c", "q", [3], deadline=10, now=0)
+        pulls.due(0, {"q"})
+        pulls.resend_peer("p")
+        assert sorted(m.request_id for _, m in pulls.due(0.1, {"p", "q"})) == ["a", "b"]
+        pulls.fail_peer("p", LayoutMismatch("head_dim"))
+        assert [pulls.poll(r).message for r in ("a", "b")] == ["head_dim", "head_dim"]
+        assert pulls.poll("c").state is PullState.PENDING
+
+    def test_reply_for_other_blocks_is_a_protocol_error(self) -> None:
+        pulls = PullTracker()
+        pulls.add("r", "p", [1, 2], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        pulls.on_reply(LookupReply("r", True, 5, (2, 1)), 1)
+        status = pulls.poll("r")
+        assert isinstance(status.error, ProtocolError) and "we offered [1, 2]" in status.message
+
+
+class TestPeerLink:
+    def _link(self) -> PeerLink:
+        return PeerLink("h:1", {"num_layers": 1}, {"engine_id": "d"}, resend_after=1.0)
+
+    def test_handshake_then_kv_map_then_ready(self) -> None:
+        link = self._link()
+        assert decode_request(link.due(0)).TYPE == "handshake"  # type: ignore[arg-type]
+        assert link.due(0.5) is None and link.due(1.0) is not None    # resent until answered
+        kv_init = link.on_handshake(HandshakeReply(5.0, "p0", {"engine_id": "p0"}), 1.1)
+        assert decode_request(kv_init).TYPE == "kv_map_init"  # type: ignore[arg-type]
+        assert link.on_handshake(HandshakeReply(5.0, "p0", {}), 1.2) is None   # late duplicate
+        link.on_kv_map(KVMapReply({"num_layers": 1}))
+        assert link.ready and link.info is not None and link.info.engine_id == "p0"
+        link.reset()
+        assert link.state is LinkState.NEW and link.due(2) is not None
+
+    @pytest.mark.parametrize("code, kind", [(LAYOUT_MISMATCH, LayoutMismatch), ("bad_request", HandshakeError)])
+    def test_refused_kv_map(self, code: str, kind: type) -> None:
+        link = self._link()
+        link.due(0)
+        link.on_handshake(HandshakeReply(5.0, "p0", {}), 0.1)
+        link.on_kv_map(ErrorReply("head_dim: 16 != 8", code, "kv_map_init"))
+        assert link.state is LinkState.FAILED and type(link.error) is kind
+        assert "h:1" in str(link.error) and "head_dim" in str(link.error)

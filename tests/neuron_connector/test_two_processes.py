@@ -1,0 +1,106 @@
+"""Prefill in a child process, decode in the test process: handshake, pulls, restarts."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterator
+
+import pytest
+import torch
+
+from neuron_connector import LayoutMismatch, PullState, RecvBuffer
+from tests.helpers import ManagedProcess, free_port, python_process, wait_until
+from tests.neuron_connector.kv import LAYOUT, engine_with_pool, seeded, wait_terminal
+
+
+def kill9_and_reap(proc: ManagedProcess) -> None:
+    """SIGKILL leaves the process's shm pool behind (nobody unlinks it); the test does."""
+    pid = proc.pid
+    proc.kill9()
+    for name in os.listdir("/dev/shm"):
+        if f"-{pid}-" in name:
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def start_prefill(port: int, *extra: str, backend: str = "shm") -> ManagedProcess:
+    proc = python_process(["-m", "tests.neuron_connector.prefill_proc", "--port", str(port),
+                           "--backend", backend, *extra], name="prefill",
+                          env={"OMP_NUM_THREADS": "1"})
+    def ready() -> bool:
+        if proc.proc.poll() is not None:
+            raise AssertionError(f"prefill exited:\n{proc.output()[-3000:]}")
+        return bool(re.search(r"READY \d+", proc.output()))
+    wait_until(ready, timeout=60, what="the prefill process")
+    return proc
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
+    engine, pool = engine_with_pool(request.param)
+    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8200", default_timeout=20.0)
+    recv.start()
+    try:
+        yield recv, pool, request.param
+    finally:
+        recv.close()
+        engine.close()
+
+
+def test_handshake_and_pull_across_processes(decode) -> None:
+    recv, pool, backend = decode
+    port = free_port()
+    proc = start_prefill(port, "--seed", "11", "--publish", "a:2,9,4:777", backend=backend)
+    try:
+        info = recv.connect("127.0.0.1", port, timeout=20)
+        assert info.engine_id == "prefill-proc" and info.kv_map == LAYOUT.to_dict()
+        recv.request_pull("a", "127.0.0.1", port, [1, 2, 3])
+        status = wait_terminal(recv, "a")
+        assert status.state is PullState.DONE and status.output_token == 777, status
+        assert torch.equal(pool[:, :, [1, 2, 3]], seeded(LAYOUT, 11)[:, :, [2, 9, 4]])
+        wait_until(lambda: "RELEASED a" in proc.output(), timeout=10, what="release in the prefill")
+    finally:
+        proc.stop()
+
+
+def test_layout_mismatch_is_raised_at_connect() -> None:
+    engine, _ = engine_with_pool("shm")
+    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8201")
+    recv.start()
+    port = free_port()
+    proc = start_prefill(port, "--head-dim", "16")
+    try:
+        with pytest.raises(LayoutMismatch, match=r"head_dim: 16 != 8"):
+            recv.connect("127.0.0.1", port, timeout=20)
+        # A pull to that peer fails with the same clear error, long before its deadline.
+        recv.request_pull("m", "127.0.0.1", port, [0], deadline_s=60)
+        status = wait_terminal(recv, "m", timeout=20)
+        assert isinstance(status.error, LayoutMismatch) and "head_dim" in status.message
+    finally:
+        proc.stop()
+        recv.close()
+        engine.close()
+
+
+def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
+    recv, pool, backend = decode
+    port = free_port()
+    first = start_prefill(port, "--seed", "1", "--publish", "a:1:10", backend=backend)
+    try:
+        recv.request_pull("a", "127.0.0.1", port, [0])
+        assert wait_terminal(recv, "a").output_token == 10
+        old = recv.peer_info("127.0.0.1", port)
+        kill9_and_reap(first)
+    finally:
+        first.stop()
+    # Asked while no prefill listens: the lookups wait for the new process's handshake.
+    recv.request_pull("b", "127.0.0.1", port, [7, 8])
+    second = start_prefill(port, "--seed", "2", "--publish", "b:5,6:20", backend=backend)
+    try:
+        status = wait_terminal(recv, "b")
+        assert status.state is PullState.DONE and status.output_token == 20, status
+        assert torch.equal(pool[:, :, [7, 8]], seeded(LAYOUT, 2)[:, :, [5, 6]])
+        assert torch.equal(pool[:, :, 0], seeded(LAYOUT, 1)[:, :, 1])
+        new = recv.peer_info("127.0.0.1", port)
+        assert new is not None and old is not None and new.timestamp > old.timestamp
+    finally:
+        second.stop()
