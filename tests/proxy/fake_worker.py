@@ -64,7 +64,7 @@ class FakeWorker:
         leg = kv.get("role", "single")
         uid = request.headers.get("X-Request-Id", "")
         self.legs.append({"uid": uid, "leg": leg, "kv_transfer_params": kv, "max_tokens": body.get("max_tokens"),
-                          "stream": bool(body.get("stream"))})
+                          "stream": bool(body.get("stream")), "user": body.get("user")})
         steer = (body.get("fake") or {}).get(leg, {})
         self.active += 1
         try:
