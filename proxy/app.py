@@ -16,7 +16,7 @@ from proxy.forward import Forwarder, JSONAnswer
 from proxy.metrics import Metrics
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
 from proxy.upstream import AiohttpUpstream, Upstream
-from proxy.workers import WorkerPool, WorkerRecord
+from proxy.workers import ROLES, WorkerPool, WorkerRecord
 
 _JSON = "application/json"
 
@@ -102,8 +102,10 @@ def create_app(config: ProxyConfig) -> Quart:
 
     @app.get("/health")
     async def health() -> Response:
-        counts = {role: len(state.pool.healthy(role)) for role in ("prefill", "decode", "both")}
-        return Response(json.dumps({"status": "ok", "healthy_workers": counts}), 200, content_type=_JSON)
+        known = state.pool.all()
+        workers = {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
+                   for role in ROLES}
+        return Response(json.dumps({"status": "ok", "workers": workers}), 200, content_type=_JSON)
 
     @app.get("/metrics")
     async def metrics() -> Response:
