@@ -116,6 +116,8 @@ class Forwarder:
                     async for chunk in reply.chunks():
                         for data in decoder.feed(chunk):
                             queue.put_nowait(data)
+                    for data in decoder.end():
+                        queue.put_nowait(data)
                     if decoder.pending:
                         raise UpstreamUnavailable("stream cut in the middle of an event", worker.role, worker.address)
             queue.put_nowait(_END)
