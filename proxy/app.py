@@ -11,7 +11,7 @@ from quart import Quart, Response, request
 
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, health_loop
-from proxy.errors import ProxyError, UpstreamError, error_body, to_http
+from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
 from proxy.forward import Forwarder, JSONAnswer
 from proxy.metrics import Metrics
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
@@ -127,7 +127,10 @@ async def _models(state: ProxyState) -> Response:
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             for model in reply.json().get("data", []):
                 models.setdefault(model["id"], model)
-    if not models and workers == []:
-        body = error_body("no healthy worker is available", "service_unavailable", 503)
-        return Response(json.dumps(body), 503, content_type=_JSON)
+    if not workers:
+        status, body = to_http(NoWorkers(" or ".join(roles)))
+        return Response(body, status, content_type=_JSON)
+    if not models:
+        status, body = to_http(UpstreamError("no worker answered GET /v1/models"))
+        return Response(body, status, content_type=_JSON)
     return Response(json.dumps({"object": "list", "data": list(models.values())}), 200, content_type=_JSON)
