@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("di", "colocated"), default="di")
     p.add_argument("--prefill-ip", help="static 1P1D: prefill worker host")
     p.add_argument("--prefill-port", type=int, help="static 1P1D: prefill worker HTTP port")
-    p.add_argument("--prefill-kv-port", type=int, default=DEFAULT_KV_PORT, help="static 1P1D: prefill signal port")
+    p.add_argument("--prefill-kv-port", type=int, default=DEFAULT_KV_PORT,
+                   help="static 1P1D: prefill signal port")
     p.add_argument("--decode-ip", help="static 1P1D: decode worker host")
     p.add_argument("--decode-port", type=int, help="static 1P1D: decode worker HTTP port")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:KV_PORT]",
