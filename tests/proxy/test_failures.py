@@ -140,6 +140,13 @@ def test_bad_input_is_400_before_any_worker(pair: Pair, name: str, raw: bytes) -
     assert (len(pair.prefill.state()["legs"]), len(pair.decode.state()["legs"])) == before
 
 
+def test_unknown_path_and_wrong_method_answer_openai_errors(pair: Pair) -> None:
+    missing = httpx.post(f"{pair.proxy.url}/v1/embeddings", json={}, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    wrong = httpx.get(f"{pair.proxy.url}/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+
+
 def test_bad_chat_messages_are_400(pair: Pair) -> None:
     for messages in ([], "hi", [{"content": "no role"}]):
         reply = httpx.post(f"{pair.proxy.url}/v1/chat/completions", timeout=10,
