@@ -38,7 +38,7 @@ class ProxyState:
         """The worker's client, made on first use; kept for the app's life (a worker may come back)."""
         client = self._clients.get(worker.address)
         if client is None:
-            client = self._clients[worker.address] = _client_class(self.config.http_client)(
+            client = self._clients[worker.address] = client_class(self.config.http_client)(
                 worker, self.config.timeouts)
         return client
 
@@ -57,7 +57,8 @@ class ProxyState:
         self._clients.clear()
 
 
-def _client_class(name: str) -> Any:
+def client_class(name: str) -> Any:
+    """The Upstream implementation called `name` ("aiohttp" or "httpx")."""
     if name == "httpx":
         from proxy.upstream_httpx import HttpxUpstream
         return HttpxUpstream
