@@ -43,7 +43,8 @@ class ProxyState:
         return client
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(health_loop(self.pool, self.client, self.config.health_interval)))
+        checks = health_loop(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
+        self._tasks.append(asyncio.create_task(checks))
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run()))
 
