@@ -22,6 +22,7 @@ from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
 _END = object()  # marks the normal end of a streamed leg in its queue
+_QUEUE_EVENTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +110,8 @@ class Forwarder:
 
     def _open_stream(self, worker: WorkerRecord, path: str, body: dict[str, Any],
                      headers: dict[str, str]) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        # Bounded, so that a slow client slows the worker's stream down instead of filling our memory.
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_QUEUE_EVENTS)
         return queue, _spawn(self._pump(worker, path, body, headers, queue))
 
     async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any],
@@ -123,14 +125,14 @@ class Forwarder:
                     decoder = SSEDecoder()
                     async for chunk in reply.chunks():
                         for data in decoder.feed(chunk):
-                            queue.put_nowait(data)
+                            await queue.put(data)
                     for data in decoder.end():
-                        queue.put_nowait(data)
+                        await queue.put(data)
                     if decoder.pending:
                         raise UpstreamUnavailable("stream cut in the middle of an event", worker.role, worker.address)
-            queue.put_nowait(_END)
+            await queue.put(_END)
         except UpstreamError as exc:
-            queue.put_nowait(exc)
+            await queue.put(exc)
             raise
 
     def _leg(self, worker: WorkerRecord) -> Any:
