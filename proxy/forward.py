@@ -11,9 +11,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from proxy.errors import ProxyError, UpstreamError, UpstreamProtocol, UpstreamStatus, UpstreamUnavailable, to_http
+from proxy.errors import (ProxyError, UpstreamError, UpstreamProtocol, UpstreamStatus, UpstreamUnavailable,
+                          error_body, to_http)
 from proxy.metrics import Metrics
 from proxy.requests import ClientRequest, decode_body, prefill_body
 from proxy.sse import DONE, DONE_EVENT, SSEDecoder, encode_raw
@@ -135,8 +137,15 @@ class Forwarder:
             await queue.put(exc)
             raise
 
-    def _leg(self, worker: WorkerRecord) -> Any:
-        return _Leg(self._metrics, self._pool, worker)
+    @contextmanager
+    def _leg(self, worker: WorkerRecord) -> Iterator[None]:
+        """One leg to `worker`: counted in the metrics; a worker that drops us leaves rotation."""
+        with self._metrics.leg(worker):
+            try:
+                yield
+            except UpstreamUnavailable:
+                self._pool.mark(worker.key, healthy=False)  # until a health check passes again
+                raise
 
     async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], queue: asyncio.Queue[Any],
                         task: asyncio.Task[None], started: float) -> AsyncIterator[bytes]:
@@ -181,24 +190,6 @@ class Forwarder:
         finally:
             task.cancel()
             timer.done()
-
-
-class _Leg:
-    """Context of one leg: metrics, and taking a worker out of rotation when it drops us."""
-
-    def __init__(self, metrics: Metrics, pool: WorkerPool, worker: WorkerRecord) -> None:
-        self._inner = metrics.leg(worker)
-        self._pool = pool
-        self._worker = worker
-
-    def __enter__(self) -> None:
-        self._inner.__enter__()
-
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool | None:
-        if isinstance(exc, UpstreamUnavailable):
-            # Health checks bring it back once it answers again.
-            self._pool.mark(self._worker.key, healthy=False)
-        return self._inner.__exit__(kind, exc, tb)
 
 
 class _TokenTimer:
@@ -258,6 +249,10 @@ def _dump(body: dict[str, Any]) -> bytes:
 
 def _error_event(exc: ProxyError) -> bytes:
     """After streaming has started the status is sent: the error goes in an SSE event."""
-    _, body = to_http(exc)
-    # A worker's own error body may span lines; one SSE data line needs compact JSON.
-    return encode_raw(json.dumps(json.loads(body), separators=(",", ":"))) + DONE_EVENT
+    status, body = to_http(exc)
+    try:
+        payload = json.loads(body)
+    except ValueError:  # a worker's own error body need not be JSON
+        payload = error_body(str(exc), "upstream_error", status)
+    # The body may span lines; an SSE data line needs compact JSON.
+    return encode_raw(json.dumps(payload, separators=(",", ":"))) + DONE_EVENT
