@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from proxy.stitch import StreamStitcher, merge_bodies, prefill_finished
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
+log = logging.getLogger("proxy.forward")
 _END = object()  # marks the normal end of a streamed leg in its queue
 _QUEUE_EVENTS = 256
 
@@ -143,8 +145,10 @@ class Forwarder:
         with self._metrics.leg(worker):
             try:
                 yield
-            except UpstreamUnavailable:
-                self._pool.mark(worker.key, healthy=False)  # until a health check passes again
+            except UpstreamError as exc:
+                log.warning("%s", exc)
+                if isinstance(exc, UpstreamUnavailable):
+                    self._pool.mark(worker.key, healthy=False)  # until a health check passes again
                 raise
 
     async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], queue: asyncio.Queue[Any],
