@@ -1,0 +1,158 @@
+"""The Quart app: thin routes over one Forwarder, with the app's lifecycle around them."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
+
+from proxy.config import ProxyConfig
+from proxy.discovery import EtcdDiscovery, health_loop
+from proxy.errors import NoWorkers, ProxyError, UpstreamError, error_body, to_http
+from proxy.forward import Forwarder, JSONAnswer
+from proxy.metrics import Metrics
+from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
+from proxy.upstream import AiohttpUpstream, Upstream
+from proxy.workers import ROLES, WorkerPool, WorkerRecord
+
+_JSON = "application/json"
+
+
+class ProxyState:
+    """What lives as long as the app: the pool, one HTTP client per worker, background tasks."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.pool = WorkerPool(config.workers)
+        self.metrics = Metrics()
+        self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated)
+        self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
+        self._clients: dict[str, Upstream] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def client(self, worker: WorkerRecord) -> Upstream:
+        """The worker's client, made on first use; kept for the app's life (a worker may come back)."""
+        client = self._clients.get(worker.address)
+        if client is None:
+            client = self._clients[worker.address] = client_class(self.config.http_client)(
+                worker, self.config.timeouts)
+        return client
+
+    async def start(self) -> None:
+        checks = health_loop(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
+        self._tasks.append(asyncio.create_task(checks))
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self.discovery.run()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(client.close() for client in self._clients.values()))
+        self._clients.clear()
+
+
+def client_class(name: str) -> Any:
+    """The Upstream implementation called `name` ("aiohttp" or "httpx")."""
+    if name == "httpx":
+        from proxy.upstream_httpx import HttpxUpstream
+        return HttpxUpstream
+    return AiohttpUpstream
+
+
+def create_app(config: ProxyConfig) -> Quart:
+    """The proxy as an ASGI app; serve it with hypercorn (see proxy_server.py)."""
+    app = Quart("proxy")
+    state = ProxyState(config)
+    app.config["PROXY_STATE"] = state
+    app.before_serving(state.start)
+    app.after_serving(state.stop)
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await _forward(state, COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await _forward(state, CHAT)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await _models(state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json_response(_health(state), 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), 200, content_type="text/plain; version=0.0.4")
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        # Unknown paths and wrong methods answer in OpenAI's error shape too.
+        status = exc.code or 500
+        return _json_response(error_body(exc.description or exc.name, "invalid_request_error", status), status)
+
+    return app
+
+
+async def _forward(state: ProxyState, endpoint: Endpoint) -> Response:
+    """The one forwarder behind both generation routes."""
+    started = time.perf_counter()
+    try:
+        client_request = parse_request(endpoint, await request.get_data(), not state.config.colocated)
+        answer = await state.forwarder.handle(client_request)
+    except ProxyError as exc:
+        response = _error_response(exc)
+        state.metrics.requests.labels(endpoint.path, str(response.status_code)).inc()
+        return response
+    state.metrics.requests.labels(endpoint.path, "200").inc()
+    if isinstance(answer, JSONAnswer):
+        state.metrics.e2e.observe(time.perf_counter() - started)
+        return Response(answer.body, 200, content_type=_JSON)
+    response = Response(answer.events, 200, content_type="text/event-stream")
+    response.timeout = None  # a stream lasts as long as the answer, not Quart's 60 s default
+    return response
+
+
+def _health(state: ProxyState) -> dict[str, Any]:
+    known = state.pool.all()
+    workers = {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
+               for role in ROLES}
+    return {"status": "ok", "workers": workers}
+
+
+def _json_response(body: dict[str, Any], status: int) -> Response:
+    return Response(json.dumps(body), status, content_type=_JSON)
+
+
+async def _models(state: ProxyState) -> Response:
+    """The union of the models the healthy workers serve."""
+    roles = ("both",) if state.config.colocated else ("prefill", "decode")
+    workers = [w for role in roles for w in state.pool.healthy(role)]
+    if not workers:
+        return _error_response(NoWorkers(" or ".join(roles)))
+    replies = await asyncio.gather(*(state.client(w).get("/v1/models", 5.0) for w in workers),
+                                   return_exceptions=True)
+    models: dict[str, Any] = {}
+    for reply in replies:
+        if isinstance(reply, UpstreamError) or reply.status != 200:
+            continue
+        with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+            for model in reply.json()["data"]:
+                models.setdefault(model["id"], model)
+    if not models:
+        return _error_response(UpstreamError("no worker answered GET /v1/models"))
+    return _json_response({"object": "list", "data": list(models.values())}, 200)
+
+
+def _error_response(exc: ProxyError) -> Response:
+    status, body = to_http(exc)
+    return Response(body, status, content_type=_JSON)
