@@ -16,6 +16,7 @@ setup(
         "quart>=0.19,<0.24",
         "hypercorn>=0.17,<0.19",
         "httpx>=0.27,<0.29",
+        "aiohttp>=3.9,<4",
         "sniffio>=1.3,<2",
         "pyzmq>=26,<28",
         "aetcd>=1.0,<2",
