@@ -38,6 +38,8 @@ def test_chat_prefers_max_completion_tokens_and_flattens_text_parts() -> None:
                                  "max_tokens": 9, "max_completion_tokens": 4}, MODEL)
     assert req.messages == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
     assert req.max_tokens == 4
+    with pytest.raises(InvalidRequestError, match="max_tokens must be at least 1, got 0"):
+        parse_request("chat", {"messages": req.messages, "max_tokens": 9, "max_completion_tokens": 0}, MODEL)
 
 
 def test_include_usage_only_applies_to_streams() -> None:
@@ -55,6 +57,8 @@ def test_include_usage_only_applies_to_streams() -> None:
     ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"prompt": [1, True]}, "prompt"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
 ])
 def test_ill_typed_fields_name_their_param(body: dict, param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
