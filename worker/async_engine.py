@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -76,9 +77,11 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
         self.request_id = request_id
-        self._engine = engine
         self._sink = sink
         self._done = False
+        # A stream dropped before anyone iterated it (e.g. the client left before the body started)
+        # still aborts its request when it is garbage collected.
+        self._abort = weakref.finalize(self, engine.abort, request_id)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -92,15 +95,20 @@ class RequestStream:
             self.abort()
             raise
         if isinstance(item, BaseException):
-            self._done = True
+            self._finish()
             raise item
-        self._done = item.finished
+        if item.finished:
+            self._finish()
         return item
 
+    def _finish(self) -> None:
+        self._done = True
+        self._abort.detach()
+
     def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
+        """Aborts the request unless it already ended; idempotent."""
+        self._done = True
+        self._abort()  # a finalize callback runs at most once, and never after detach()
 
     async def aclose(self) -> None:
         self.abort()
