@@ -204,11 +204,11 @@ class AsyncEngine:
             self._close(WorkerError(reason))
 
     def _loop(self, engine: LLMEngine) -> None:
+        failed = False
         while not self._stopping.is_set():
-            busy = engine.has_unfinished_requests()
-            self._drain(engine, block=not busy)
-            if engine.has_unfinished_requests():
-                self._step(engine)
+            # After a failed step, wait for a command before retrying instead of spinning on the fault.
+            self._drain(engine, block=failed or not engine.has_unfinished_requests())
+            failed = engine.has_unfinished_requests() and not self._step(engine)
             self.stats = engine.stats()
 
     def _drain(self, engine: LLMEngine, block: bool) -> None:
@@ -242,13 +242,14 @@ class AsyncEngine:
             error = exc
         _deliver(command.sink.loop, _settle, command.admitted, error)
 
-    def _step(self, engine: LLMEngine) -> None:
+    def _step(self, engine: LLMEngine) -> bool:
+        """One engine step, its outputs delivered; False if the step raised (its requests are failed)."""
         try:
             outputs = engine.step()
         except Exception as exc:
             logger.exception("engine step failed")
             self._fail_all(WorkerError(f"engine step failed: {exc}"), engine)
-            return
+            return False
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:  # aborted while the step ran
@@ -256,6 +257,7 @@ class AsyncEngine:
             if output.finished:
                 del self._sinks[output.request_id]
             sink.put(output)
+        return True
 
     def _fail_all(self, error: WorkerError, engine: LLMEngine | None = None) -> None:
         """Ends every in-flight request with `error`, aborting it in the engine so its blocks are freed."""
