@@ -31,8 +31,9 @@ def model(worker: WorkerProcess) -> dict:
 
 
 @pytest.fixture
-def client(worker: WorkerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(worker: WorkerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
 
 
 def all_blocks_free(url: str) -> bool:
