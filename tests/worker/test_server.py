@@ -187,7 +187,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": []}, "messages", "`messages` must be a non-empty list"),
     ("chat/completions", {"messages": [{"content": "x"}]}, "messages[0]", "messages[0] must be an object"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
-     "max_tokens", "max_tokens must be at least 1, got -1"),
+     "max_completion_tokens", "max_completion_tokens must be at least 1, got -1"),
 ]
 
 
