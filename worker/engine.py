@@ -102,7 +102,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos, block_size=self.config.block_size, params=params,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
         )
         try:
@@ -155,6 +155,7 @@ class LLMEngine:
         delta = request.detokenizer.step(request.output_token_ids, request.is_finished)
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
+            request.finish_reason = "stop"  # a stop string wins over max_tokens on the same token
         if request.is_finished:
             del self.requests[request.request_id]
         return RequestOutput(request.request_id, [token_id], delta, request.is_finished,
@@ -170,7 +171,9 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Runs `prompts` to completion (alongside any queued requests); output ids per prompt."""
+        """Runs `prompts` to completion on an idle engine; the output token ids of each prompt."""
+        if self.has_unfinished_requests():
+            raise InvalidRequestError("generate() needs an idle engine: other requests' outputs would be lost")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
