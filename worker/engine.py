@@ -78,10 +78,13 @@ class LLMEngine:
         self._generate_ids = itertools.count()
 
     def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
+        # Full attention equals sliding-window attention while sequences fit in the window.
+        mc = self.model_config
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
         if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit} "
+                             f"(max_position_embeddings {mc.max_position_embeddings}, "
+                             f"sliding_window {mc.sliding_window})")
         return self.config.max_model_len or limit
 
     def _kv_layout(self) -> KVLayout:

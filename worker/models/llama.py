@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) whose parameter names match HF checkpoints."""
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) that loads and saves HF checkpoints."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,6 @@ from torch import nn
 from worker.layers.attention import AttentionMetadata, causal_attention, paged_attention
 from worker.layers.rotary import RotaryEmbedding, apply_rotary
 from worker.models.config import ModelConfig
-
 
 # Checkpoints store q/k/v and gate/up separately; the model runs each group as one matmul.
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -25,7 +24,7 @@ def pack_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return packed
 
 
-def unpack_checkpoint(model: "LlamaForCausalLM") -> dict[str, torch.Tensor]:
+def unpack_checkpoint(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """This model's parameters under HF names, for saving a checkpoint others can load."""
     state = {}
     for name, tensor in model.state_dict().items():
