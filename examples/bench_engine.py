@@ -14,25 +14,26 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from worker import EngineConfig, LLMEngine, SamplingParams, create_bench_model
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[256] + [rng.randrange(32, 127) for _ in range(length - 1)] for _ in range(batch)]
+
+
+class Runner(Protocol):
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]: ...
 
 
 class Ours:
@@ -58,19 +59,23 @@ class Transformers:
         return out[:, ids.shape[1]:].tolist()
 
 
-def measure(runners: dict[str, object], batch: int, prompt_len: int, new_tokens: int,
-            repeats: int) -> dict[str, dict[str, float]]:
+def measure(runners: dict[str, Runner], batch: int, prompt_len: int, new_tokens: int,
+            repeats: int) -> tuple[dict[str, dict[str, float]], bool]:
+    """Tokens/s per runner and phase, and whether all runners produced the same greedy tokens."""
     prompts = make_prompts(batch, prompt_len, seed=batch)
-    results: dict[str, dict[str, float]] = {}
-    outputs = {}
-    for name, runner in runners.items():
+    best = {name: {"prefill": float("inf"), "full": float("inf")} for name in runners}
+    outputs: dict[str, list[list[int]]] = {}
+    for runner in runners.values():
         runner.generate(prompts, 2)  # warm-up
-        t_prefill = timed(lambda: runner.generate(prompts, 1), repeats)
-        t_full = timed(lambda: outputs.__setitem__(name, runner.generate(prompts, new_tokens)), repeats)
-        results[name] = {"prefill": batch * prompt_len / t_prefill,
-                         "decode": batch * (new_tokens - 1) / max(t_full - t_prefill, 1e-9)}
-    results["same_tokens"] = {"value": float(outputs["ours"] == outputs["transformers"])}
-    return results
+    for _ in range(repeats):  # interleaved, so load from elsewhere hits every runner alike
+        for name, runner in runners.items():
+            best[name]["prefill"] = min(best[name]["prefill"], seconds(lambda: runner.generate(prompts, 1)))
+            full = seconds(lambda: outputs.__setitem__(name, runner.generate(prompts, new_tokens)))
+            best[name]["full"] = min(best[name]["full"], full)
+    rates = {name: {"prefill": batch * prompt_len / t["prefill"],
+                    "decode": batch * (new_tokens - 1) / max(t["full"] - t["prefill"], 1e-9)}
+             for name, t in best.items()}
+    return rates, len({json.dumps(o) for o in outputs.values()}) == 1
 
 
 def main() -> None:
@@ -91,14 +96,14 @@ def main() -> None:
                                  "dtype": args.dtype}
     print(f"{'':<12}{'ours tok/s':>12}{'transformers':>14}{'ratio':>8}   (prompt {prompt_len}, new {new_tokens})")
     for batch in (1, 8):
-        res = measure(runners, batch, prompt_len, new_tokens, repeats)
+        rates, same = measure(runners, batch, prompt_len, new_tokens, repeats)
         for phase in ("prefill", "decode"):
-            ours, ref = res["ours"][phase], res["transformers"][phase]
+            ours, ref = rates["ours"][phase], rates["transformers"][phase]
             key = f"{phase}_b{batch}"
             report |= {f"{key}_tok_s": ours, f"{key}_transformers_tok_s": ref,
                        f"{key}_ratio_vs_transformers": ours / ref}
             print(f"{key:<12}{ours:>12.1f}{ref:>14.1f}{ours / ref:>8.2f}")
-        report[f"b{batch}_same_greedy_tokens"] = bool(res["same_tokens"]["value"])
+        report[f"b{batch}_same_greedy_tokens"] = same
     print(f"greedy tokens identical to transformers: b1 {report['b1_same_greedy_tokens']}, "
           f"b8 {report['b8_same_greedy_tokens']}")
     if args.json:

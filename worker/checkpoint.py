@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from worker.byte_tokenizer import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, build_byte_tokenizer
-from worker.models.llama import LlamaForCausalLM
+from worker.models.llama import LlamaForCausalLM, unpack_checkpoint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -18,7 +18,7 @@ def save_checkpoint(model: LlamaForCausalLM, out: Path, dtype: torch.dtype = tor
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
     # Tied weights: store only the embedding, as HF does.
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in unpack_checkpoint(model).items()
                if not (config.tie_word_embeddings and k == "lm_head.weight")}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf_config = config.to_hf() | {"torch_dtype": _DTYPE_NAMES[dtype]}

@@ -78,10 +78,13 @@ class LLMEngine:
         self._generate_ids = itertools.count()
 
     def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
+        # Full attention equals sliding-window attention while sequences fit in the window.
+        mc = self.model_config
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
         if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit {limit} "
+                             f"(max_position_embeddings {mc.max_position_embeddings}, "
+                             f"sliding_window {mc.sliding_window})")
         return self.config.max_model_len or limit
 
     def _kv_layout(self) -> KVLayout:
@@ -102,7 +105,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos, block_size=self.config.block_size, params=params,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
         )
         try:
@@ -155,6 +158,7 @@ class LLMEngine:
         delta = request.detokenizer.step(request.output_token_ids, request.is_finished)
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
+            request.finish_reason = "stop"  # a stop string wins over max_tokens on the same token
         if request.is_finished:
             del self.requests[request.request_id]
         return RequestOutput(request.request_id, [token_id], delta, request.is_finished,
@@ -170,7 +174,9 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Runs `prompts` to completion (alongside any queued requests); output ids per prompt."""
+        """Runs `prompts` to completion on an idle engine; the output token ids of each prompt."""
+        if self.has_unfinished_requests():
+            raise InvalidRequestError("generate() needs an idle engine: other requests' outputs would be lost")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")

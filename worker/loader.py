@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from worker.errors import ModelLoadError
 from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM, rotary_for
+from worker.models.llama import LlamaForCausalLM, pack_checkpoint, rotary_for
 
 BUILTIN_MODEL_NAME = "neuron-di-builtin"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints still store
@@ -50,7 +50,7 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype) -> Lla
             state.update(load_file(str(file)))
         except (OSError, SafetensorError) as exc:
             raise ModelLoadError(f"cannot read weights {file}: {exc}") from exc
-    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    state = pack_checkpoint({k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)})
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):

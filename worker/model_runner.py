@@ -73,7 +73,8 @@ class ModelRunner:
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         context_lens = torch.tensor([len(s) for s in seqs])
-        mask = build_mask(context_lens, torch.tensor(query_lens), max(query_lens), max_blocks * bs)
+        mask = build_mask(context_lens, torch.tensor(query_lens), max(query_lens), max_blocks * bs,
+                          self.kv_pool.dtype)
         return AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(slots),
                                  block_tables=self._tensor(tables), mask=mask.to(self.device),
                                  query_index=query_index)

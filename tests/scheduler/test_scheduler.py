@@ -71,12 +71,14 @@ def test_batch_limits() -> None:
 @settings(max_examples=120, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10)), min_size=1, max_size=12),
        num_blocks=st.integers(8, 20), max_num_seqs=st.integers(1, 6),
-       aborts=st.sets(st.integers(0, 11)), abort_step=st.integers(0, 30))
-def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, aborts, abort_step) -> None:
-    s = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+       aborts=st.sets(st.integers(0, 11)), abort_step=st.integers(0, 30), caching=st.booleans(),
+       shared_prefix=st.booleans())
+def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, aborts, abort_step, caching,
+                                        shared_prefix) -> None:
+    s = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=caching)
     seqs = []
     for i, (n, m) in enumerate(lengths):
-        x = seq(str(i), n=n, max_tokens=m)
+        x = seq(str(i), n=n, max_tokens=m, first=1 if shared_prefix else 100 * i)
         try:
             s.add(x)
             seqs.append(x)
@@ -93,9 +95,14 @@ def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, abort
         bm = s.block_manager
         assert len(bm.free_block_ids) + len(bm.used_block_ids) == num_blocks
         assert len(s.running) <= max_num_seqs
-        tables = [b for x in s.running for b in x.block_table]
-        if not bm.enable_prefix_caching:
-            assert len(tables) == len(set(tables))
+        refs: dict[int, int] = {}
+        for x in s.running:
+            for b in x.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        assert refs == {b.block_id: b.ref_count for b in bm.blocks if b.ref_count}
+        assert set(refs) == bm.used_block_ids
+        if not caching:
+            assert all(count == 1 for count in refs.values())  # never shared, so never doubly given
         for x in batch:
             assert len(x.block_table) == x.num_blocks
         s.postprocess(batch, [5] * len(batch))

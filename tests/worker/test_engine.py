@@ -110,6 +110,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_llama: Path) -> None:
     seqs, _ = eng.scheduler.schedule()
     assert seqs[0].num_cached_tokens > 0
     eng.abort_request("again")
+    assert [o.finish_reason for o in eng.step()] == ["abort"]
     assert eng.generate([shared + [65]], GREEDY)[0] == first
     assert engine(tiny_llama, enable_prefix_caching=False).generate([shared + [65]], GREEDY)[0] == first
 

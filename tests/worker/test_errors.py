@@ -76,6 +76,8 @@ def test_bad_requests(tiny_llama: Path) -> None:
     with pytest.raises(InvalidRequestError, match="already in use"):
         eng.add_request("a", [1, 2], ok)
     assert issubclass(InvalidRequestError, WorkerError) and eng.stats().num_waiting == 1
+    with pytest.raises(InvalidRequestError, match="idle"):
+        eng.generate([[1, 2]], ok)
 
 
 def test_waiting_queue_is_bounded(tiny_llama: Path) -> None:

@@ -1,6 +1,8 @@
 """The built-in model, the benchmark model, the training script and non-fp32 dtypes."""
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,14 @@ def test_training_script_is_deterministic(tmp_path: Path) -> None:
     assert train(tmp_path / "a") == train(tmp_path / "b")
     eng = LLMEngine(EngineConfig(model=str(tmp_path / "a"), num_kv_blocks=8))
     assert eng.tokenizer.encode("ab") == [256, 97, 98]
+
+
+def test_sliding_window_bounds_the_model_length(tiny_llama: Path, tmp_path: Path) -> None:
+    shutil.copytree(tiny_llama, tmp_path / "mistral")
+    config = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    config |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 64}
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps(config))
+    eng = LLMEngine(EngineConfig(model=str(tmp_path / "mistral"), num_kv_blocks=32))
+    assert eng.max_model_len == 64
+    with pytest.raises(ValueError, match="sliding_window 64"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "mistral"), num_kv_blocks=32, max_model_len=128))

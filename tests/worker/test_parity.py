@@ -104,3 +104,20 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert engine_for(tmp_path / "sharded").generate(PROMPTS, params) == engine_for(single).generate(PROMPTS, params)
+
+
+def test_checkpoints_we_save_load_in_transformers(tmp_path: Path) -> None:
+    from worker.checkpoint import save_checkpoint
+    from worker.models.config import ModelConfig
+    from worker.models.llama import LlamaForCausalLM
+
+    config = ModelConfig(vocab_size=262, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         bos_token_id=256, eos_token_ids=[257])
+    ours = LlamaForCausalLM(config)
+    ours.init_weights(torch.Generator().manual_seed(3), std=0.2)
+    save_checkpoint(ours, tmp_path)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        expected = ours.compute_logits(ours(ids, torch.arange(ids.shape[1]).unsqueeze(0)))[0]
+    assert torch.allclose(hf_logits(hf_model(tmp_path), PROMPTS[2]), expected, atol=1e-4, rtol=0)

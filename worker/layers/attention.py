@@ -20,7 +20,7 @@ class AttentionMetadata:
     kv_pool: torch.Tensor              # (layers, 2, blocks, block_size, kv_heads, head_dim)
     slot_mapping: torch.Tensor         # (tokens,) flat slot of each new token
     block_tables: torch.Tensor         # (seqs, max_blocks), padded with block 0 (masked out)
-    mask: torch.Tensor                 # (seqs, 1, max_query_len, max_blocks * block_size) bool
+    mask: torch.Tensor                 # (seqs, 1, max_query_len, max_blocks * block_size) additive
     query_index: torch.Tensor | None   # (tokens,) row in the padded (seqs * max_query_len) layout;
                                        # None when every sequence has exactly one new token
 
@@ -30,14 +30,16 @@ class AttentionMetadata:
 
 
 def build_mask(context_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len: int,
-               max_context: int) -> torch.Tensor:
+               max_context: int, dtype: torch.dtype) -> torch.Tensor:
     """Key j is visible to query i of a sequence iff j < context_len and j <= i's position.
 
-    Padding query rows see the whole context so no row is fully masked (SDPA would give NaN).
+    Additive (0 / -inf) in the model dtype, so no layer converts it again. Padding query
+    rows see the whole context so no row is fully masked (SDPA would give NaN).
     """
     key = torch.arange(max_context).view(1, 1, -1)
     q_pos = (context_lens - query_lens).view(-1, 1, 1) + torch.arange(max_query_len).view(1, -1, 1)
-    return ((key <= q_pos) & (key < context_lens.view(-1, 1, 1))).unsqueeze(1)
+    visible = ((key <= q_pos) & (key < context_lens.view(-1, 1, 1))).unsqueeze(1)
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -64,9 +66,10 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """(blocks, block_size, kv_heads, d) gathered by table -> (seqs, kv_heads, ctx, d)."""
-    blocks = cache[block_tables]
-    num_seqs, max_blocks, block_size = blocks.shape[:3]
-    return blocks.view(num_seqs, max_blocks * block_size, *blocks.shape[3:]).transpose(1, 2)
+    num_seqs, max_blocks = block_tables.shape
+    # index_select on the flat table is a plain row copy, much cheaper than advanced indexing.
+    blocks = cache.index_select(0, block_tables.view(-1))
+    return blocks.view(num_seqs, max_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     model_type: str = "llama"
+    sliding_window: int | None = None  # attention span limit (Mistral); None = full context
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -64,6 +65,8 @@ class ModelConfig:
             # Qwen2 always has a q/k/v bias; Llama makes it optional.
             attention_bias=data.get("attention_bias", data.get("model_type") == "qwen2"),
             model_type=data.get("model_type", "llama"),
+            # Qwen2 configs carry a window they do not use unless use_sliding_window is set.
+            sliding_window=data.get("sliding_window") if data.get("use_sliding_window", True) else None,
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
         )

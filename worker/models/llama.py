@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) whose parameter names match HF checkpoints."""
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) that loads and saves HF checkpoints."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,36 @@ from worker.layers.attention import AttentionMetadata, causal_attention, paged_a
 from worker.layers.rotary import RotaryEmbedding, apply_rotary
 from worker.models.config import ModelConfig
 
+# Checkpoints store q/k/v and gate/up separately; the model runs each group as one matmul.
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def pack_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF parameter names -> this model's (fused) names; parts missing from `state` stay missing."""
+    packed = dict(state)
+    for fused, parts in PACKED_MODULES.items():
+        for name in [n for n in state if f".{parts[0]}." in n]:
+            names = [name.replace(f".{parts[0]}.", f".{part}.") for part in parts]
+            if all(n in state for n in names):
+                packed[name.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([packed.pop(n) for n in names])
+    return packed
+
+
+def unpack_checkpoint(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """This model's parameters under HF names, for saving a checkpoint others can load."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        fused = next((f for f in PACKED_MODULES if f".{f}." in name), None)
+        if fused is None:
+            state[name] = tensor
+            continue
+        parts = PACKED_MODULES[fused]
+        sizes = (model.model.layers[0].self_attn.sizes if fused == "qkv_proj"
+                 else [model.config.intermediate_size] * 2)
+        for part, chunk in zip(parts, tensor.split(sizes)):
+            state[name.replace(f".{fused}.", f".{part}.")] = chunk
+    return state
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -18,9 +48,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference implementation, whatever the storage dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -29,18 +57,17 @@ class LlamaAttention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata | None) -> torch.Tensor:
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, rope)
         out = causal_attention(q, k, v) if meta is None else paged_attention(self.layer, q, k, v, meta)
         return self.o_proj(out.reshape(*lead, -1))
@@ -49,12 +76,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
