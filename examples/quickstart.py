@@ -79,19 +79,20 @@ def sse_bodies(response: httpx.Response) -> Iterator[dict]:
 
 def show(title: str, text: str, usage: dict | None = None) -> None:
     print(f"\n=== {title}")
-    print(text.strip() or "(empty)")
+    print(text.rstrip() or "(empty)")
     if usage:
         print(f"--- tokens: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion")
 
 
 def run_requests(client: httpx.Client, max_tokens: int) -> None:
-    prompt = "The three primary colors are"
-    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    # The built-in model is a small byte-level model trained on Python sources: it continues code.
+    prompt = "import os\nimport sys\n\n\ndef main():\n    "
+    messages = [{"role": "user", "content": "def add(a, b):"}]
     body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                 "temperature": 0}).raise_for_status().json()
-    show(f"completion: {prompt!r}", prompt + body["choices"][0]["text"], body["usage"])
+    show("completion", prompt + body["choices"][0]["text"], body["usage"])
 
-    print(f"\n=== streamed completion: {prompt!r}\n{prompt}", end="", flush=True)
+    print(f"\n=== streamed completion\n{prompt}", end="", flush=True)
     with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                         "temperature": 0, "stream": True}) as r:
         for chunk in sse_bodies(r.raise_for_status()):
@@ -100,7 +101,7 @@ def run_requests(client: httpx.Client, max_tokens: int) -> None:
 
     body = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens,
                                                      "temperature": 0}).raise_for_status().json()
-    show("chat: " + messages[0]["content"], body["choices"][0]["message"]["content"], body["usage"])
+    show(f"chat: {messages[0]['content']!r}", body["choices"][0]["message"]["content"], body["usage"])
 
     print("\n=== streamed chat (with usage)")
     usage = None

@@ -43,7 +43,7 @@ def test_quickstart_prints_every_answer_and_stops_its_worker() -> None:
         finally:
             proc.kill()
         text = log.read_text()
-        for heading in ("=== completion:", "=== streamed completion:", "=== chat:", "=== streamed chat (with usage)"):
+        for heading in ("=== completion", "=== streamed completion", "=== chat:", "=== streamed chat (with usage)"):
             assert heading in text, text
         assert text.count("--- tokens:") == 3 and text.rstrip().endswith("worker stopped")
         wait_until(lambda: gone(worker_pid(log)), timeout=10, what="worker process gone")
