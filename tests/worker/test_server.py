@@ -220,3 +220,11 @@ def test_unknown_route_and_wrong_method(worker: WorkerProcess) -> None:
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(f"{worker.url}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+def test_openai_client_raises_typed_errors_from_the_error_body(client: openai.OpenAI, model: dict) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model["id"], prompt="hi", max_tokens=0)
+    assert info.value.status_code == 400
+    assert info.value.body == {"message": "max_tokens must be at least 1, got 0", "type": "invalid_request_error",
+                               "param": "max_tokens", "code": 400}
