@@ -3,7 +3,7 @@
 Deterministic for a given seed and thread count. Writes an HF-style directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) that the normal loader reads:
 
-    nice python scripts/train_builtin_model.py --out worker/assets/builtin --steps 500
+    nice python scripts/train_builtin_model.py --out worker/assets/builtin --steps 300 --threads 1
 """
 from __future__ import annotations
 
@@ -76,12 +76,12 @@ def save(model: LlamaForCausalLM, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("worker/assets/builtin"))
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--corpus-bytes", type=int, default=16 * 2**20)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=200)
     args = parser.parse_args()

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,17 +18,25 @@ from worker.models.config import ModelConfig
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def test_builtin_model_is_the_default_and_writes_python() -> None:
+def test_builtin_model_is_the_default_and_knows_python() -> None:
     eng = LLMEngine(EngineConfig(num_kv_blocks=64))
     assert eng.model_name == BUILTIN_MODEL_NAME and eng.max_model_len == 2048
     config = eng.model_config
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads) == (256, 4, 4, 2)
     assert eng.kv_layout.num_kv_heads == 2 and eng.kv_layout.num_layers == 4
-    prompt = eng.tokenizer.encode("import os\nimport sys\n\n\ndef main():\n    ")
-    out = eng.generate([prompt], SamplingParams(max_tokens=48, temperature=0))[0]
-    text = eng.tokenizer.decode(out)
-    assert text.isascii() and sum(c.isalpha() for c in text) > len(text) // 3, text
+    # Cross-entropy on a stdlib source: uniform guessing would score ln(262) = 5.6 nats/byte.
+    text = Path(textwrap.__file__).read_text()[5000:6000]
+    ids = eng.tokenizer.encode(text)
+    with torch.inference_mode():
+        model = eng.runner.model
+        logits = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)))[0]
+    loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
+    assert loss < 2.3, loss
+    prompt = eng.tokenizer.encode("import os\nimport sys\n\n\ndef main(")
+    sampled = eng.generate([prompt], SamplingParams(max_tokens=64, temperature=0.7, seed=0))[0]
+    out = eng.tokenizer.decode(sampled)
+    assert out.isascii() and sum(c.isalpha() for c in out) > len(out) // 3, out
     chat = eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|bos|><|user|>hi\n<|assistant|>"
 
