@@ -84,29 +84,33 @@ def show(title: str, text: str, usage: dict | None = None) -> None:
         print(f"--- tokens: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion")
 
 
+# Seeded sampling: varied text that is the same on every run (greedy decoding of a small model loops).
+SAMPLING = {"temperature": 0.8, "top_k": 40, "seed": 1}
+
+
 def run_requests(client: httpx.Client, max_tokens: int) -> None:
     # The built-in model is a small byte-level model trained on Python sources: it continues code.
     prompt = "import os\nimport sys\n\n\ndef main():\n    "
     messages = [{"role": "user", "content": "def add(a, b):"}]
     body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                "temperature": 0}).raise_for_status().json()
+                                                **SAMPLING}).raise_for_status().json()
     show("completion", prompt + body["choices"][0]["text"], body["usage"])
 
     print(f"\n=== streamed completion\n{prompt}", end="", flush=True)
     with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                        "temperature": 0, "stream": True}) as r:
+                                                        **SAMPLING, "stream": True}) as r:
         for chunk in sse_bodies(r.raise_for_status()):
             print(chunk["choices"][0]["text"], end="", flush=True)
     print()
 
     body = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens,
-                                                     "temperature": 0}).raise_for_status().json()
+                                                     **SAMPLING}).raise_for_status().json()
     show(f"chat: {messages[0]['content']!r}", body["choices"][0]["message"]["content"], body["usage"])
 
     print("\n=== streamed chat (with usage)")
     usage = None
     with client.stream("POST", "/v1/chat/completions", json={
-            "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "messages": messages, "max_tokens": max_tokens, **SAMPLING, "stream": True,
             "stream_options": {"include_usage": True}}) as r:
         for chunk in sse_bodies(r.raise_for_status()):
             if chunk["choices"]:
@@ -118,7 +122,7 @@ def run_requests(client: httpx.Client, max_tokens: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the built-in model)")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     args = parser.parse_args()
     worker = Worker(free_port(), args.model)
