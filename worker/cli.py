@@ -41,18 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--role", choices=ROLES, default="both",
                         help="both: prefill and decode here; prefill/decode: one side of disaggregated serving")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=_port, default=8100)
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=_port, default=8100, help="HTTP port (default 8100)")
     server.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
-    engine.add_argument("--served-model-name", default=None)
-    engine.add_argument("--block-size", type=_positive, default=16)
-    engine.add_argument("--num-kv-blocks", type=_positive, default=None)
-    engine.add_argument("--max-num-seqs", type=_positive, default=16)
-    engine.add_argument("--max-waiting", type=_positive, default=256)
-    engine.add_argument("--max-model-len", type=_positive, default=None)
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--served-model-name", default=None,
+                        help="model id in the API (default: from the model)")
+    engine.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default 16)")
+    engine.add_argument("--num-kv-blocks", type=_positive, default=None,
+                        help="KV blocks (default: as many as the cache budget holds)")
+    engine.add_argument("--max-num-seqs", type=_positive, default=16, help="requests in one running batch (default 16)")
+    engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
+    engine.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
+    engine.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default 0)")
     return parser
 
 
