@@ -1,0 +1,131 @@
+"""Allocation of KV blocks to sequences, with reference counts and optional prefix caching."""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.sequence import Sequence, blocks_for
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None          # chained hash of a full block's tokens, None while partial
+    token_ids: list[int] = field(default_factory=list)
+
+
+def chain_hash(token_ids: list[int], prev_hash: int | None) -> int:
+    """Hash of a full block folding in the hash of everything before it."""
+    h = hashlib.blake2b(digest_size=8)
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockManager:
+    """Hands out block ids; the caller checks (`can_*`) before it acts (`allocate`, `may_append`).
+
+    With prefix caching, a full block is remembered by its chained hash after it is freed and
+    reused, once its stored token ids are verified, by a later sequence with the same prefix.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+        self.hash_to_block_id: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        # Conservative: cache hits would need fewer, but a check must never over-promise.
+        return len(self.free_block_ids) >= seq.num_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Gives `seq` blocks for all its tokens, reusing cached full blocks of its prefix."""
+        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        prev_hash: int | None = None
+        cache_miss = False
+        for i in range(seq.num_blocks):
+            token_ids = seq.block(i)
+            full = len(token_ids) == self.block_size
+            h = chain_hash(token_ids, prev_hash) if full and self.enable_prefix_caching else None
+            # The block holding the last token is always computed: its logits are needed.
+            block_id = self._lookup(h, token_ids) if (i + 1) * self.block_size < len(seq) else None
+            cache_miss = cache_miss or block_id is None
+            if cache_miss:
+                block = self._take_free_block()
+            else:
+                seq.num_cached_tokens += self.block_size
+                block = self._reuse_block(block_id)
+            if h is not None:
+                block.hash, block.token_ids = h, list(token_ids)
+                self.hash_to_block_id[h] = block.block_id
+            seq.block_table.append(block.block_id)
+            prev_hash = h
+
+    def free(self, seq: Sequence) -> None:
+        """Drops `seq`'s references; blocks nobody references go back to the free list."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids.append(block_id)
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        return len(self.free_block_ids) >= blocks_for(len(seq), self.block_size) - len(seq.block_table)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Makes room for `seq`'s last token; registers the hash of a block it just filled."""
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
+        if self.enable_prefix_caching and len(seq) % self.block_size == 0:
+            index = len(seq) // self.block_size - 1
+            prev = self.blocks[seq.block_table[index - 1]].hash if index > 0 else None
+            if index == 0 or prev is not None:
+                block = self.blocks[seq.block_table[index]]
+                block.hash, block.token_ids = chain_hash(seq.block(index), prev), seq.block(index)
+                self.hash_to_block_id[block.hash] = block.block_id
+
+    def _lookup(self, h: int | None, token_ids: list[int]) -> int | None:
+        if h is None:
+            return None
+        block_id = self.hash_to_block_id.get(h)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def _take_free_block(self) -> Block:
+        block = self.blocks[self.free_block_ids.popleft()]
+        assert block.ref_count == 0, f"free block {block.block_id} is referenced"
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, [], 1
+        self.used_block_ids.add(block.block_id)
+        return block
+
+    def _reuse_block(self, block_id: int) -> Block:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.free_block_ids.remove(block_id)
+            self.used_block_ids.add(block_id)
+        block.ref_count += 1
+        return block

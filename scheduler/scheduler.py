@@ -1,0 +1,123 @@
+"""Continuous batching for role "both": new requests prefill while others decode."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from scheduler.block_manager import BlockManager
+from scheduler.errors import QueueFull, WillNeverFit
+from scheduler.sequence import Sequence, SequenceStatus, blocks_for
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    max_waiting: int = 256
+    enable_prefix_caching: bool = True
+
+
+class Scheduler:
+    """Decides what runs each step; knows nothing of tensors.
+
+    A step is either one prefill batch (waiting requests that fit) or one decode step of every
+    running request. When a decode step runs out of blocks the newest running request is
+    preempted: its blocks are freed and it waits to be recomputed from its tokens so far.
+    """
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Raises unless `seq` can ever complete in an empty pool and the queue has room."""
+        needed = blocks_for(seq.max_len, self.config.block_size)
+        if needed > self.config.num_blocks:
+            raise WillNeverFit(f"request {seq.request_id!r} needs {needed} KV blocks at its full length "
+                               f"({seq.max_len} tokens) but the pool has only {self.config.num_blocks}")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests)")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_admissible(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The sequences to run this step and whether it is a prefill step."""
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        num_tokens = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # A lone request may exceed the token budget: prompts are not chunked.
+            too_many = scheduled and num_tokens + len(seq) > self.config.max_num_batched_tokens
+            if too_many or not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            num_tokens += len(seq) - seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            scheduled.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                scheduled.append(seq)
+        self.running.extend(scheduled)
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
+        """Appends each sampled token; finishes sequences on EOS or max_tokens."""
+        for seq, token_id in zip(seqs, token_ids):
+            seq.token_ids.append(token_id)
+            if not seq.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(seq, "stop")
+            elif seq.num_output_tokens >= seq.max_tokens:
+                self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends `seq` (EOS, length, a stop string or an abort) and frees its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

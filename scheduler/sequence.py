@@ -1,0 +1,68 @@
+"""The scheduling state of one request: its tokens, its block table and its status."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"  # blocks held while KV moves between prefill and decode
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Tokens so far (prompt then output) and where their KV lives.
+
+    `num_cached_tokens` counts leading tokens whose KV is already in the pool (prefix-cache
+    hits), so a prefill computes only `token_ids[num_cached_tokens:]`.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    block_size: int = 16
+    num_prompt_tokens: int = field(init=False)
+    status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)
+    block_table: list[int] = field(default_factory=list, init=False)
+    num_cached_tokens: int = field(default=0, init=False)
+    finish_reason: str | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_len(self) -> int:
+        """The longest this sequence can grow: prompt plus every allowed output token."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return blocks_for(len(self.token_ids), self.block_size)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block(self, index: int) -> list[int]:
+        """Token ids of block `index` of this sequence (the last one may be partial)."""
+        return self.token_ids[index * self.block_size:(index + 1) * self.block_size]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size

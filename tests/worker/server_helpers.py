@@ -1,0 +1,73 @@
+"""Test helpers for the worker server: a worker subprocess, an in-process server, metric scraping."""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from typing import Sequence
+
+import httpx
+from hypercorn.asyncio import serve
+from quart import Quart
+
+from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok
+from worker.cli import hypercorn_config
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class WorkerProcess:
+    """`python -m worker --role both` on a free port, stopped (and its children killed) on close."""
+
+    def __init__(self, extra_args: Sequence[str] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: ManagedProcess = python_process(
+            ["-m", "worker", "--role", "both", "--port", str(self.port), "--threads", "1", *extra_args],
+            name="worker", env=WORKER_ENV)
+        try:
+            wait_http_ok(f"{self.url}/health", self.proc, timeout=120.0)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class InProcessServer:
+    """Serves a Quart app with hypercorn on a free port, on an event loop in a background thread."""
+
+    def __init__(self, app: Quart) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self._run, args=(app,), daemon=True)
+        self._thread.start()
+        wait_http_ok(f"{self.url}/health", timeout=120.0)
+
+    def _run(self, app: Quart) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(serve(app, hypercorn_config("127.0.0.1", self.port),
+                                            shutdown_trigger=self._stop.wait))
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "in-process server did not shut down"
+        self._loop.close()
+
+
+_SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})?\s+(\S+)$")
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The value of one series on /metrics (labels given must match; others are ignored)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) == name and all(f'{k}="{v}"' in (match.group(2) or "")
+                                                     for k, v in labels.items()):
+            return float(match.group(3))
+    raise AssertionError(f"series {name} {labels} not on /metrics")

@@ -1,0 +1,8 @@
+"""`python -m worker`."""
+from __future__ import annotations
+
+import sys
+
+from worker.cli import main
+
+sys.exit(main())

@@ -1,0 +1,282 @@
+"""AsyncEngine: runs the single-threaded LLMEngine on its own thread and serves it to asyncio code.
+
+Every call into the engine happens on that thread. The event loop talks to it through a
+thread-safe inbox of commands (add, abort, stop); the thread hands each RequestOutput back to
+the request's asyncio.Queue with `loop.call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from worker.engine import EngineStats, LLMEngine, RequestOutput
+from worker.errors import WorkerError
+from worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5  # how long an idle engine thread sleeps on the inbox before re-checking `stopping`
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: _Sink
+    admitted: asyncio.Future[None]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class _Sink:
+    """Where one request's outputs go: a queue owned by an event loop on another thread."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        _deliver(self.loop, self.queue.put_nowait, item)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """Runs `callback` on `loop`'s thread; a loop already closed has nobody left to tell."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        logger.debug("event loop closed; dropped a delivery")
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile; its abort command follows the add
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class RequestStream:
+    """The outputs of one admitted request, in order, until one is `finished`.
+
+    Leaving early (cancellation, `aclose()`, an exception in `async with`) aborts the request so
+    the engine frees its blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
+        self.request_id = request_id
+        self._sink = sink
+        self._done = False
+        # A stream dropped before anyone iterated it (e.g. the client left before the body started)
+        # still aborts its request when it is garbage collected.
+        self._abort = weakref.finalize(self, engine.abort, request_id)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._sink.queue.get()
+        except BaseException:
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finished:
+            self._finish()
+        return item
+
+    def _finish(self) -> None:
+        self._done = True
+        self._abort.detach()
+
+    def abort(self) -> None:
+        """Aborts the request unless it already ended; idempotent."""
+        self._done = True
+        self._abort()  # a finalize callback runs at most once, and never after detach()
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """Owns the engine thread; `await start()`, then `generate()` from any coroutine, then `stop()`."""
+
+    def __init__(self, factory: Callable[[], LLMEngine], thread_name: str = "engine") -> None:
+        self._factory = factory
+        self._thread_name = thread_name
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.engine: LLMEngine | None = None
+        self.stats: EngineStats | None = None  # refreshed by the engine thread after every change
+
+    async def start(self) -> None:
+        """Builds the engine on its thread (model loading included) and waits until it is ready."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(target=self._main, args=(loop, ready), name=self._thread_name,
+                                        daemon=True)
+        self._thread.start()
+        await ready
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Stops the thread; requests still in flight fail with WorkerError."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._inbox.put(_Stop())
+        thread, self._thread = self._thread, None
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
+        if thread.is_alive():
+            logger.error("engine thread did not stop within %.0f s", timeout)
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here."""
+        if not self.is_alive():
+            raise WorkerError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        sink = _Sink(loop, asyncio.Queue())
+        admitted: asyncio.Future[None] = loop.create_future()
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted))
+        try:
+            await self._admission(admitted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been admitted after all
+            raise
+        return RequestStream(self, request_id, sink)
+
+    async def _admission(self, admitted: asyncio.Future[None]) -> None:
+        # Re-checks the thread now and then: a command put after its final drain is never answered.
+        while not admitted.done():
+            await asyncio.wait({admitted}, timeout=1.0)
+            if not admitted.done() and not self.is_alive():
+                raise WorkerError("the engine stopped")
+        admitted.result()
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request if it is still in flight; safe from any thread, any number of times."""
+        self._inbox.put(_Abort(request_id))
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
+        try:
+            self.engine = self._factory()
+            self.stats = self.engine.stats()
+        except Exception as exc:  # e.g. ModelLoadError, or a config the model cannot honour
+            _deliver(loop, _settle, ready, WorkerError(f"engine failed to start: {exc}"))
+            return
+        _deliver(loop, _settle, ready, None)
+        reason = "the engine is shutting down"
+        try:
+            self._loop(self.engine)
+        except BaseException as exc:  # a bug in this loop must not leave requests hanging
+            logger.exception("engine thread crashed")
+            reason = f"engine thread crashed: {exc}"
+        finally:
+            self._stopping.set()
+            self._close(WorkerError(reason))
+
+    def _loop(self, engine: LLMEngine) -> None:
+        failed = False
+        while not self._stopping.is_set():
+            # After a failed step, wait for a command before retrying instead of spinning on the fault.
+            self._drain(engine, block=failed or not engine.has_unfinished_requests())
+            failed = engine.has_unfinished_requests() and not self._step(engine)
+            self.stats = engine.stats()
+
+    def _drain(self, engine: LLMEngine, block: bool) -> None:
+        """Runs every queued command; when idle, first waits (bounded) for one to arrive."""
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run(engine, command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self, engine: LLMEngine, command: _Add | _Abort | _Stop) -> None:
+        if isinstance(command, _Add):
+            self._add(engine, command)
+        elif isinstance(command, _Abort):
+            if self._sinks.pop(command.request_id, None) is not None:
+                engine.abort_request(command.request_id)
+        else:
+            self._stopping.set()
+
+    def _add(self, engine: LLMEngine, command: _Add) -> None:
+        error: BaseException | None = None
+        try:
+            engine.add_request(command.request_id, command.prompt_ids, command.params)
+            self._sinks[command.request_id] = command.sink
+        except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller
+            error = exc
+        _deliver(command.sink.loop, _settle, command.admitted, error)
+
+    def _step(self, engine: LLMEngine) -> bool:
+        """One engine step, its outputs delivered; False if the step raised (its requests are failed)."""
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed")
+            self._fail_all(WorkerError(f"engine step failed: {exc}"), engine)
+            return False
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:  # aborted while the step ran
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            sink.put(output)
+        return True
+
+    def _fail_all(self, error: WorkerError, engine: LLMEngine | None = None) -> None:
+        """Ends every in-flight request with `error`, aborting it in the engine so its blocks are freed."""
+        for request_id, sink in list(self._sinks.items()):
+            del self._sinks[request_id]
+            if engine is not None:
+                try:
+                    engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("could not abort %s after an engine failure", request_id)
+            sink.put(error)
+
+    def _close(self, error: WorkerError) -> None:
+        """Fails everything in flight or still queued, so no caller waits on a stopped thread."""
+        self._fail_all(error)
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                _deliver(command.sink.loop, _settle, command.admitted, error)

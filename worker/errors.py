@@ -1,0 +1,24 @@
+"""Errors of the reference worker engine.
+
+    WorkerError
+    ├── InvalidRequestError   bad prompt or sampling params, duplicate id, can never fit
+    ├── QueueFullError        the bounded waiting queue is full; retry later
+    └── ModelLoadError        the model directory is missing, malformed or unsupported
+"""
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Base class of every error the engine raises."""
+
+
+class InvalidRequestError(WorkerError, ValueError):
+    pass
+
+
+class QueueFullError(WorkerError):
+    pass
+
+
+class ModelLoadError(WorkerError):
+    pass

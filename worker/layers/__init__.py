@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: rotary embeddings and paged attention."""

@@ -1,0 +1,79 @@
+"""Paged attention over one shared KV pool.
+
+Every step writes the new tokens' K/V into their slots of the pool first, then each sequence
+attends over its whole context gathered through its block table. Because every layer writes
+before it reads, a sequence may read blocks that another sequence of the same batch is filling
+in this very step (prefix-cache hits on a block computed in the same prefill).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step tensors shared by all layers; built once per step by the model runner."""
+
+    kv_pool: torch.Tensor              # (layers, 2, blocks, block_size, kv_heads, head_dim)
+    slot_mapping: torch.Tensor         # (tokens,) flat slot of each new token
+    block_tables: torch.Tensor         # (seqs, max_blocks), padded with block 0 (masked out)
+    mask: torch.Tensor                 # (seqs, 1, max_query_len, max_blocks * block_size) additive
+    query_index: torch.Tensor | None   # (tokens,) row in the padded (seqs * max_query_len) layout;
+                                       # None when every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+
+def build_mask(context_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len: int,
+               max_context: int, dtype: torch.dtype) -> torch.Tensor:
+    """Key j is visible to query i of a sequence iff j < context_len and j <= i's position.
+
+    Additive (0 / -inf) in the model dtype, so no layer converts it again. Padding query
+    rows see the whole context so no row is fully masked (SDPA would give NaN).
+    """
+    key = torch.arange(max_context).view(1, 1, -1)
+    q_pos = (context_lens - query_lens).view(-1, 1, 1) + torch.arange(max_query_len).view(1, -1, 1)
+    visible = ((key <= q_pos) & (key < context_lens.view(-1, 1, 1))).unsqueeze(1)
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
+def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q: (tokens, heads, d); k, v: (tokens, kv_heads, d). Returns (tokens, heads, d)."""
+    k_cache, v_cache = meta.kv_pool[layer, 0], meta.kv_pool[layer, 1]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    num_seqs, max_query_len = meta.num_seqs, meta.mask.shape[2]
+    keys = _gather(k_cache, meta.block_tables)
+    values = _gather(v_cache, meta.block_tables)
+    if meta.query_index is None:
+        q_pad = q.unsqueeze(2)                                   # (seqs, heads, 1, d)
+    else:
+        q_pad = q.new_zeros(num_seqs * max_query_len, *q.shape[1:])
+        q_pad[meta.query_index] = q
+        q_pad = q_pad.view(num_seqs, max_query_len, *q.shape[1:]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.mask, enable_gqa=True)
+    if meta.query_index is None:
+        return out.squeeze(2)
+    return out.transpose(1, 2).reshape(num_seqs * max_query_len, *q.shape[1:])[meta.query_index]
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """(blocks, block_size, kv_heads, d) gathered by table -> (seqs, kv_heads, ctx, d)."""
+    num_seqs, max_blocks = block_tables.shape
+    # index_select on the flat table is a plain row copy, much cheaper than advanced indexing.
+    blocks = cache.index_select(0, block_tables.view(-1))
+    return blocks.view(num_seqs, max_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention without a cache (training): (batch, seq, heads, d) in and out."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2)

@@ -1,0 +1,82 @@
+"""Prometheus metrics of one worker server, on a registry of its own (several apps may share a process)."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from worker.engine import EngineStats
+
+# Latency buckets from 1 ms to ~1 min: a CPU engine's first token can take seconds under load.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """The worker's series: engine gauges, token counters, latency histograms, finished requests."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry)
+
+        self.running = gauge("neuron_di_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("neuron_di_requests_waiting", "Requests waiting to be scheduled.")
+        self.blocks_used = gauge("neuron_di_kv_blocks_used", "KV cache blocks held by requests.")
+        self.blocks_total = gauge("neuron_di_kv_blocks_total", "KV cache blocks in the pool.")
+        self.prompt_tokens = Counter("neuron_di_prompt_tokens", "Prompt tokens admitted.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("neuron_di_generation_tokens", "Tokens generated.", labels,
+                                         registry=self.registry)
+        self.ttft = Histogram("neuron_di_ttft_seconds", "Time from admission to the first token.", labels,
+                              buckets=_BUCKETS, registry=self.registry)
+        self.itl = Histogram("neuron_di_itl_seconds", "Time between consecutive output tokens.", labels,
+                             buckets=_BUCKETS, registry=self.registry)
+        self.requests = Counter("neuron_di_requests", "Requests answered, by finish reason or error status.",
+                                [*labels, "outcome"], registry=self.registry)
+        self.model_name = model_name
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        self.running.labels(self.model_name).set(stats.num_running)
+        self.waiting.labels(self.model_name).set(stats.num_waiting)
+        self.blocks_used.labels(self.model_name).set(stats.num_blocks_used)
+        self.blocks_total.labels(self.model_name).set(stats.num_blocks_total)
+
+    def request_done(self, outcome: str) -> None:
+        """Counts a finished request: a finish reason ("stop", "length", "abort") or an HTTP status."""
+        self.requests.labels(self.model_name, outcome).inc()
+
+    def timer(self, num_prompt_tokens: int) -> RequestTimer:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        return RequestTimer(self)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        if stats is not None:
+            self.observe_stats(stats)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping: TTFT at the first token, then one ITL sample per token."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._start = self._last = time.monotonic()
+        self._seen_first = False
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        model = self._metrics.model_name
+        self._metrics.generation_tokens.labels(model).inc(count)
+        if not self._seen_first:
+            self._metrics.ttft.labels(model).observe(now - self._start)
+            self._seen_first, self._last, count = True, now, count - 1
+        # Tokens that arrive together (e.g. held back by a stop string) share the gap evenly.
+        for _ in range(count):
+            self._metrics.itl.labels(model).observe((now - self._last) / count)
+        self._last = now

@@ -1,0 +1,155 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) that loads and saves HF checkpoints."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.attention import AttentionMetadata, causal_attention, paged_attention
+from worker.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.models.config import ModelConfig
+
+# Checkpoints store q/k/v and gate/up separately; the model runs each group as one matmul.
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def pack_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF parameter names -> this model's (fused) names; parts missing from `state` stay missing."""
+    packed = dict(state)
+    for fused, parts in PACKED_MODULES.items():
+        for name in [n for n in state if f".{parts[0]}." in n]:
+            names = [name.replace(f".{parts[0]}.", f".{part}.") for part in parts]
+            if all(n in state for n in names):
+                packed[name.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([packed.pop(n) for n in names])
+    return packed
+
+
+def unpack_checkpoint(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """This model's parameters under HF names, for saving a checkpoint others can load."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        fused = next((f for f in PACKED_MODULES if f".{f}." in name), None)
+        if fused is None:
+            state[name] = tensor
+            continue
+        parts = PACKED_MODULES[fused]
+        sizes = (model.model.layers[0].self_attn.sizes if fused == "qkv_proj"
+                 else [model.config.intermediate_size] * 2)
+        for part, chunk in zip(parts, tensor.split(sizes)):
+            state[name.replace(f".{fused}.", f".{part}.")] = chunk
+    return state
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, whatever the storage dtype.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, rope)
+        out = causal_attention(q, k, v) if meta is None else paged_attention(self.layer, q, k, v, meta)
+        return self.o_proj(out.reshape(*lead, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rotary_for(config: ModelConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                           config.rope_scaling)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = rotary_for(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    With `meta` the input is a flat (tokens,) batch using the paged KV pool; without it the
+    input is (batch, seq) with dense causal attention and no cache (used for training).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        """Deterministic random init (normal, as HF Llama) for training and benchmark models."""
+        for name, param in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Final hidden states; call `compute_logits` on the rows that need them."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

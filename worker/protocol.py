@@ -1,0 +1,263 @@
+"""The OpenAI wire format, sans I/O: request bodies in, validated requests out; outputs in, JSON and SSE out.
+
+Nothing here touches sockets, the event loop or the engine, so every rule is testable with plain dicts.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from werkzeug.exceptions import HTTPException
+
+from worker.errors import InvalidRequestError, QueueFullError
+from worker.sampling_params import SamplingParams
+
+Kind = Literal["completion", "chat"]
+DONE_EVENT = b"data: [DONE]\n\n"
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+# Accepted when off (null/false/empty), refused when asked for, rather than silently ignored.
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "response_format")
+
+
+def invalid(message: str, param: str | None = None) -> InvalidRequestError:
+    """An InvalidRequestError naming the offending body field (shown as `param` in the error body)."""
+    error = InvalidRequestError(message)
+    error.param = param  # type: ignore[attr-defined]
+    return error
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One validated /v1/completions or /v1/chat/completions body (exactly one prompt, n == 1)."""
+
+    kind: Kind
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    max_tokens: int | None = None  # None: the default for the endpoint, bounded by the context
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
+    stream: bool = False
+    include_usage: bool = False
+    # Disaggregation handoff (role, peer address); carried through untouched for the prefill/decode roles.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Decodes a request body that must be one JSON object."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    return body
+
+
+def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> GenerateRequest:
+    """Validates a completion or chat body against the served model; raises InvalidRequestError."""
+    model = _opt(body, "model", str)
+    if model is not None and model != model_name:
+        raise invalid(f"The model `{model}` does not exist.", "model")
+    for name in _UNSUPPORTED:
+        if body.get(name):
+            raise invalid(f"`{name}` is not supported by this server", name)
+    n = _opt(body, "n", int)
+    if n is not None and n != 1:
+        raise invalid("only n=1 is supported", "n")
+    stream = bool(_opt(body, "stream", bool))
+    options = _opt(body, "stream_options", dict) or {}
+    include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage")
+    limit = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _opt(body, limit, int)
+    if max_tokens is not None and max_tokens <= 0:
+        raise invalid(f"{limit} must be at least 1, got {max_tokens}", limit)
+    return GenerateRequest(
+        kind=kind,
+        prompt=_parse_prompt(body) if kind == "completion" else None,
+        messages=_parse_messages(body) if kind == "chat" else [],
+        max_tokens=max_tokens,
+        sampling=_parse_sampling(body),
+        stream=stream,
+        include_usage=stream and bool(include_usage),
+        kv_transfer_params=_opt(body, "kv_transfer_params", dict),
+    )
+
+
+def build_params(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """SamplingParams for a tokenized prompt; the prompt plus its output must fit the model's context."""
+    room = max_model_len - num_prompt_tokens
+    if room <= 0 or (request.max_tokens is not None and request.max_tokens > room):
+        wanted = num_prompt_tokens + (request.max_tokens or 1)
+        raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                      f"{wanted} tokens ({num_prompt_tokens} in the prompt, {wanted - num_prompt_tokens} in "
+                      f"the completion). Please reduce the prompt or max_tokens.",
+                      "messages" if request.kind == "chat" else "prompt")
+    # vLLM's defaults: completions produce 16 tokens, chat may fill the context.
+    default = 16 if request.kind == "completion" else room
+    max_tokens = request.max_tokens if request.max_tokens is not None else min(default, room)
+    try:
+        return SamplingParams(max_tokens=max_tokens, **request.sampling)
+    except ValueError as exc:
+        raise invalid(str(exc)) from exc
+
+
+def _opt(body: Mapping[str, Any], key: str, kind: type, param: str | None = None) -> Any:
+    """body[key] if present and not null, checked to be of `kind` (bool is not an int here)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise invalid(f"`{param or key}` must be of type {_TYPE_NAMES[kind]}", param or key)
+    return value
+
+
+_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+def _parse_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    fields = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "ignore_eos": bool}
+    sampling = {name: value for name, kind in fields.items() if (value := _opt(body, name, kind)) is not None}
+    if sampling.get("top_k") == -1:  # vLLM's spelling of "top-k off"
+        sampling["top_k"] = 0
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        sampling["stop"] = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        sampling["stop"] = list(stop)
+    elif stop is not None:
+        raise invalid("`stop` must be a string or a list of strings", "stop")
+    return sampling
+
+
+def _parse_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("only one prompt per request is supported", "prompt")
+    raise invalid("`prompt` must be a string or a non-empty list of token ids", "prompt")
+
+
+def _parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("`messages` must be a non-empty list", "messages")
+    return [_parse_message(m, i) for i, m in enumerate(messages)]
+
+
+def _parse_message(message: Any, index: int) -> dict[str, str]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise invalid(f"{param} must be an object with a role in {list(_ROLES)}", param)
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text is understood
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise invalid(f"{param}.content: only text parts are supported", param)
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise invalid(f"{param}.content must be a string or a list of text parts", param)
+    return {"role": message["role"], "content": content}
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """What every body of one response shares: its id, model and creation time."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, text: str, finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+        """The one JSON body of a non-streamed response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            obj = "chat.completion"
+        else:
+            choice, obj = {"index": 0, "text": text}, "text_completion"
+        choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=None)
+        return {**self._envelope(obj, [choice]), "usage": usage}
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False,
+              include_usage: bool = False) -> dict[str, Any]:
+        """One streamed chunk; chat's first chunk also carries the assistant role."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice, obj = {"index": 0, "text": text}, "text_completion"
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        body = self._envelope(obj, [choice])
+        if include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
+        return body
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The final chunk of a stream with stream_options.include_usage: no choices, only usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage}
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens}
+
+
+def sse_event(body: Mapping[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON body."""
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def models_body(model_name: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "neuron-di", "root": model_name,
+                                        "max_model_len": max_model_len}]}
+
+
+# ---- errors: the one place where worker errors become HTTP statuses ---------------------------
+
+
+def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body; `code` is the HTTP status, as vLLM reports it."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and body for any error raised while serving a request."""
+    if isinstance(exc, HTTPException):  # routing and framework errors: 404, 405, 413, ...
+        status = exc.code or 500
+        err_type = _HTTP_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        return status, error_body(status, exc.description or exc.name, err_type)
+    if isinstance(exc, InvalidRequestError):
+        status, err_type = 400, "invalid_request_error"
+    elif isinstance(exc, QueueFullError):
+        status, err_type = 503, "server_overloaded"
+    else:
+        status, err_type = 500, "server_error"
+    return status, error_body(status, str(exc) or type(exc).__name__, err_type, getattr(exc, "param", None))
+
+
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "method_not_allowed"}

@@ -1,0 +1,17 @@
+"""A request inside the engine: scheduling state plus what sampling and detokenizing need."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler import Sequence
+from worker.detokenizer import IncrementalDetokenizer
+from worker.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class Request(Sequence):
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer

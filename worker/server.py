@@ -1,0 +1,193 @@
+"""The worker's OpenAI-compatible HTTP server: a Quart app around one AsyncEngine.
+
+    POST /v1/completions         one prompt (text or token ids); JSON, or SSE with `"stream": true`
+    POST /v1/chat/completions    messages rendered by the model's chat template; JSON or SSE
+    GET  /v1/models              the served model
+    GET  /health                 200 while the engine thread runs, else 503
+    GET  /metrics                Prometheus text (worker/metrics.py)
+
+`X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
+whatever raised it, is turned into a status and an OpenAI-style body by protocol.error_for.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from quart import Quart, Response, g, jsonify, make_response, request
+
+from worker.async_engine import AsyncEngine, RequestStream
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.metrics import RequestTimer, ServerMetrics
+from worker.protocol import (DONE_EVENT, GenerateRequest, Kind, ResponseShape, build_params, error_body,
+                             error_for, models_body, parse_body, parse_request, sse_event, usage)
+
+logger = logging.getLogger(__name__)
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def create_app(engine_config: EngineConfig, *,
+               engine_factory: Callable[[], LLMEngine] | None = None) -> Quart:
+    """A Quart app serving one engine; the engine starts in `before_serving` and stops in `after_serving`.
+
+    `engine_factory` builds the engine on its thread; the default is `LLMEngine(engine_config)`.
+    """
+    app = Quart(__name__)
+    worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)))
+    app.before_serving(worker.startup)
+    app.after_serving(worker.shutdown)
+    app.before_request(_take_request_id)
+    app.after_request(_echo_request_id)
+    app.register_error_handler(Exception, worker.error)
+    app.add_url_rule("/v1/completions", "completions", worker.completions, methods=["POST"])
+    app.add_url_rule("/v1/chat/completions", "chat", worker.chat, methods=["POST"])
+    app.add_url_rule("/v1/models", "models", worker.models, methods=["GET"])
+    app.add_url_rule("/health", "health", worker.health, methods=["GET"])
+    app.add_url_rule("/metrics", "metrics", worker.metrics_page, methods=["GET"])
+    app.extensions["neuron_di_worker"] = worker
+    return app
+
+
+async def _take_request_id() -> None:
+    g.request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
+async def _echo_request_id(response: Response) -> Response:
+    if "request_id" in g:
+        response.headers[REQUEST_ID_HEADER] = g.request_id
+    return response
+
+
+class _Worker:
+    """The app's state and route handlers; one per app, so several apps can share a process."""
+
+    def __init__(self, factory: Callable[[], LLMEngine]) -> None:
+        self.engine = AsyncEngine(factory)
+        self.metrics: ServerMetrics | None = None
+        self.model_name = ""
+        self.max_model_len = 0
+        self.created = int(time.time())
+
+    async def startup(self) -> None:
+        await self.engine.start()
+        engine = self.engine.engine
+        assert engine is not None  # start() returned, so the engine was built
+        self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
+        self.metrics = ServerMetrics(self.model_name)
+
+    async def shutdown(self) -> None:
+        await self.engine.stop()
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    async def completions(self) -> Response:
+        return await self._serve("completion")
+
+    async def chat(self) -> Response:
+        return await self._serve("chat")
+
+    async def models(self) -> Response:
+        return jsonify(models_body(self.model_name, self.max_model_len, self.created))
+
+    async def health(self) -> Response:
+        if self.engine.is_alive():
+            return jsonify({"status": "ok"})
+        return _json(error_body(503, "the engine is not running", "server_error"), 503)
+
+    async def metrics_page(self) -> Response:
+        assert self.metrics is not None
+        return Response(self.metrics.render(self.engine.stats), content_type=ServerMetrics.content_type)
+
+    # ---- errors: every status comes from protocol.error_for ----------------------------------
+
+    async def error(self, exc: Exception) -> Response:
+        status, body = error_for(exc)
+        if status >= 500:
+            logger.error("request %s failed", g.get("request_id"), exc_info=exc)
+        self._count(str(status))
+        return _json(body, status)
+
+    @contextlib.asynccontextmanager
+    async def _disconnect_counted(self) -> AsyncIterator[None]:
+        """Counts clients that went away mid-request (the stream's own exit aborts the request)."""
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):
+            self._count("disconnect")
+            raise
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_done(outcome)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    async def _serve(self, kind: Kind) -> Response:
+        assert self.metrics is not None
+        req = parse_request(kind, parse_body(await request.get_data()), self.model_name)
+        prompt_ids = self._prompt_ids(req)
+        params = build_params(req, len(prompt_ids), self.max_model_len)
+        stream = await self.engine.generate(g.request_id, prompt_ids, params)
+        timer = self.metrics.timer(len(prompt_ids))
+        shape = ResponseShape(kind, g.request_id, self.model_name)
+        if not req.stream:
+            return await self._collect(shape, stream, timer)
+        response = await make_response(self._events(shape, req, stream, timer),
+                                       {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response.timeout = None  # generation may outlast Quart's 60 s response timeout
+        return response
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        engine = self.engine.engine
+        assert engine is not None
+        tokenizer = engine.tokenizer
+        if req.kind == "chat":
+            return tokenizer.encode(tokenizer.apply_chat_template(req.messages), add_bos=False)
+        if isinstance(req.prompt, str):
+            return tokenizer.encode(req.prompt, add_bos=True)
+        assert req.prompt is not None
+        return req.prompt  # the engine checks the ids against its vocabulary
+
+    async def _collect(self, shape: ResponseShape, stream: RequestStream, timer: RequestTimer) -> Response:
+        parts: list[str] = []
+        async with self._disconnect_counted(), stream:
+            async for out in stream:
+                timer.tokens(len(out.new_token_ids))
+                parts.append(out.text_delta)
+        self._count(out.finish_reason or "none")
+        body = shape.full("".join(parts), out.finish_reason,
+                          usage(out.num_prompt_tokens, out.num_output_tokens))
+        return jsonify(body)
+
+    async def _events(self, shape: ResponseShape, req: GenerateRequest, stream: RequestStream,
+                      timer: RequestTimer) -> AsyncIterator[bytes]:
+        first = True
+        async with self._disconnect_counted(), stream:
+            try:
+                async for out in stream:
+                    timer.tokens(len(out.new_token_ids))
+                    if out.text_delta or out.finished:
+                        yield sse_event(shape.chunk(out.text_delta, out.finish_reason, first, req.include_usage))
+                        first = False
+            except Exception as exc:  # headers are sent: the error travels as an event (as vLLM does)
+                status, body = error_for(exc)
+                logger.error("stream %s failed", shape.request_id, exc_info=exc)
+                self._count(str(status))
+                yield sse_event(body)
+                yield DONE_EVENT
+                return
+        if req.include_usage:
+            yield sse_event(shape.usage_chunk(usage(out.num_prompt_tokens, out.num_output_tokens)))
+        self._count(out.finish_reason or "none")
+        yield DONE_EVENT
+
+
+def _json(body: dict, status: int) -> Response:
+    response = jsonify(body)
+    response.status_code = status
+    return response
