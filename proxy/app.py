@@ -1,0 +1,131 @@
+"""The Quart app: thin routes over one Forwarder, with the app's lifecycle around them."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+from quart import Quart, Response, request
+
+from proxy.config import ProxyConfig
+from proxy.discovery import EtcdDiscovery, health_loop
+from proxy.errors import ProxyError, UpstreamError, error_body, to_http
+from proxy.forward import Forwarder, JSONAnswer
+from proxy.metrics import Metrics
+from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
+from proxy.upstream import AiohttpUpstream, Upstream
+from proxy.workers import WorkerPool, WorkerRecord
+
+_JSON = "application/json"
+
+
+class ProxyState:
+    """What lives as long as the app: the pool, one HTTP client per worker, background tasks."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.pool = WorkerPool(config.workers)
+        self.metrics = Metrics()
+        self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated)
+        self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
+        self._clients: dict[str, Upstream] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def client(self, worker: WorkerRecord) -> Upstream:
+        """The worker's client, made on first use; kept for the app's life (a worker may come back)."""
+        client = self._clients.get(worker.address)
+        if client is None:
+            client = self._clients[worker.address] = _client_class(self.config.http_client)(
+                worker, self.config.timeouts)
+        return client
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(health_loop(self.pool, self.client, self.config.health_interval)))
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self.discovery.run()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(client.close() for client in self._clients.values()))
+        self._clients.clear()
+
+
+def _client_class(name: str) -> Any:
+    if name == "httpx":
+        from proxy.upstream_httpx import HttpxUpstream
+        return HttpxUpstream
+    return AiohttpUpstream
+
+
+def create_app(config: ProxyConfig) -> Quart:
+    """The proxy as an ASGI app; serve it with hypercorn (see proxy_server.py)."""
+    app = Quart("proxy")
+    state = ProxyState(config)
+    app.config["PROXY_STATE"] = state
+    app.before_serving(state.start)
+    app.after_serving(state.stop)
+
+    async def forward(endpoint: Endpoint) -> Response:
+        started = time.perf_counter()
+        try:
+            client_request = parse_request(endpoint, await request.get_data(), not config.colocated)
+            answer = await state.forwarder.handle(client_request)
+        except ProxyError as exc:
+            status, body = to_http(exc)
+            state.metrics.requests.labels(endpoint.path, str(status)).inc()
+            return Response(body, status, content_type=_JSON)
+        state.metrics.requests.labels(endpoint.path, "200").inc()
+        if isinstance(answer, JSONAnswer):
+            state.metrics.e2e.observe(time.perf_counter() - started)
+            return Response(answer.body, 200, content_type=_JSON)
+        response = Response(answer.events, 200, content_type="text/event-stream")
+        response.timeout = None  # a stream lasts as long as the answer, not Quart's 60 s default
+        return response
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await forward(COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await forward(CHAT)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await _models(state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        counts = {role: len(state.pool.healthy(role)) for role in ("prefill", "decode", "both")}
+        return Response(json.dumps({"status": "ok", "healthy_workers": counts}), 200, content_type=_JSON)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), 200, content_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _models(state: ProxyState) -> Response:
+    """The union of the models the healthy workers serve."""
+    roles = ("both",) if state.config.colocated else ("prefill", "decode")
+    workers = [w for role in roles for w in state.pool.healthy(role)]
+    replies = await asyncio.gather(*(state.client(w).get("/v1/models", 5.0) for w in workers),
+                                   return_exceptions=True)
+    models: dict[str, Any] = {}
+    for reply in replies:
+        if isinstance(reply, UpstreamError) or getattr(reply, "status", 0) != 200:
+            continue
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            for model in reply.json().get("data", []):
+                models.setdefault(model["id"], model)
+    if not models and workers == []:
+        body = error_body("no healthy worker is available", "service_unavailable", 503)
+        return Response(json.dumps(body), 503, content_type=_JSON)
+    return Response(json.dumps({"object": "list", "data": list(models.values())}), 200, content_type=_JSON)

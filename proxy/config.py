@@ -1,0 +1,130 @@
+"""The proxy's command line: compatible with the Neuron DI proxy, checked before anything starts."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Sequence
+
+from proxy.errors import ConfigError
+from proxy.upstream import Timeouts
+from proxy.workers import DEFAULT_KV_PORT, WorkerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Everything the proxy app needs; `etcd` is (host, port) for dynamic discovery."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    mode: str = "di"
+    workers: tuple[WorkerRecord, ...] = ()
+    etcd: tuple[str, int] | None = None
+    timeouts: Timeouts = Timeouts()
+    health_interval: float = 2.0
+    http_client: str = "aiohttp"
+
+    @property
+    def colocated(self) -> bool:
+        return self.mode == "colocated"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="proxy_server.py", description="OpenAI-compatible prefill/decode proxy")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=("di", "colocated"), default="di")
+    p.add_argument("--prefill-ip", help="static 1P1D: prefill worker host")
+    p.add_argument("--prefill-port", type=int, help="static 1P1D: prefill worker HTTP port")
+    p.add_argument("--prefill-kv-port", type=int, default=DEFAULT_KV_PORT, help="static 1P1D: prefill signal port")
+    p.add_argument("--decode-ip", help="static 1P1D: decode worker host")
+    p.add_argument("--decode-port", type=int, help="static 1P1D: decode worker HTTP port")
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:KV_PORT]",
+                   help="static xPyD prefill worker (repeat)")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="static xPyD decode worker (repeat)")
+    p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="colocated worker (repeat)")
+    p.add_argument("--etcd", metavar="HOST:PORT", help="discover workers under /workers/ in etcd")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")
+    p.add_argument("--read-timeout", type=float, default=600.0, help="seconds allowed between two reads")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between worker health checks")
+    p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
+    """Parses and checks the command line; ConfigError says what is wrong."""
+    args = build_parser().parse_args(argv)
+    _check_port("--port", args.port)
+    for name in ("connect_timeout", "read_timeout", "health_interval"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    workers = _static_workers(args)
+    etcd = _host_port(args.etcd, "--etcd") if args.etcd else None
+    if etcd and workers:
+        raise ConfigError("give either static workers or --etcd, not both")
+    if not etcd and not workers:
+        need = "--worker" if args.mode == "colocated" else "--prefill-ip/--prefill-port/--decode-ip/--decode-port"
+        raise ConfigError(f"no workers: give {need}, or --etcd HOST:PORT")
+    return ProxyConfig(host=args.host, port=args.port, mode=args.mode, workers=workers, etcd=etcd,
+                       timeouts=Timeouts(args.connect_timeout, args.read_timeout),
+                       health_interval=args.health_interval, http_client=args.http_client)
+
+
+def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
+    one_p_one_d = [args.prefill_ip, args.prefill_port, args.decode_ip, args.decode_port]
+    di_given = any(v is not None for v in one_p_one_d) or args.prefill or args.decode
+    if args.mode == "colocated":
+        if di_given:
+            raise ConfigError("--mode colocated takes --worker, not prefill/decode workers")
+        return tuple(WorkerRecord("both", *_host_port(w, "--worker")) for w in args.worker)
+    if args.worker:
+        raise ConfigError("--worker is for --mode colocated; use --prefill/--decode in di mode")
+    workers: list[WorkerRecord] = []
+    if any(v is not None for v in one_p_one_d):
+        if any(v is None for v in one_p_one_d):
+            raise ConfigError("static 1P1D needs all of --prefill-ip --prefill-port --decode-ip --decode-port")
+        _check_port("--prefill-kv-port", args.prefill_kv_port)
+        workers.append(_worker("prefill", args.prefill_ip, args.prefill_port, "--prefill-port", args.prefill_kv_port))
+        workers.append(_worker("decode", args.decode_ip, args.decode_port, "--decode-port"))
+    for spec in args.prefill:
+        host, port, *kv = _split(spec, "--prefill", 3)
+        workers.append(_worker("prefill", host, _port(port, "--prefill"), "--prefill",
+                               _port(kv[0], "--prefill") if kv else DEFAULT_KV_PORT))
+    for spec in args.decode:
+        workers.append(WorkerRecord("decode", *_host_port(spec, "--decode")))
+    roles = {w.role for w in workers}
+    if workers and roles != {"prefill", "decode"}:
+        raise ConfigError("di mode needs at least one prefill and one decode worker")
+    if len({w.key for w in workers}) != len(workers):
+        raise ConfigError("the same worker is given twice")
+    return tuple(workers)
+
+
+def _worker(role: str, host: str, port: int, flag: str, kv_port: int = DEFAULT_KV_PORT) -> WorkerRecord:
+    _check_port(flag, port)
+    return WorkerRecord(role, host, port, kv_port=kv_port)
+
+
+def _split(spec: str, flag: str, max_parts: int) -> list[str]:
+    parts = spec.split(":")
+    if not 2 <= len(parts) <= max_parts or not parts[0]:
+        raise ConfigError(f"{flag} {spec!r}: expected HOST:PORT" + ("[:KV_PORT]" if max_parts == 3 else ""))
+    return parts
+
+
+def _host_port(spec: str, flag: str) -> tuple[str, int]:
+    host, port = _split(spec, flag, 2)
+    return host, _port(port, flag)
+
+
+def _port(text: str, flag: str) -> int:
+    try:
+        port = int(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: port {text!r} is not a number") from exc
+    _check_port(flag, port)
+    return port
+
+
+def _check_port(flag: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise ConfigError(f"{flag}: port {port} is out of range 1-65535")

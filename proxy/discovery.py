@@ -1,0 +1,92 @@
+"""Keeping the worker pool current: health checks, and the etcd registry (range get + watch)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import aetcd
+
+from proxy.errors import ConfigError, UpstreamError
+from proxy.upstream import Upstream
+from proxy.workers import WorkerPool, WorkerRecord
+
+log = logging.getLogger("proxy.discovery")
+PREFIX = b"/workers/"
+
+
+async def health_loop(pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], interval: float) -> None:
+    """Every `interval` s, GET /health on every known worker; only 200 keeps it in rotation."""
+    while True:
+        workers = pool.all()
+        results = await asyncio.gather(*(_healthy(clients(w), min(interval, 2.0)) for w in workers))
+        for worker, ok in zip(workers, results):
+            if not ok:
+                log.warning("worker %s failed its health check", worker.address)
+            pool.mark(worker.key, ok)
+        await asyncio.sleep(interval)
+
+
+async def _healthy(client: Upstream, timeout: float) -> bool:
+    try:
+        return (await client.get("/health", timeout)).status == 200
+    except UpstreamError:
+        return False
+
+
+class EtcdDiscovery:
+    """Mirrors `/workers/` in etcd into the pool; on etcd loss keeps the last set and retries."""
+
+    def __init__(self, pool: WorkerPool, host: str, port: int,
+                 max_backoff: float = 5.0) -> None:
+        self._pool = pool
+        self._host = host
+        self._port = port
+        self._max_backoff = max_backoff
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                await self._sync_and_watch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - grpc/etcd errors of any kind: keep serving, retry
+                log.warning("etcd %s:%d unavailable (%s); keeping %d known workers, retrying in %.1fs",
+                            self._host, self._port, exc, len(self._pool.all()), backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff)
+
+    async def _sync_and_watch(self) -> None:
+        async with aetcd.Client(self._host, self._port, timeout=5) as client:
+            snapshot = await client.get_prefix(PREFIX)
+            self._pool.replace_all(w for kv in snapshot if (w := _record(kv.key, kv.value)) is not None)
+            self.synced.set()
+            log.info("etcd: %d workers", len(self._pool.all()))
+            watch = await client.watch_prefix(PREFIX, start_revision=snapshot.header.revision + 1)
+            async for event in watch:
+                self._apply(event)
+        raise ConnectionError("etcd watch ended")
+
+    def _apply(self, event: aetcd.rtypes.Event) -> None:
+        key = event.kv.key.decode(errors="replace")
+        if event.kind == aetcd.rtypes.EventKind.DELETE:
+            log.info("etcd: worker %s left", key)
+            self._pool.remove(key)
+        elif (worker := _record(event.kv.key, event.kv.value)) is not None:
+            log.info("etcd: worker %s joined", key)
+            self._pool.add(worker)
+
+
+def _record(key: bytes, value: bytes) -> WorkerRecord | None:
+    """The record under `key`, or None (logged) when it is malformed or filed under another key."""
+    try:
+        worker = WorkerRecord.from_json(value)
+    except ConfigError as exc:
+        log.warning("etcd: ignoring %s: %s", key, exc)
+        return None
+    if worker.key.encode() != key:
+        log.warning("etcd: ignoring %s: its record says %s", key, worker.key)
+        return None
+    return worker

@@ -1,0 +1,91 @@
+"""Errors of the proxy, and the one place where they become HTTP statuses.
+
+    ProxyError
+    ├── ConfigError              bad command line or configuration; the proxy does not start
+    ├── BadRequest               the client's request is invalid (400)
+    ├── NoWorkers                no healthy worker of a role right now (503)
+    └── UpstreamError            a worker failed one leg of a request
+        ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502)
+        ├── UpstreamTimeout      connecting to or reading from the worker timed out (504)
+        ├── UpstreamUnavailable  the worker refused the connection or dropped it mid-answer (502)
+        └── UpstreamProtocol     the worker's answer is not the JSON / SSE it should be (502)
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ProxyError(Exception):
+    """Base class of every error the proxy raises."""
+
+
+class ConfigError(ProxyError):
+    pass
+
+
+class BadRequest(ProxyError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class NoWorkers(ProxyError):
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no healthy {role} worker is available")
+        self.role = role
+
+
+class UpstreamError(ProxyError):
+    """A leg failed; `role` is the leg ("prefill", "decode", "both") and `worker` its address."""
+
+    def __init__(self, message: str, role: str = "", worker: str = "") -> None:
+        super().__init__(f"{role} worker {worker}: {message}" if worker else message)
+        self.role = role
+        self.worker = worker
+
+
+class UpstreamStatus(UpstreamError):
+    def __init__(self, status: int, body: bytes, role: str = "", worker: str = "") -> None:
+        super().__init__(f"answered HTTP {status}", role, worker)
+        self.status = status
+        self.body = body
+
+
+class UpstreamTimeout(UpstreamError):
+    pass
+
+
+class UpstreamUnavailable(UpstreamError):
+    pass
+
+
+class UpstreamProtocol(UpstreamError):
+    pass
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def to_http(exc: ProxyError) -> tuple[int, bytes]:
+    """Maps an error to (HTTP status, JSON body); the only place statuses are decided."""
+    if isinstance(exc, UpstreamStatus) and 400 <= exc.status < 500:
+        # The worker judged the request itself: the client gets the worker's own answer.
+        return exc.status, exc.body or _dump(error_body(str(exc), "invalid_request_error", exc.status))
+    if isinstance(exc, BadRequest):
+        status, err_type, param = 400, "invalid_request_error", exc.param
+    elif isinstance(exc, NoWorkers):
+        status, err_type, param = 503, "service_unavailable", None
+    elif isinstance(exc, UpstreamTimeout):
+        status, err_type, param = 504, "upstream_timeout", None
+    elif isinstance(exc, UpstreamError):
+        status, err_type, param = 502, "upstream_error", None
+    else:
+        status, err_type, param = 500, "internal_error", None
+    return status, _dump(error_body(str(exc), err_type, status, param))
+
+
+def _dump(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()

@@ -1,0 +1,47 @@
+"""Prometheus metrics of one proxy app (its own registry, so several apps can share a process)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proxy.errors import UpstreamError
+from proxy.workers import WorkerRecord
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """Requests by status, TTFT, ITL, end-to-end latency, in-flight legs per worker, upstream errors."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("proxy_requests", "Client requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("proxy_time_to_first_token_seconds", "Time to the first streamed token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("proxy_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("proxy_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.inflight = Gauge("proxy_worker_inflight_requests", "Legs in flight per worker",
+                              ["role", "worker"], registry=self.registry)
+        self.upstream_errors = Counter("proxy_upstream_errors", "Failed legs by role and error kind",
+                                       ["role", "kind"], registry=self.registry)
+
+    @contextmanager
+    def leg(self, worker: WorkerRecord) -> Iterator[None]:
+        """Counts one leg to `worker` as in flight, and its error if it fails."""
+        gauge = self.inflight.labels(worker.role, worker.address)
+        gauge.inc()
+        try:
+            yield
+        except UpstreamError as exc:
+            self.upstream_errors.labels(worker.role, type(exc).__name__).inc()
+            raise
+        finally:
+            gauge.dec()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,122 @@
+"""Client requests: validation (400 before any worker is touched) and the bodies of both legs."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import BadRequest
+from proxy.workers import WorkerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """An OpenAI endpoint the proxy serves, with the id prefix and object names it uses."""
+
+    path: str
+    id_prefix: str
+    object_name: str
+    chunk_object: str
+    is_chat: bool
+
+
+COMPLETIONS = Endpoint("/v1/completions", "cmpl-", "text_completion", "text_completion", False)
+CHAT = Endpoint("/v1/chat/completions", "chatcmpl-", "chat.completion", "chat.completion.chunk", True)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """A validated client request; `body` is the client's JSON object, never mutated."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    max_tokens: int | None
+    include_usage: bool
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> ClientRequest:
+    """Validates a request body; BadRequest names the offending parameter."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", "model")
+    if endpoint.is_chat:
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    stream = _optional(body, "stream", bool, False)
+    options = _optional(body, "stream_options", dict, {})
+    include_usage = _optional(options, "include_usage", bool, False)
+    max_tokens = _max_tokens(body, endpoint)
+    if disaggregated:
+        if _optional(body, "n", int, 1) != 1 or _optional(body, "best_of", int, 1) != 1:
+            raise BadRequest("only one choice per request (n=1) is supported by the disaggregated proxy", "n")
+        if _optional(body, "echo", bool, False):
+            raise BadRequest("'echo' is not supported by the disaggregated proxy", "echo")
+    return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage and stream)
+
+
+def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int subclass: True must not pass as a count.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise BadRequest(f"'{name}' must be of type {kind.__name__}", name)
+    return value
+
+
+def _max_tokens(body: dict[str, Any], endpoint: Endpoint) -> int | None:
+    names = ("max_completion_tokens", "max_tokens") if endpoint.is_chat else ("max_tokens",)
+    values = [(name, _optional(body, name, int, None)) for name in names]
+    for name, value in values:
+        if value is not None and value < 1:
+            raise BadRequest(f"'{name}' must be a positive integer", name)
+    return next((value for _, value in values if value is not None), None)
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str) and prompt:
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or _token_ids(prompt):
+            return
+        if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+            return
+    raise BadRequest("'prompt' must be a non-empty string, list of strings or list of token ids", "prompt")
+
+
+def _token_ids(values: list[Any]) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest("each message must be an object with a string 'role'", "messages")
+
+
+def prefill_body(request: ClientRequest, uid: str) -> dict[str, Any]:
+    """The prefill leg: the client's body, one token, not streamed."""
+    body = {**request.body, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {"role": "prefill", "request_id": uid}}
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body.pop("stream_options", None)
+    return body
+
+
+def decode_body(request: ClientRequest, uid: str, prefill: WorkerRecord) -> dict[str, Any]:
+    """The decode leg: the client's body plus where to pull the prompt's KV blocks from."""
+    return {**request.body, "kv_transfer_params": {
+        "role": "decode", "request_id": uid, "remote_host": prefill.kv_host,
+        "remote_port": prefill.kv_port, "remote_engine_id": prefill.engine_id}}

@@ -1,0 +1,135 @@
+"""HTTP to one worker: the small interface the proxy uses, and its aiohttp implementation.
+
+One client per worker for the life of the app, pooled keep-alive connections, a timeout
+on connect and on every read (never on the whole answer: decode streams can be long).
+Every foreign error is translated here into the UpstreamError tree.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Protocol
+
+import aiohttp
+
+from proxy.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from proxy.workers import WorkerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds allowed to connect to a worker, and between two reads of its answer."""
+
+    connect: float = 5.0
+    read: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class StreamReply(Protocol):
+    status: int
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+
+class Upstream(Protocol):
+    """What the proxy needs from an HTTP client to one worker."""
+
+    worker: WorkerRecord
+
+    async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply: ...
+
+    def stream(self, path: str, payload: dict[str, Any],
+               headers: dict[str, str]) -> Any: ...  # async context manager of StreamReply
+
+    async def get(self, path: str, timeout: float) -> Reply: ...
+
+    async def close(self) -> None: ...
+
+
+@contextmanager
+def translated(worker: WorkerRecord, timeout_types: tuple[type[BaseException], ...],
+               error_types: tuple[type[BaseException], ...]) -> Iterator[None]:
+    """Turns a client library's errors into UpstreamError, naming the worker."""
+    try:
+        yield
+    except UpstreamError:
+        raise
+    except timeout_types as exc:
+        raise UpstreamTimeout(f"timed out ({type(exc).__name__})", worker.role, worker.address) from exc
+    except error_types as exc:
+        raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}", worker.role, worker.address) from exc
+
+
+_AIOHTTP_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
+_AIOHTTP_ERRORS = (aiohttp.ClientError, OSError)
+
+
+class _AiohttpStream:
+    def __init__(self, response: aiohttp.ClientResponse, worker: WorkerRecord) -> None:
+        self._response = response
+        self._worker = worker
+        self.status = response.status
+
+    async def read(self) -> bytes:
+        with translated(self._worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+            return await self._response.read()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        with translated(self._worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+
+class AiohttpUpstream:
+    """Upstream over one aiohttp session; create it inside the running event loop."""
+
+    def __init__(self, worker: WorkerRecord, timeouts: Timeouts) -> None:
+        self.worker = worker
+        self._session = aiohttp.ClientSession(
+            base_url=worker.base_url, auto_decompress=False,
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read))
+
+    async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:
+        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+            async with self._session.post(path, data=dump_json(payload), headers=json_headers(headers)) as response:
+                return Reply(response.status, await response.read())
+
+    @asynccontextmanager
+    async def stream(self, path: str, payload: dict[str, Any],
+                     headers: dict[str, str]) -> AsyncIterator[_AiohttpStream]:
+        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+            response = await self._session.post(path, data=dump_json(payload), headers=json_headers(headers))
+        try:
+            yield _AiohttpStream(response, self.worker)
+        finally:
+            # An unfinished answer must drop the connection so the worker sees us leave.
+            response.close()
+
+    async def get(self, path: str, timeout: float) -> Reply:
+        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+            async with self._session.get(path, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                return Reply(response.status, await response.read())
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+def dump_json(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def json_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {"Content-Type": "application/json", **headers}

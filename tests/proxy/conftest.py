@@ -1,0 +1,80 @@
+"""Fixtures: fake workers and the proxy, each a real process on a free loopback port."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import httpx
+import pytest
+
+from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok
+
+
+@dataclass
+class Server:
+    """A started process and the port it serves on."""
+
+    process: ManagedProcess
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def state(self) -> dict:
+        return httpx.get(f"{self.url}/fake/state", timeout=5).json()
+
+
+def start_fake_worker(role: str, etcd: str | None = None, kv_port: int | None = None) -> Server:
+    port = free_port()
+    args = ["-m", "tests.proxy.fake_worker", "--role", role, "--port", str(port)]
+    args += ["--etcd", etcd] if etcd else []
+    args += ["--kv-port", str(kv_port)] if kv_port else []
+    server = Server(python_process(args, name=f"fake-{role}"), port)
+    wait_http_ok(f"{server.url}/health", server.process, timeout=30)
+    return server
+
+
+def start_proxy(args: Sequence[str], wait: bool = True) -> Server:
+    port = free_port()
+    proc = python_process(["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), *args], name="proxy")
+    server = Server(proc, port)
+    if wait:
+        wait_http_ok(f"{server.url}/health", proc, timeout=30)
+    return server
+
+
+@dataclass
+class Pair:
+    """Fake 1P1D workers behind a proxy, and a fake single server to compare with."""
+
+    prefill: Server
+    decode: Server
+    single: Server
+    proxy: Server
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    started: list[Server] = []
+    try:
+        for role in ("prefill", "decode", "both"):
+            started.append(start_fake_worker(role, kv_port=15000 if role == "prefill" else None))
+        prefill, decode, single = started
+        started.append(start_proxy([
+            "--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port), "--prefill-kv-port", "15000",
+            "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
+            "--read-timeout", "2", "--health-interval", "0.5"]))
+        yield Pair(prefill, decode, single, started[-1])
+    finally:
+        for server in started:
+            server.process.stop()
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[[Server], Server]]:
+    """Registers servers a test starts itself, and stops them when it ends."""
+    started: list[Server] = []
+    yield lambda server: started.append(server) or server
+    for server in started:
+        server.process.stop()

@@ -1,0 +1,167 @@
+"""A fake prefill/decode worker: a real HTTP server (aiohttp) that behaves like the worker roles.
+
+It "generates" deterministic word tokens from the prompt, one SSE chunk per token, in the
+OpenAI formats a vLLM-style server uses. With `kv_transfer_params.role == "prefill"` it
+answers like a prefill worker; with role "decode" it repeats the first token and goes on;
+without it, it is an ordinary single server, whose output the stitched output must equal.
+
+A request may steer it with a body field `fake` (the proxy passes unknown fields on):
+`{"eos_at": k}` ends the answer with an EOS token at token k, and per leg role
+(`"prefill"`, `"decode"`, `"single"`): `{"status": 500}`, `{"hang": true}`,
+`{"delay": seconds_per_token}`, `{"die_after": n}` (os._exit after n chunks).
+
+    python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+import zlib
+from typing import Any
+
+from aiohttp import web
+
+from tests.proxy.registration import register_forever
+
+
+class FakeWorker:
+    """Request handlers plus what the tests inspect at GET /fake/state."""
+
+    def __init__(self, role: str, model: str) -> None:
+        self.role = role
+        self.model = model
+        self.active = 0
+        self.legs: list[dict[str, Any]] = []
+        self.cancelled: list[str] = []
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                web.get("/health", self.health), web.get("/v1/models", self.models),
+                web.get("/fake/state", self.state)]
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
+
+    async def state(self, _: web.Request) -> web.Response:
+        return web.json_response({"role": self.role, "active": self.active, "legs": self.legs,
+                                  "cancelled": self.cancelled})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await request.json()
+        kv = body.get("kv_transfer_params") or {}
+        leg = kv.get("role", "single")
+        uid = request.headers.get("X-Request-Id", "")
+        self.legs.append({"uid": uid, "leg": leg, "kv_transfer_params": kv, "max_tokens": body.get("max_tokens"),
+                          "stream": bool(body.get("stream")), "user": body.get("user")})
+        steer = (body.get("fake") or {}).get(leg, {})
+        self.active += 1
+        try:
+            if "status" in steer:
+                return web.json_response({"error": {"message": "fake failure", "type": "fake", "param": None,
+                                                    "code": steer["status"]}}, status=steer["status"])
+            if steer.get("hang"):
+                await asyncio.sleep(3600)
+            answer = _Answer(body, chat, self.model, uid)
+            if body.get("stream"):
+                return await self._stream(request, answer, steer)
+            await asyncio.sleep(steer.get("delay", 0) * len(answer.tokens))
+            return web.json_response(answer.whole())
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled.append(uid)  # the proxy went away: the leg is over
+            raise
+        finally:
+            self.active -= 1
+
+    async def _stream(self, request: web.Request, answer: _Answer, steer: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for sent, chunk in enumerate(answer.chunks()):
+            if sent == steer.get("die_after"):
+                os._exit(1)
+            if steer.get("delay") and sent:
+                await asyncio.sleep(steer["delay"])
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _Answer:
+    """The deterministic answer to one request, whole or as chunks."""
+
+    def __init__(self, body: dict[str, Any], chat: bool, model: str, uid: str) -> None:
+        self.chat = chat
+        text = (" ".join(str(m.get("content", "")) for m in body["messages"]) if chat else
+                body["prompt"] if isinstance(body["prompt"], str) else json.dumps(body["prompt"]))
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        eos_at = (body.get("fake") or {}).get("eos_at")
+        seed = zlib.crc32(text.encode())
+        count = min(limit, eos_at) if eos_at else limit
+        # EOS decodes to no text; it ends the answer with "stop" instead of "length".
+        self.tokens = ["" if eos_at == i + 1 else f" w{(seed + 7 * i) % 1000}" for i in range(count)]
+        self.finish = "stop" if eos_at and eos_at <= limit else "length"
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + (uid or "local"), "created": int(time.time()),
+                     "model": model}
+        self.options = body.get("stream_options") or {}
+        prompt = len(text.split())
+        self.usage = {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count}
+
+    def whole(self) -> dict[str, Any]:
+        text = "".join(self.tokens)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
+                  else {"index": 0, "text": text})
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [{**choice, "logprobs": None, "finish_reason": self.finish}], "usage": self.usage}
+
+    def chunks(self) -> list[dict[str, Any]]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        out = []
+        if self.chat:
+            out.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None})
+        for i, token in enumerate(self.tokens):
+            body = {"delta": {"content": token}} if self.chat else {"text": token}
+            last = i == len(self.tokens) - 1
+            out.append({"index": 0, **body, "logprobs": None, "finish_reason": self.finish if last else None})
+        chunks = [{**self.head, "object": obj, "choices": [choice]} for choice in out]
+        if self.options.get("include_usage"):
+            chunks.append({**self.head, "object": obj, "choices": [], "usage": self.usage})
+        return chunks
+
+
+async def serve(role: str, port: int, model: str, etcd: str | None, kv_port: int) -> None:
+    app = web.Application()
+    app.add_routes(FakeWorker(role, model).routes())
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    if etcd:
+        await register_forever(etcd, role, "127.0.0.1", port, kv_port, model)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", choices=("prefill", "decode", "both"), required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--etcd")
+    parser.add_argument("--kv-port", type=int, default=14579)
+    args = parser.parse_args()
+    asyncio.run(serve(args.role, args.port, args.model, args.etcd, args.kv_port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Failures: each leg's error, timeout and death; client disconnects; bad input; no workers."""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable
+
+import httpx
+import pytest
+
+from tests.helpers import wait_until
+from tests.proxy.conftest import Pair, Server, start_fake_worker, start_proxy
+
+
+def _body(fake: dict[str, Any], stream: bool = False, max_tokens: int = 6) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "a b c", "max_tokens": max_tokens, "stream": stream,
+            "user": uuid.uuid4().hex, "fake": fake}
+
+
+def _leg(server: Server, user: str) -> dict[str, Any]:
+    return next(leg for leg in server.state()["legs"] if leg["user"] == user)
+
+
+def _cancelled_and_idle(server: Server, user: str) -> None:
+    """The worker saw the proxy drop this leg, and holds no request any more."""
+    def done() -> bool:
+        state = server.state()
+        uid = next(leg["uid"] for leg in state["legs"] if leg["user"] == user)
+        return uid in state["cancelled"] and state["active"] == 0
+    wait_until(done, timeout=10, what=f"leg of {user} cancelled on {server.url}")
+
+
+def _sse(text: str) -> list[Any]:
+    return [json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
+            for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_prefill_error_status_is_502_and_decode_is_cancelled(pair: Pair, stream: bool) -> None:
+    body = _body({"prefill": {"status": 500}, "decode": {"hang": True}}, stream)
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 502
+    error = reply.json()["error"]
+    assert error["type"] == "upstream_error" and error["code"] == 502
+    assert f"prefill worker 127.0.0.1:{pair.prefill.port}: answered HTTP 500" in error["message"]
+    _cancelled_and_idle(pair.decode, body["user"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_decode_error_fails_at_once_and_cancels_prefill(pair: Pair, stream: bool) -> None:
+    body = _body({"prefill": {"hang": True}, "decode": {"status": 503}}, stream)
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 502
+    assert "decode worker" in reply.json()["error"]["message"]
+    _cancelled_and_idle(pair.prefill, body["user"])
+
+
+def test_worker_4xx_is_passed_through_with_its_body(pair: Pair) -> None:
+    body = _body({"prefill": {"status": 422}, "decode": {"hang": True}})
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 422
+    assert reply.json() == {"error": {"message": "fake failure", "type": "fake", "param": None, "code": 422}}
+    _cancelled_and_idle(pair.decode, body["user"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_prefill_timeout_is_504_and_decode_is_cancelled(pair: Pair, stream: bool) -> None:
+    body = _body({"prefill": {"hang": True}, "decode": {"hang": True}}, stream)
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 504
+    assert reply.json()["error"]["type"] == "upstream_timeout"
+    _cancelled_and_idle(pair.decode, body["user"])
+    _cancelled_and_idle(pair.prefill, body["user"])
+
+
+def test_decode_timeout_mid_stream_is_an_sse_error(pair: Pair) -> None:
+    body = _body({"decode": {"delay": 5}}, stream=True)
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200
+    events = _sse(reply.text)
+    assert events[0]["choices"][0]["text"].startswith(" w")  # prefill's token went out first
+    assert events[-2]["error"]["type"] == "upstream_timeout" and events[-1] == "[DONE]"
+    _cancelled_and_idle(pair.decode, body["user"])
+
+
+def test_client_disconnect_mid_stream_cancels_both_legs(pair: Pair) -> None:
+    body = _body({"decode": {"delay": 0.3}}, stream=True, max_tokens=50)
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", f"{pair.proxy.url}/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert next(line for line in lines if line.startswith("data: "))
+    _cancelled_and_idle(pair.decode, body["user"])
+    assert pair.prefill.state()["active"] == 0
+
+
+BAD_BODIES: list[tuple[str, bytes]] = [
+    ("not json", b"{nope"),
+    ("not an object", b"[1, 2]"),
+    ("no model", json.dumps({"prompt": "x"}).encode()),
+    ("model not a string", json.dumps({"model": 3, "prompt": "x"}).encode()),
+    ("no prompt", json.dumps({"model": "m"}).encode()),
+    ("empty prompt", json.dumps({"model": "m", "prompt": ""}).encode()),
+    ("prompt of dicts", json.dumps({"model": "m", "prompt": [{"a": 1}]}).encode()),
+    ("max_tokens zero", json.dumps({"model": "m", "prompt": "x", "max_tokens": 0}).encode()),
+    ("max_tokens string", json.dumps({"model": "m", "prompt": "x", "max_tokens": "5"}).encode()),
+    ("max_tokens bool", json.dumps({"model": "m", "prompt": "x", "max_tokens": True}).encode()),
+    ("stream not bool", json.dumps({"model": "m", "prompt": "x", "stream": "yes"}).encode()),
+    ("n above one", json.dumps({"model": "m", "prompt": "x", "n": 2}).encode()),
+]
+
+
+@pytest.mark.parametrize("name,raw", BAD_BODIES, ids=[name for name, _ in BAD_BODIES])
+def test_bad_input_is_400_before_any_worker(pair: Pair, name: str, raw: bytes) -> None:
+    before = len(pair.prefill.state()["legs"]), len(pair.decode.state()["legs"])
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", content=raw, timeout=10,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400 and error["message"]
+    assert (len(pair.prefill.state()["legs"]), len(pair.decode.state()["legs"])) == before
+
+
+def test_bad_chat_messages_are_400(pair: Pair) -> None:
+    for messages in ([], "hi", [{"content": "no role"}]):
+        reply = httpx.post(f"{pair.proxy.url}/v1/chat/completions", timeout=10,
+                           json={"model": "m", "messages": messages})
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == "messages"
+
+
+def test_decode_death_mid_stream_is_an_sse_error_and_leaves_rotation(
+        servers: Callable[[Server], Server]) -> None:
+    prefill = servers(start_fake_worker("prefill"))
+    decode = servers(start_fake_worker("decode"))
+    proxy = servers(start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                                 "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
+                                 "--health-interval", "0.5"]))
+    body = _body({"decode": {"die_after": 3}}, stream=True)
+    reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200
+    events = _sse(reply.text)
+    # prefill's token and the two tokens decode sent after its repeat, then the error
+    assert len(events) == 5
+    assert all(e["choices"][0]["text"].startswith(" w") for e in events[:3])
+    assert events[-2]["error"]["type"] == "upstream_error"
+    assert f"decode worker 127.0.0.1:{decode.port}" in events[-2]["error"]["message"]
+    assert events[-1] == "[DONE]" and sum(1 for e in events if e == "[DONE]") == 1
+    assert decode.process.proc.wait(timeout=10) == 1
+    assert prefill.state()["active"] == 0
+    after = httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30)
+    assert after.status_code == 503
+    assert after.json()["error"]["message"] == "no healthy decode worker is available"
