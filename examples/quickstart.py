@@ -122,7 +122,7 @@ def main() -> int:
     args = parser.parse_args()
     worker = Worker(free_port(), args.model)
     try:
-        print(f"starting a worker on {worker.url} ...", flush=True)
+        print(f"starting a worker (pid {worker.proc.pid}) on {worker.url} ...", flush=True)
         worker.wait_ready(args.startup_timeout)
         models = httpx.get(f"{worker.url}/v1/models", timeout=10).json()["data"]
         print(f"serving {models[0]['id']} (context {models[0]['max_model_len']} tokens)")

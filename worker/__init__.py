@@ -14,3 +14,9 @@ __all__ = [
     "ModelLoadError", "QueueFullError", "RequestOutput", "SamplingParams", "Tokenizer", "WorkerError",
     "builtin_model_path", "create_bench_model", "zeros_pool",
 ]
+
+# The OpenAI server on top of the engine.
+from worker.async_engine import AsyncEngine, RequestStream  # noqa: E402
+from worker.server import create_app  # noqa: E402
+
+__all__ += ["AsyncEngine", "RequestStream", "create_app"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from worker.engine import EngineStats, LLMEngine, RequestOutput
-from worker.errors import EngineError, InvalidRequestError
+from worker.errors import WorkerError
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,15 @@ class _Sink:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        _deliver(self.loop, self.queue.put_nowait, item)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """Runs `callback` on `loop`'s thread; a loop already closed has nobody left to tell."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        logger.debug("event loop closed; dropped a delivery")
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
@@ -130,7 +138,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """Stops the thread; requests still in flight fail with EngineError."""
+        """Stops the thread; requests still in flight fail with WorkerError."""
         if self._thread is None:
             return
         self._stopping.set()
@@ -143,7 +151,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
         """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here."""
         if not self.is_alive():
-            raise EngineError("the engine is not running")
+            raise WorkerError("the engine is not running")
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         admitted: asyncio.Future[None] = loop.create_future()
@@ -160,7 +168,7 @@ class AsyncEngine:
         while not admitted.done():
             await asyncio.wait({admitted}, timeout=1.0)
             if not admitted.done() and not self.is_alive():
-                raise EngineError("the engine stopped")
+                raise WorkerError("the engine stopped")
         admitted.result()
 
     def abort(self, request_id: str) -> None:
@@ -173,11 +181,10 @@ class AsyncEngine:
         try:
             self.engine = self._factory()
             self.stats = self.engine.stats()
-        except Exception as exc:
-            logger.exception("engine failed to start")
-            loop.call_soon_threadsafe(_settle, ready, EngineError(f"engine failed to start: {exc}"))
+        except Exception as exc:  # e.g. ModelLoadError, or a config the model cannot honour
+            _deliver(loop, _settle, ready, WorkerError(f"engine failed to start: {exc}"))
             return
-        loop.call_soon_threadsafe(_settle, ready, None)
+        _deliver(loop, _settle, ready, None)
         reason = "the engine is shutting down"
         try:
             self._loop(self.engine)
@@ -186,7 +193,7 @@ class AsyncEngine:
             reason = f"engine thread crashed: {exc}"
         finally:
             self._stopping.set()
-            self._close(EngineError(reason))
+            self._close(WorkerError(reason))
 
     def _loop(self, engine: LLMEngine) -> None:
         while not self._stopping.is_set():
@@ -219,24 +226,20 @@ class AsyncEngine:
             self._stopping.set()
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
-        if command.request_id in self._sinks:
-            error: BaseException | None = InvalidRequestError(
-                f"request id {command.request_id!r} is already in flight")
-        else:
-            try:
-                engine.add_request(command.request_id, command.prompt_ids, command.params)
-                self._sinks[command.request_id] = command.sink
-                error = None
-            except Exception as exc:  # QueueFullError / InvalidRequestError go back to the caller
-                error = exc
-        command.sink.loop.call_soon_threadsafe(_settle, command.admitted, error)
+        error: BaseException | None = None
+        try:
+            engine.add_request(command.request_id, command.prompt_ids, command.params)
+            self._sinks[command.request_id] = command.sink
+        except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller
+            error = exc
+        _deliver(command.sink.loop, _settle, command.admitted, error)
 
     def _step(self, engine: LLMEngine) -> None:
         try:
             outputs = engine.step()
         except Exception as exc:
             logger.exception("engine step failed")
-            self._fail_all(EngineError(f"engine step failed: {exc}"), engine)
+            self._fail_all(WorkerError(f"engine step failed: {exc}"), engine)
             return
         for output in outputs:
             sink = self._sinks.get(output.request_id)
@@ -246,7 +249,7 @@ class AsyncEngine:
                 del self._sinks[output.request_id]
             sink.put(output)
 
-    def _fail_all(self, error: EngineError, engine: LLMEngine | None = None) -> None:
+    def _fail_all(self, error: WorkerError, engine: LLMEngine | None = None) -> None:
         """Ends every in-flight request with `error`, aborting it in the engine so its blocks are freed."""
         for request_id, sink in list(self._sinks.items()):
             del self._sinks[request_id]
@@ -257,7 +260,7 @@ class AsyncEngine:
                     logger.exception("could not abort %s after an engine failure", request_id)
             sink.put(error)
 
-    def _close(self, error: EngineError) -> None:
+    def _close(self, error: WorkerError) -> None:
         """Fails everything in flight or still queued, so no caller waits on a stopped thread."""
         self._fail_all(error)
         while True:
@@ -266,4 +269,4 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                command.sink.loop.call_soon_threadsafe(_settle, command.admitted, error)
+                _deliver(command.sink.loop, _settle, command.admitted, error)

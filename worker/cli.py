@@ -91,7 +91,7 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     app = create_app(engine_config)
-    logger.info("serving on http://%s:%d (role %s)", args.host, args.port, args.role)
+    logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
     await serve(app, hypercorn_config(args.host, args.port), shutdown_trigger=stop.wait)
 
 

@@ -17,6 +17,8 @@ from worker.sampling_params import SamplingParams
 Kind = Literal["completion", "chat"]
 DONE_EVENT = b"data: [DONE]\n\n"
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+# Accepted when off (null/false/empty), refused when asked for, rather than silently ignored.
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "response_format")
 
 
 def invalid(message: str, param: str | None = None) -> InvalidRequestError:
@@ -57,6 +59,9 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     model = _opt(body, "model", str)
     if model is not None and model != model_name:
         raise invalid(f"The model `{model}` does not exist.", "model")
+    for name in _UNSUPPORTED:
+        if body.get(name):
+            raise invalid(f"`{name}` is not supported by this server", name)
     n = _opt(body, "n", int)
     if n is not None and n != 1:
         raise invalid("only n=1 is supported", "n")
@@ -64,8 +69,8 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     options = _opt(body, "stream_options", dict) or {}
     include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage")
     max_tokens = _opt(body, "max_tokens", int)
-    if kind == "chat":
-        max_tokens = _opt(body, "max_completion_tokens", int) or max_tokens
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_tokens = _opt(body, "max_completion_tokens", int)
     if max_tokens is not None and max_tokens <= 0:
         raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     return GenerateRequest(

@@ -141,7 +141,7 @@ def test_duplicate_in_flight_request_id_is_rejected(worker: WorkerProcess, model
         second = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "B", "max_tokens": 2},
                             headers={"X-Request-Id": "dup"})
     assert second.status_code == 400
-    assert second.json() == {"error": {"message": "request id 'dup' is already in flight",
+    assert second.json() == {"error": {"message": "request id 'dup' is already in use",
                                        "type": "invalid_request_error", "param": None, "code": 400}}
     wait_until(lambda: all_blocks_free(worker.url), timeout=30, what="blocks freed")
 
@@ -181,7 +181,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "stop": 3}, "stop", "`stop` must be a string or a list of strings"),
     ("completions", {"prompt": "hi", "n": 2}, "n", "only n=1 is supported"),
     ("completions", {"prompt": "hi", "model": "gpt-17"}, "model", "The model `gpt-17` does not exist."),
-    ("completions", {"prompt": [1, -4]}, "prompt", "token ids must be in [0, "),
+    ("completions", {"prompt": [1, -4]}, None, "prompt token ids must be ints in [0, "),
     ("chat/completions", {"messages": []}, "messages", "`messages` must be a non-empty list"),
     ("chat/completions", {"messages": [{"content": "x"}]}, "messages[0]", "messages[0] must be an object"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import ROOT, wait_until
+from tests.helpers import ROOT, free_port, wait_until
 from tests.worker.server_helpers import WorkerProcess, metric
+from worker.cli import parse_args
 
 
 def test_queue_full_is_503_then_the_worker_recovers() -> None:
@@ -38,7 +40,6 @@ def test_queue_full_is_503_then_the_worker_recovers() -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--role", "prefill"], "--role prefill is not yet supported"),
     (["--role", "decode"], "--role decode is not yet supported"),
     (["--role", "middle"], "invalid choice: 'middle'"),
     (["--port", "0"], "must be at least 1, got 0"),
@@ -46,8 +47,24 @@ def test_queue_full_is_503_then_the_worker_recovers() -> None:
     (["--max-num-seqs", "x"], "expected an integer, got 'x'"),
     (["--block-size", "-16"], "must be at least 1, got -16"),
 ])
-def test_bad_command_line_exits_2_with_a_message(args: list[str], message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "worker", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+def test_bad_command_line_is_rejected_up_front(args: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_m_worker_exits_2_on_an_unsupported_role() -> None:
+    done = subprocess.run([sys.executable, "-m", "worker", "--role", "prefill"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 2
-    assert message in done.stderr
+    assert "--role prefill is not yet supported (supported: both)" in done.stderr
+
+
+def test_python_m_worker_exits_1_when_the_model_cannot_load(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tmp_path), "--port", str(free_port())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 1
+    assert f"engine failed to start: cannot read a Llama-family config from {tmp_path}/config.json" in done.stderr

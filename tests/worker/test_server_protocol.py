@@ -1,0 +1,101 @@
+"""The wire format without I/O: request validation, sampling defaults, response and error shapes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.errors import InvalidRequestError, QueueFullError, WorkerError
+from worker.protocol import (ResponseShape, build_params, error_for, parse_body, parse_request, sse_event,
+                             usage)
+
+MODEL = "m"
+
+
+def test_completion_fields_become_sampling_params() -> None:
+    req = parse_request("completion", {"model": "m", "prompt": ["hello"], "temperature": 0, "top_p": 0.5,
+                                       "top_k": -1, "seed": 7, "stop": "\n", "ignore_eos": True,
+                                       "max_tokens": 5, "kv_transfer_params": {"do_remote_decode": True}},
+                        MODEL)
+    assert req.prompt == "hello" and req.kv_transfer_params == {"do_remote_decode": True}
+    params = build_params(req, num_prompt_tokens=3, max_model_len=100)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.stop,
+            params.ignore_eos) == (5, 0.0, 0.5, 0, 7, ["\n"], True)
+
+
+def test_default_max_tokens_is_16_for_completions_and_the_rest_of_the_context_for_chat() -> None:
+    completion = parse_request("completion", {"prompt": [1, 2]}, MODEL)
+    chat = parse_request("chat", {"messages": [{"role": "user", "content": "x"}]}, MODEL)
+    assert build_params(completion, 2, 100).max_tokens == 16
+    assert build_params(completion, 90, 100).max_tokens == 10
+    assert build_params(chat, 30, 100).max_tokens == 70
+
+
+def test_chat_prefers_max_completion_tokens_and_flattens_text_parts() -> None:
+    req = parse_request("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                           {"type": "text", "text": "b"}]},
+                                              {"role": "assistant", "content": None}],
+                                 "max_tokens": 9, "max_completion_tokens": 4}, MODEL)
+    assert req.messages == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
+    assert req.max_tokens == 4
+    with pytest.raises(InvalidRequestError, match="max_tokens must be at least 1, got 0"):
+        parse_request("chat", {"messages": req.messages, "max_tokens": 9, "max_completion_tokens": 0}, MODEL)
+
+
+def test_include_usage_only_applies_to_streams() -> None:
+    body = {"prompt": "x", "stream_options": {"include_usage": True}}
+    assert parse_request("completion", body, MODEL).include_usage is False
+    assert parse_request("completion", {**body, "stream": True}, MODEL).include_usage is True
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "top_k": 1.5}, "top_k"),
+    ({"prompt": "x", "seed": True}, "seed"),
+    ({"prompt": "x", "stop": ["a", 1]}, "stop"),
+    ({"prompt": "x", "kv_transfer_params": "peer"}, "kv_transfer_params"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+])
+def test_ill_typed_fields_name_their_param(body: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request("completion", body, MODEL)
+    assert info.value.param == param  # type: ignore[attr-defined]
+
+
+def test_sampling_params_rejections_become_invalid_requests() -> None:
+    req = parse_request("completion", {"prompt": "x", "top_p": 0}, MODEL)
+    with pytest.raises(InvalidRequestError, match=r"top_p must be in \(0, 1\]"):
+        build_params(req, 2, 100)
+
+
+def test_body_must_be_a_json_object() -> None:
+    assert parse_body(b'{"a": 1}') == {"a": 1}
+    for raw in (b"", b"\xff", b"[]", b"null"):
+        with pytest.raises(InvalidRequestError):
+            parse_body(raw)
+
+
+def test_error_statuses_and_bodies() -> None:
+    assert error_for(QueueFullError("the waiting queue is full")) == (503, {"error": {
+        "message": "the waiting queue is full", "type": "server_overloaded", "param": None, "code": 503}})
+    assert error_for(WorkerError("engine step failed: boom"))[0] == 500
+    assert error_for(RuntimeError())[1]["error"]["message"] == "RuntimeError"
+
+
+def test_stream_chunks_are_shaped_like_openai() -> None:
+    shape = ResponseShape("chat", "abc", MODEL, created=5)
+    first = shape.chunk("Hi", None, first=True, include_usage=True)
+    assert first == {"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 5, "model": "m",
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "logprobs": None,
+                                  "finish_reason": None}], "usage": None}
+    last = shape.usage_chunk(usage(3, 2))
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
+                                                       "total_tokens": 5}
+    event = sse_event(ResponseShape("completion", "abc", MODEL, 5).chunk("x", "stop"))
+    assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
+    assert json.loads(event[6:])["choices"] == [{"index": 0, "text": "x", "logprobs": None,
+                                                 "finish_reason": "stop"}]
