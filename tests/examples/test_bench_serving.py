@@ -1,0 +1,138 @@
+"""examples/bench_serving.py against a real worker, and its stacks' failure paths."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from serving_load import LoadSpec, make_requests
+from serving_metrics import RequestResult
+from serving_report import plot_distributions
+from serving_stack import StackError, StackOptions, start_colocated, start_di
+
+from tests.examples.tiny_model import tiny_model_dir
+from tests.helpers import ROOT, ManagedProcess, free_port, python_process, wait_http_ok
+from worker.cli import SUPPORTED_ROLES
+
+BENCH = str(ROOT / "examples" / "bench_serving.py")
+SMALL_LOAD = ["--num-prompts", "8", "--input-len-min", "4", "--input-len-max", "24",
+              "--output-len-min", "2", "--output-len-max", "6", "--request-rate", "20", "--seed", "3"]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def worker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    model = tiny_model_dir(tmp_path_factory.mktemp("model"))
+    port = free_port()
+    proc = python_process(["-m", "worker", "--role", "both", "--port", str(port), "--threads", "1",
+                           "--model", str(model), "--max-model-len", "256"], name="worker", env=ENV)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **ENV}
+    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_target_run_reports_every_request(worker_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    done = run_bench("--target", worker_url, *SMALL_LOAD, "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "TTFT p99 (ms)" in done.stdout
+    report = json.loads(out.read_text())
+    assert set(report) == {"config", "target"}
+    assert report["config"]["command"].startswith("python examples/bench_serving.py --target")
+    run = report["target"]
+    assert (run["num_requests"], run["completed"], run["failed"], run["errors"]) == (8, 8, 0, [])
+    expected = make_requests(LoadSpec(8, (4, 24), (2, 6), seed=3))
+    records = run["requests"]
+    assert [r["input_tokens"] for r in records] == [len(r.prompt_token_ids) for r in expected]
+    assert [r["output_tokens"] for r in records] == [r.output_len for r in expected]
+    assert run["total_output_tokens"] == sum(r.output_len for r in expected)
+    assert all(len(r["itl_ms"]) <= r["output_tokens"] - 1 for r in records)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        d = run[key]
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"], (key, d)
+        assert d["mean"] > 0
+    assert run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
+    assert 0 < run["goodput"] <= run["request_throughput"]
+    assert run["output_throughput"] == pytest.approx(run["total_output_tokens"] / run["duration_s"])
+
+
+def test_rejected_requests_are_counted_as_failures(worker_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "failing.json"
+    # Prompts longer than the worker's 256-token context: every request gets a 400.
+    done = run_bench("--target", worker_url, "--num-prompts", "3", "--input-len-min", "300",
+                     "--input-len-max", "300", "--output-len-min", "2", "--output-len-max", "2",
+                     "--max-concurrency", "1", "--json", str(out), "--plot", str(tmp_path / "p.png"))
+    assert done.returncode == 3, done.stderr
+    run = json.loads(out.read_text())["target"]
+    assert (run["completed"], run["failed"]) == (0, 3)
+    assert len(run["errors"]) == 1 and run["errors"][0].startswith("HTTP 400: ")
+    assert run["ttft_ms"]["p50"] is None and run["goodput"] == 0.0
+
+
+def test_unreachable_target_is_a_clear_error() -> None:
+    done = run_bench("--target", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1")
+    assert done.returncode == 1
+    assert "cannot read the model name" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bad_command_line_exits_2() -> None:
+    done = run_bench("--compare", "--cores", "0,0")
+    assert done.returncode == 2 and "two different usable cores" in done.stderr
+    done = run_bench("--target", "http://127.0.0.1:1", "--input-len-min", "9", "--input-len-max", "3")
+    assert done.returncode == 2 and "input_len" in done.stderr
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked
+    return pids
+
+
+# Both workers get the bad model; whichever exits first is named.
+@pytest.mark.parametrize("start, who", [(start_di, "(prefill|decode) worker"), (start_colocated, "worker [01]")])
+def test_stack_that_cannot_start_fails_fast_and_leaves_nothing(start, who: str) -> None:
+    marker = f"/nonexistent-model-{uuid.uuid4().hex}"
+    options = StackOptions(cores=(0, 1), model=marker, startup_timeout_s=60)
+    with pytest.raises(StackError, match=f"the {who} exited with status"):
+        start(options)
+    assert _processes_mentioning(marker) == []
+
+
+def test_plot_has_itl_and_ttft(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = [RequestResult(4, 3, start=0.0, chunk_times=[0.01 * i, 0.02 * i, 0.03 * i], end=0.04 * i,
+                             output_tokens=3) for i in range(1, 6)]
+    path = tmp_path / "cdf.png"
+    assert plot_distributions({"di": results, "colocated": results}, path) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not {"prefill", "decode"} <= set(SUPPORTED_ROLES), reason="worker has no DI roles yet")
+def test_compare_quick_runs_both_stacks(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    done = run_bench("--compare", "--quick", "--model", str(tiny_model_dir(tmp_path)), "--json", str(out),
+                     timeout=240)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert {"config", "di", "colocated", "itl_p99_ratio", "ttft_p50_ratio"} <= set(report)
+    for name in ("di", "colocated"):
+        assert (report[name]["completed"], report[name]["failed"]) == (12, 0)
+    assert report["itl_p99_ratio"] == pytest.approx(report["di"]["itl_ms"]["p99"] / report["colocated"]["itl_ms"]["p99"])
