@@ -3,7 +3,7 @@
 Deterministic for a given seed and thread count. Writes an HF-style directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) that the normal loader reads:
 
-    nice python scripts/train_builtin_model.py --out worker/assets/builtin --steps 1200
+    nice python scripts/train_builtin_model.py --out worker/assets/builtin --steps 500
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def save(model: LlamaForCausalLM, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("worker/assets/builtin"))
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -76,9 +77,11 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
         self.request_id = request_id
-        self._engine = engine
         self._sink = sink
         self._done = False
+        # A stream dropped before anyone iterated it (e.g. the client left before the body started)
+        # still aborts its request when it is garbage collected.
+        self._abort = weakref.finalize(self, engine.abort, request_id)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -92,15 +95,20 @@ class RequestStream:
             self.abort()
             raise
         if isinstance(item, BaseException):
-            self._done = True
+            self._finish()
             raise item
-        self._done = item.finished
+        if item.finished:
+            self._finish()
         return item
 
+    def _finish(self) -> None:
+        self._done = True
+        self._abort.detach()
+
     def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
+        """Aborts the request unless it already ended; idempotent."""
+        self._done = True
+        self._abort()  # a finalize callback runs at most once, and never after detach()
 
     async def aclose(self) -> None:
         self.abort()
@@ -196,11 +204,11 @@ class AsyncEngine:
             self._close(WorkerError(reason))
 
     def _loop(self, engine: LLMEngine) -> None:
+        failed = False
         while not self._stopping.is_set():
-            busy = engine.has_unfinished_requests()
-            self._drain(engine, block=not busy)
-            if engine.has_unfinished_requests():
-                self._step(engine)
+            # After a failed step, wait for a command before retrying instead of spinning on the fault.
+            self._drain(engine, block=failed or not engine.has_unfinished_requests())
+            failed = engine.has_unfinished_requests() and not self._step(engine)
             self.stats = engine.stats()
 
     def _drain(self, engine: LLMEngine, block: bool) -> None:
@@ -234,13 +242,14 @@ class AsyncEngine:
             error = exc
         _deliver(command.sink.loop, _settle, command.admitted, error)
 
-    def _step(self, engine: LLMEngine) -> None:
+    def _step(self, engine: LLMEngine) -> bool:
+        """One engine step, its outputs delivered; False if the step raised (its requests are failed)."""
         try:
             outputs = engine.step()
         except Exception as exc:
             logger.exception("engine step failed")
             self._fail_all(WorkerError(f"engine step failed: {exc}"), engine)
-            return
+            return False
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:  # aborted while the step ran
@@ -248,6 +257,7 @@ class AsyncEngine:
             if output.finished:
                 del self._sinks[output.request_id]
             sink.put(output)
+        return True
 
     def _fail_all(self, error: WorkerError, engine: LLMEngine | None = None) -> None:
         """Ends every in-flight request with `error`, aborting it in the engine so its blocks are freed."""

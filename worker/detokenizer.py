@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
 
     def step(self, output_ids: list[int], finished: bool) -> str:
         """The new text to hand out after `output_ids` grew; sets `stopped` on a stop string."""
-        self._decode_new(output_ids)
+        self._decode_new(output_ids, finished)
         if self.stop:
             hit = self._find_stop()
             if hit is not None:
@@ -36,10 +36,10 @@ class IncrementalDetokenizer:
         self.num_emitted = max(self.num_emitted, end)
         return delta
 
-    def _decode_new(self, ids: list[int]) -> None:
+    def _decode_new(self, ids: list[int], finished: bool) -> None:
         prefix = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset])
         full = self.tokenizer.decode(ids[self._prefix_offset:])
-        if full.endswith(REPLACEMENT_CHAR) or len(full) <= len(prefix):
+        if (full.endswith(REPLACEMENT_CHAR) and not finished) or len(full) <= len(prefix):
             return  # an incomplete character (or nothing visible yet): wait for more tokens
         self.text += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)

@@ -197,4 +197,6 @@ def _checked_pool(pool: torch.Tensor, layout: KVLayout) -> torch.Tensor:
         raise ValueError(f"allocate_pool returned a {tuple(pool.shape)} {pool.dtype} tensor "
                          f"(contiguous={pool.is_contiguous()}); expected contiguous {layout.shape} "
                          f"{layout.torch_dtype}")
-    return pool
+    # Masked attention multiplies unused slots by zero, which only NaN/inf garbage survives;
+    # after this the pool only ever holds values the model (or a peer's model) computed.
+    return pool.zero_()

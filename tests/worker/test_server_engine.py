@@ -1,19 +1,26 @@
-"""The engine thread under failure and shutdown, through an in-process server (hypercorn on a free port).
+"""The engine thread under failure and shutdown: through an in-process server (hypercorn on a free
+port) and through AsyncEngine directly.
 
-The engine here is the real LLMEngine on the built-in model; one test injects a fault into its step().
+The engine is the real LLMEngine on the built-in model; two tests inject a fault into its step().
 """
 from __future__ import annotations
 
+import asyncio
+import gc
 import threading
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 import httpx
 import pytest
 
 from tests.helpers import wait_until
 from tests.worker.server_helpers import InProcessServer, metric
+from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, RequestOutput
+from worker.errors import WorkerError
+from worker.sampling_params import SamplingParams
 from worker.server import create_app
 
 
@@ -73,3 +80,49 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server: I
     FaultInjectedEngine.fail.clear()
     wait_until(lambda: metric(server.url, "neuron_di_kv_blocks_used") == 0, timeout=30, what="blocks freed")
     assert metric(server.url, "neuron_di_requests_total", outcome="500") >= 1
+
+
+def blocks_free(engine: AsyncEngine) -> bool:
+    stats = engine.stats
+    return stats is not None and stats.num_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+
+
+async def poll(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_a_stream_dropped_unread_is_aborted() -> None:
+    async def run() -> None:
+        engine = AsyncEngine(lambda: LLMEngine(EngineConfig()))
+        await engine.start()
+        try:
+            stream = await engine.generate("dropped", [5, 6, 7], SamplingParams(max_tokens=1500, ignore_eos=True))
+            await poll(lambda: not blocks_free(engine))
+            del stream  # never iterated: garbage collection must still abort it
+            gc.collect()
+            await poll(lambda: blocks_free(engine))
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_stop_ends_in_flight_streams_with_an_error_and_joins_the_thread() -> None:
+    async def run() -> None:
+        engine = AsyncEngine(lambda: LLMEngine(EngineConfig()), thread_name="engine-stop-test")
+        await engine.start()
+        stream = await engine.generate("long", [5, 6, 7], SamplingParams(max_tokens=1500, ignore_eos=True))
+        first = await stream.__anext__()
+        assert first.request_id == "long" and len(first.new_token_ids) == 1
+        await engine.stop()
+        with pytest.raises(WorkerError, match="the engine is shutting down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(WorkerError, match="the engine is not running"):
+            await engine.generate("late", [5], SamplingParams())
+
+    asyncio.run(run())
+    assert not any(t.name == "engine-stop-test" for t in threading.enumerate())

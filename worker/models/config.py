@@ -41,6 +41,13 @@ class ModelConfig:
     def from_hf(cls, data: dict[str, Any]) -> ModelConfig:
         heads = data["num_attention_heads"]
         eos = data.get("eos_token_id")
+        if data.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        # Newer transformers folds rope_theta and the scaling into one "rope_parameters" dict.
+        rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", data.get("rope_theta", 10000.0))
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
         return cls(
             vocab_size=data["vocab_size"],
             hidden_size=data["hidden_size"],
@@ -51,8 +58,8 @@ class ModelConfig:
             head_dim=data.get("head_dim") or data["hidden_size"] // heads,
             max_position_embeddings=data.get("max_position_embeddings", 2048),
             rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-            rope_theta=data.get("rope_theta", 10000.0),
-            rope_scaling=data.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope or None,
             tie_word_embeddings=data.get("tie_word_embeddings", False),
             # Qwen2 always has a q/k/v bias; Llama makes it optional.
             attention_bias=data.get("attention_bias", data.get("model_type") == "qwen2"),

@@ -1,0 +1,72 @@
+"""The built-in model, the benchmark model, the training script and non-fp32 dtypes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT
+from worker import BUILTIN_MODEL_NAME, EngineConfig, LLMEngine, SamplingParams, create_bench_model
+from worker.models.config import ModelConfig
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def test_builtin_model_is_the_default_and_writes_python() -> None:
+    eng = LLMEngine(EngineConfig(num_kv_blocks=64))
+    assert eng.model_name == BUILTIN_MODEL_NAME and eng.max_model_len == 2048
+    config = eng.model_config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads) == (256, 4, 4, 2)
+    assert eng.kv_layout.num_kv_heads == 2 and eng.kv_layout.num_layers == 4
+    prompt = eng.tokenizer.encode("import os\nimport sys\n\n\ndef main():\n    ")
+    out = eng.generate([prompt], SamplingParams(max_tokens=48, temperature=0))[0]
+    text = eng.tokenizer.decode(out)
+    assert text.isascii() and sum(c.isalpha() for c in text) > len(text) // 3, text
+    chat = eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|bos|><|user|>hi\n<|assistant|>"
+
+
+def test_served_model_name_defaults_to_the_dir_name(tiny_llama: Path) -> None:
+    assert LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8)).model_name == tiny_llama.name
+    named = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, served_model_name="m"))
+    assert named.model_name == "m"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engine_follows_fp32(tiny_llama: Path, dtype: str) -> None:
+    half = LLMEngine(EngineConfig(model=str(tiny_llama), dtype=dtype, num_kv_blocks=64, block_size=4))
+    assert half.kv_pool.dtype == getattr(torch, dtype)
+    assert next(half.runner.model.parameters()).dtype == getattr(torch, dtype)
+    full = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, block_size=4))
+    prompt = [256, 104, 101, 108, 108, 111]
+    # Low precision may diverge later; the first greedy tokens of a random model agree.
+    assert half.generate([prompt], GREEDY)[0][:2] == full.generate([prompt], GREEDY)[0][:2]
+
+
+def test_bench_model_is_deterministic_and_cached(tmp_path: Path) -> None:
+    path = create_bench_model(tmp_path / "a")
+    again = create_bench_model(tmp_path / "b")
+    assert (path / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert create_bench_model(tmp_path / "a") == path
+    config = ModelConfig.from_dir(path)
+    assert (config.hidden_size, config.num_hidden_layers) == (512, 8)
+    eng = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16))
+    params = sum(p.numel() for p in eng.runner.model.parameters())
+    assert 20e6 < params < 28e6
+    assert len(eng.generate([[256, 65, 66]], GREEDY)[0]) == 12
+
+
+def test_training_script_is_deterministic(tmp_path: Path) -> None:
+    def train(out: Path) -> bytes:
+        subprocess.run([sys.executable, "scripts/train_builtin_model.py", "--out", str(out), "--steps", "2",
+                        "--batch", "2", "--seq-len", "16", "--corpus-bytes", "20000", "--threads", "1"],
+                       cwd=ROOT, check=True, capture_output=True, timeout=120)
+        return (out / "model.safetensors").read_bytes()
+
+    assert train(tmp_path / "a") == train(tmp_path / "b")
+    eng = LLMEngine(EngineConfig(model=str(tmp_path / "a"), num_kv_blocks=8))
+    assert eng.tokenizer.encode("ab") == [256, 97, 98]
