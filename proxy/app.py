@@ -11,12 +11,12 @@ from quart import Quart, Response, request
 
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, health_loop
-from proxy.errors import ProxyError, UpstreamError, error_body, to_http
+from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
 from proxy.forward import Forwarder, JSONAnswer
 from proxy.metrics import Metrics
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
 from proxy.upstream import AiohttpUpstream, Upstream
-from proxy.workers import WorkerPool, WorkerRecord
+from proxy.workers import ROLES, WorkerPool, WorkerRecord
 
 _JSON = "application/json"
 
@@ -102,8 +102,10 @@ def create_app(config: ProxyConfig) -> Quart:
 
     @app.get("/health")
     async def health() -> Response:
-        counts = {role: len(state.pool.healthy(role)) for role in ("prefill", "decode", "both")}
-        return Response(json.dumps({"status": "ok", "healthy_workers": counts}), 200, content_type=_JSON)
+        known = state.pool.all()
+        workers = {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
+                   for role in ROLES}
+        return Response(json.dumps({"status": "ok", "workers": workers}), 200, content_type=_JSON)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -125,7 +127,10 @@ async def _models(state: ProxyState) -> Response:
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             for model in reply.json().get("data", []):
                 models.setdefault(model["id"], model)
-    if not models and workers == []:
-        body = error_body("no healthy worker is available", "service_unavailable", 503)
-        return Response(json.dumps(body), 503, content_type=_JSON)
+    if not workers:
+        status, body = to_http(NoWorkers(" or ".join(roles)))
+        return Response(body, status, content_type=_JSON)
+    if not models:
+        status, body = to_http(UpstreamError("no worker answered GET /v1/models"))
+        return Response(body, status, content_type=_JSON)
     return Response(json.dumps({"object": "list", "data": list(models.values())}), 200, content_type=_JSON)

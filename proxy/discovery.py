@@ -13,6 +13,7 @@ from proxy.workers import WorkerPool, WorkerRecord
 
 log = logging.getLogger("proxy.discovery")
 PREFIX = b"/workers/"
+_FIRST_BACKOFF = 0.2
 
 
 async def health_loop(pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], interval: float) -> None:
@@ -21,9 +22,8 @@ async def health_loop(pool: WorkerPool, clients: Callable[[WorkerRecord], Upstre
         workers = pool.all()
         results = await asyncio.gather(*(_healthy(clients(w), min(interval, 2.0)) for w in workers))
         for worker, ok in zip(workers, results):
-            if not ok:
-                log.warning("worker %s failed its health check", worker.address)
-            pool.mark(worker.key, ok)
+            if pool.mark(worker.key, ok):
+                log.warning("worker %s %s", worker.address, "is healthy again" if ok else "failed its health check")
         await asyncio.sleep(interval)
 
 
@@ -43,10 +43,10 @@ class EtcdDiscovery:
         self._host = host
         self._port = port
         self._max_backoff = max_backoff
+        self._backoff = _FIRST_BACKOFF
         self.synced = asyncio.Event()
 
     async def run(self) -> None:
-        backoff = 0.2
         while True:
             try:
                 await self._sync_and_watch()
@@ -54,15 +54,16 @@ class EtcdDiscovery:
                 raise
             except Exception as exc:  # noqa: BLE001 - grpc/etcd errors of any kind: keep serving, retry
                 log.warning("etcd %s:%d unavailable (%s); keeping %d known workers, retrying in %.1fs",
-                            self._host, self._port, exc, len(self._pool.all()), backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._max_backoff)
+                            self._host, self._port, exc, len(self._pool.all()), self._backoff)
+            await asyncio.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, self._max_backoff)
 
     async def _sync_and_watch(self) -> None:
         async with aetcd.Client(self._host, self._port, timeout=5) as client:
             snapshot = await client.get_prefix(PREFIX)
             self._pool.replace_all(w for kv in snapshot if (w := _record(kv.key, kv.value)) is not None)
             self.synced.set()
+            self._backoff = _FIRST_BACKOFF
             log.info("etcd: %d workers", len(self._pool.all()))
             watch = await client.watch_prefix(PREFIX, start_revision=snapshot.header.revision + 1)
             async for event in watch:

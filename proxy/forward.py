@@ -70,27 +70,35 @@ class Forwarder:
     async def _disaggregated(self, request: ClientRequest) -> Answer:
         prefill, decode = self._pool.next("prefill"), self._pool.next("decode")
         uid = uuid.uuid4().hex
-        headers = {"X-Request-Id": uid}
-        response_id = request.endpoint.id_prefix + uid
-        path = request.endpoint.path
-        started = time.perf_counter()
+        headers, path, started = {"X-Request-Id": uid}, request.endpoint.path, time.perf_counter()
         prefill_task = _spawn(self._call(prefill, path, prefill_body(request, uid), headers))
         dbody = decode_body(request, uid, prefill)
-        if not request.stream:
+        if request.stream:
+            queue, decode_task = self._open_stream(decode, path, dbody, headers)
+        else:
             decode_task = _spawn(self._call(decode, path, dbody, headers))
+        try:
             first = _json(await _first_or_failure(prefill_task, decode_task), prefill)
-            if prefill_finished(first):
-                decode_task.cancel()  # EOS at token one: decode has nothing to add
-                return JSONAnswer(_dump({**first, "id": response_id}))
-            rest = _json(await _first_or_failure(decode_task, prefill_task), decode)
-            return JSONAnswer(_dump(merge_bodies(response_id, first, rest)))
-        queue, decode_task = self._open_stream(decode, path, dbody, headers)
-        first = _json(await _first_or_failure(prefill_task, decode_task), prefill)
-        stitcher = StreamStitcher(request, response_id, int(time.time()), first)
-        events = stitcher.first()
-        if stitcher.finished:
+            response_id = request.endpoint.id_prefix + uid
+            if not request.stream:
+                return await self._whole(response_id, first, decode_task, decode)
+            stitcher = StreamStitcher(request, response_id, int(time.time()), first)
+            events = stitcher.first()
+        except BaseException:
+            prefill_task.cancel()
             decode_task.cancel()
+            raise
+        if stitcher.finished:
+            decode_task.cancel()  # EOS at token one: decode has nothing to add
         return StreamAnswer(self._stitched(stitcher, events, queue, decode_task, started))
+
+    async def _whole(self, response_id: str, first: dict[str, Any], decode_task: asyncio.Task[bytes],
+                     decode: WorkerRecord) -> JSONAnswer:
+        if prefill_finished(first):
+            decode_task.cancel()  # EOS at token one: decode has nothing to add
+            return JSONAnswer(_dump({**first, "id": response_id}))
+        rest = _json(await decode_task, decode)
+        return JSONAnswer(_dump(merge_bodies(response_id, first, rest)))
 
     async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         with self._leg(worker):
@@ -116,6 +124,8 @@ class Forwarder:
                     async for chunk in reply.chunks():
                         for data in decoder.feed(chunk):
                             queue.put_nowait(data)
+                    for data in decoder.end():
+                        queue.put_nowait(data)
                     if decoder.pending:
                         raise UpstreamUnavailable("stream cut in the middle of an event", worker.role, worker.address)
             queue.put_nowait(_END)

@@ -29,6 +29,12 @@ class SSEDecoder:
             self._buffer = rest
             self._line(line.decode("utf-8"), events)
 
+    def end(self) -> list[str]:
+        """The stream is over: a CR held back as a possible CRLF half was a line end after all."""
+        if not self._buffer.endswith(b"\r"):
+            return []
+        return self.feed(b"\n")
+
     @property
     def pending(self) -> bool:
         """True when a partial event is buffered (the stream was cut mid-event)."""

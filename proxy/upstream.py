@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Protocol
 
@@ -51,7 +51,7 @@ class Upstream(Protocol):
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply: ...
 
     def stream(self, path: str, payload: dict[str, Any],
-               headers: dict[str, str]) -> Any: ...  # async context manager of StreamReply
+               headers: dict[str, str]) -> AbstractAsyncContextManager[StreamReply]: ...
 
     async def get(self, path: str, timeout: float) -> Reply: ...
 

@@ -102,14 +102,16 @@ class WorkerPool:
         self._workers = fresh
         self._healthy = None
 
-    def mark(self, key: str, healthy: bool) -> None:
+    def mark(self, key: str, healthy: bool) -> bool:
+        """Puts a worker in or out of rotation; True if that changed anything."""
         if key not in self._workers or (key not in self._down) == healthy:
-            return
+            return False
         if healthy:
             self._down.discard(key)
         else:
             self._down.add(key)
         self._healthy = None
+        return True
 
     def all(self) -> list[WorkerRecord]:
         return sorted(self._workers.values(), key=lambda w: w.key)

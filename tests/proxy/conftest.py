@@ -25,10 +25,11 @@ class Server:
         return httpx.get(f"{self.url}/fake/state", timeout=5).json()
 
 
-def start_fake_worker(role: str, etcd: str | None = None, kv_port: int | None = None) -> Server:
+def start_fake_worker(role: str, etcd: str | None = None, kv_port: int | None = None,
+                      lease_ttl: int = 2) -> Server:
     port = free_port()
     args = ["-m", "tests.proxy.fake_worker", "--role", role, "--port", str(port)]
-    args += ["--etcd", etcd] if etcd else []
+    args += ["--etcd", etcd, "--lease-ttl", str(lease_ttl)] if etcd else []
     args += ["--kv-port", str(kv_port)] if kv_port else []
     server = Server(python_process(args, name=f"fake-{role}"), port)
     wait_http_ok(f"{server.url}/health", server.process, timeout=30)

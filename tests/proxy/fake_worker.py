@@ -10,7 +10,7 @@ A request may steer it with a body field `fake` (the proxy passes unknown fields
 (`"prefill"`, `"decode"`, `"single"`): `{"status": 500}`, `{"hang": true}`,
 `{"delay": seconds_per_token}`, `{"die_after": n}` (os._exit after n chunks).
 
-    python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT]
+    python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT --lease-ttl 2]
 """
 from __future__ import annotations
 
@@ -141,14 +141,14 @@ class _Answer:
         return chunks
 
 
-async def serve(role: str, port: int, model: str, etcd: str | None, kv_port: int) -> None:
+async def serve(role: str, port: int, model: str, etcd: str | None, kv_port: int, lease_ttl: int) -> None:
     app = web.Application()
     app.add_routes(FakeWorker(role, model).routes())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     if etcd:
-        await register_forever(etcd, role, "127.0.0.1", port, kv_port, model)
+        await register_forever(etcd, role, "127.0.0.1", port, kv_port, model, lease_ttl)
     await asyncio.Event().wait()
 
 
@@ -159,8 +159,9 @@ def main() -> None:
     parser.add_argument("--model", default="fake-model")
     parser.add_argument("--etcd")
     parser.add_argument("--kv-port", type=int, default=14579)
+    parser.add_argument("--lease-ttl", type=int, default=2)
     args = parser.parse_args()
-    asyncio.run(serve(args.role, args.port, args.model, args.etcd, args.kv_port))
+    asyncio.run(serve(args.role, args.port, args.model, args.etcd, args.kv_port, args.lease_ttl))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ def test_prefill_error_status_is_502_and_decode_is_cancelled(pair: Pair, stream:
     assert error["type"] == "upstream_error" and error["code"] == 502
     assert f"prefill worker 127.0.0.1:{pair.prefill.port}: answered HTTP 500" in error["message"]
     _cancelled_and_idle(pair.decode, body["user"])
+    metrics = httpx.get(f"{pair.proxy.url}/metrics", timeout=10).text
+    assert 'proxy_upstream_errors_total{kind="UpstreamStatus",role="prefill"}' in metrics
+    assert 'proxy_requests_total{endpoint="/v1/completions",status="502"}' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -83,15 +86,31 @@ def test_decode_timeout_mid_stream_is_an_sse_error(pair: Pair) -> None:
     _cancelled_and_idle(pair.decode, body["user"])
 
 
-def test_client_disconnect_mid_stream_cancels_both_legs(pair: Pair) -> None:
+def _inflight(pair: Pair, server: Server, role: str) -> float:
+    metrics = httpx.get(f"{pair.proxy.url}/metrics", timeout=10).text
+    line = f'proxy_worker_inflight_requests{{role="{role}",worker="127.0.0.1:{server.port}"}} '
+    return float(metrics.split(line)[1].split()[0])
+
+
+def test_client_disconnect_mid_stream_cancels_the_decode_leg(pair: Pair) -> None:
     body = _body({"decode": {"delay": 0.3}}, stream=True, max_tokens=50)
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", f"{pair.proxy.url}/v1/completions", json=body) as reply:
             lines = reply.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             assert next(line for line in lines if line.startswith("data: "))
+            assert _inflight(pair, pair.decode, "decode") == 1
     _cancelled_and_idle(pair.decode, body["user"])
     assert pair.prefill.state()["active"] == 0
+    wait_until(lambda: _inflight(pair, pair.decode, "decode") == 0, timeout=10, what="in-flight gauge back to 0")
+
+
+def test_client_disconnect_before_the_first_token_cancels_both_legs(pair: Pair) -> None:
+    body = _body({"prefill": {"hang": True}, "decode": {"hang": True}}, stream=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{pair.proxy.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    _cancelled_and_idle(pair.prefill, body["user"])
+    _cancelled_and_idle(pair.decode, body["user"])
 
 
 BAD_BODIES: list[tuple[str, bytes]] = [

@@ -120,7 +120,8 @@ def test_models_health_and_metrics(pair: Pair) -> None:
     models = httpx.get(f"{pair.proxy.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["fake-model"]
     health = httpx.get(f"{pair.proxy.url}/health", timeout=10).json()
-    assert health["healthy_workers"] == {"prefill": 1, "decode": 1, "both": 0}
+    assert health["workers"] == {"prefill": {"known": 1, "healthy": 1}, "decode": {"known": 1, "healthy": 1},
+                                 "both": {"known": 0, "healthy": 0}}
     metrics = httpx.get(f"{pair.proxy.url}/metrics", timeout=10).text
     for name in ("proxy_requests_total", "proxy_time_to_first_token_seconds_bucket",
                  "proxy_inter_token_latency_seconds_bucket", "proxy_request_latency_seconds_count",

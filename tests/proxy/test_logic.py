@@ -1,0 +1,165 @@
+"""The sans-I/O parts, driven with plain bytes and dicts: SSE, stitching, requests, picking, config."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy import (CHAT, COMPLETIONS, BadRequest, ConfigError, NoWorkers, SSEDecoder, StreamStitcher,
+                   UpstreamProtocol, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable, WorkerPool,
+                   WorkerRecord, parse_args, parse_request, pick, summed_usage, to_http)
+from proxy.requests import decode_body, prefill_body
+
+STREAM = (b"data: {\"a\": 1}\n\n: keep-alive comment\n\nevent: message\r\ndata: {\"b\":\r\ndata: 2}\r\n\r\n"
+          b"id: 7\rdata: [DONE]\r\r")
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), unique=True))
+def test_sse_decoder_is_independent_of_how_bytes_are_cut(cuts: list[int]) -> None:
+    decoder, events, start = SSEDecoder(), [], 0
+    for cut in sorted(cuts) + [len(STREAM)]:
+        events += decoder.feed(STREAM[start:cut])
+        start = cut
+    events += decoder.end()
+    assert events == ['{"a": 1}', '{"b":\n2}', "[DONE]"]
+    assert not decoder.pending
+
+
+def test_sse_decoder_reports_a_cut_event() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b'data: {"a": 1}\n\ndata: {"b"') == ['{"a": 1}']
+    assert decoder.pending
+
+
+def _request(endpoint=COMPLETIONS, **body) -> object:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if endpoint.is_chat else \
+        {"model": "m", "prompt": "hi"}
+    return parse_request(endpoint, json.dumps({**base, **body}).encode(), disaggregated=True)
+
+
+def _chunk(choice: dict) -> str:
+    return json.dumps({"id": "cmpl-worker", "object": "text_completion", "created": 1, "model": "m",
+                       "choices": [choice]})
+
+
+def _events(raw: list[bytes]) -> list:
+    return [json.loads(e[6:]) if e != b"data: [DONE]\n\n" else "[DONE]" for e in raw]
+
+
+PREFILL = {"id": "cmpl-p", "model": "m", "choices": [{"index": 0, "text": " A", "finish_reason": "length"}],
+           "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+
+def test_stitcher_skips_decodes_repeat_and_rewrites_ids() -> None:
+    stitcher = StreamStitcher(_request(stream=True, stream_options={"include_usage": True}), "cmpl-X", 42, PREFILL)
+    out = stitcher.first()
+    for text, finish in ((" A", None), (" B", None), (" C", "length")):
+        out += stitcher.feed(_chunk({"index": 0, "text": text, "finish_reason": finish}))
+    out += stitcher.feed(json.dumps({"id": "w", "choices": [], "usage": {
+        "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}))
+    out += stitcher.feed("[DONE]") + stitcher.close()
+    events = _events(out)
+    assert [e["choices"][0]["text"] for e in events[:3]] == [" A", " B", " C"]
+    assert [e["choices"][0]["finish_reason"] for e in events[:3]] == [None, None, "length"]
+    assert {(e["id"], e["created"], e["model"]) for e in events[:-1]} == {("cmpl-X", 42, "m")}
+    assert events[3]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert events[4] == "[DONE]" and len(events) == 5
+
+
+def test_stitcher_keeps_a_finish_reason_on_decodes_only_token() -> None:
+    stitcher = StreamStitcher(_request(stream=True), "cmpl-X", 1, PREFILL)
+    stitcher.first()
+    events = _events(stitcher.feed(_chunk({"index": 0, "text": " A", "finish_reason": "length"})) + stitcher.close())
+    assert events[0]["choices"][0] == {"index": 0, "text": "", "finish_reason": "length"}
+    assert events[1] == "[DONE]"
+
+
+def test_stitcher_errors() -> None:
+    stitcher = StreamStitcher(_request(stream=True), "cmpl-X", 1, PREFILL)
+    stitcher.first()
+    with pytest.raises(UpstreamProtocol):
+        stitcher.feed("{not json")
+    with pytest.raises(UpstreamUnavailable):
+        stitcher.close()  # decode ended without a finish_reason
+
+
+def test_usage_counts_decodes_repeat_once() -> None:
+    assert summed_usage({"prompt_tokens": 5, "completion_tokens": 1},
+                        {"prompt_tokens": 5, "completion_tokens": 9}) == {
+        "prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+
+
+def test_leg_bodies_follow_the_contract() -> None:
+    request = _request(CHAT, max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
+    prefill = WorkerRecord("prefill", "10.0.0.1", 8100, kv_port=14600)
+    assert prefill_body(request, "u1") == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "max_completion_tokens": 1, "stream": False, "kv_transfer_params": {"role": "prefill", "request_id": "u1"}}
+    decode = decode_body(request, "u1", prefill)
+    assert decode["stream"] is True and decode["max_completion_tokens"] == 7
+    assert decode["kv_transfer_params"] == {"role": "decode", "request_id": "u1", "remote_host": "10.0.0.1",
+                                            "remote_port": 14600, "remote_engine_id": "10.0.0.1:8100"}
+    assert request.max_tokens == 7 and request.include_usage
+
+
+def test_round_robin_and_health() -> None:
+    a, b = WorkerRecord("decode", "h", 2), WorkerRecord("decode", "h", 1)
+    assert [pick([a, b], t) for t in range(3)] == [a, b, a]
+    pool = WorkerPool([a, b, WorkerRecord("prefill", "h", 3)])
+    assert [pool.next("decode").http_port for _ in range(4)] == [1, 2, 1, 2]
+    assert pool.mark(b.key, healthy=False) and not pool.mark(b.key, healthy=False)
+    assert [pool.next("decode").http_port for _ in range(2)] == [2, 2]
+    pool.remove(a.key)
+    with pytest.raises(NoWorkers, match="no healthy decode worker"):
+        pool.next("decode")
+
+
+def test_worker_record_round_trips_and_rejects_garbage() -> None:
+    record = WorkerRecord("prefill", "h", 8100, kv_host="k", kv_port=1, engine_id="e", model="m",
+                          transfer={"backend": "shm"})
+    assert WorkerRecord.from_json(record.to_json()) == record
+    for raw in (b"{", b"[]", b'{"role": "x", "host": "h", "http_port": 1}', b'{"role": "decode"}'):
+        with pytest.raises(ConfigError):
+            WorkerRecord.from_json(raw)
+
+
+def test_errors_map_to_statuses_in_one_place() -> None:
+    assert to_http(BadRequest("bad", "prompt"))[0] == 400
+    assert json.loads(to_http(BadRequest("bad", "prompt"))[1])["error"]["param"] == "prompt"
+    assert to_http(NoWorkers("decode"))[0] == 503
+    assert to_http(UpstreamTimeout("slow"))[0] == 504
+    assert to_http(UpstreamUnavailable("gone"))[0] == 502
+    assert to_http(UpstreamStatus(500, b"oops"))[0] == 502
+    assert to_http(UpstreamStatus(404, b'{"x": 1}')) == (404, b'{"x": 1}')
+
+
+def test_config_static_1p1d_and_xpyd() -> None:
+    config = parse_args(["--prefill-ip", "a", "--prefill-port", "8100", "--decode-ip", "b", "--decode-port", "8200"])
+    assert [(w.role, w.address, w.kv_port) for w in config.workers] == [
+        ("prefill", "a:8100", 14579), ("decode", "b:8200", 14579)]
+    assert config.port == 8000 and config.mode == "di"
+    config = parse_args(["--prefill", "a:1:9", "--prefill", "b:2", "--decode", "c:3", "--port", "9000"])
+    assert [(w.role, w.address, w.kv_port) for w in config.workers] == [
+        ("prefill", "a:1", 9), ("prefill", "b:2", 14579), ("decode", "c:3", 14579)]
+    assert parse_args(["--etcd", "e:2379"]).etcd == ("e", 2379)
+    assert parse_args(["--mode", "colocated", "--worker", "w:1"]).workers[0].role == "both"
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "no workers"),
+    (["--prefill-ip", "a", "--prefill-port", "1"], "needs all of"),
+    (["--prefill", "a:1"], "at least one prefill and one decode"),
+    (["--prefill", "a", "--decode", "b:2"], "expected HOST:PORT"),
+    (["--prefill", "a:x", "--decode", "b:2"], "not a number"),
+    (["--prefill", "a:1", "--decode", "b:70000"], "out of range"),
+    (["--etcd", "e:1", "--prefill", "a:1", "--decode", "b:2"], "not both"),
+    (["--mode", "colocated", "--prefill", "a:1"], "takes --worker"),
+    (["--worker", "a:1"], "is for --mode colocated"),
+    (["--etcd", "e:1", "--read-timeout", "0"], "must be positive"),
+    (["--prefill", "a:1", "--prefill", "a:1", "--decode", "b:2"], "given twice"),
+])
+def test_config_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
