@@ -18,7 +18,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import httpx
 
@@ -117,8 +117,7 @@ def wait_healthy(url: str, processes: Sequence[Process], timeout_s: float) -> No
 class Stack:
     """A started stack (context manager): `url` is the proxy's; leaving stops every process."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.url = ""
         self.processes: list[Process] = []
         self._exit = ExitStack()
@@ -138,41 +137,49 @@ class Stack:
 
 def start_di(options: StackOptions) -> Stack:
     """(a): prefill on cores[0], decode on cores[1], the proxy in DI mode."""
-    stack = Stack("di")
-    try:
-        prefill_port, kv_port, decode_port, proxy_port = (free_port() for _ in range(4))
-        prefill = stack.start("prefill worker", worker_args("prefill", prefill_port, options, kv_port),
-                              options.cores[0])
-        decode = stack.start("decode worker", worker_args("decode", decode_port, options), options.cores[1])
-        for port, process in ((prefill_port, prefill), (decode_port, decode)):
-            wait_healthy(f"http://127.0.0.1:{port}/health", [prefill, decode], options.startup_timeout_s)
-        backends = ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill_port), "--prefill-kv-port",
-                    str(kv_port), "--decode-ip", "127.0.0.1", "--decode-port", str(decode_port)]
-        _start_proxy(stack, proxy_port, backends, options)
-    except BaseException:
-        stack.__exit__(None, None, None)
-        raise
-    return stack
+    def build(stack: Stack) -> None:
+        prefill_port, kv_port, decode_port = free_port(), free_port(), free_port()
+        stack.start("prefill worker", worker_args("prefill", prefill_port, options, kv_port), options.cores[0])
+        stack.start("decode worker", worker_args("decode", decode_port, options), options.cores[1])
+        _wait_workers(stack, [prefill_port, decode_port], options)
+        _start_proxy(stack, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill_port),
+                             "--prefill-kv-port", str(kv_port), "--decode-ip", "127.0.0.1",
+                             "--decode-port", str(decode_port)], options)
+
+    return _started(build)
 
 
 def start_colocated(options: StackOptions) -> Stack:
     """(b): a `both` worker on each core, the proxy round-robins over them."""
-    stack = Stack("colocated")
-    try:
+    def build(stack: Stack) -> None:
         ports = [free_port() for _ in options.cores]
-        workers = [stack.start(f"worker {i}", worker_args("both", port, options), core)
-                   for i, (port, core) in enumerate(zip(ports, options.cores))]
-        for port in ports:
-            wait_healthy(f"http://127.0.0.1:{port}/health", workers, options.startup_timeout_s)
-        backends = ["--mode", "colocated", *[arg for port in ports for arg in ("--worker", f"127.0.0.1:{port}")]]
-        _start_proxy(stack, free_port(), backends, options)
+        for i, (port, core) in enumerate(zip(ports, options.cores)):
+            stack.start(f"worker {i}", worker_args("both", port, options), core)
+        _wait_workers(stack, ports, options)
+        _start_proxy(stack, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]],
+                     options)
+
+    return _started(build)
+
+
+def _started(build: Callable[[Stack], None]) -> Stack:
+    """A stack built by `build`; if building fails or is interrupted, what it started is stopped."""
+    stack = Stack()
+    try:
+        build(stack)
     except BaseException:
         stack.__exit__(None, None, None)
         raise
     return stack
 
 
-def _start_proxy(stack: Stack, port: int, backends: list[str], options: StackOptions) -> None:
+def _wait_workers(stack: Stack, ports: Sequence[int], options: StackOptions) -> None:
+    for port in ports:
+        wait_healthy(f"http://127.0.0.1:{port}/health", stack.processes, options.startup_timeout_s)
+
+
+def _start_proxy(stack: Stack, backends: list[str], options: StackOptions) -> None:
+    port = free_port()
     stack.start("proxy", proxy_args(port, backends))
     stack.url = f"http://127.0.0.1:{port}"
     wait_healthy(f"{stack.url}/health", stack.processes, options.startup_timeout_s)

@@ -1,7 +1,10 @@
 """examples/bench_serving.py against a real worker, and its stacks' failure paths."""
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
 import subprocess
 import sys
 import uuid
@@ -9,7 +12,9 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from serving_load import LoadSpec, make_requests
+import bench_serving
+import httpx
+from serving_load import LoadSpec, make_requests, run_load
 from serving_metrics import RequestResult
 from serving_report import plot_distributions
 from serving_stack import StackError, StackOptions, start_colocated, start_di
@@ -122,6 +127,41 @@ def test_plot_has_itl_and_ttft(tmp_path: Path) -> None:
     path = tmp_path / "cdf.png"
     assert plot_distributions({"di": results, "colocated": results}, path) is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _generated_tokens(worker_url: str) -> float:
+    text = httpx.get(f"{worker_url}/metrics", timeout=5).text
+    return sum(float(m) for m in re.findall(r"^neuron_di_generation_tokens_total(?:{[^}]*})? (\S+)$", text, re.M))
+
+
+def test_colocated_stack_pins_each_worker_and_serves_through_the_proxy(tmp_path: Path) -> None:
+    model = tiny_model_dir(tmp_path)
+    with start_colocated(StackOptions(cores=(0, 1), model=str(model))) as stack:
+        workers = [p for p in stack.processes if p.name.startswith("worker")]
+        for core, process in zip((0, 1), workers):
+            threads = os.listdir(f"/proc/{process.proc.pid}/task")
+            assert {frozenset(os.sched_getaffinity(int(t))) for t in threads} == {frozenset({core})}
+        spec = LoadSpec(6, (4, 12), (3, 3), seed=1)
+        results, _ = asyncio.run(run_load(stack.url, model.name, spec, make_requests(spec)))
+        assert [(r.error, r.output_tokens) for r in results] == [(None, 3)] * 6
+        urls = [f"http://127.0.0.1:{args[args.index('--port') + 1]}" for args in (w.proc.args for w in workers)]
+        # Round-robin: each worker generated half of the 18 tokens.
+        assert [_generated_tokens(url) for url in urls] == [9.0, 9.0]
+    assert all(p.proc.poll() is not None for p in stack.processes)
+
+
+def test_report_has_both_configs_and_di_over_colocated_ratios() -> None:
+    argv = ["--compare", "--num-prompts", "2"]
+    args = bench_serving.parse_args(argv)
+    fast = [RequestResult(4, 2, start=0.0, chunk_times=[0.1, 0.12], end=0.12, output_tokens=2)] * 2
+    slow = [RequestResult(4, 2, start=0.0, chunk_times=[0.2, 0.28], end=0.28, output_tokens=2)] * 2
+    out = bench_serving.report(args, {"di": (fast, 1.0), "colocated": (slow, 1.0)}, argv)
+    assert {"config", "di", "colocated", "itl_p99_ratio", "ttft_p50_ratio"} <= set(out)
+    assert out["ttft_p50_ratio"] == pytest.approx(0.5)
+    assert out["itl_p99_ratio"] == pytest.approx(0.25)
+    assert out["config"]["command"] == "python examples/bench_serving.py --compare --num-prompts 2"
+    assert out["config"]["request_rate"] == 4.0 and out["config"]["num_prompts"] == 2
+    json.dumps(out, allow_nan=False)
 
 
 @pytest.mark.slow
