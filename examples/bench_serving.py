@@ -11,6 +11,8 @@ and ITL SLO (a request's largest ITL is judged). `--compare` starts (a) a prefil
 a decode worker behind the proxy in DI mode and (b) two `both` workers behind the proxy in
 colocated mode, one after the other, each worker pinned to its own core with one torch
 thread, runs the same load against each, and reports DI over colocated ratios.
+Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
+arguments, 3 some requests failed (they are counted and their errors listed).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from serving_stack import StackError, StackOptions, start_colocated, start_di
 # Unset flags take these values; --quick picks the second set (both stacks in well under a minute).
 DEFAULTS = {"num_prompts": (64, 12), "request_rate": (4.0, 6.0), "input_len_min": (64, 32),
             "input_len_max": (512, 192), "output_len_min": (16, 8), "output_len_max": (64, 24)}
+RATIOS = {"itl_p99_ratio": ("itl_ms", "p99"), "ttft_p50_ratio": ("ttft_ms", "p50")}  # DI over colocated
 WARMUP_SPEC = dict(input_len=(16, 16), output_len=(4, 4), max_concurrency=1, seed=12345)
 
 
@@ -123,17 +126,13 @@ def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]
 
 def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], float]],
            argv: Sequence[str]) -> dict[str, Any]:
+    """The JSON document: `config`, one summary per run (with its requests), DI-over-colocated ratios."""
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
     summaries = {name: summarize(results, duration, slo) for name, (results, duration) in runs.items()}
     ratios = {}
     if "di" in summaries:
         di, colocated = summaries["di"], summaries["colocated"]
-        ratios = {"itl_p99_ratio": ratio(di["itl_ms"]["p99"], colocated["itl_ms"]["p99"]),
-                  "ttft_p50_ratio": ratio(di["ttft_ms"]["p50"], colocated["ttft_ms"]["p50"])}
-    print(format_table(summaries, ratios))
-    for name, summary in summaries.items():
-        for error in summary["errors"]:
-            print(f"{name}: failed: {error}")
+        ratios = {name: ratio(di[key][stat], colocated[key][stat]) for name, (key, stat) in RATIOS.items()}
     config = {k: _plain(v) for k, v in vars(args).items() if k != "spec"}
     config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
     out: dict[str, Any] = {"config": config, **ratios}
@@ -159,7 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StackError, LoadError) as exc:
         print(f"bench_serving.py: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the stacks are already stopped by now
+        print("bench_serving.py: interrupted", file=sys.stderr)
+        return 130
     out = report(args, runs, argv)
+    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in RATIOS if k in out}))
+    for name in runs:
+        for error in out[name]["errors"]:
+            print(f"{name}: failed: {error}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2, allow_nan=False))
