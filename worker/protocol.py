@@ -68,11 +68,11 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     stream = bool(_opt(body, "stream", bool))
     options = _opt(body, "stream_options", dict) or {}
     include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage")
-    max_tokens = _opt(body, "max_tokens", int)
-    if kind == "chat" and body.get("max_completion_tokens") is not None:
-        max_tokens = _opt(body, "max_completion_tokens", int)
+    limit = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _opt(body, limit, int)
     if max_tokens is not None and max_tokens <= 0:
-        raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        raise invalid(f"{limit} must be at least 1, got {max_tokens}", limit)
     return GenerateRequest(
         kind=kind,
         prompt=_parse_prompt(body) if kind == "completion" else None,

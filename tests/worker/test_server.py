@@ -31,8 +31,9 @@ def model(worker: WorkerProcess) -> dict:
 
 
 @pytest.fixture
-def client(worker: WorkerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(worker: WorkerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
 
 
 def all_blocks_free(url: str) -> bool:
@@ -186,7 +187,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": []}, "messages", "`messages` must be a non-empty list"),
     ("chat/completions", {"messages": [{"content": "x"}]}, "messages[0]", "messages[0] must be an object"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
-     "max_tokens", "max_tokens must be at least 1, got -1"),
+     "max_completion_tokens", "max_completion_tokens must be at least 1, got -1"),
 ]
 
 

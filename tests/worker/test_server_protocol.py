@@ -38,7 +38,7 @@ def test_chat_prefers_max_completion_tokens_and_flattens_text_parts() -> None:
                                  "max_tokens": 9, "max_completion_tokens": 4}, MODEL)
     assert req.messages == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
     assert req.max_tokens == 4
-    with pytest.raises(InvalidRequestError, match="max_tokens must be at least 1, got 0"):
+    with pytest.raises(InvalidRequestError, match="max_completion_tokens must be at least 1, got 0"):
         parse_request("chat", {"messages": req.messages, "max_tokens": 9, "max_completion_tokens": 0}, MODEL)
 
 

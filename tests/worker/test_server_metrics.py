@@ -1,0 +1,33 @@
+"""ServerMetrics: one registry per app, and the latency bookkeeping of one request."""
+from __future__ import annotations
+
+from worker.engine import EngineStats
+from worker.metrics import ServerMetrics
+
+
+def sample(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+
+def test_two_apps_in_one_process_keep_separate_series() -> None:
+    first, second = ServerMetrics("m"), ServerMetrics("m")
+    first.observe_stats(EngineStats(num_running=2, num_waiting=1, num_blocks_used=7, num_blocks_total=64))
+    first.request_done("stop")
+    assert sample(first, "neuron_di_kv_blocks_used") == 7 and sample(first, "neuron_di_requests_waiting") == 1
+    assert sample(second, "neuron_di_kv_blocks_used") is None
+    assert sample(first, "neuron_di_requests_total", outcome="stop") == 1
+    assert sample(second, "neuron_di_requests_total", outcome="stop") is None
+    assert b"neuron_di_kv_blocks_total" in first.render(None)
+
+
+def test_timer_counts_first_token_latency_once_and_one_gap_per_later_token() -> None:
+    metrics = ServerMetrics("m")
+    timer = metrics.timer(num_prompt_tokens=5)
+    timer.tokens(0)
+    timer.tokens(1)
+    timer.tokens(1)
+    timer.tokens(3)
+    assert sample(metrics, "neuron_di_prompt_tokens_total") == 5
+    assert sample(metrics, "neuron_di_generation_tokens_total") == 5
+    assert sample(metrics, "neuron_di_ttft_seconds_count") == 1
+    assert sample(metrics, "neuron_di_itl_seconds_count") == 4
