@@ -28,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hyper = Config()
     hyper.bind = [f"{config.host}:{config.port}"]
     hyper.keep_alive_timeout = 75  # longer than clients' idle pool timeouts, so we never drop a reused socket
+    hyper.keep_alive_max_requests = 1_000_000  # hypercorn's 1000 would make pooled clients reconnect
     hyper.accesslog = None
     asyncio.run(serve(create_app(config), hyper))
     return 0

@@ -44,8 +44,11 @@ class RawClient:
         self._request = _request(port)
 
     async def __aenter__(self) -> RawClient:
-        self._reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port)
+        await self._connect()
         return self
+
+    async def _connect(self) -> None:
+        self._reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port)
 
     async def __aexit__(self, *_: Any) -> None:
         self._writer.close()
@@ -56,6 +59,9 @@ class RawClient:
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length:"))
         await self._reader.readexactly(length)
+        if b"\r\nconnection: close" in head.lower():  # servers cap requests per connection
+            self._writer.close()
+            await self._connect()
         return int(head.split(b" ", 2)[1])
 
 

@@ -8,10 +8,11 @@ import time
 from typing import Any
 
 from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
 
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, health_loop
-from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
+from proxy.errors import NoWorkers, ProxyError, UpstreamError, error_body, to_http
 from proxy.forward import Forwarder, JSONAnswer
 from proxy.metrics import Metrics
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
@@ -87,6 +88,13 @@ def create_app(config: ProxyConfig) -> Quart:
         response = Response(answer.events, 200, content_type="text/event-stream")
         response.timeout = None  # a stream lasts as long as the answer, not Quart's 60 s default
         return response
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        # Unknown paths and wrong methods answer in OpenAI's error shape too.
+        status = exc.code or 500
+        body = error_body(exc.description or exc.name, "invalid_request_error", status)
+        return Response(json.dumps(body), status, content_type=_JSON)
 
     @app.post("/v1/completions")
     async def completions() -> Response:

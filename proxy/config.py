@@ -35,12 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("di", "colocated"), default="di")
     p.add_argument("--prefill-ip", help="static 1P1D: prefill worker host")
     p.add_argument("--prefill-port", type=int, help="static 1P1D: prefill worker HTTP port")
-    p.add_argument("--prefill-kv-port", type=int, default=DEFAULT_KV_PORT, help="static 1P1D: prefill signal port")
+    p.add_argument("--prefill-kv-port", type=int, default=DEFAULT_KV_PORT,
+                   help="static 1P1D: prefill signal port")
     p.add_argument("--decode-ip", help="static 1P1D: decode worker host")
     p.add_argument("--decode-port", type=int, help="static 1P1D: decode worker HTTP port")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:KV_PORT]",
                    help="static xPyD prefill worker (repeat)")
-    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="static xPyD decode worker (repeat)")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                   help="static xPyD decode worker (repeat)")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="colocated worker (repeat)")
     p.add_argument("--etcd", metavar="HOST:PORT", help="discover workers under /workers/ in etcd")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")

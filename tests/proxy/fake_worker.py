@@ -46,7 +46,8 @@ class FakeWorker:
         return web.json_response({"status": "ok"})
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]})
+        models = [{"id": self.model, "object": "model", "owned_by": "fake"}]
+        return web.json_response({"object": "list", "data": models})
 
     async def state(self, _: web.Request) -> web.Response:
         return web.json_response({"role": self.role, "active": self.active, "legs": self.legs,

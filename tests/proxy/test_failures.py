@@ -140,6 +140,13 @@ def test_bad_input_is_400_before_any_worker(pair: Pair, name: str, raw: bytes) -
     assert (len(pair.prefill.state()["legs"]), len(pair.decode.state()["legs"])) == before
 
 
+def test_unknown_path_and_wrong_method_answer_openai_errors(pair: Pair) -> None:
+    missing = httpx.post(f"{pair.proxy.url}/v1/embeddings", json={}, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    wrong = httpx.get(f"{pair.proxy.url}/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+
+
 def test_bad_chat_messages_are_400(pair: Pair) -> None:
     for messages in ([], "hi", [{"content": "no role"}]):
         reply = httpx.post(f"{pair.proxy.url}/v1/chat/completions", timeout=10,
@@ -170,3 +177,21 @@ def test_decode_death_mid_stream_is_an_sse_error_and_leaves_rotation(
     after = httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30)
     assert after.status_code == 503
     assert after.json()["error"]["message"] == "no healthy decode worker is available"
+
+
+def test_refused_connection_is_502_and_takes_the_worker_out(servers: Callable[[Server], Server]) -> None:
+    prefill = servers(start_fake_worker("prefill"))
+    decode = servers(start_fake_worker("decode"))
+    # Health checks far apart: only the failed leg itself can take the worker out of rotation.
+    proxy = servers(start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                                 "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
+                                 "--health-interval", "60"]))
+    assert httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30).status_code == 200
+    prefill.process.kill9()
+    body = _body({"decode": {"hang": True}})
+    reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 502
+    assert f"prefill worker 127.0.0.1:{prefill.port}" in reply.json()["error"]["message"]
+    _cancelled_and_idle(decode, body["user"])
+    after = httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30)
+    assert after.status_code == 503
