@@ -11,6 +11,8 @@ and ITL SLO (a request's largest ITL is judged). `--compare` starts (a) a prefil
 a decode worker behind the proxy in DI mode and (b) two `both` workers behind the proxy in
 colocated mode, one after the other, each worker pinned to its own core with one torch
 thread, runs the same load against each, and reports DI over colocated ratios.
+JSON (`--json`): `config` (every option and the command line that reproduces the run), then
+`target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated).
 Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
 arguments, 3 some requests failed (they are counted and their errors listed).
 """
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]
     if args.target:
         return {"target": asyncio.run(measure(args.target, args, requests))}
     options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout)
-    runs = {}
+    runs: dict[str, tuple[list[RequestResult], float]] = {}
     for name, start in (("di", start_di), ("colocated", start_colocated)):
         print(f"starting the {name} stack ...", file=sys.stderr, flush=True)
         with start(options) as stack:

@@ -147,6 +147,8 @@ def _message(body: Any) -> str:
 async def run_load(base_url: str, model: str, spec: LoadSpec,
                    requests: Sequence[SyntheticRequest]) -> tuple[list[RequestResult], float]:
     """Sends every request at its arrival time; returns the results in order and the run's duration."""
+    if not requests:
+        raise ValueError("no requests to send")
     url = base_url.rstrip("/") + "/v1/completions"
     gate = asyncio.Semaphore(spec.max_concurrency or len(requests))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
