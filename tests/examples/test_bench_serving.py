@@ -1,4 +1,4 @@
-"""examples/bench_serving.py against a real worker, and its stacks' failure paths."""
+"""examples/bench_serving.py end to end: against a real worker, the stacks it starts, its report."""
 from __future__ import annotations
 
 import asyncio
@@ -11,17 +11,18 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-import pytest
-import bench_serving
 import httpx
+import pytest
+
+import bench_serving
 from serving_load import LoadSpec, make_requests, run_load
 from serving_metrics import RequestResult
 from serving_report import plot_distributions
 from serving_stack import StackError, StackOptions, start_colocated, start_di
 
 from tests.examples.tiny_model import tiny_model_dir
-from tests.helpers import ROOT, ManagedProcess, free_port, python_process, wait_http_ok
-from worker.cli import SUPPORTED_ROLES
+from tests.helpers import ROOT, free_port, python_process, wait_http_ok
+from worker import cli as worker_cli
 
 BENCH = str(ROOT / "examples" / "bench_serving.py")
 SMALL_LOAD = ["--num-prompts", "8", "--input-len-min", "4", "--input-len-max", "24",
@@ -165,7 +166,8 @@ def test_report_has_both_configs_and_di_over_colocated_ratios() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not {"prefill", "decode"} <= set(SUPPORTED_ROLES), reason="worker has no DI roles yet")
+@pytest.mark.skipif(not {"prefill", "decode"} <= set(getattr(worker_cli, "SUPPORTED_ROLES", worker_cli.ROLES)),
+                    reason="the worker has no DI roles yet")
 def test_compare_quick_runs_both_stacks(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     done = run_bench("--compare", "--quick", "--model", str(tiny_model_dir(tmp_path)), "--json", str(out),

@@ -7,6 +7,7 @@ from typing import Awaitable, Callable
 
 import httpx
 import pytest
+
 from serving_load import SyntheticRequest, stream_one
 from serving_metrics import RequestResult
 

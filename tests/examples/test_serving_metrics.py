@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from serving_load import LoadSpec, arrival_offsets, completion_body, make_requests
 from serving_metrics import SLO, RequestResult, distribution, ratio, summarize
 
