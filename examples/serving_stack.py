@@ -111,7 +111,8 @@ def wait_healthy(url: str, processes: Sequence[Process], timeout_s: float) -> No
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise StackError(f"{url} was not healthy after {timeout_s:g} s")
+    logs = "".join(f"\n--- {p.name}:\n{p.tail(1500)}" for p in processes)
+    raise StackError(f"{url} was not healthy after {timeout_s:g} s{logs}")
 
 
 class Stack:

@@ -18,10 +18,10 @@ import bench_serving
 from serving_load import LoadSpec, make_requests, run_load
 from serving_metrics import RequestResult
 from serving_report import plot_distributions
-from serving_stack import StackError, StackOptions, start_colocated, start_di
+from serving_stack import Stack, StackError, StackOptions, start_colocated, start_di, wait_healthy
 
 from tests.examples.tiny_model import tiny_model_dir
-from tests.helpers import ROOT, free_port, python_process, wait_http_ok
+from tests.helpers import ROOT, free_port, python_process, wait_http_ok, wait_until
 from worker import cli as worker_cli
 
 BENCH = str(ROOT / "examples" / "bench_serving.py")
@@ -119,6 +119,15 @@ def test_stack_that_cannot_start_fails_fast_and_leaves_nothing(start, who: str) 
     with pytest.raises(StackError, match=f"the {who} exited with status"):
         start(options)
     assert _processes_mentioning(marker) == []
+
+
+def test_a_stack_that_never_gets_healthy_times_out_and_is_stopped() -> None:
+    with Stack() as stack:
+        silent = stack.start("silent server", ["-c", "import time; print('up, serving nothing', flush=True); time.sleep(60)"])
+        wait_until(lambda: "serving nothing" in silent.tail(), what="the silent server's first line")
+        with pytest.raises(StackError, match=r"not healthy after 0.5 s\n--- silent server:\nup, serving nothing"):
+            wait_healthy(f"http://127.0.0.1:{free_port()}/health", stack.processes, 0.5)
+    assert silent.proc.returncode is not None
 
 
 def test_plot_has_itl_and_ttft(tmp_path: Path) -> None:
