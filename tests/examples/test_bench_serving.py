@@ -74,6 +74,33 @@ def test_target_run_reports_every_request(worker_url: str, tmp_path: Path) -> No
     assert run["output_throughput"] == pytest.approx(run["total_output_tokens"] / run["duration_s"])
 
 
+def test_target_run_through_the_di_proxy_with_fake_workers(tmp_path: Path) -> None:
+    """The client reads the proxy's stitched DI stream (fake prefill/decode HTTP workers): one chunk per token."""
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    procs = [python_process(["-m", "tests.proxy.fake_worker", "--role", role, "--port", str(ports[role])], name=role)
+             for role in ("prefill", "decode")]
+    try:
+        for proc, role in zip(procs, ("prefill", "decode")):
+            wait_http_ok(f"http://127.0.0.1:{ports[role]}/health", proc)
+        procs.append(python_process(["proxy_server.py", "--host", "127.0.0.1", "--port", str(ports["proxy"]),
+                                     "--prefill-ip", "127.0.0.1", "--prefill-port", str(ports["prefill"]),
+                                     "--decode-ip", "127.0.0.1", "--decode-port", str(ports["decode"])],
+                                    name="proxy"))
+        url = f"http://127.0.0.1:{ports['proxy']}"
+        wait_http_ok(f"{url}/health", procs[-1])
+        out = tmp_path / "di.json"
+        done = run_bench("--target", url, *SMALL_LOAD, "--json", str(out))
+        assert done.returncode == 0, done.stderr
+    finally:
+        for proc in procs:
+            proc.stop()
+    run = json.loads(out.read_text())["target"]
+    expected = make_requests(LoadSpec(8, (4, 24), (2, 6), seed=3))
+    assert (run["completed"], run["failed"]) == (8, 0)
+    assert [r["output_tokens"] for r in run["requests"]] == [r.output_len for r in expected]
+    assert [len(r["itl_ms"]) for r in run["requests"]] == [r.output_len - 1 for r in expected]
+
+
 def test_rejected_requests_are_counted_as_failures(worker_url: str, tmp_path: Path) -> None:
     out = tmp_path / "failing.json"
     # Prompts longer than the worker's 256-token context: every request gets a 400.
