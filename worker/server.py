@@ -1,4 +1,14 @@
-"""The worker's OpenAI-compatible HTTP server: a Quart app around one AsyncEngine."""
+"""The worker's OpenAI-compatible HTTP server: a Quart app around one AsyncEngine.
+
+    POST /v1/completions         one prompt (text or token ids); JSON, or SSE with `"stream": true`
+    POST /v1/chat/completions    messages rendered by the model's chat template; JSON or SSE
+    GET  /v1/models              the served model
+    GET  /health                 200 while the engine thread runs, else 503
+    GET  /metrics                Prometheus text (worker/metrics.py)
+
+`X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
+whatever raised it, is turned into a status and an OpenAI-style body by protocol.error_for.
+"""
 from __future__ import annotations
 
 import asyncio

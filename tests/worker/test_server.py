@@ -81,8 +81,8 @@ def test_token_id_prompt_is_accepted_and_deterministic(worker: WorkerProcess) ->
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, model: dict) -> None:
     kwargs = dict(model=model["id"], prompt="One, two, three,", max_tokens=16, **GREEDY, extra_body=LONG)
     text = client.completions.create(**kwargs).choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    assert stop.strip(), f"need a visible stop string in {text!r}"
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # any two characters of the greedy text
+    assert len(stop) == 2, text
     stopped = client.completions.create(**kwargs, stop=[stop]).choices[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == text[:text.index(stop)]
