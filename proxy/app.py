@@ -38,12 +38,13 @@ class ProxyState:
         """The worker's client, made on first use; kept for the app's life (a worker may come back)."""
         client = self._clients.get(worker.address)
         if client is None:
-            client = self._clients[worker.address] = _client_class(self.config.http_client)(
+            client = self._clients[worker.address] = client_class(self.config.http_client)(
                 worker, self.config.timeouts)
         return client
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(health_loop(self.pool, self.client, self.config.health_interval)))
+        checks = health_loop(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
+        self._tasks.append(asyncio.create_task(checks))
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run()))
 
@@ -57,7 +58,8 @@ class ProxyState:
         self._clients.clear()
 
 
-def _client_class(name: str) -> Any:
+def client_class(name: str) -> Any:
+    """The Upstream implementation called `name` ("aiohttp" or "httpx")."""
     if name == "httpx":
         from proxy.upstream_httpx import HttpxUpstream
         return HttpxUpstream
@@ -72,37 +74,13 @@ def create_app(config: ProxyConfig) -> Quart:
     app.before_serving(state.start)
     app.after_serving(state.stop)
 
-    async def forward(endpoint: Endpoint) -> Response:
-        started = time.perf_counter()
-        try:
-            client_request = parse_request(endpoint, await request.get_data(), not config.colocated)
-            answer = await state.forwarder.handle(client_request)
-        except ProxyError as exc:
-            status, body = to_http(exc)
-            state.metrics.requests.labels(endpoint.path, str(status)).inc()
-            return Response(body, status, content_type=_JSON)
-        state.metrics.requests.labels(endpoint.path, "200").inc()
-        if isinstance(answer, JSONAnswer):
-            state.metrics.e2e.observe(time.perf_counter() - started)
-            return Response(answer.body, 200, content_type=_JSON)
-        response = Response(answer.events, 200, content_type="text/event-stream")
-        response.timeout = None  # a stream lasts as long as the answer, not Quart's 60 s default
-        return response
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        # Unknown paths and wrong methods answer in OpenAI's error shape too.
-        status = exc.code or 500
-        body = error_body(exc.description or exc.name, "invalid_request_error", status)
-        return Response(json.dumps(body), status, content_type=_JSON)
-
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await forward(COMPLETIONS)
+        return await _forward(state, COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await forward(CHAT)
+        return await _forward(state, CHAT)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -110,35 +88,71 @@ def create_app(config: ProxyConfig) -> Quart:
 
     @app.get("/health")
     async def health() -> Response:
-        known = state.pool.all()
-        workers = {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
-                   for role in ROLES}
-        return Response(json.dumps({"status": "ok", "workers": workers}), 200, content_type=_JSON)
+        return _json_response(_health(state), 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), 200, content_type="text/plain; version=0.0.4")
 
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        # Unknown paths and wrong methods answer in OpenAI's error shape too.
+        status = exc.code or 500
+        return _json_response(error_body(exc.description or exc.name, "invalid_request_error", status), status)
+
     return app
+
+
+async def _forward(state: ProxyState, endpoint: Endpoint) -> Response:
+    """The one forwarder behind both generation routes."""
+    started = time.perf_counter()
+    try:
+        client_request = parse_request(endpoint, await request.get_data(), not state.config.colocated)
+        answer = await state.forwarder.handle(client_request)
+    except ProxyError as exc:
+        response = _error_response(exc)
+        state.metrics.requests.labels(endpoint.path, str(response.status_code)).inc()
+        return response
+    state.metrics.requests.labels(endpoint.path, "200").inc()
+    if isinstance(answer, JSONAnswer):
+        state.metrics.e2e.observe(time.perf_counter() - started)
+        return Response(answer.body, 200, content_type=_JSON)
+    response = Response(answer.events, 200, content_type="text/event-stream")
+    response.timeout = None  # a stream lasts as long as the answer, not Quart's 60 s default
+    return response
+
+
+def _health(state: ProxyState) -> dict[str, Any]:
+    known = state.pool.all()
+    workers = {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
+               for role in ROLES}
+    return {"status": "ok", "workers": workers}
+
+
+def _json_response(body: dict[str, Any], status: int) -> Response:
+    return Response(json.dumps(body), status, content_type=_JSON)
 
 
 async def _models(state: ProxyState) -> Response:
     """The union of the models the healthy workers serve."""
     roles = ("both",) if state.config.colocated else ("prefill", "decode")
     workers = [w for role in roles for w in state.pool.healthy(role)]
+    if not workers:
+        return _error_response(NoWorkers(" or ".join(roles)))
     replies = await asyncio.gather(*(state.client(w).get("/v1/models", 5.0) for w in workers),
                                    return_exceptions=True)
     models: dict[str, Any] = {}
     for reply in replies:
-        if isinstance(reply, UpstreamError) or getattr(reply, "status", 0) != 200:
+        if isinstance(reply, UpstreamError) or reply.status != 200:
             continue
-        with contextlib.suppress(ValueError, AttributeError, TypeError):
-            for model in reply.json().get("data", []):
+        with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+            for model in reply.json()["data"]:
                 models.setdefault(model["id"], model)
-    if not workers:
-        status, body = to_http(NoWorkers(" or ".join(roles)))
-        return Response(body, status, content_type=_JSON)
     if not models:
-        status, body = to_http(UpstreamError("no worker answered GET /v1/models"))
-        return Response(body, status, content_type=_JSON)
-    return Response(json.dumps({"object": "list", "data": list(models.values())}), 200, content_type=_JSON)
+        return _error_response(UpstreamError("no worker answered GET /v1/models"))
+    return _json_response({"object": "list", "data": list(models.values())}, 200)
+
+
+def _error_response(exc: ProxyError) -> Response:
+    status, body = to_http(exc)
+    return Response(body, status, content_type=_JSON)

@@ -21,6 +21,7 @@ class ProxyConfig:
     etcd: tuple[str, int] | None = None
     timeouts: Timeouts = Timeouts()
     health_interval: float = 2.0
+    health_timeout: float = 2.0
     http_client: str = "aiohttp"
 
     @property
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")
     p.add_argument("--read-timeout", type=float, default=600.0, help="seconds allowed between two reads")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between worker health checks")
+    p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health check may take")
     p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp")
     return p
 
@@ -56,7 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     """Parses and checks the command line; ConfigError says what is wrong."""
     args = build_parser().parse_args(argv)
     _check_port("--port", args.port)
-    for name in ("connect_timeout", "read_timeout", "health_interval"):
+    for name in ("connect_timeout", "read_timeout", "health_interval", "health_timeout"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     workers = _static_workers(args)
@@ -68,7 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
         raise ConfigError(f"no workers: give {need}, or --etcd HOST:PORT")
     return ProxyConfig(host=args.host, port=args.port, mode=args.mode, workers=workers, etcd=etcd,
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
-                       health_interval=args.health_interval, http_client=args.http_client)
+                       health_interval=args.health_interval, health_timeout=args.health_timeout,
+                       http_client=args.http_client)
 
 
 def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:

@@ -16,11 +16,12 @@ PREFIX = b"/workers/"
 _FIRST_BACKOFF = 0.2
 
 
-async def health_loop(pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], interval: float) -> None:
-    """Every `interval` s, GET /health on every known worker; only 200 keeps it in rotation."""
+async def health_loop(pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], interval: float,
+                      timeout: float) -> None:
+    """Every `interval` s, GET /health on every known worker; only 200 within `timeout` keeps it in rotation."""
     while True:
         workers = pool.all()
-        results = await asyncio.gather(*(_healthy(clients(w), min(interval, 2.0)) for w in workers))
+        results = await asyncio.gather(*(_healthy(clients(w), timeout) for w in workers))
         for worker, ok in zip(workers, results):
             if pool.mark(worker.key, ok):
                 log.warning("worker %s %s", worker.address, "is healthy again" if ok else "failed its health check")

@@ -43,11 +43,13 @@ def test_2p2d_spread_kill_and_join(etcd_server: EtcdServer, servers: Callable[[S
     empty = httpx.post(f"{proxy.url}/v1/completions", json={"model": "fake-model", "prompt": "x"}, timeout=10)
     assert empty.status_code == 503
     assert empty.json()["error"]["message"] == "no healthy prefill worker is available"
+    assert httpx.get(f"{proxy.url}/v1/models", timeout=10).status_code == 503
 
     prefills = [servers(start_fake_worker("prefill", etcd_server.endpoint)) for _ in range(2)]
     decodes = [servers(start_fake_worker("decode", etcd_server.endpoint)) for _ in range(2)]
     _wait_workers(proxy, "prefill", 2, 2)
     _wait_workers(proxy, "decode", 2, 2)
+    assert [m["id"] for m in httpx.get(f"{proxy.url}/v1/models", timeout=10).json()["data"]] == ["fake-model"]
     _send(proxy, 20)
     assert sorted(_legs(prefills).values()) == [10, 10]
     assert sorted(_legs(decodes).values()) == [10, 10]
