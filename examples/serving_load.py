@@ -94,13 +94,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, request: S
     result = RequestResult(len(request.prompt_token_ids), request.output_len)
     result.start = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=completion_body(model, request)) as response:
-                if response.status_code != 200:
-                    result.error = _error_text(response.status_code, await response.aread())
-                else:
-                    await _read_events(response, result)
-    except TimeoutError:
+        # wait_for rather than asyncio.timeout: the project supports Python 3.10.
+        await asyncio.wait_for(_exchange(client, url, completion_body(model, request), result), timeout_s)
+    except asyncio.TimeoutError:
         result.error = f"no complete answer within {timeout_s:g} s"
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -108,6 +104,14 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, request: S
     if result.error is None and not result.output_tokens:
         result.output_tokens = len(result.chunk_times)
     return result
+
+
+async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            result.error = _error_text(response.status_code, await response.aread())
+        else:
+            await _read_events(response, result)
 
 
 async def _read_events(response: httpx.Response, result: RequestResult) -> None:
