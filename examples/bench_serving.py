@@ -1,0 +1,189 @@
+"""Open-loop serving benchmark: DI 1P1D vs colocated workers on the same cores.
+
+    python examples/bench_serving.py --target http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
+    python examples/bench_serving.py --compare --json out/serving.json     # PNG next to it
+    python examples/bench_serving.py --compare --quick
+
+Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
+(or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
+latency (mean, p50, p90, p99), request and output-token throughput, and goodput under a TTFT
+and ITL SLO (a request's largest ITL is judged). `--compare` starts (a) a prefill worker and
+a decode worker behind the proxy in DI mode and (b) two `both` workers behind the proxy in
+colocated mode, one after the other, each worker pinned to its own core with one torch
+thread, runs the same load against each, and reports DI over colocated ratios.
+JSON (`--json`): `config` (every option and the command line that reproduces the run), then
+`target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated).
+Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
+arguments, 3 some requests failed (they are counted and their errors listed).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load
+from serving_metrics import SLO, RequestResult, ratio, summarize
+from serving_report import format_table, plot_distributions
+from serving_stack import StackError, StackOptions, start_colocated, start_di
+
+# Unset flags take these values; --quick picks the second set (both stacks in well under a minute).
+DEFAULTS = {"num_prompts": (64, 12), "request_rate": (4.0, 6.0), "input_len_min": (64, 32),
+            "input_len_max": (512, 192), "output_len_min": (16, 8), "output_len_max": (64, 24)}
+RATIOS = {"itl_p99_ratio": ("itl_ms", "p99"), "ttft_p50_ratio": ("ttft_ms", "p50")}  # DI over colocated
+WARMUP_SPEC = dict(input_len=(16, 16), output_len=(4, 4), max_concurrency=1, seed=12345)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--target", metavar="URL", help="benchmark an OpenAI endpoint that is already running")
+    what.add_argument("--compare", action="store_true", help="start DI 1P1D and colocated stacks and compare them")
+    load = p.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int)
+    load.add_argument("--request-rate", type=float, help="Poisson arrivals per second; inf: all at once")
+    load.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    for name in ("input-len-min", "input-len-max", "output-len-min", "output-len-max"):
+        load.add_argument(f"--{name}", type=int)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--warmup", type=int, default=2, help="short unmeasured requests first (one per worker)")
+    load.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one whole request")
+    load.add_argument("--model-name", help="model field of the requests (default: the endpoint's first model)")
+    slo = p.add_argument_group("goodput SLO")
+    slo.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    slo.add_argument("--slo-itl-ms", type=float, default=200.0, help="judged on each request's largest ITL")
+    stack = p.add_argument_group("stacks (--compare)")
+    stack.add_argument("--model", help="model directory for the workers (default: the built-in model)")
+    stack.add_argument("--cores", help="two CPU cores for the two workers, e.g. 0,1 (default: the first two usable)")
+    stack.add_argument("--kv-transport", default="shm", help="DI KV transport")
+    stack.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for a stack to come up")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    out.add_argument("--plot", type=Path, metavar="PATH", help="PNG of ITL and TTFT CDFs (default: next to --json)")
+    out.add_argument("--quick", action="store_true", help="a small sub-minute run")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[1] if args.quick else values[0])
+    try:
+        args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
+                             (args.output_len_min, args.output_len_max), args.request_rate,
+                             args.max_concurrency, args.seed, args.request_timeout)
+        args.core_pair = _cores(args.cores) if args.compare else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if args.plot is None and args.json is not None:
+        args.plot = args.json.with_suffix(".png")
+    return args
+
+
+def _cores(text: str | None) -> tuple[int, int]:
+    usable = sorted(os.sched_getaffinity(0))
+    cores = [int(c) for c in text.split(",")] if text else usable[:2]
+    if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= set(usable):
+        raise ValueError(f"need two different usable cores (usable: {usable}), got {cores}")
+    return cores[0], cores[1]
+
+
+async def measure(url: str, args: argparse.Namespace,
+                  requests: Sequence[SyntheticRequest]) -> tuple[list[RequestResult], float]:
+    """Warms the endpoint up (unmeasured), then runs the load against it."""
+    model = args.model_name or await fetch_model(url)
+    if args.warmup:
+        spec = LoadSpec(args.warmup, request_timeout_s=args.request_timeout, **WARMUP_SPEC)
+        warm, _ = await run_load(url, model, spec, make_requests(spec))
+        errors = [r.error for r in warm if not r.ok]
+        if errors:
+            raise LoadError(f"warm-up requests to {url} failed: {errors[0]}")
+    return await run_load(url, model, args.spec, requests)
+
+
+def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]]:
+    requests = make_requests(args.spec)
+    if args.target:
+        return {"target": asyncio.run(measure(args.target, args, requests))}
+    options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout)
+    runs: dict[str, tuple[list[RequestResult], float]] = {}
+    for name, start in (("di", start_di), ("colocated", start_colocated)):
+        print(f"starting the {name} stack ...", file=sys.stderr, flush=True)
+        with start(options) as stack:
+            runs[name] = asyncio.run(measure(stack.url, args, requests))
+    return runs
+
+
+def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], float]],
+           argv: Sequence[str]) -> dict[str, Any]:
+    """The JSON document: `config`, one summary per run (with its requests), DI-over-colocated ratios."""
+    slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
+    summaries = {name: summarize(results, duration, slo) for name, (results, duration) in runs.items()}
+    ratios = {}
+    if "di" in summaries:
+        di, colocated = summaries["di"], summaries["colocated"]
+        ratios = {name: ratio(di[key][stat], colocated[key][stat]) for name, (key, stat) in RATIOS.items()}
+    config = {k: _plain(v) for k, v in vars(args).items() if k != "spec"}
+    config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
+    out: dict[str, Any] = {"config": config, **ratios}
+    for name, (results, _) in runs.items():
+        out[name] = {**summaries[name], "requests": [_request_record(r) for r in results]}
+    return out
+
+
+def _request_record(r: RequestResult) -> dict[str, Any]:
+    ok = r.ok
+    return {"input_tokens": r.input_tokens, "expected_output_tokens": r.expected_output_tokens,
+            "output_tokens": r.output_tokens, "ttft_ms": r.ttft * 1e3 if ok else None,
+            "e2e_ms": r.e2e * 1e3, "itl_ms": [gap * 1e3 for gap in r.itls], "error": r.error}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        runs = run(args)
+    except (StackError, LoadError) as exc:
+        print(f"bench_serving.py: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the stacks are already stopped by now
+        print("bench_serving.py: interrupted", file=sys.stderr)
+        return 130
+    out = report(args, runs, argv)
+    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in RATIOS if k in out}))
+    for name in runs:
+        for error in out[name]["errors"]:
+            print(f"{name}: failed: {error}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2, allow_nan=False))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        problem = plot_distributions({name: results for name, (results, _) in runs.items()}, args.plot)
+        print(problem or f"wrote {args.plot}")
+    return 0 if all(s["failed"] == 0 for s in (out[n] for n in runs)) else 3
+
+
+def _plain(value: object) -> object:
+    """A config value as strict JSON: paths as strings, an infinite rate as "inf"."""
+    if isinstance(value, Path) or (isinstance(value, float) and math.isinf(value)):
+        return str(value)
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Starting the two serving stacks the benchmark compares, each worker pinned to its own core.
+
+(a) DI 1P1D: a prefill worker on one core, a decode worker on the other, the proxy in DI mode.
+(b) colocated: two `both` workers, one per core, behind the same proxy in round-robin mode.
+The proxy is left unpinned in both, so both stacks get the same cores for the same jobs.
+Every process is started in its own session and stopped (SIGTERM, then SIGKILL) on the way
+out, also when startup fails or the run is interrupted; every wait has a deadline.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class StackError(RuntimeError):
+    """A process of the stack exited or did not become healthy in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackOptions:
+    """What every worker of both stacks shares."""
+
+    cores: tuple[int, int]
+    model: str | None = None
+    kv_transport: str = "shm"
+    startup_timeout_s: float = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None = None) -> list[str]:
+    """The worker command line for one role; the DI flags live here and nowhere else."""
+    args = ["-m", "worker", "--role", role, "--host", "127.0.0.1", "--port", str(port), "--threads", "1"]
+    if role != "both":
+        args += ["--kv-transport", options.kv_transport]
+    if kv_port is not None:
+        args += ["--kv-port", str(kv_port)]
+    if options.model:
+        args += ["--model", options.model]
+    return args
+
+
+def proxy_args(port: int, backends: Sequence[str]) -> list[str]:
+    # A worker busy with a long prefill on its one core answers health checks late; the benchmark
+    # measures that latency, so the proxy must not take the worker out of rotation for it.
+    return ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), "--health-timeout", "30", *backends]
+
+
+class Process:
+    """A Python child in its own session, optionally pinned to one core, logging to a temp file."""
+
+    def __init__(self, name: str, args: Sequence[str], core: int | None = None) -> None:
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "OMP_NUM_THREADS": "1"}
+        # Pinned in the child before exec, so no thread of it ever runs on another core.
+        pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
+
+    def tail(self, chars: int = 3000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise StackError(f"the {self.name} exited with status {self.proc.returncode}:\n{self.tail()}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_healthy(url: str, processes: Sequence[Process], timeout_s: float) -> None:
+    """Polls GET url until 200; fails at once if any process of the stack exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for process in processes:
+            process.check_alive()
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    logs = "".join(f"\n--- {p.name}:\n{p.tail(1500)}" for p in processes)
+    raise StackError(f"{url} was not healthy after {timeout_s:g} s{logs}")
+
+
+class Stack:
+    """A started stack (context manager): `url` is the proxy's; leaving stops every process."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.processes: list[Process] = []
+        self._exit = ExitStack()
+
+    def start(self, name: str, args: Sequence[str], core: int | None = None) -> Process:
+        process = Process(name, args, core)
+        self.processes.append(process)
+        self._exit.callback(process.stop)
+        return process
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._exit.close()
+
+
+def start_di(options: StackOptions) -> Stack:
+    """(a): prefill on cores[0], decode on cores[1], the proxy in DI mode."""
+    def build(stack: Stack) -> None:
+        prefill_port, kv_port, decode_port = free_port(), free_port(), free_port()
+        stack.start("prefill worker", worker_args("prefill", prefill_port, options, kv_port), options.cores[0])
+        stack.start("decode worker", worker_args("decode", decode_port, options), options.cores[1])
+        _wait_workers(stack, [prefill_port, decode_port], options)
+        _start_proxy(stack, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill_port),
+                             "--prefill-kv-port", str(kv_port), "--decode-ip", "127.0.0.1",
+                             "--decode-port", str(decode_port)], options)
+
+    return _started(build)
+
+
+def start_colocated(options: StackOptions) -> Stack:
+    """(b): a `both` worker on each core, the proxy round-robins over them."""
+    def build(stack: Stack) -> None:
+        ports = [free_port() for _ in options.cores]
+        for i, (port, core) in enumerate(zip(ports, options.cores)):
+            stack.start(f"worker {i}", worker_args("both", port, options), core)
+        _wait_workers(stack, ports, options)
+        _start_proxy(stack, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]],
+                     options)
+
+    return _started(build)
+
+
+def _started(build: Callable[[Stack], None]) -> Stack:
+    """A stack built by `build`; if building fails or is interrupted, what it started is stopped."""
+    stack = Stack()
+    try:
+        build(stack)
+    except BaseException:
+        stack.__exit__(None, None, None)
+        raise
+    return stack
+
+
+def _wait_workers(stack: Stack, ports: Sequence[int], options: StackOptions) -> None:
+    for port in ports:
+        wait_healthy(f"http://127.0.0.1:{port}/health", stack.processes, options.startup_timeout_s)
+
+
+def _start_proxy(stack: Stack, backends: list[str], options: StackOptions) -> None:
+    port = free_port()
+    stack.start("proxy", proxy_args(port, backends))
+    stack.url = f"http://127.0.0.1:{port}"
+    wait_healthy(f"{stack.url}/health", stack.processes, options.startup_timeout_s)
