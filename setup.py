@@ -22,6 +22,7 @@ setup(
         "aetcd>=1.0,<2",
         "safetensors>=0.4,<0.9",
         "tokenizers>=0.20,<0.24",
+        "jinja2>=3.1,<4",
         "prometheus-client>=0.20,<0.27",
         "tqdm>=4.66,<5",
     ],
