@@ -40,7 +40,8 @@ def test_queue_full_is_503_then_the_worker_recovers() -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--role", "decode"], "--role decode is not yet supported"),
+    (["--role", "decode", "--kv-port", "70000"], "--kv-port must be a TCP port or 0, got 70000"),
+    (["--role", "prefill", "--kv-abort-timeout", "0"], "must be positive"),
     (["--role", "middle"], "invalid choice: 'middle'"),
     (["--port", "0"], "must be at least 1, got 0"),
     (["--port", "70000"], "not a TCP port: 70000"),
