@@ -137,9 +137,9 @@ class _Worker:
         shape = ResponseShape(kind, g.request_id, self.model_name)
         if not req.stream:
             return await self._collect(shape, stream, timer)
-        # The first output is awaited before the headers go out, so a request that fails before
-        # its first token (e.g. its KV never arrives) gets a plain HTTP error, not a 200 stream.
-        first = await self._first(stream)
+        # A decode leg awaits its first output (the pulled KV) before the headers go out, so a
+        # failed transfer is a plain HTTP error the proxy can act on, not a 200 stream.
+        first = await self._first(stream) if _is_decode_leg(req) else None
         response = await make_response(self._events(shape, req, stream, timer, first),
                                        {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         response.timeout = None  # generation may outlast Quart's 60 s response timeout
@@ -176,7 +176,7 @@ class _Worker:
         return jsonify(body)
 
     async def _events(self, shape: ResponseShape, req: GenerateRequest, stream: RequestStream,
-                      timer: RequestTimer, first_output: RequestOutput) -> AsyncIterator[bytes]:
+                      timer: RequestTimer, first_output: RequestOutput | None) -> AsyncIterator[bytes]:
         first = True
         async with self._disconnect_counted(), stream:
             try:
@@ -198,8 +198,13 @@ class _Worker:
         yield DONE_EVENT
 
 
-async def _prepend(first: RequestOutput, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-    yield first
+def _is_decode_leg(req: GenerateRequest) -> bool:
+    return (req.kv_transfer_params or {}).get("role") == "decode"
+
+
+async def _prepend(first: RequestOutput | None, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
     async for out in stream:
         yield out
 
