@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,32 +13,17 @@ from scheduler import QueueFull, Scheduler, SchedulerConfig, WillNeverFit
 from transfer.layout import KVLayout
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
-from worker.errors import InvalidRequestError, KVTransferError, QueueFullError
+from worker import kv_steps
+from worker.errors import InvalidRequestError, QueueFullError
 from worker.kv_connector import KVConnector, PullTarget
 from worker.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
 from worker.model_runner import ModelRunner
-from worker.request import Request
-from worker.sampler import skip_sample
+from worker.request import Request, RequestOutput
 from worker.sampling_params import SamplingParams
 from worker.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
 PULL_POLL_S = 0.002  # how often a decode engine with only pulls in flight checks them
 PoolAllocator = Callable[[KVLayout], torch.Tensor]
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None        # "stop" | "length" | "abort" | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    error: Exception | None = None   # set when the request failed (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -85,7 +69,7 @@ class LLMEngine:
             role=config.role,
         ), eos_token_ids=self.tokenizer.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._cancelling: dict[str, Request] = {}   # decode: aborted while a peer may still write its blocks
+        self.cancelling: dict[str, Request] = {}   # decode: aborted while a peer may still write its blocks
         self._aborted: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
         self._generate_ids = itertools.count()
@@ -149,7 +133,7 @@ class LLMEngine:
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
-        busy = (self.requests, self.scheduler.transferring, self._cancelling)
+        busy = (self.requests, self.scheduler.transferring, self.cancelling)
         if any(request_id in ids for ids in busy) or (self.kv is not None and self.kv.knows(request_id)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -169,20 +153,17 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        if request_id in self.scheduler.transferring and self.kv is not None and not self.kv.cancel(request_id):
-            self._cancelling[request_id] = request  # freed once the pull reports it failed
-            request.finish_reason = "abort"
+        if self.kv is not None:
+            kv_steps.abort(self, request)
         else:
             self.scheduler.finish(request, "abort")
-            if request.remote_kv and self.kv is not None and self.kv.role == "prefill":
-                self.kv.discard(request_id)
         self._aborted.append(RequestOutput(request_id, [], "", True, "abort", request.num_prompt_tokens,
                                            request.num_output_tokens))
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         if self.kv is not None:
-            outputs.extend(self._kv_step())
+            outputs.extend(kv_steps.before_step(self))
         if not self.scheduler.has_runnable():
             return outputs
         seqs, is_prefill = self.scheduler.schedule()
@@ -190,62 +171,10 @@ class LLMEngine:
             return outputs
         token_ids = self.runner.run(seqs, is_prefill)
         self.scheduler.postprocess(seqs, token_ids)
-        outputs.extend(self._output(seq, token_id) for seq, token_id in zip(seqs, token_ids))
-        if self.kv is not None and self.kv.role == "prefill":
-            self._publish(seqs)
+        outputs.extend(self.output(seq, token_id) for seq, token_id in zip(seqs, token_ids))
+        if self.kv is not None:
+            kv_steps.after_step(self, seqs)
         return outputs
-
-    # ---- disaggregated roles: the connector's results in, its work out -----------------------
-
-    def _kv_step(self) -> list[RequestOutput]:
-        assert self.kv is not None
-        for request_id in self.kv.take_released():
-            if (seq := self.scheduler.transferring.get(request_id)) is not None:
-                self.scheduler.release(seq)
-        if self.kv.role != "decode":
-            return []
-        outputs: list[RequestOutput] = []
-        results = self.kv.poll()
-        for request_id, token_id in results.done:
-            if (request := self._pulled(request_id)) is not None:
-                skip_sample(self.model_config.vocab_size, request.params, request.generator)
-                self.scheduler.transfer_done(request, token_id)
-                outputs.append(self._output(request, token_id))
-        for request_id, error in results.failed:
-            if (request := self._pulled(request_id)) is not None:
-                outputs.append(self._fail(request, error))
-        for request in self.scheduler.admit_transfers():
-            try:
-                self.kv.start_pull(request.request_id, request.pull_target, list(request.block_table))
-            except KVTransferError as exc:
-                outputs.append(self._fail(request, exc))
-        return outputs
-
-    def _pulled(self, request_id: str) -> Request | None:
-        """The request a finished pull belongs to, or None if it was aborted (then its blocks go now)."""
-        cancelled = self._cancelling.pop(request_id, None)
-        if cancelled is not None:
-            self.scheduler.release(cancelled, "abort")
-            return None
-        return self.requests.get(request_id)
-
-    def _fail(self, request: Request, error: Exception) -> RequestOutput:
-        self.scheduler.release(request, "error")
-        del self.requests[request.request_id]
-        return RequestOutput(request.request_id, [], "", True, "error", request.num_prompt_tokens,
-                             request.num_output_tokens, error=error)
-
-    def _publish(self, seqs: list[Request]) -> None:
-        """Prefill: every remote_kv request that just finished waits, blocks held, to be pulled."""
-        assert self.kv is not None
-        for seq in seqs:
-            if self.scheduler.transferring.get(seq.request_id) is not seq:
-                continue
-            try:
-                self.kv.publish(seq.request_id, list(seq.block_table), seq.token_ids[seq.num_prompt_tokens])
-            except Exception:  # noqa: BLE001 - nobody can pull it: free the blocks rather than leak them
-                logger.exception("could not publish request %s for its decode peer", seq.request_id)
-                self.scheduler.release(seq)
 
     def wait_hint(self) -> float | None:
         """How long the driver may wait for a command before the next step: 0 = step now,
@@ -263,7 +192,8 @@ class LLMEngine:
         if self.kv is not None:
             self.kv.close()
 
-    def _output(self, request: Request, token_id: int) -> RequestOutput:
+    def output(self, request: Request, token_id: int) -> RequestOutput:
+        """The RequestOutput of `request`'s newest token; a finished request leaves `requests`."""
         delta = request.detokenizer.step(request.output_token_ids, request.is_done)
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
@@ -275,7 +205,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or blocks still held for (or by) a transfer."""
-        return bool(self.requests or self._aborted or self.scheduler.transferring or self._cancelling)
+        return bool(self.requests or self._aborted or self.scheduler.transferring or self.cancelling)
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager

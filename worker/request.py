@@ -1,4 +1,4 @@
-"""A request inside the engine: scheduling state plus what sampling and detokenizing need."""
+"""A request inside the engine (scheduling state plus what sampling and detokenizing need), and its outputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,3 +17,17 @@ class Request(Sequence):
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
     pull_target: Any = None          # decode: the kv_connector.PullTarget its prompt's KV comes from
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None        # "stop" | "length" | "abort" | "error" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: Exception | None = None   # set when the request failed (finish_reason "error")
