@@ -32,6 +32,7 @@ class EngineStats:
     num_waiting: int
     num_blocks_used: int
     num_blocks_total: int
+    num_transferring: int = 0   # prefill: finished, blocks held until pulled; decode: pulling
 
 
 def zeros_pool(layout: KVLayout) -> torch.Tensor:
@@ -210,7 +211,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           len(bm.used_block_ids), bm.num_blocks)
+                           len(bm.used_block_ids), bm.num_blocks, len(self.scheduler.transferring))
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

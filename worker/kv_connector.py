@@ -31,7 +31,7 @@ class KVConnectorConfig:
     transport: str = "auto"
     kv_host: str = "127.0.0.1"
     kv_port: int = 14579                   # prefill's ROUTER; 0 = a free port
-    engine_id: str = ""
+    engine_id: str = ""                    # "" = the transfer engine's unique id
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
 
@@ -88,7 +88,7 @@ class KVConnector:
         try:
             self._transfer = create_engine(cfg.transport, host=cfg.kv_host)
             pool = self._transfer.allocate_region(layout)
-            engine_id = cfg.engine_id or f"{cfg.kv_host}:{cfg.kv_port}"
+            engine_id = cfg.engine_id or self._transfer.engine_id  # unique: a decode DEALER identity
             if self.role == "prefill":
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
                                        on_release=self._on_release, abort_timeout=cfg.abort_timeout,

@@ -25,6 +25,8 @@ class ServerMetrics:
 
         self.running = gauge("neuron_di_requests_running", "Requests in the running batch.")
         self.waiting = gauge("neuron_di_requests_waiting", "Requests waiting to be scheduled.")
+        self.transferring = gauge("neuron_di_requests_transferring",
+                                  "Requests whose KV blocks are held for a transfer between prefill and decode.")
         self.blocks_used = gauge("neuron_di_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = gauge("neuron_di_kv_blocks_total", "KV cache blocks in the pool.")
         self.prompt_tokens = Counter("neuron_di_prompt_tokens", "Prompt tokens admitted.", labels,
@@ -42,6 +44,7 @@ class ServerMetrics:
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.labels(self.model_name).set(stats.num_running)
         self.waiting.labels(self.model_name).set(stats.num_waiting)
+        self.transferring.labels(self.model_name).set(stats.num_transferring)
         self.blocks_used.labels(self.model_name).set(stats.num_blocks_used)
         self.blocks_total.labels(self.model_name).set(stats.num_blocks_total)
 

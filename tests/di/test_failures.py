@@ -82,9 +82,11 @@ def test_decode_never_pulls_prefill_frees_blocks_after_abort_timeout(short_pair:
     response = post(f"{prefill.url}/v1/completions", prefill_body(BODY, uid), uid)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1
     assert prefill.blocks_used() == 7  # ceil(100 / 16): held for the pull that never comes
+    assert prefill.metric("neuron_di_requests_transferring") == 1
     start = time.monotonic()
     prefill.wait_blocks_free(timeout=ABORT_TIMEOUT_S + 10)
     assert time.monotonic() - start <= ABORT_TIMEOUT_S + 5
+    assert prefill.metric("neuron_di_requests_transferring") == 0
 
 
 def test_duplicate_request_id_is_refused_without_corruption(short_pair: tuple[Worker, Worker],

@@ -10,7 +10,6 @@ import httpx
 from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok, wait_until
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-_BLOCKS_USED = re.compile(r"^neuron_di_kv_blocks_used\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
 class Worker:
@@ -31,11 +30,15 @@ class Worker:
             self.proc.stop()
             raise
 
-    def blocks_used(self) -> int:
+    def metric(self, name: str) -> int:
+        """A gauge of this worker, read from /metrics."""
         text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
-        match = _BLOCKS_USED.search(text)
+        match = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
         assert match is not None, text
         return int(float(match.group(1)))
+
+    def blocks_used(self) -> int:
+        return self.metric("neuron_di_kv_blocks_used")
 
     def wait_blocks_free(self, timeout: float = 30.0) -> None:
         wait_until(lambda: self.blocks_used() == 0, timeout=timeout)
