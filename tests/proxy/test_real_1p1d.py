@@ -4,6 +4,7 @@ Every answer must equal the one a single worker of role `both` gives to the same
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Iterator
 
 import openai
@@ -88,3 +89,38 @@ def test_proxy_usage_counts_the_whole_completion(stack) -> None:
     got = through_proxy.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).usage
     want = single.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).usage
     assert (got.prompt_tokens, got.completion_tokens) == (want.prompt_tokens, want.completion_tokens)
+
+
+def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
+    proxy, _, _, both = stack
+    prompts = [f"class Thing{i}:\n    def " for i in range(16)]
+
+    async def run(url: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        try:
+            answers = await asyncio.gather(*(client.completions.create(
+                model="neuron-di-builtin", prompt=p, **SAMPLING) for p in prompts))
+        finally:
+            await client.close()
+        return [a.choices[0].text for a in answers]
+    assert asyncio.run(run(proxy.url)) == asyncio.run(run(both.url))
+
+
+def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> None:
+    prefill, decode = Worker("prefill", "shm"), Worker("decode", "shm", ["--kv-pull-timeout", "5"])
+    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                         "--prefill-kv-port", str(prefill.kv_port),
+                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
+    try:
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0, timeout=60)
+        assert client.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).choices[0].text
+        prefill.proc.kill9()
+        with pytest.raises(openai.APIStatusError) as failure:
+            client.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING)
+        assert failure.value.status_code >= 500
+        assert failure.value.body["message"]  # an OpenAI-style error body, not a bare status
+        decode.wait_blocks_free()
+    finally:
+        proxy.process.stop()
+        decode.stop()
+        prefill.stop()
