@@ -25,13 +25,13 @@ setup(
         "jinja2>=3.1,<4",
         "prometheus-client>=0.20,<0.27",
         "tqdm>=4.66,<5",
+        "openai>=1.40,<4",
     ],
     extras_require={
         "test": [
             "pytest>=8,<10",
             "pytest-timeout>=2.3,<3",
             "hypothesis>=6.100,<7",
-            "openai>=1.40,<4",
             "transformers>=4.45,<6",
         ],
         "nixl": ["nixl>=0.5,<2"],
