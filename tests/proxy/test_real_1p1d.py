@@ -107,7 +107,8 @@ def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
 
 
 def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> None:
-    prefill, decode = Worker("prefill", "shm"), Worker("decode", "shm", ["--kv-pull-timeout", "5"])
+    # tcp: a killed shm worker cannot unlink its pool segment
+    prefill, decode = Worker("prefill", "tcp"), Worker("decode", "tcp", ["--kv-pull-timeout", "5"])
     proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                          "--prefill-kv-port", str(prefill.kv_port),
                          "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
