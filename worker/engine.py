@@ -11,9 +11,9 @@ import torch
 
 from scheduler import QueueFull, Scheduler, SchedulerConfig, WillNeverFit
 from transfer.layout import KVLayout
+from worker import kv_steps
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
-from worker import kv_steps
 from worker.errors import InvalidRequestError, QueueFullError
 from worker.kv_connector import KVConnector, PullTarget
 from worker.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
