@@ -78,6 +78,11 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             prev_hash = h
 
+    def allocate_fresh(self, seq: Sequence) -> None:
+        """Gives `seq` unshared, unhashed blocks for all its tokens: a transfer will write them."""
+        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        seq.block_table.extend(self._take_free_block().block_id for _ in range(seq.num_blocks))
+
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references; blocks nobody references go back to the free list."""
         for block_id in reversed(seq.block_table):

@@ -1,4 +1,12 @@
-"""Continuous batching for role "both": new requests prefill while others decode."""
+"""Continuous batching, transfer-aware for the disaggregated roles.
+
+Role "both": new requests prefill while others decode. Role "prefill": one prefill runs at a
+time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
+its blocks held after it finished, until `release`. Role "decode": a `remote_kv` request
+gets fresh blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
+pull done (`transfer_done`, its first token) or failed (`release`). In every role running +
+transferring never exceeds `max_num_seqs`.
+"""
 from __future__ import annotations
 
 from collections import deque
@@ -9,6 +17,8 @@ from scheduler.block_manager import BlockManager
 from scheduler.errors import QueueFull, WillNeverFit
 from scheduler.sequence import Sequence, SequenceStatus, blocks_for
 
+ROLES = ("both", "prefill", "decode")
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -18,6 +28,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_waiting: int = 256
     enable_prefix_caching: bool = True
+    role: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
 
 class Scheduler:
@@ -34,13 +49,24 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.transferring: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     def __len__(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.transferring)
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.transferring
+
+    def has_runnable(self) -> bool:
+        """Whether schedule() could return work now (transfers alone only need polling)."""
+        return bool(self.running) or any(not self._needs_pull(s) for s in self.waiting)
+
+    def _num_busy(self) -> int:
+        return len(self.running) + len(self.transferring)
+
+    def _needs_pull(self, seq: Sequence) -> bool:
+        return self.config.role == "decode" and seq.remote_kv
 
     def check_admissible(self, seq: Sequence) -> None:
         """Raises unless `seq` can ever complete in an empty pool and the queue has room."""
@@ -66,8 +92,12 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         num_tokens = 0
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        if self.config.role == "prefill" and self.running:
+            return scheduled  # one prefill at a time: it starts only when nothing runs
+        candidates = [s for s in self.waiting if not self._needs_pull(s)]
+        for seq in candidates:
+            if self._num_busy() >= self.config.max_num_seqs:
+                break
             # A lone request may exceed the token budget: prompts are not chunked.
             too_many = scheduled and num_tokens + len(seq) > self.config.max_num_batched_tokens
             if too_many or not self.block_manager.can_allocate(seq):
@@ -75,9 +105,45 @@ class Scheduler:
             self.block_manager.allocate(seq)
             num_tokens += len(seq) - seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(seq)
+            self.running.append(seq)
             scheduled.append(seq)
+            if self.config.role == "prefill":
+                break
         return scheduled
+
+    def admit_transfers(self) -> list[Sequence]:
+        """Decode: gives waiting `remote_kv` requests fresh blocks and marks them TRANSFERRING.
+
+        The caller starts a pull into each returned sequence's `block_table`.
+        """
+        admitted: list[Sequence] = []
+        for seq in [s for s in self.waiting if self._needs_pull(s)]:
+            if self._num_busy() >= self.config.max_num_seqs or not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate_fresh(seq)
+            seq.status = SequenceStatus.TRANSFERRING
+            self.waiting.remove(seq)
+            self.transferring[seq.request_id] = seq
+            admitted.append(seq)
+        return admitted
+
+    def transfer_done(self, seq: Sequence, token_id: int) -> None:
+        """Decode: the prompt's KV arrived with the peer's first token; `seq` runs from here."""
+        assert self.transferring.get(seq.request_id) is seq, f"{seq.request_id} is not transferring"
+        del self.transferring[seq.request_id]
+        seq.remote_kv = False  # from here on it is local: a preemption recomputes it
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.postprocess([seq], [token_id])
+
+    def release(self, seq: Sequence, reason: str | None = None) -> None:
+        """Frees a TRANSFERRING sequence's blocks (pulled, failed or abandoned); it is FINISHED."""
+        assert self.transferring.get(seq.request_id) is seq, f"{seq.request_id} is not transferring"
+        del self.transferring[seq.request_id]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
 
     def _schedule_decode(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -111,8 +177,22 @@ class Scheduler:
                 self.finish(seq, "length")
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends `seq` (EOS, length, a stop string or an abort) and frees its blocks at once."""
+        """Ends `seq` (EOS, length, a stop string or an abort) and frees its blocks at once.
+
+        On a prefill worker a `remote_kv` request that completed keeps its blocks, TRANSFERRING.
+        """
         if seq.is_finished:
+            return
+        if seq.request_id in self.transferring:
+            seq.finish_reason = seq.finish_reason or reason
+            if reason == "abort":
+                self.release(seq)
+            return
+        if self.config.role == "prefill" and seq.remote_kv and reason != "abort" and seq in self.running:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.TRANSFERRING
+            seq.finish_reason = reason
+            self.transferring[seq.request_id] = seq
             return
         if seq in self.running:
             self.running.remove(seq)

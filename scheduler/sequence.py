@@ -25,6 +25,7 @@ class Sequence:
     max_tokens: int
     ignore_eos: bool = False
     block_size: int = 16
+    remote_kv: bool = False          # prefill: hold blocks until pulled; decode: pull the prompt's KV
     num_prompt_tokens: int = field(init=False)
     status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)
     block_table: list[int] = field(default_factory=list, init=False)
@@ -58,6 +59,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_done(self) -> bool:
+        """Nothing more to generate (its blocks may still be held for a transfer)."""
+        return self.finish_reason is not None
 
     def block(self, index: int) -> list[int]:
         """Token ids of block `index` of this sequence (the last one may be partial)."""

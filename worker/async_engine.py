@@ -29,6 +29,7 @@ class _Add:
     params: SamplingParams
     sink: _Sink
     admitted: asyncio.Future[None]
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class _Abort:
 
 class _Stop:
     pass
+
+
+class _Wake:
+    """Sent by the KV connector's thread: blocks were released, let the engine step."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ class AsyncEngine:
     def __init__(self, factory: Callable[[], LLMEngine], thread_name: str = "engine") -> None:
         self._factory = factory
         self._thread_name = thread_name
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -156,14 +161,18 @@ class AsyncEngine:
         if thread.is_alive():
             logger.error("engine thread did not stop within %.0f s", timeout)
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here."""
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> RequestStream:
+        """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here.
+
+        A request that fails later (e.g. its KV transfer) raises its error from the stream.
+        """
         if not self.is_alive():
             raise WorkerError("the engine is not running")
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         admitted: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted))
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, kv_transfer_params))
         try:
             await self._admission(admitted)
         except asyncio.CancelledError:
@@ -189,6 +198,8 @@ class AsyncEngine:
         try:
             self.engine = self._factory()
             self.stats = self.engine.stats()
+            if self.engine.kv is not None:
+                self.engine.kv.wake = lambda: self._inbox.put(_Wake())
         except Exception as exc:  # e.g. ModelLoadError, or a config the model cannot honour
             _deliver(loop, _settle, ready, WorkerError(f"engine failed to start: {exc}"))
             return
@@ -202,19 +213,21 @@ class AsyncEngine:
         finally:
             self._stopping.set()
             self._close(WorkerError(reason))
+            self.engine.close()
 
     def _loop(self, engine: LLMEngine) -> None:
         failed = False
         while not self._stopping.is_set():
             # After a failed step, wait for a command before retrying instead of spinning on the fault.
-            self._drain(engine, block=failed or not engine.has_unfinished_requests())
+            wait = engine.wait_hint()
+            self._drain(engine, IDLE_WAIT_S if failed or wait is None else wait)
             failed = engine.has_unfinished_requests() and not self._step(engine)
             self.stats = engine.stats()
 
-    def _drain(self, engine: LLMEngine, block: bool) -> None:
-        """Runs every queued command; when idle, first waits (bounded) for one to arrive."""
+    def _drain(self, engine: LLMEngine, timeout: float) -> None:
+        """Runs every queued command, first waiting up to `timeout` seconds for one to arrive."""
         try:
-            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -230,13 +243,14 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             if self._sinks.pop(command.request_id, None) is not None:
                 engine.abort_request(command.request_id)
-        else:
+        elif isinstance(command, _Stop):
             self._stopping.set()
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
         error: BaseException | None = None
         try:
-            engine.add_request(command.request_id, command.prompt_ids, command.params)
+            engine.add_request(command.request_id, command.prompt_ids, command.params,
+                               command.kv_transfer_params)
             self._sinks[command.request_id] = command.sink
         except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller
             error = exc
@@ -256,7 +270,7 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._sinks[output.request_id]
-            sink.put(output)
+            sink.put(output if output.error is None else output.error)
         return True
 
     def _fail_all(self, error: WorkerError, engine: LLMEngine | None = None) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
@@ -15,7 +15,7 @@ from worker.config import EngineConfig
 
 logger = logging.getLogger("worker")
 ROLES = ("both", "prefill", "decode")
-SUPPORTED_ROLES = ("both",)
+TRANSPORTS = ("auto", "shm", "tcp", "nixl", "neuron")
 
 
 def _positive(text: str) -> int:
@@ -55,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
     engine.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
     engine.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default 0)")
+    kv = parser.add_argument_group("KV transfer (roles prefill and decode)")
+    kv.add_argument("--kv-transport", choices=TRANSPORTS, default="auto", help="KV block transport (default auto)")
+    kv.add_argument("--kv-host", default="127.0.0.1", help="address of the KV signal plane (default 127.0.0.1)")
+    kv.add_argument("--kv-port", type=int, default=14579,
+                    help="prefill: port of the KV signal plane, 0 = a free one (default 14579)")
+    kv.add_argument("--engine-id", default=None, help="this worker's id on the signal plane (default host:port)")
+    kv.add_argument("--kv-abort-timeout", type=float, default=60.0,
+                    help="prefill: free KV blocks not pulled within this many seconds (default 60)")
+    kv.add_argument("--kv-pull-timeout", type=float, default=30.0,
+                    help="decode: fail a request whose KV has not arrived within this many seconds (default 30)")
+    kv.add_argument("--etcd", default=None, help="host:port of etcd to register this worker in (optional)")
+    kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
     return parser
 
 
@@ -62,8 +74,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     """Parses and validates everything up front; a bad value exits with status 2 and a clear message."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.role not in SUPPORTED_ROLES:
-        parser.error(f"--role {args.role} is not yet supported (supported: {', '.join(SUPPORTED_ROLES)})")
+    if not 0 <= args.kv_port <= 65535:
+        parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
+    if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
+        parser.error("--kv-abort-timeout and --kv-pull-timeout must be positive")
     try:
         config = EngineConfig(model=args.model, served_model_name=args.served_model_name,
                               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -92,9 +106,55 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = create_app(engine_config)
+    app = create_app(engine_config, engine_factory=engine_factory(args, engine_config))
+    if args.etcd is not None:
+        _register_on_start(app, args, engine_config)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
     await serve(app, hypercorn_config(args.host, args.port), shutdown_trigger=stop.wait)
+
+
+def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:
+    """Builds the engine (with its KV connector for roles prefill and decode) on the engine thread."""
+    from worker.engine import LLMEngine
+    from worker.kv_connector import KVConnector, KVConnectorConfig
+
+    def build() -> LLMEngine:
+        if engine_config.role == "both":
+            return LLMEngine(engine_config)
+        connector = KVConnector(KVConnectorConfig(
+            role=engine_config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
+            engine_id=args.engine_id or f"{args.host}:{args.port}", abort_timeout=args.kv_abort_timeout,
+            pull_timeout=args.kv_pull_timeout))
+        try:
+            return LLMEngine(engine_config, kv_connector=connector)
+        except BaseException:
+            connector.close()
+            raise
+    return build
+
+
+def _register_on_start(app: Any, args: argparse.Namespace, engine_config: EngineConfig) -> None:
+    """Registers in etcd once the engine runs (a prefill's kv port is known only then); revokes at exit."""
+    from neuron_connector import Registration, WorkerRecord
+
+    holder: list[Registration] = []
+
+    async def register() -> None:
+        engine = app.extensions["neuron_di_worker"].engine.engine
+        kv_port = engine.kv.kv_port if engine.kv is not None else 0
+        record = WorkerRecord(role=engine_config.role, host=args.host, http_port=args.port, kv_host=args.kv_host,
+                              kv_port=kv_port, engine_id=args.engine_id or f"{args.host}:{args.port}",
+                              transfer={"backend": args.kv_transport}, model=engine.model_name)
+        registration = Registration(args.etcd, record, ttl=args.etcd_ttl)
+        await asyncio.get_running_loop().run_in_executor(None, registration.start)
+        holder.append(registration)
+
+    async def unregister() -> None:
+        for registration in holder:
+            await asyncio.get_running_loop().run_in_executor(None, registration.stop)
+
+    app.before_serving(register)
+    app.after_serving(unregister)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,13 +14,17 @@ from scheduler import QueueFull, Scheduler, SchedulerConfig, WillNeverFit
 from transfer.layout import KVLayout
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
-from worker.errors import InvalidRequestError, QueueFullError
+from worker.errors import InvalidRequestError, KVTransferError, QueueFullError
+from worker.kv_connector import KVConnector, PullTarget
 from worker.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
 from worker.model_runner import ModelRunner
 from worker.request import Request
+from worker.sampler import skip_sample
 from worker.sampling_params import SamplingParams
 from worker.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+PULL_POLL_S = 0.002  # how often a decode engine with only pulls in flight checks them
 PoolAllocator = Callable[[KVLayout], torch.Tensor]
 
 
@@ -34,6 +39,7 @@ class RequestOutput:
     finish_reason: str | None        # "stop" | "length" | "abort" | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: Exception | None = None   # set when the request failed (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -51,13 +57,18 @@ def zeros_pool(layout: KVLayout) -> torch.Tensor:
 class LLMEngine:
     """A Llama-family model behind a paged KV pool and a continuous-batching scheduler.
 
-    Used from one thread: add_request / abort_request between calls to step().
+    Used from one thread: add_request / abort_request between calls to step(). Roles prefill
+    and decode need a `kv_connector`, which also provides the KV pool.
     """
 
-    def __init__(self, config: EngineConfig, allocate_pool: PoolAllocator | None = None) -> None:
-        if config.role != "both":
-            raise ValueError(f"role {config.role!r} needs the KV connector; this engine serves role 'both'")
+    def __init__(self, config: EngineConfig, allocate_pool: PoolAllocator | None = None,
+                 kv_connector: KVConnector | None = None) -> None:
+        if config.role != "both" and (kv_connector is None or kv_connector.role != config.role):
+            raise ValueError(f"role {config.role!r} needs a KV connector of the same role")
         self.config = config
+        self.kv = kv_connector
+        if allocate_pool is None and kv_connector is not None:
+            allocate_pool = kv_connector.allocate_pool
         path = Path(config.model) if config.model is not None else builtin_model_path()
         self.model_config = load_config(path)
         self.tokenizer = Tokenizer.from_dir(path, self.model_config)
@@ -71,8 +82,10 @@ class LLMEngine:
             num_blocks=self.kv_layout.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting=config.max_waiting, enable_prefix_caching=config.enable_prefix_caching,
+            role=config.role,
         ), eos_token_ids=self.tokenizer.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._cancelling: dict[str, Request] = {}   # decode: aborted while a peer may still write its blocks
         self._aborted: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
         self._generate_ids = itertools.count()
@@ -98,15 +111,22 @@ class LLMEngine:
         return KVLayout(mc.num_hidden_layers, num_blocks, self.config.block_size, mc.num_key_value_heads,
                         mc.head_dim, self.config.dtype)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queues a request; raises InvalidRequestError or QueueFullError instead of queueing it."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: dict | None = None) -> None:
+        """Queues a request; raises InvalidRequestError or QueueFullError instead of queueing it.
+
+        `kv_transfer_params` (role "prefill" or "decode", as the proxy sends them) make it one
+        leg of a disaggregated request; a worker of role "both" ignores them.
+        """
         self._validate(request_id, prompt_token_ids, params)
+        remote_kv, target = self._kv_leg(kv_transfer_params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos, block_size=self.config.block_size, params=params,
             generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            remote_kv=remote_kv, pull_target=target,
         )
         try:
             self.scheduler.add(request)
@@ -116,10 +136,21 @@ class LLMEngine:
             raise QueueFullError(str(exc)) from exc
         self.requests[request_id] = request
 
+    def _kv_leg(self, params: dict | None) -> tuple[bool, PullTarget | None]:
+        """Whether a request is a disaggregated leg here, and where a decode leg pulls from."""
+        role = self.config.role
+        if role == "both" or params is None:
+            return False, None
+        if params.get("role") != role:
+            raise InvalidRequestError(f"kv_transfer_params.role is {params.get('role')!r} but this worker "
+                                      f"serves role {role!r}")
+        return True, PullTarget.parse(params) if role == "decode" else None
+
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
-        if request_id in self.requests:
+        busy = (self.requests, self.scheduler.transferring, self._cancelling)
+        if any(request_id in ids for ids in busy):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -138,13 +169,19 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        self.scheduler.finish(request, "abort")
+        if request_id in self.scheduler.transferring and self.kv is not None and not self.kv.cancel(request_id):
+            self._cancelling[request_id] = request  # freed once the pull reports it failed
+            request.finish_reason = "abort"
+        else:
+            self.scheduler.finish(request, "abort")
         self._aborted.append(RequestOutput(request_id, [], "", True, "abort", request.num_prompt_tokens,
                                            request.num_output_tokens))
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        if self.scheduler.is_finished():
+        if self.kv is not None:
+            outputs.extend(self._kv_step())
+        if not self.scheduler.has_runnable():
             return outputs
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
@@ -152,20 +189,91 @@ class LLMEngine:
         token_ids = self.runner.run(seqs, is_prefill)
         self.scheduler.postprocess(seqs, token_ids)
         outputs.extend(self._output(seq, token_id) for seq, token_id in zip(seqs, token_ids))
+        if self.kv is not None and self.kv.role == "prefill":
+            self._publish(seqs)
         return outputs
 
+    # ---- disaggregated roles: the connector's results in, its work out -----------------------
+
+    def _kv_step(self) -> list[RequestOutput]:
+        assert self.kv is not None
+        for request_id in self.kv.take_released():
+            if (seq := self.scheduler.transferring.get(request_id)) is not None:
+                self.scheduler.release(seq)
+        if self.kv.role != "decode":
+            return []
+        outputs: list[RequestOutput] = []
+        results = self.kv.poll()
+        for request_id, token_id in results.done:
+            if (request := self._pulled(request_id)) is not None:
+                skip_sample(self.model_config.vocab_size, request.params, request.generator)
+                self.scheduler.transfer_done(request, token_id)
+                outputs.append(self._output(request, token_id))
+        for request_id, error in results.failed:
+            if (request := self._pulled(request_id)) is not None:
+                outputs.append(self._fail(request, error))
+        for request in self.scheduler.admit_transfers():
+            try:
+                self.kv.start_pull(request.request_id, request.pull_target, list(request.block_table))
+            except KVTransferError as exc:
+                outputs.append(self._fail(request, exc))
+        return outputs
+
+    def _pulled(self, request_id: str) -> Request | None:
+        """The request a finished pull belongs to, or None if it was aborted (then its blocks go now)."""
+        cancelled = self._cancelling.pop(request_id, None)
+        if cancelled is not None:
+            self.scheduler.release(cancelled, "abort")
+            return None
+        return self.requests.get(request_id)
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        self.scheduler.release(request, "error")
+        del self.requests[request.request_id]
+        return RequestOutput(request.request_id, [], "", True, "error", request.num_prompt_tokens,
+                             request.num_output_tokens, error=error)
+
+    def _publish(self, seqs: list[Request]) -> None:
+        """Prefill: every remote_kv request that just finished waits, blocks held, to be pulled."""
+        assert self.kv is not None
+        for seq in seqs:
+            if self.scheduler.transferring.get(seq.request_id) is not seq:
+                continue
+            try:
+                self.kv.publish(seq.request_id, list(seq.block_table), seq.token_ids[seq.num_prompt_tokens])
+            except Exception:  # noqa: BLE001 - nobody can pull it: free the blocks rather than leak them
+                logger.exception("could not publish request %s for its decode peer", seq.request_id)
+                self.scheduler.release(seq)
+
+    def wait_hint(self) -> float | None:
+        """How long the driver may wait for a command before the next step: 0 = step now,
+        None = nothing to do until a command (or a connector wake-up) arrives."""
+        if self._aborted or self.scheduler.has_runnable():
+            return 0.0
+        if self.kv is not None and self.kv.has_pending():
+            return PULL_POLL_S
+        if self.kv is not None and self.scheduler.waiting:  # decode: admission waits for free blocks
+            return PULL_POLL_S
+        return None
+
+    def close(self) -> None:
+        """Stops the KV connector's thread (role prefill or decode); the engine is unusable after."""
+        if self.kv is not None:
+            self.kv.close()
+
     def _output(self, request: Request, token_id: int) -> RequestOutput:
-        delta = request.detokenizer.step(request.output_token_ids, request.is_finished)
+        delta = request.detokenizer.step(request.output_token_ids, request.is_done)
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
             request.finish_reason = "stop"  # a stop string wins over max_tokens on the same token
-        if request.is_finished:
+        if request.is_done:
             del self.requests[request.request_id]
-        return RequestOutput(request.request_id, [token_id], delta, request.is_finished,
+        return RequestOutput(request.request_id, [token_id], delta, request.is_done,
                              request.finish_reason, request.num_prompt_tokens, request.num_output_tokens)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._aborted)
+        """Requests in flight, or blocks still held for (or by) a transfer."""
+        return bool(self.requests or self._aborted or self.scheduler.transferring or self._cancelling)
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager
@@ -187,6 +295,8 @@ class LLMEngine:
                 self.add_request(request_id, prompt, p)
             while unfinished:
                 for out in self.step():
+                    if out.error is not None and out.request_id in unfinished:
+                        raise out.error
                     if out.request_id in unfinished:
                         tokens[out.request_id].extend(out.new_token_ids)
                         if out.finished:

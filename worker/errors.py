@@ -3,7 +3,8 @@
     WorkerError
     ├── InvalidRequestError   bad prompt or sampling params, duplicate id, can never fit
     ├── QueueFullError        the bounded waiting queue is full; retry later
-    └── ModelLoadError        the model directory is missing, malformed or unsupported
+    ├── ModelLoadError        the model directory is missing, malformed or unsupported
+    └── KVTransferError       disaggregated serving: the prompt's KV could not be moved
 """
 from __future__ import annotations
 
@@ -21,4 +22,8 @@ class QueueFullError(WorkerError):
 
 
 class ModelLoadError(WorkerError):
+    pass
+
+
+class KVTransferError(WorkerError):
     pass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,3 +16,4 @@ class Request(Sequence):
     params: SamplingParams
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
+    pull_target: Any = None          # decode: the kv_connector.PullTarget its prompt's KV comes from

@@ -33,3 +33,15 @@ def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return probs
+
+
+def skip_sample(vocab_size: int, params: SamplingParams, generator: torch.Generator) -> None:
+    """Advances `generator` exactly as one sample() of a random row would.
+
+    A decode worker receives its first token from the prefill worker, which drew it from its
+    own copy of the request's generator; drawing once here (the number of draws depends only
+    on the vocabulary size, not the probabilities) leaves this copy in the state the `both`
+    worker's generator has after token 1, so seeded outputs match token for token.
+    """
+    if not params.greedy:
+        torch.multinomial(torch.ones(vocab_size), 1, generator=generator)

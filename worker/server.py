@@ -132,7 +132,7 @@ class _Worker:
         req = parse_request(kind, parse_body(await request.get_data()), self.model_name)
         prompt_ids = self._prompt_ids(req)
         params = build_params(req, len(prompt_ids), self.max_model_len)
-        stream = await self.engine.generate(g.request_id, prompt_ids, params)
+        stream = await self.engine.generate(g.request_id, prompt_ids, params, req.kv_transfer_params)
         timer = self.metrics.timer(len(prompt_ids))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         if not req.stream:

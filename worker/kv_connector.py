@@ -1,0 +1,175 @@
+"""The engine's side of disaggregated serving: a small adapter over neuron_connector and transfer.
+
+The engine calls it from its one thread. On a prefill worker it publishes each finished
+`remote_kv` request's blocks with a SendBuffer and reports the releases the SendBuffer's
+thread announces (pulled, failed, or not pulled within the abort timeout). On a decode
+worker it starts a pull into each admitted request's fresh blocks with a RecvBuffer and
+turns poll results into "done with first token t" or "failed with this error".
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from neuron_connector import ConnectorError, PullState, RecvBuffer, SendBuffer
+from transfer import KVLayout, TransferError, create_engine
+from worker.errors import KVTransferError
+from worker.protocol import invalid
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVConnectorConfig:
+    """How a prefill or decode worker moves KV: transport, signal-plane address and timeouts."""
+
+    role: str                              # "prefill" | "decode"
+    transport: str = "auto"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 14579                   # prefill's ROUTER; 0 = a free port
+    engine_id: str = ""
+    abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
+    pull_timeout: float = 30.0             # decode: fail a pull not done after this long
+
+
+@dataclass(frozen=True, slots=True)
+class PullTarget:
+    """Where a decode request's KV comes from, parsed from its `kv_transfer_params`."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> PullTarget:
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(host, str) or not host:
+            raise invalid("kv_transfer_params.remote_host must be a non-empty string", "kv_transfer_params")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise invalid(f"kv_transfer_params.remote_port must be a TCP port, got {port!r}",
+                          "kv_transfer_params")
+        return cls(host, port)
+
+
+@dataclass(slots=True)
+class PullResults:
+    """What one poll of the pending pulls found."""
+
+    done: list[tuple[str, int]] = field(default_factory=list)            # (request id, first token)
+    failed: list[tuple[str, KVTransferError]] = field(default_factory=list)
+
+
+class KVConnector:
+    """Owns the transfer engine, the KV pool region and the role's buffer thread."""
+
+    def __init__(self, config: KVConnectorConfig) -> None:
+        if config.role not in ("prefill", "decode"):
+            raise ValueError(f"the KV connector serves roles prefill and decode, not {config.role!r}")
+        self.config = config
+        self.role = config.role
+        self.wake: Callable[[], None] = lambda: None   # set by the engine's driver thread
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._pending: set[str] = set()
+        self._transfer: Any = None
+        self.send: SendBuffer | None = None
+        self.recv: RecvBuffer | None = None
+
+    @property
+    def kv_port(self) -> int:
+        """The signal plane's bound port (prefill), once the pool is allocated."""
+        return self.send.port if self.send is not None else self.config.kv_port
+
+    def allocate_pool(self, layout: KVLayout) -> torch.Tensor:
+        """The engine's KV pool, registered with the transfer engine; starts the buffer thread."""
+        cfg = self.config
+        try:
+            self._transfer = create_engine(cfg.transport, host=cfg.kv_host)
+            pool = self._transfer.allocate_region(layout)
+            engine_id = cfg.engine_id or f"{cfg.kv_host}:{cfg.kv_port}"
+            if self.role == "prefill":
+                self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
+                                       on_release=self._on_release, abort_timeout=cfg.abort_timeout,
+                                       transfer_timeout=cfg.pull_timeout)
+                self.send.start()
+            else:
+                self.recv = RecvBuffer(self._transfer, layout, identity=engine_id,
+                                       default_timeout=cfg.pull_timeout)
+                self.recv.start()
+        except (TransferError, ConnectorError) as exc:
+            self.close()
+            raise KVTransferError(f"KV connector ({cfg.transport}) failed to start: {exc}") from exc
+        return pool
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
+        assert self.send is not None
+        self.send.publish(request_id, block_ids, output_token)
+
+    def _on_release(self, request_id: str) -> None:
+        # SendBuffer thread: queue it for the engine thread and wake that thread up.
+        self._released.put(request_id)
+        self.wake()
+
+    def take_released(self) -> list[str]:
+        released: list[str] = []
+        while True:
+            try:
+                released.append(self._released.get_nowait())
+            except queue.Empty:
+                return released
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    def start_pull(self, request_id: str, target: PullTarget, block_ids: list[int]) -> None:
+        assert self.recv is not None
+        try:
+            self.recv.request_pull(request_id, target.host, target.port, block_ids)
+        except (ConnectorError, ValueError) as exc:
+            raise KVTransferError(f"KV pull of request {request_id!r} could not start: {exc}") from exc
+        self._pending.add(request_id)
+
+    def poll(self) -> PullResults:
+        """Checks every pending pull once; never blocks."""
+        results = PullResults()
+        if self.recv is None:
+            return results
+        for request_id in list(self._pending):
+            status = self.recv.poll(request_id)
+            if status.state is PullState.PENDING:
+                continue
+            self._pending.discard(request_id)
+            if status.state is PullState.DONE:
+                assert status.output_token is not None
+                results.done.append((request_id, status.output_token))
+            else:
+                results.failed.append((request_id, KVTransferError(
+                    f"KV transfer of request {request_id!r} from the prefill worker failed: {status.message}")))
+        return results
+
+    def cancel(self, request_id: str) -> bool:
+        """Stops a pull; True if its blocks may be freed now, else poll() reports it failed later."""
+        if self.recv is None or request_id not in self._pending:
+            return True
+        if self.recv.cancel(request_id):
+            self._pending.discard(request_id)
+            return True
+        return False
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def close(self) -> None:
+        for buffer in (self.send, self.recv):
+            if buffer is not None:
+                buffer.close()
+        self.send = self.recv = None
+        if self._transfer is not None:
+            try:
+                self._transfer.close()
+            except Exception:  # noqa: BLE001 - shutting down: log and go on releasing the rest
+                logger.exception("closing the transfer engine failed")
+            self._transfer = None
