@@ -98,8 +98,8 @@ def transfer_time(metrics_text: str) -> tuple[float | None, int | None]:
     return None, None
 
 
-def format_summary(summary: TransferSummary, block_bytes: int) -> str:
-    """The statistics as a small table."""
+def format_summary(summary: TransferSummary, block_bytes: int, extra: Sequence[tuple[str, str]] = ()) -> str:
+    """The statistics as a small table, `extra` rows last."""
     n = max(summary.num_requests, 1)
     rows = [
         ("requests", f"{summary.num_requests}"),
@@ -114,5 +114,6 @@ def format_summary(summary: TransferSummary, block_bytes: int) -> str:
         rows += [("transfer time", f"{summary.transfer_seconds * 1000:.1f} ms total, "
                                    f"{summary.ms_per_transfer or 0:.2f} ms per transfer"),
                  ("throughput", f"{summary.gb_per_s or 0:.3f} GB/s")]
+    rows += extra
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)

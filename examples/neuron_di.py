@@ -154,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
     reference, layout = reference_run(args.model, prompts, args.max_tokens)
     status = report(texts, reference, di)
     summary = summarize((len(p) for p in prompts), layout.block_size, layout.block_bytes, decode_metrics)
-    print(f"\nKV transfer (prefill -> decode, {args.kv_transport}):\n{format_summary(summary, layout.block_bytes)}")
-    print(f"  time per request  {1000 * sum(latencies) / len(latencies):.0f} ms mean end to end "
-          f"({args.max_tokens} tokens max, {args.concurrency} in flight)")
+    latency = f"{1000 * sum(latencies) / len(latencies):.0f} ms mean end to end ({args.concurrency} in flight)"
+    table = format_summary(summary, layout.block_bytes, [("time per request", latency)])
+    print(f"\nKV transfer (prefill -> decode, {args.kv_transport}):\n{table}")
     return status
 
 
