@@ -22,7 +22,7 @@ from quart import Quart, Response, g, jsonify, make_response, request
 
 from worker.async_engine import AsyncEngine, RequestStream
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
+from worker.engine import LLMEngine, RequestOutput
 from worker.metrics import RequestTimer, ServerMetrics
 from worker.protocol import (DONE_EVENT, GenerateRequest, Kind, ResponseShape, build_params, error_body,
                              error_for, models_body, parse_body, parse_request, sse_event, usage)
@@ -137,7 +137,10 @@ class _Worker:
         shape = ResponseShape(kind, g.request_id, self.model_name)
         if not req.stream:
             return await self._collect(shape, stream, timer)
-        response = await make_response(self._events(shape, req, stream, timer),
+        # A decode leg awaits its first output (the pulled KV) before the headers go out, so a
+        # failed transfer is a plain HTTP error the proxy can act on, not a 200 stream.
+        first = await self._first(stream) if _is_decode_leg(req) else None
+        response = await make_response(self._events(shape, req, stream, timer, first),
                                        {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         response.timeout = None  # generation may outlast Quart's 60 s response timeout
         return response
@@ -153,6 +156,14 @@ class _Worker:
         assert req.prompt is not None
         return req.prompt  # the engine checks the ids against its vocabulary
 
+    async def _first(self, stream: RequestStream) -> RequestOutput:
+        async with self._disconnect_counted():
+            try:
+                return await stream.__anext__()
+            except BaseException:
+                stream.abort()
+                raise
+
     async def _collect(self, shape: ResponseShape, stream: RequestStream, timer: RequestTimer) -> Response:
         parts: list[str] = []
         async with self._disconnect_counted(), stream:
@@ -165,11 +176,11 @@ class _Worker:
         return jsonify(body)
 
     async def _events(self, shape: ResponseShape, req: GenerateRequest, stream: RequestStream,
-                      timer: RequestTimer) -> AsyncIterator[bytes]:
+                      timer: RequestTimer, first_output: RequestOutput | None) -> AsyncIterator[bytes]:
         first = True
         async with self._disconnect_counted(), stream:
             try:
-                async for out in stream:
+                async for out in _prepend(first_output, stream):
                     timer.tokens(len(out.new_token_ids))
                     if out.text_delta or out.finished:
                         yield sse_event(shape.chunk(out.text_delta, out.finish_reason, first, req.include_usage))
@@ -185,6 +196,17 @@ class _Worker:
             yield sse_event(shape.usage_chunk(usage(out.num_prompt_tokens, out.num_output_tokens)))
         self._count(out.finish_reason or "none")
         yield DONE_EVENT
+
+
+def _is_decode_leg(req: GenerateRequest) -> bool:
+    return (req.kv_transfer_params or {}).get("role") == "decode"
+
+
+async def _prepend(first: RequestOutput | None, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
+    async for out in stream:
+        yield out
 
 
 def _json(body: dict, status: int) -> Response:

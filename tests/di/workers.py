@@ -16,10 +16,11 @@ _BLOCKS_USED = re.compile(r"^neuron_di_kv_blocks_used\{[^}]*\} ([0-9.e+]+)$", re
 class Worker:
     """`python -m worker --role ROLE` on free ports; `stop()` kills it and its children."""
 
-    def __init__(self, role: str, transport: str = "shm", extra: Sequence[str] = ()) -> None:
-        self.role = role
-        self.port = free_port()
-        self.kv_port = free_port() if role == "prefill" else 0
+    def __init__(self, role: str, transport: str = "shm", extra: Sequence[str] = (),
+                 port: int | None = None, kv_port: int | None = None) -> None:
+        self.role, self.transport, self.extra = role, transport, tuple(extra)
+        self.port = port or free_port()
+        self.kv_port = kv_port if kv_port is not None else (free_port() if role == "prefill" else 0)
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["-m", "worker", "--role", role, "--port", str(self.port), "--threads", "1",
                 "--kv-transport", transport, "--kv-port", str(self.kv_port), *extra]
@@ -38,6 +39,10 @@ class Worker:
 
     def wait_blocks_free(self, timeout: float = 30.0) -> None:
         wait_until(lambda: self.blocks_used() == 0, timeout=timeout)
+
+    def restarted(self) -> Worker:
+        """The same worker (role, ports, flags) started anew; call after this one died."""
+        return Worker(self.role, self.transport, self.extra, self.port, self.kv_port)
 
     def stop(self) -> None:
         self.proc.stop()

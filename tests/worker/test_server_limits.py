@@ -40,7 +40,8 @@ def test_queue_full_is_503_then_the_worker_recovers() -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--role", "decode"], "--role decode is not yet supported"),
+    (["--role", "decode", "--kv-port", "70000"], "--kv-port must be a TCP port or 0, got 70000"),
+    (["--role", "prefill", "--kv-abort-timeout", "0"], "must be positive"),
     (["--role", "middle"], "invalid choice: 'middle'"),
     (["--port", "0"], "must be at least 1, got 0"),
     (["--port", "70000"], "not a TCP port: 70000"),
@@ -55,11 +56,12 @@ def test_bad_command_line_is_rejected_up_front(args: list[str], message: str,
     assert message in capsys.readouterr().err
 
 
-def test_python_m_worker_exits_2_on_an_unsupported_role() -> None:
-    done = subprocess.run([sys.executable, "-m", "worker", "--role", "prefill"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+def test_python_m_worker_exits_2_on_a_bad_kv_port() -> None:
+    done = subprocess.run([sys.executable, "-m", "worker", "--role", "prefill", "--kv-port", "70000"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 2
-    assert "--role prefill is not yet supported (supported: both)" in done.stderr
+    assert "--kv-port must be a TCP port or 0, got 70000" in done.stderr
 
 
 def test_python_m_worker_exits_1_when_the_model_cannot_load(tmp_path: Path) -> None:

@@ -1,0 +1,69 @@
+"""Workers that die are replaced; their peers reconnect; etcd forgets the dead."""
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from neuron_connector import list_workers
+from tests.di.workers import Worker, disaggregated
+from tests.helpers import wait_until
+
+BODY = {"model": "neuron-di-builtin", "prompt": list(range(50, 90)), "max_tokens": 5, "temperature": 0,
+        "ignore_eos": True}
+
+
+def one_request(prefill: Worker, decode: Worker) -> dict:
+    import asyncio
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            return await disaggregated(client, prefill, decode, "/v1/completions", BODY)
+    p, d = asyncio.run(run())
+    assert p.status_code == 200, p.text
+    assert d.status_code == 200, d.text
+    return d.json()["choices"]
+
+
+@pytest.fixture(scope="module")
+def want(both_worker: Worker) -> list:
+    return httpx.post(f"{both_worker.url}/v1/completions", json=BODY, timeout=60.0).json()["choices"]
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_restarted_worker_is_reconnected(victim: str, want: list) -> None:
+    workers = {"prefill": Worker("prefill", "tcp"), "decode": Worker("decode", "tcp")}
+    try:
+        assert one_request(workers["prefill"], workers["decode"]) == want
+        workers[victim].proc.kill9()
+        workers[victim] = workers[victim].restarted()
+        assert one_request(workers["prefill"], workers["decode"]) == want
+        for worker in workers.values():
+            worker.wait_blocks_free()
+    finally:
+        for worker in workers.values():
+            worker.stop()
+
+
+def test_etcd_key_appears_and_vanishes_after_kill9(etcd_server) -> None:
+    ttl = 2
+    prefill = Worker("prefill", "tcp", ["--etcd", etcd_server.endpoint, "--etcd-ttl", str(ttl)])
+    try:
+        records = wait_until(lambda: list_workers(etcd_server.endpoint, "prefill"), timeout=10)
+        assert [(r.host, r.http_port, r.kv_port, r.model) for r in records] == [
+            ("127.0.0.1", prefill.port, prefill.kv_port, "neuron-di-builtin")]
+        prefill.proc.kill9()
+        wait_until(lambda: not list_workers(etcd_server.endpoint, "prefill"), timeout=ttl + 5)
+    finally:
+        prefill.stop()
+
+
+def test_etcd_key_is_revoked_on_clean_shutdown(etcd_server) -> None:
+    decode = Worker("decode", "tcp", ["--etcd", etcd_server.endpoint, "--etcd-ttl", "30"])
+    try:
+        records = wait_until(lambda: list_workers(etcd_server.endpoint, "decode"), timeout=10)
+        assert records[0].http_port == decode.port
+    finally:
+        decode.stop()
+    assert not list_workers(etcd_server.endpoint, "decode")  # revoked, not left to expire

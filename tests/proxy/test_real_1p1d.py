@@ -1,0 +1,90 @@
+"""The official OpenAI client through proxy_server.py to a real prefill + decode pair.
+
+Every answer must equal the one a single worker of role `both` gives to the same request.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import openai
+import pytest
+
+from tests.di.workers import Worker
+from tests.proxy.conftest import Server, start_proxy
+
+PROMPT = "def fibonacci(n):\n    "
+MESSAGES = [{"role": "user", "content": "Write a for loop over a list."}]
+SAMPLING = {"max_tokens": 12, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[Server, Worker, Worker, Worker]]:
+    started: list[Worker] = []
+    proxy: Server | None = None
+    try:
+        for role in ("prefill", "decode", "both"):
+            started.append(Worker(role, "shm"))
+        prefill, decode, both = started
+        proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                             "--prefill-kv-port", str(prefill.kv_port),
+                             "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
+        yield proxy, prefill, decode, both
+    finally:
+        if proxy is not None:
+            proxy.process.stop()
+        for worker in started:
+            worker.stop()
+
+
+@pytest.fixture(autouse=True)
+def blocks_free_after(stack: tuple[Server, Worker, Worker, Worker]) -> Iterator[None]:
+    yield
+    for worker in stack[1:]:
+        worker.wait_blocks_free()
+
+
+def clients(stack: tuple[Server, Worker, Worker, Worker]) -> tuple[openai.OpenAI, openai.OpenAI]:
+    proxy, _, _, both = stack
+    return (openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0),
+            openai.OpenAI(base_url=f"{both.url}/v1", api_key="x", max_retries=0))
+
+
+def completion(client: openai.OpenAI, stream: bool) -> tuple[str, str | None]:
+    if not stream:
+        choice = client.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).choices[0]
+        return choice.text, choice.finish_reason
+    text, reason = "", None
+    for chunk in client.completions.create(model="neuron-di-builtin", prompt=PROMPT, stream=True, **SAMPLING):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def chat(client: openai.OpenAI, stream: bool) -> tuple[str, str | None]:
+    if not stream:
+        choice = client.chat.completions.create(model="neuron-di-builtin", messages=MESSAGES, **SAMPLING).choices[0]
+        return choice.message.content or "", choice.finish_reason
+    text, reason = "", None
+    for chunk in client.chat.completions.create(model="neuron-di-builtin", messages=MESSAGES, stream=True,
+                                                **SAMPLING):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("call", [completion, chat])
+def test_proxy_answers_as_one_worker(stack, call, stream: bool) -> None:
+    through_proxy, single = clients(stack)
+    want = call(single, stream)
+    assert want[0] and want[1] in ("stop", "length")
+    assert call(through_proxy, stream) == want
+
+
+def test_proxy_usage_counts_the_whole_completion(stack) -> None:
+    through_proxy, single = clients(stack)
+    got = through_proxy.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).usage
+    want = single.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).usage
+    assert (got.prompt_tokens, got.completion_tokens) == (want.prompt_tokens, want.completion_tokens)

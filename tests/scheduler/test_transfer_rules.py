@@ -1,0 +1,122 @@
+"""Transfer-aware rules of roles prefill and decode, and their invariants over random event sequences."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+
+BLOCK = 4
+
+
+def scheduler(role: str, num_blocks: int = 32, max_num_seqs: int = 3) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                                     role=role), eos_token_ids=[0])
+
+
+def seq(i: int, prompt_len: int = 5, max_tokens: int = 1, remote: bool = True) -> Sequence:
+    return Sequence(f"r{i}", list(range(1, prompt_len + 1)), max_tokens, block_size=BLOCK, remote_kv=remote)
+
+
+def test_prefill_runs_one_prefill_at_a_time_and_holds_finished_blocks() -> None:
+    s = scheduler("prefill")
+    for i in range(3):
+        s.add(seq(i))
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and [x.request_id for x in seqs] == ["r0"]
+    s.postprocess(seqs, [7])
+    assert seqs[0].status is SequenceStatus.TRANSFERRING and seqs[0].finish_reason == "length"
+    assert s.block_manager.num_free_blocks == 32 - 2
+    s.release(seqs[0])
+    assert seqs[0].is_finished and s.block_manager.num_free_blocks == 32
+
+
+def test_prefill_admits_nothing_while_transfers_fill_the_batch() -> None:
+    s = scheduler("prefill", max_num_seqs=2)
+    for i in range(3):
+        s.add(seq(i))
+    for _ in range(2):
+        seqs, _ = s.schedule()
+        s.postprocess(seqs, [7])
+    assert len(s.transferring) == 2
+    assert s.schedule() == ([], False)
+    s.release(s.transferring["r0"])
+    assert [x.request_id for x in s.schedule()[0]] == ["r2"]
+
+
+def test_decode_runs_a_request_only_after_its_transfer() -> None:
+    s = scheduler("decode")
+    s.add(seq(0, max_tokens=3))
+    assert not s.has_runnable() and s.schedule() == ([], False)
+    (pulled,) = s.admit_transfers()
+    assert pulled.status is SequenceStatus.TRANSFERRING and len(pulled.block_table) == 2
+    assert s.schedule() == ([], False)
+    s.transfer_done(pulled, 9)
+    assert pulled.output_token_ids == [9] and pulled.status is SequenceStatus.RUNNING
+    assert s.schedule() == ([pulled], False)
+
+
+def test_decode_pulls_into_fresh_blocks_never_cached_ones() -> None:
+    s = scheduler("decode")
+    local = Sequence("local", list(range(1, 9)), 1, block_size=BLOCK)
+    s.add(local)
+    seqs, _ = s.schedule()
+    s.postprocess(seqs, [5])  # finished: its full blocks stay in the prefix cache
+    s.add(seq(1, prompt_len=8))
+    (pulled,) = s.admit_transfers()
+    assert pulled.num_cached_tokens == 0
+    assert all(s.block_manager.blocks[b].ref_count == 1 for b in pulled.block_table)
+
+
+EVENTS = st.lists(st.tuples(st.sampled_from(["add", "step", "done", "fail", "release", "abort"]),
+                            st.integers(0, 40)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(role=st.sampled_from(["prefill", "decode", "both"]), events=EVENTS)
+def test_invariants_hold_over_random_events(role: str, events: list[tuple[str, int]]) -> None:
+    s = scheduler(role, num_blocks=12, max_num_seqs=3)
+    live: list[Sequence] = []
+    for n, (event, arg) in enumerate(events):
+        if event == "add":
+            candidate = seq(n, prompt_len=1 + arg % 9, max_tokens=1 + arg % 3, remote=role != "both")
+            if s.config.num_blocks * BLOCK >= candidate.max_len:
+                s.add(candidate)
+                live.append(candidate)
+        elif event == "step":
+            s.admit_transfers()
+            seqs, is_prefill = s.schedule()
+            assert not (role == "prefill" and is_prefill and len(seqs) > 1)  # one prefill at a time
+            s.postprocess(seqs, [1 + arg] * len(seqs))
+        elif s.transferring:
+            target = list(s.transferring.values())[arg % len(s.transferring)]
+            if event == "done" and role == "decode" and not target.is_done:
+                s.transfer_done(target, 1 + arg)
+            elif event in ("fail", "release"):
+                s.release(target, "error")
+            elif event == "abort":
+                s.finish(target, "abort")
+        check(s, live)
+    for target in list(s.transferring.values()):
+        s.release(target)
+    for target in list(s.running) + list(s.waiting):
+        s.finish(target, "abort")
+    assert s.block_manager.num_free_blocks == s.config.num_blocks
+
+
+def check(s: Scheduler, live: list[Sequence]) -> None:
+    assert len(s.running) + len(s.transferring) <= s.config.max_num_seqs
+    held = {b for x in live for b in x.block_table}
+    assert held == s.block_manager.used_block_ids
+    assert len(s.block_manager.free_block_ids) + len(held) == s.config.num_blocks
+    for x in live:
+        in_transfer = s.transferring.get(x.request_id) is x
+        assert in_transfer == (x.status is SequenceStatus.TRANSFERRING)
+        assert (x in s.running) == (x.status is SequenceStatus.RUNNING)
+        assert (x in s.waiting) == (x.status is SequenceStatus.WAITING)
+        if x.status in (SequenceStatus.WAITING, SequenceStatus.FINISHED):
+            assert not x.block_table
+        else:
+            assert len(x.block_table) >= x.num_blocks - 1
+        if s.config.role == "decode" and x.remote_kv:
+            assert x.status is not SequenceStatus.RUNNING  # runs only after its transfer
