@@ -68,7 +68,8 @@ class Process:
 
     def __init__(self, name: str, args: Sequence[str], core: int | None = None) -> None:
         self.name = name
-        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+        prefix = f"neuron-di-{name}-".replace(" ", "-")
+        self.log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1"}
         # Pinned in the child before exec, so no thread of it ever runs on another core.

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 
 from tests.examples.di_roles import needs_di
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_until
 
 
 def _listening(port: int) -> bool:
@@ -29,6 +30,28 @@ def test_demo_answers_every_request_and_stops_the_stack():
         assert title in out
     assert out.rstrip().endswith("stopped the proxy and both workers")
     ports = [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)", out.splitlines()[1])]
+    assert len(ports) == 3 and not any(_listening(port) for port in ports)
+
+
+@needs_di
+def test_ctrl_c_stops_the_whole_stack(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        demo = subprocess.Popen([sys.executable, "examples/demo_1p1d.py", "--max-tokens", "200"], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: demo.poll() is not None or "serving " in log.read_text(), timeout=240)
+        assert demo.poll() is None, log.read_text()
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) == 130, log.read_text()
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(timeout=30)
+    text = log.read_text()
+    assert "interrupted; every process was stopped" in text
+    ports = [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)", text.splitlines()[1])]
     assert len(ports) == 3 and not any(_listening(port) for port in ports)
 
 
