@@ -112,11 +112,16 @@ def di_run(url: str, model_name: str, prompts: Sequence[list[int]], args: argpar
         results[index] = Completion(data["usage"]["completion_tokens"], data["choices"][0]["text"])
         latencies[index] = time.perf_counter() - start
 
-    with httpx.Client(base_url=url, timeout=args.request_timeout) as client, \
-            ThreadPoolExecutor(args.concurrency) as pool:
-        futures = [pool.submit(one, i) for i in range(len(prompts))]
-        for future in tqdm(as_completed(futures), total=len(futures), desc="DI generate", unit="req"):
-            future.result()
+    with httpx.Client(base_url=url, timeout=args.request_timeout) as client:
+        pool = ThreadPoolExecutor(args.concurrency)
+        try:
+            futures = [pool.submit(one, i) for i in range(len(prompts))]
+            for future in tqdm(as_completed(futures), total=len(futures), desc="DI generate", unit="req"):
+                future.result()
+        finally:
+            # On Ctrl-C or a failed request, requests still in flight are not awaited: stopping the
+            # stack, which comes next, ends them.
+            pool.shutdown(wait=False, cancel_futures=True)
     return [r for r in results if r is not None], latencies
 
 
@@ -130,7 +135,7 @@ def report(texts: Sequence[str], reference: Sequence[Completion], di: Sequence[C
     show_outputs(texts, di)
     mismatch = first_mismatch(reference, di)
     if mismatch is None:
-        print(f"\noutputs match: {len(di)} prompts, DI token for token identical to the non-disaggregated run")
+        print(f"\noutputs match: {len(di)} prompts, the same text and token count as the non-disaggregated run")
         return 0
     at = diverging_at(mismatch.expected.text, mismatch.got.text)
     print(f"\nOUTPUTS DIFFER at prompt {mismatch.index} (character {at}):\n"

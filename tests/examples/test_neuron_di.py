@@ -1,18 +1,14 @@
 """examples/neuron_di.py end to end (real workers, proxy and engine) and its report, sans I/O."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from di_stats import Completion, blocks_for, diverging_at, first_mismatch, format_summary, summarize, transfer_time
 from neuron_di import PROMPTS, encode_prompts
-from tests.examples.di_roles import needs_di
-from tests.helpers import ROOT
+from tests.examples.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
 from worker.loader import builtin_model_path, load_config
 
 
@@ -58,16 +54,10 @@ def test_summary_without_and_with_transfer_time():
     assert "2.000 GB/s" in format_summary(timed, 10**6)
 
 
-def _run_neuron_di(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "examples/neuron_di.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
-
-
 @needs_di
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_neuron_di_outputs_match_the_non_disaggregated_run(transport):
-    result = _run_neuron_di("--num-prompts", "3", "--max-tokens", "8", "--concurrency", "2",
+    result = run_script("neuron_di.py", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "2",
                             "--kv-transport", transport)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "outputs match: 3 prompts" in result.stdout
@@ -81,5 +71,14 @@ def test_neuron_di_outputs_match_the_non_disaggregated_run(transport):
     assert re.search(r"time per request +\d+ ms mean end to end \(2 in flight\)", result.stdout)
 
 def test_bad_arguments_exit_2_before_starting_anything():
-    result = _run_neuron_di("--max-tokens", "0")
+    result = run_script("neuron_di.py", "--max-tokens", "0")
     assert result.returncode == 2 and "must be at least 1, got 0" in result.stderr
+
+
+@needs_di
+def test_ctrl_c_during_generation_stops_every_process(tmp_path):
+    status, out = interrupted_run(tmp_path / "neuron_di.log", "neuron_di.py", "--max-tokens", "400",
+                                  "--concurrency", "1", marker="DI generate")
+    assert status == 130, out
+    assert "interrupted; every process was stopped" in out
+    assert not any(listening(port) for port in stack_ports(out))
