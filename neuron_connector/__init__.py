@@ -20,17 +20,33 @@ Prefill workers serve KV lookups with a `SendBuffer`; decode workers pull with a
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable,
     ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
 from neuron_connector.peer_link import PeerInfo
 from neuron_connector.pulls import PullState, PullStatus
-from neuron_connector.recv_buffer import RecvBuffer
 from neuron_connector.registry import (
-    Registration, WorkerRecord, list_workers, list_workers_async)
-from neuron_connector.send_buffer import SendBuffer, SendStats
+    DEFAULT_KV_PORT, Registration, WorkerRecord, list_workers, list_workers_async)
 
-DEFAULT_KV_PORT = 14579
+# The buffers need the transfer engine (and torch); the proxy only needs records and
+# registration, so they are imported on first use.
+_LAZY = {"RecvBuffer": "neuron_connector.recv_buffer", "SendBuffer": "neuron_connector.send_buffer",
+         "SendStats": "neuron_connector.send_buffer"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'neuron_connector' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+if TYPE_CHECKING:
+    from neuron_connector.recv_buffer import RecvBuffer
+    from neuron_connector.send_buffer import SendBuffer, SendStats
 
 __all__ = [
     "DEFAULT_KV_PORT",

@@ -69,9 +69,13 @@ class LookupTable:
     _releases: list[str] = field(default_factory=list)
 
     def publish(self, request_id: str, block_ids: list[int], output_token: int, now: float) -> None:
-        if request_id in self._entries or request_id in self._tombstones:
+        if self.known(request_id):
             raise DuplicateRequest(f"request {request_id!r} was already published")
         self._entries[request_id] = _Entry(tuple(block_ids), output_token, now)
+
+    def known(self, request_id: str) -> bool:
+        """Whether `request_id` is published or remembered; publishing it again would be refused."""
+        return request_id in self._entries or request_id in self._tombstones
 
     def discard(self, request_id: str, now: float) -> None:
         """The engine aborted the request: release now, or once its running transfer ends."""

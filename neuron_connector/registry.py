@@ -24,42 +24,64 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ROLES = ("prefill", "decode", "both")
+DEFAULT_KV_PORT = 14579
 KEY_PREFIX = "/workers/"
 _CALL_TIMEOUT_S = 3
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
-    """One registered worker: where its HTTP API and its KV signal plane listen."""
+    """One worker: where its HTTP API and its KV signal plane listen.
+
+    The workers register it in etcd and the proxy reads it back (or builds it from its command
+    line for static workers, where the KV host defaults to the HTTP host and the engine id to
+    `host:http_port`). Bad fields raise ValueError.
+    """
 
     role: str
     host: str
     http_port: int
-    kv_host: str
-    kv_port: int
-    engine_id: str
-    transfer: dict[str, Any] = field(default_factory=dict)
+    kv_host: str = ""
+    kv_port: int = DEFAULT_KV_PORT
+    engine_id: str = ""
     model: str = ""
+    transfer: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+        if not self.host or not 0 < self.http_port < 65536:
+            raise ValueError(f"bad worker address {self.host!r}:{self.http_port}")
+        if not self.kv_host:
+            object.__setattr__(self, "kv_host", self.host)
+        if not self.engine_id:
+            object.__setattr__(self, "engine_id", f"{self.host}:{self.http_port}")
 
     @property
     def key(self) -> str:
         return f"{KEY_PREFIX}{self.role}/{self.host}/{self.http_port}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> WorkerRecord:
+        """Parses a record; RegistrationError when it is not one (missing optional fields default)."""
         try:
             obj = json.loads(data)
             return cls(role=obj["role"], host=obj["host"], http_port=int(obj["http_port"]),
-                       kv_host=obj["kv_host"], kv_port=int(obj["kv_port"]), engine_id=obj["engine_id"],
-                       transfer=dict(obj.get("transfer") or {}), model=str(obj.get("model", "")))
-        except (ValueError, KeyError, TypeError) as exc:
+                       kv_host=obj.get("kv_host") or "", kv_port=int(obj.get("kv_port", DEFAULT_KV_PORT)),
+                       engine_id=obj.get("engine_id") or "", model=str(obj.get("model") or ""),
+                       transfer=dict(obj.get("transfer") or {}))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistrationError(f"malformed worker record {data!r}: {exc}") from exc
 
 

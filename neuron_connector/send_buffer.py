@@ -90,6 +90,11 @@ class SendBuffer:
         with self._lock:
             self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
 
+    def knows(self, request_id: str) -> bool:
+        """Whether `publish(request_id, ...)` would be refused as a duplicate."""
+        with self._lock:
+            return self._table.known(request_id)
+
     def discard(self, request_id: str) -> None:
         """The engine aborted the request; a later lookup of it gets a terminal error."""
         with self._lock:

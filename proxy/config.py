@@ -7,7 +7,7 @@ from typing import Sequence
 
 from proxy.errors import ConfigError
 from proxy.upstream import Timeouts
-from proxy.workers import DEFAULT_KV_PORT, WorkerRecord
+from proxy.workers import DEFAULT_KV_PORT, WorkerRecord, static_worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
     if args.mode == "colocated":
         if di_given:
             raise ConfigError("--mode colocated takes --worker, not prefill/decode workers")
-        return tuple(WorkerRecord("both", *_host_port(w, "--worker")) for w in args.worker)
+        return tuple(static_worker("both", *_host_port(w, "--worker")) for w in args.worker)
     if args.worker:
         raise ConfigError("--worker is for --mode colocated; use --prefill/--decode in di mode")
     workers: list[WorkerRecord] = []
@@ -95,7 +95,7 @@ def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
         workers.append(_worker("prefill", host, _port(port, "--prefill"), "--prefill",
                                _port(kv[0], "--prefill") if kv else DEFAULT_KV_PORT))
     for spec in args.decode:
-        workers.append(WorkerRecord("decode", *_host_port(spec, "--decode")))
+        workers.append(static_worker("decode", *_host_port(spec, "--decode")))
     roles = {w.role for w in workers}
     if workers and roles != {"prefill", "decode"}:
         raise ConfigError("di mode needs at least one prefill and one decode worker")
@@ -106,7 +106,7 @@ def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
 
 def _worker(role: str, host: str, port: int, flag: str, kv_port: int = DEFAULT_KV_PORT) -> WorkerRecord:
     _check_port(flag, port)
-    return WorkerRecord(role, host, port, kv_port=kv_port)
+    return static_worker(role, host, port, kv_port)
 
 
 def _split(spec: str, flag: str, max_parts: int) -> list[str]:

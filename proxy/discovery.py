@@ -7,7 +7,8 @@ from typing import Callable
 
 import aetcd
 
-from proxy.errors import ConfigError, UpstreamError
+from neuron_connector.registry import RegistrationError
+from proxy.errors import UpstreamError
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
@@ -85,7 +86,7 @@ def _record(key: bytes, value: bytes) -> WorkerRecord | None:
     """The record under `key`, or None (logged) when it is malformed or filed under another key."""
     try:
         worker = WorkerRecord.from_json(value)
-    except ConfigError as exc:
+    except RegistrationError as exc:
         log.warning("etcd: ignoring %s: %s", key, exc)
         return None
     if worker.key.encode() != key:

@@ -1,69 +1,20 @@
 """Typed worker records, the pool of known workers, and the pure round-robin pick."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
+from neuron_connector.registry import DEFAULT_KV_PORT, ROLES, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-ROLES = ("prefill", "decode", "both")
-DEFAULT_KV_PORT = 14579
+__all__ = ["DEFAULT_KV_PORT", "ROLES", "WorkerPool", "WorkerRecord", "pick", "static_worker"]
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerRecord:
-    """One worker as registered in etcd under `/workers/{role}/{host}/{http_port}`."""
-
-    role: str
-    host: str
-    http_port: int
-    kv_host: str = ""
-    kv_port: int = DEFAULT_KV_PORT
-    engine_id: str = ""
-    model: str = ""
-    transfer: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"worker role must be one of {ROLES}, got {self.role!r}")
-        if not self.host or not 0 < self.http_port < 65536:
-            raise ConfigError(f"bad worker address {self.host!r}:{self.http_port}")
-        # Static workers have no registry record: their peer info follows from the address.
-        if not self.kv_host:
-            object.__setattr__(self, "kv_host", self.host)
-        if not self.engine_id:
-            object.__setattr__(self, "engine_id", f"{self.host}:{self.http_port}")
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.http_port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
-    def key(self) -> str:
-        return f"/workers/{self.role}/{self.host}/{self.http_port}"
-
-    def to_json(self) -> bytes:
-        return json.dumps({
-            "role": self.role, "host": self.host, "http_port": self.http_port,
-            "kv_host": self.kv_host, "kv_port": self.kv_port, "engine_id": self.engine_id,
-            "transfer": self.transfer, "model": self.model,
-        }).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> WorkerRecord:
-        try:
-            data = json.loads(raw)
-            return cls(role=data["role"], host=data["host"], http_port=int(data["http_port"]),
-                       kv_host=data.get("kv_host") or "", kv_port=int(data.get("kv_port", DEFAULT_KV_PORT)),
-                       engine_id=data.get("engine_id") or "", model=data.get("model") or "",
-                       transfer=dict(data.get("transfer") or {}))
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ConfigError(f"bad worker record {raw!r}: {exc}") from exc
+def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_KV_PORT) -> WorkerRecord:
+    """A worker given on the command line; ConfigError for a bad role or address."""
+    try:
+        return WorkerRecord(role, host, http_port, kv_port=kv_port)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def pick(candidates: Sequence[WorkerRecord], turn: int) -> WorkerRecord:

@@ -150,7 +150,7 @@ class LLMEngine:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
         busy = (self.requests, self.scheduler.transferring, self._cancelling)
-        if any(request_id in ids for ids in busy):
+        if any(request_id in ids for ids in busy) or (self.kv is not None and self.kv.knows(request_id)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -174,6 +174,8 @@ class LLMEngine:
             request.finish_reason = "abort"
         else:
             self.scheduler.finish(request, "abort")
+            if request.remote_kv and self.kv is not None and self.kv.role == "prefill":
+                self.kv.discard(request_id)
         self._aborted.append(RequestOutput(request_id, [], "", True, "abort", request.num_prompt_tokens,
                                            request.num_output_tokens))
 

@@ -109,6 +109,15 @@ class KVConnector:
         assert self.send is not None
         self.send.publish(request_id, block_ids, output_token)
 
+    def knows(self, request_id: str) -> bool:
+        """Prefill: the id is still published (or remembered) for a decode peer."""
+        return self.send is not None and self.send.knows(request_id)
+
+    def discard(self, request_id: str) -> None:
+        """Prefill: the request ended before it was published; its decode peer's pull fails at once."""
+        if self.send is not None:
+            self.send.discard(request_id)
+
     def _on_release(self, request_id: str) -> None:
         # SendBuffer thread: queue it for the engine thread and wake that thread up.
         self._released.put(request_id)

@@ -85,3 +85,17 @@ def test_greedy_parity(pair: tuple[Worker, Worker], greedy_reference: list, conc
                   in enumerate(zip(prompts(), greedy_reference, got)) if want != have]
     assert not mismatches, json.dumps(mismatches[:5])
     assert all(n == MAX_TOKENS for _, _, n in got)
+
+
+def seeded_bodies() -> list[dict[str, Any]]:
+    """Sampled requests, each with its own seed: every sampling mode the sampler has."""
+    modes = [{"temperature": 0.8}, {"temperature": 1.0, "top_k": 20}, {"temperature": 0.7, "top_p": 0.9}]
+    return [body(p, seed=1000 + i, **modes[i % len(modes)]) for i, p in enumerate(prompts()[::3])]
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_seeded_sampling_parity(pair: tuple[Worker, Worker], both_worker: Worker, concurrency: int) -> None:
+    want = asyncio.run(both_answers(both_worker, seeded_bodies()))
+    got = asyncio.run(pair_answers(*pair, seeded_bodies(), concurrency))
+    assert got == want
+    assert len({text for text, _, _ in want}) > len(want) // 2  # really sampled, not one fixed string

@@ -1,30 +1,21 @@
-"""Registering a test worker in etcd under a lease, as the real workers do."""
+"""Registering a test worker in etcd exactly as the real workers do: neuron_connector's Registration."""
 from __future__ import annotations
 
 import asyncio
 
-import aetcd
-
-from proxy.workers import WorkerRecord
+from neuron_connector import Registration, WorkerRecord
 
 
 async def register_forever(etcd: str, role: str, host: str, port: int, kv_port: int, model: str,
                            ttl: int = 2) -> None:
-    """Puts the worker's record under a `ttl`-second lease and keeps it alive until killed.
+    """Registers the worker under a `ttl`-second lease, kept alive until the process ends.
 
-    The worker goes on serving while etcd is away, and registers again when it is back.
+    Registration's keep-alive goes on while etcd is away and registers again when it is back.
     """
-    etcd_host, etcd_port = etcd.split(":")
     record = WorkerRecord(role, host, port, kv_port=kv_port, model=model, transfer={"backend": "fake"})
-    registered = False
-    async with aetcd.Client(etcd_host, int(etcd_port), timeout=2) as client:
-        while True:
-            try:
-                if not registered:
-                    lease = await client.lease(ttl)
-                    await client.put(record.key.encode(), record.to_json(), lease=lease)
-                    registered = True
-                registered = (await lease.refresh()).TTL > 0
-            except aetcd.ClientError:
-                registered = False
-            await asyncio.sleep(ttl / 4)
+    registration = Registration(etcd, record, ttl=ttl)
+    await asyncio.to_thread(registration.start)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        registration.stop()

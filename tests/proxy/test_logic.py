@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import neuron_connector
+from neuron_connector import RegistrationError
 from proxy import (CHAT, COMPLETIONS, BadRequest, ConfigError, NoWorkers, SSEDecoder, StreamStitcher,
                    UpstreamProtocol, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable, WorkerPool,
                    WorkerRecord, parse_args, parse_request, pick, summed_usage, to_http)
@@ -121,8 +123,14 @@ def test_worker_record_round_trips_and_rejects_garbage() -> None:
                           transfer={"backend": "shm"})
     assert WorkerRecord.from_json(record.to_json()) == record
     for raw in (b"{", b"[]", b'{"role": "x", "host": "h", "http_port": 1}', b'{"role": "decode"}'):
-        with pytest.raises(ConfigError):
+        with pytest.raises(RegistrationError):
             WorkerRecord.from_json(raw)
+
+
+def test_one_worker_record_type_serves_proxy_and_workers() -> None:
+    assert WorkerRecord is neuron_connector.WorkerRecord
+    minimal = WorkerRecord.from_json(b'{"role": "prefill", "host": "h", "http_port": 8100}')
+    assert (minimal.kv_host, minimal.kv_port, minimal.engine_id) == ("h", 14579, "h:8100")
 
 
 def test_errors_map_to_statuses_in_one_place() -> None:
