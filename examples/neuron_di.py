@@ -1,9 +1,10 @@
 """Offline disaggregated inference in one command, checked against a non-disaggregated run.
 
     python examples/neuron_di.py [--model PATH] [--kv-transport auto|shm|tcp] [--max-tokens 32]
+    python examples/neuron_di.py --temperature 0.8 --seed 1     # seeded sampling instead of greedy
 
 Starts a prefill worker, a decode worker and the proxy on free ports on 127.0.0.1, generates
-greedily for a built-in list of prompts through the proxy (the prompt's KV cache moves from
+greedily (or with seeded sampling) for a built-in list of prompts through the proxy (the prompt's KV cache moves from
 the prefill worker to the decode worker), then runs the same prompts on an in-process engine
 in role `both` and compares the outputs token count and text. Prints the outputs, "outputs
 match" (exit 0) or the first mismatch (exit 1), and KV-transfer statistics. Every process
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per prompt (default 32)")
     p.add_argument("--num-prompts", type=_positive, default=len(PROMPTS),
                    help=f"use the first N built-in prompts (default all {len(PROMPTS)})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sampling")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of every request (default 0)")
     p.add_argument("--concurrency", type=_positive, default=4, help="requests in flight (default 4)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each process to be ready")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one request")
@@ -75,15 +78,20 @@ def encode_prompts(model: str | None, texts: Sequence[str]) -> list[list[int]]:
     return [tokenizer.encode(text) for text in texts]
 
 
-def reference_run(model: str | None, prompts: Sequence[list[int]], max_tokens: int
+def sampling(args: argparse.Namespace) -> dict[str, float | int]:
+    """The sampling fields both runs use, as in a request body."""
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+
+
+def reference_run(model: str | None, prompts: Sequence[list[int]], args: argparse.Namespace
                   ) -> tuple[list[Completion], KVLayout]:
-    """Greedy outputs of an in-process engine in role `both`, text built the way the server builds it."""
+    """Outputs of an in-process engine in role `both`, text built the way the server builds it."""
     from worker.config import EngineConfig  # imports torch: only once the command line is known to be good
     from worker.engine import LLMEngine
     from worker.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(**sampling(args))
     ids = [f"reference-{i}" for i in range(len(prompts))]
     texts: dict[str, list[str]] = {rid: [] for rid in ids}
     counts = dict.fromkeys(ids, 0)
@@ -98,13 +106,13 @@ def reference_run(model: str | None, prompts: Sequence[list[int]], max_tokens: i
 
 def di_run(url: str, model_name: str, prompts: Sequence[list[int]], args: argparse.Namespace
            ) -> tuple[list[Completion], list[float]]:
-    """Greedy outputs through the proxy, `concurrency` at a time, and each request's latency."""
+    """Outputs through the proxy, `concurrency` at a time, and each request's latency."""
     results: list[Completion | None] = [None] * len(prompts)
     latencies = [0.0] * len(prompts)
 
     def one(index: int) -> None:
         start = time.perf_counter()
-        body = {"model": model_name, "prompt": prompts[index], "max_tokens": args.max_tokens, "temperature": 0}
+        body = {"model": model_name, "prompt": prompts[index], **sampling(args)}
         reply = client.post("/v1/completions", json=body)
         if reply.status_code != 200:
             raise StackError(f"prompt {index}: HTTP {reply.status_code}: {reply.text[:500]}")
@@ -156,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         di, latencies = di_run(stack.url, model_name, prompts, args)
         decode_metrics = httpx.get(f"{stack.worker_urls['decode worker']}/metrics", timeout=10).text
     print("running the same prompts without disaggregation ...", flush=True)
-    reference, layout = reference_run(args.model, prompts, args.max_tokens)
+    reference, layout = reference_run(args.model, prompts, args)
     status = report(texts, reference, di)
     summary = summarize((len(p) for p in prompts), layout.block_size, layout.block_bytes, decode_metrics)
     latency = f"{1000 * sum(latencies) / len(latencies):.0f} ms mean end to end ({args.concurrency} in flight)"
