@@ -33,7 +33,7 @@ class StackError(RuntimeError):
 class StackOptions:
     """What every worker of both stacks shares."""
 
-    cores: tuple[int, int]
+    cores: tuple[int | None, int | None] = (None, None)  # None: not pinned
     model: str | None = None
     kv_transport: str = "shm"
     startup_timeout_s: float = 120.0
@@ -68,7 +68,8 @@ class Process:
 
     def __init__(self, name: str, args: Sequence[str], core: int | None = None) -> None:
         self.name = name
-        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+        prefix = f"neuron-di-{name}-".replace(" ", "-")
+        self.log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1"}
         # Pinned in the child before exec, so no thread of it ever runs on another core.
@@ -122,6 +123,7 @@ class Stack:
 
     def __init__(self) -> None:
         self.url = ""
+        self.worker_urls: dict[str, str] = {}  # process name -> its HTTP address
         self.processes: list[Process] = []
         self._exit = ExitStack()
 
@@ -144,6 +146,8 @@ def start_di(options: StackOptions) -> Stack:
         prefill_port, kv_port, decode_port = free_port(), free_port(), free_port()
         stack.start("prefill worker", worker_args("prefill", prefill_port, options, kv_port), options.cores[0])
         stack.start("decode worker", worker_args("decode", decode_port, options), options.cores[1])
+        stack.worker_urls = {"prefill worker": f"http://127.0.0.1:{prefill_port}",
+                             "decode worker": f"http://127.0.0.1:{decode_port}"}
         _wait_workers(stack, [prefill_port, decode_port], options)
         _start_proxy(stack, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill_port),
                              "--prefill-kv-port", str(kv_port), "--decode-ip", "127.0.0.1",

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs neuron-di and runs the main job: a worker on the built-in model answering a few requests.
+# Installs neuron-di and runs the main job: a 1P1D stack (prefill worker, decode worker, proxy)
+# on the built-in model, answering a few requests sent with the openai client.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/scripts/bootstrap.sh"
+source "$ROOT/scripts/bootstrap.sh" ""  # the base install; the demo's own arguments are not extras
 cd "$ROOT"
-exec python examples/quickstart.py "$@"
+# The demo's client is the official openai package; install it if this environment lacks it.
+python -c "import openai" 2>/dev/null || pip_install "openai>=1.40,<4"
+exec python examples/demo_1p1d.py "$@"

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Static 1P1D on this host: a prefill worker, a decode worker and the proxy in front of them.
+# Ctrl-C (or SIGTERM) stops everything it started.
+set -euo pipefail
+
+usage() {
+  cat <<USAGE
+usage: examples/launch_1p1d.sh [options]
+
+Starts a prefill worker, a decode worker and the proxy on 127.0.0.1 and serves until Ctrl-C.
+Each option can also be given as the environment variable in brackets.
+
+  --model PATH          model directory (MODEL; default: the built-in model)
+  --proxy-port N        proxy HTTP port (PROXY_PORT; default 8000)
+  --prefill-port N      prefill worker HTTP port (PREFILL_PORT; default 8100)
+  --kv-port N           prefill worker's KV signal port (KV_PORT; default 14579)
+  --decode-port N       decode worker HTTP port (DECODE_PORT; default 8200)
+  --kv-transport T      auto, shm or tcp (KV_TRANSPORT; default auto)
+  --startup-timeout S   seconds each process may take to become ready (STARTUP_TIMEOUT; default 300)
+  -h, --help            show this help
+USAGE
+}
+
+MODEL="${MODEL:-}"
+PROXY_PORT="${PROXY_PORT:-8000}"
+PREFILL_PORT="${PREFILL_PORT:-8100}"
+KV_PORT="${KV_PORT:-14579}"
+DECODE_PORT="${DECODE_PORT:-8200}"
+KV_TRANSPORT="${KV_TRANSPORT:-auto}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) MODEL="$2"; shift 2 ;;
+    --proxy-port) PROXY_PORT="$2"; shift 2 ;;
+    --prefill-port) PREFILL_PORT="$2"; shift 2 ;;
+    --kv-port) KV_PORT="$2"; shift 2 ;;
+    --decode-port) DECODE_PORT="$2"; shift 2 ;;
+    --kv-transport) KV_TRANSPORT="$2"; shift 2 ;;
+    --startup-timeout) STARTUP_TIMEOUT="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+
+source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
+MODEL_ARGS=()
+if [ -n "$MODEL" ]; then MODEL_ARGS=(--model "$MODEL"); fi
+cd "$ROOT"
+
+start prefill "$PYTHON" -m worker --role prefill --host 127.0.0.1 --port "$PREFILL_PORT" \
+  --kv-port "$KV_PORT" --kv-transport "$KV_TRANSPORT" "${MODEL_ARGS[@]}"
+start decode "$PYTHON" -m worker --role decode --host 127.0.0.1 --port "$DECODE_PORT" \
+  --kv-transport "$KV_TRANSPORT" "${MODEL_ARGS[@]}"
+wait_for prefill http_ok "http://127.0.0.1:$PREFILL_PORT/health"
+wait_for decode http_ok "http://127.0.0.1:$DECODE_PORT/health"
+start proxy "$PYTHON" proxy_server.py --host 127.0.0.1 --port "$PROXY_PORT" \
+  --prefill-ip 127.0.0.1 --prefill-port "$PREFILL_PORT" --prefill-kv-port "$KV_PORT" \
+  --decode-ip 127.0.0.1 --decode-port "$DECODE_PORT"
+wait_for proxy http_ok "http://127.0.0.1:$PROXY_PORT/health"
+echo "1P1D serving on http://127.0.0.1:$PROXY_PORT/v1 (prefill :$PREFILL_PORT, decode :$DECODE_PORT)"
+serve_forever

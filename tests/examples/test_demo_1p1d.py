@@ -1,0 +1,30 @@
+"""examples/demo_1p1d.py, the README's main job: a real 1P1D stack answers through the openai client."""
+from __future__ import annotations
+
+from tests.examples.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
+
+
+@needs_di
+def test_demo_answers_every_request_and_stops_the_stack():
+    result = run_script("demo_1p1d.py", "--max-tokens", "6", "--kv-transport", "tcp")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert out.count("=== completion (") == 2 and out.count("+ 6 completion tokens)") == 2
+    for title in ("=== streamed completion", "=== chat: 'def add(a, b):'", "=== streamed chat: 'def add(a, b):'"):
+        assert title in out
+    assert out.rstrip().endswith("stopped the proxy and both workers")
+    assert not any(listening(port) for port in stack_ports(out))
+
+
+@needs_di
+def test_ctrl_c_stops_the_whole_stack(tmp_path):
+    status, out = interrupted_run(tmp_path / "demo.log", "demo_1p1d.py", "--max-tokens", "200", marker="serving ")
+    assert status == 130, out
+    assert "interrupted; every process was stopped" in out
+    assert not any(listening(port) for port in stack_ports(out))
+
+
+def test_demo_reports_a_stack_that_cannot_start(tmp_path):
+    result = run_script("demo_1p1d.py", "--model", str(tmp_path / "missing"))
+    assert result.returncode == 1
+    assert "demo failed: the " in result.stderr and "worker exited with status" in result.stderr
