@@ -5,6 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh" ""  # the base install; the demo's own arguments are not extras
 cd "$ROOT"
-# The demo's client is the official openai package; install it if this environment lacks it.
-python -c "import openai" 2>/dev/null || pip_install "openai>=1.40,<4"
 exec python examples/demo_1p1d.py "$@"
