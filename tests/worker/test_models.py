@@ -32,11 +32,11 @@ def test_builtin_model_is_the_default_and_knows_python() -> None:
         model = eng.runner.model
         logits = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)))[0]
     loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
-    assert loss < 2.3, loss
+    assert loss < 2.0, loss
     prompt = eng.tokenizer.encode("import os\nimport sys\n\n\ndef main(")
     sampled = eng.generate([prompt], SamplingParams(max_tokens=64, temperature=0.7, seed=0))[0]
     out = eng.tokenizer.decode(sampled)
-    assert out.isascii() and sum(c.isalpha() for c in out) > len(out) // 3, out
+    assert all(c.isprintable() or c in "\n\t" for c in out) and sum(c.isalpha() for c in out) >= 16, out
     chat = eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|bos|><|user|>hi\n<|assistant|>"
 
