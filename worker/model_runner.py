@@ -54,7 +54,10 @@ class ModelRunner:
             positions.extend(range(start, len(seq)))
             query_index.extend(range(row * max_query_len, row * max_query_len + len(seq) - start))
         last_index = torch.tensor(query_lens).cumsum(0) - 1
-        meta = self._metadata(seqs, positions, query_lens, torch.tensor(query_index, device=self.device))
+        # Equal-length prompts with nothing cached need no mask, gather or padding (bench, single prompts).
+        fresh = all(s.num_cached_tokens == 0 for s in seqs) and len(set(query_lens)) == 1
+        meta = self._metadata(seqs, positions, query_lens, torch.tensor(query_index, device=self.device),
+                              with_mask=not fresh)
         return StepInputs(self._tensor(input_ids), self._tensor(positions), last_index.to(self.device), meta)
 
     def prepare_decode(self, seqs: list[Request]) -> StepInputs:
@@ -63,7 +66,7 @@ class ModelRunner:
         return StepInputs(self._tensor([s.token_ids[-1] for s in seqs]), self._tensor(positions), None, meta)
 
     def _metadata(self, seqs: list[Request], positions: list[int], query_lens: list[int],
-                  query_index: torch.Tensor | None) -> AttentionMetadata:
+                  query_index: torch.Tensor | None, with_mask: bool = True) -> AttentionMetadata:
         bs = self.block_size
         slots, row = [], 0
         for seq, n in zip(seqs, query_lens):
@@ -73,11 +76,12 @@ class ModelRunner:
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         context_lens = torch.tensor([len(s) for s in seqs])
-        mask = build_mask(context_lens, torch.tensor(query_lens), max(query_lens), max_blocks * bs,
-                          self.kv_pool.dtype)
+        mask = None
+        if with_mask:
+            mask = build_mask(context_lens, torch.tensor(query_lens), max(query_lens), max_blocks * bs,
+                              self.kv_pool.dtype).to(self.device)
         return AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(slots),
-                                 block_tables=self._tensor(tables), mask=mask.to(self.device),
-                                 query_index=query_index)
+                                 block_tables=self._tensor(tables), mask=mask, query_index=query_index)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -26,17 +26,19 @@ def test_builtin_model_is_the_default_and_knows_python() -> None:
             config.num_key_value_heads) == (256, 4, 4, 2)
     assert eng.kv_layout.num_kv_heads == 2 and eng.kv_layout.num_layers == 4
     # Cross-entropy on a stdlib source: uniform guessing would score ln(262) = 5.6 nats/byte.
-    text = Path(textwrap.__file__).read_text()[5000:6000]
-    ids = eng.tokenizer.encode(text)
-    with torch.inference_mode():
-        model = eng.runner.model
-        logits = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)))[0]
-    loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
-    assert loss < 2.3, loss
+    # The windows include long ones: the model was trained on 1024-byte contexts.
+    source = Path(textwrap.__file__).read_text()
+    for text in (source[5000:5250], source[5000:6000]):
+        ids = eng.tokenizer.encode(text)
+        with torch.inference_mode():
+            model = eng.runner.model
+            logits = model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)))[0]
+        loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
+        assert loss < 2.0, (len(text), loss)
     prompt = eng.tokenizer.encode("import os\nimport sys\n\n\ndef main(")
     sampled = eng.generate([prompt], SamplingParams(max_tokens=64, temperature=0.7, seed=0))[0]
     out = eng.tokenizer.decode(sampled)
-    assert out.isascii() and sum(c.isalpha() for c in out) > len(out) // 3, out
+    assert all(c.isprintable() or c in "\n\t" for c in out) and sum(c.isalpha() for c in out) >= 16, out
     chat = eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|bos|><|user|>hi\n<|assistant|>"
 

@@ -55,10 +55,12 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return make_hf_checkpoint(path)
 
 
-def test_prefill_logits_match_transformers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("batch", [PROMPTS, PROMPTS[2:], [PROMPTS[0], PROMPTS[0][::-1]]],
+                         ids=["ragged", "single", "equal-lengths"])
+def test_prefill_logits_match_transformers(checkpoint: Path, batch: list[list[int]]) -> None:
     hf = hf_model(checkpoint)
-    ours = prefill_logits(engine_for(checkpoint), PROMPTS)
-    for prompt, logits in zip(PROMPTS, ours):
+    ours = prefill_logits(engine_for(checkpoint), batch)
+    for prompt, logits in zip(batch, ours):
         expected = hf_logits(hf, prompt)
         assert logits.shape == expected.shape
         assert torch.allclose(logits, expected, atol=1e-4, rtol=0), (logits - expected).abs().max()

@@ -20,7 +20,8 @@ class AttentionMetadata:
     kv_pool: torch.Tensor              # (layers, 2, blocks, block_size, kv_heads, head_dim)
     slot_mapping: torch.Tensor         # (tokens,) flat slot of each new token
     block_tables: torch.Tensor         # (seqs, max_blocks), padded with block 0 (masked out)
-    mask: torch.Tensor                 # (seqs, 1, max_query_len, max_blocks * block_size) additive
+    mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_blocks * block_size) additive;
+                                       # None: fresh prompts of equal length, plain causal attention
     query_index: torch.Tensor | None   # (tokens,) row in the padded (seqs * max_query_len) layout;
                                        # None when every sequence has exactly one new token
 
@@ -49,6 +50,9 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.mask is None:  # nothing cached to read: attend over the new tokens themselves
+        n = meta.num_seqs
+        return causal_attention(_per_seq(q, n), _per_seq(k, n), _per_seq(v, n)).reshape(q.shape)
     num_seqs, max_query_len = meta.num_seqs, meta.mask.shape[2]
     keys = _gather(k_cache, meta.block_tables)
     values = _gather(v_cache, meta.block_tables)
@@ -62,6 +66,11 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if meta.query_index is None:
         return out.squeeze(2)
     return out.transpose(1, 2).reshape(num_seqs * max_query_len, *q.shape[1:])[meta.query_index]
+
+
+def _per_seq(x: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """(seqs * len, heads, d) -> (seqs, len, heads, d) for equal-length sequences."""
+    return x.view(num_seqs, -1, *x.shape[1:])
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
