@@ -30,10 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from transfer import KVLayout, available_backends, create_engine  # noqa: E402
+from worker.bench_model import BENCH_CONFIG  # noqa: E402
 
 MIB = 1 << 20
 # (layers, kv heads, head dim, dtype) of the KV cache of models we serve.
 MODELS = {
+    "bench-24m": (BENCH_CONFIG.num_hidden_layers, BENCH_CONFIG.num_key_value_heads,
+                  BENCH_CONFIG.head_dim, "float32"),
     "llama-3.1-8b": (32, 8, 128, "bfloat16"),
     "llama-3.2-1b": (16, 8, 64, "bfloat16"),
 }
@@ -41,7 +44,8 @@ MODELS = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
+    parser.add_argument("--model", choices=sorted(MODELS), default="bench-24m",
+                        help="KV layout to move (default: the project's benchmark model)")
     parser.add_argument("--backends", nargs="+", default=None,
                         help="backends to measure (default: shm, tcp and nixl when installed)")
     parser.add_argument("--quick", action="store_true", help="64 and 256 MiB, 3 repeats: under a minute")
