@@ -22,7 +22,7 @@ from transfer.blocks import plan_runs
 from transfer.errors import InvalidBlocks, PeerLost, RegionNotRegistered, TransferError
 from transfer.layout import KVLayout
 from transfer.peer import Job, Peer
-from transfer.region import SHM_PREFIX, Region, host_identity
+from transfer.region import SHM_PREFIX, Region, host_identity, reap_stale_segments
 from transfer.token import CompletionToken
 
 DEFAULT_TIMEOUT = 30.0
@@ -51,7 +51,10 @@ class TransferEngine:
     # -- the local region -------------------------------------------------------------
     def allocate_region(self, layout: KVLayout) -> torch.Tensor:
         """A zeroed, pre-touched pool of `layout.shape`, registered (in shm when peers may map it)."""
-        name = f"{SHM_PREFIX}{self.engine_id}-{uuid.uuid4().hex[:6]}" if self._shm_pool else None
+        name = None
+        if self._shm_pool:
+            reap_stale_segments()   # pools of killed workers would otherwise fill /dev/shm
+            name = f"{SHM_PREFIX}{self.engine_id}-{uuid.uuid4().hex[:6]}"
         with self._lock:
             self._check_open()
             self._check_unregistered()

@@ -96,6 +96,32 @@ def unlink_segment(name: str) -> None:
         pass
 
 
+def reap_stale_segments() -> list[str]:
+    """Unlinks pool segments whose owner process is gone (killed before it could unlink them).
+
+    Names are `neuron-di-kv-<engine hex>-<owner pid>-<suffix>`; a live owner, or a name that
+    does not parse, is left alone. Peers that still map a reaped segment keep their mapping.
+    """
+    reaped = []
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        parts = path.name[len(SHM_PREFIX):].split("-")
+        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        unlink_segment(path.name)
+        reaped.append(path.name)
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # someone else's live process
+    return True
+
+
 @dataclass(eq=False)
 class Region:
     """The registered KV pool: a contiguous tensor of `layout.shape`."""

@@ -144,3 +144,14 @@ def test_local_region_unregistered(backend: str, make_engine) -> None:
         engine.queue_transfer_with_token(peer, [1], [2]).wait(10)
     engine.allocate_region(LAYOUT)  # registering again makes the engine usable again
     engine.queue_transfer_with_token(peer, [1], [2]).wait(10)
+
+
+def test_pool_of_a_killed_owner_is_reaped_by_the_next_allocation(make_engine, make_peer) -> None:
+    """kill -9 leaves no chance to unlink: the next shm pool allocated on the host removes it."""
+    victim = make_peer("shm")
+    victim.call("descriptor")
+    assert any(f"-{victim.pid}-" in name for name in shm_segments())
+    victim.kill()
+    assert any(f"-{victim.pid}-" in name for name in shm_segments())   # nobody mapped it: still there
+    make_engine("shm")
+    assert not any(f"-{victim.pid}-" in name for name in shm_segments())
