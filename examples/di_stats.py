@@ -1,8 +1,8 @@
 """What `neuron_di.py` reports, sans I/O: output comparison and KV-transfer statistics.
 
 Blocks and bytes per request follow from the prompt length and the KV layout (a transfer moves
-whole blocks, the last one partly filled). Transfer time is only known to the decode worker;
-it is read from its `/metrics` (`neuron_di_kv_transfer_*` series) when the worker exposes it.
+whole blocks, the last one partly filled). Transfer time is known to the prefill worker, which
+pushes the blocks: it is read from its `/metrics` (the `neuron_di_kv_transfer_seconds` histogram).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def format_summary(summary: TransferSummary, block_bytes: int, extra: Sequence[t
         ("bytes moved", f"{summary.num_bytes:,} ({summary.num_bytes / n / 1e6:.2f} MB per request)"),
     ]
     if summary.transfer_seconds is None:
-        rows.append(("transfer time", "not reported (decode /metrics has no "
+        rows.append(("transfer time", "not reported (prefill /metrics has no "
                                        f"{TRANSFER_PREFIX}_seconds histogram)"))
     else:
         rows += [("transfer time", f"{summary.transfer_seconds * 1000:.1f} ms total, "

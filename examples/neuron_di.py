@@ -162,11 +162,11 @@ def run(args: argparse.Namespace) -> int:
               f"decode {stack.worker_urls['decode worker']} ({model_name}, kv transport {args.kv_transport})")
         prompts = encode_prompts(args.model, texts)
         di, latencies = di_run(stack.url, model_name, prompts, args)
-        decode_metrics = httpx.get(f"{stack.worker_urls['decode worker']}/metrics", timeout=10).text
+        prefill_metrics = httpx.get(f"{stack.worker_urls['prefill worker']}/metrics", timeout=10).text
     print("running the same prompts without disaggregation ...", flush=True)
     reference, layout = reference_run(args.model, prompts, args)
     status = report(texts, reference, di)
-    summary = summarize((len(p) for p in prompts), layout.block_size, layout.block_bytes, decode_metrics)
+    summary = summarize((len(p) for p in prompts), layout.block_size, layout.block_bytes, prefill_metrics)
     latency = f"{1000 * sum(latencies) / len(latencies):.0f} ms mean end to end ({args.concurrency} in flight)"
     table = format_summary(summary, layout.block_bytes, [("time per request", latency)])
     print(f"\nKV transfer (prefill -> decode, {args.kv_transport}):\n{table}")

@@ -42,24 +42,27 @@ class SendBuffer:
 
     The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all`
     then queues the push of its blocks; `on_release(request_id)` is called from this
-    buffer's thread once the blocks may be freed (pulled, failed, discarded or expired).
+    buffer's thread once the blocks may be freed (pulled, failed, discarded or expired), and
+    `on_transfer(seconds, num_blocks)` once for every push that completed.
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it
     still waits, so a peer that gave up never has its blocks written afterwards.
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
-                 transfer_timeout: float = 30.0) -> None:
+                 transfer_timeout: float = 30.0,
+                 on_transfer: Callable[[float, int], None] | None = None) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.engine_id = engine_id
         self._bind = (bind_host, kv_port)
         self._on_release = on_release
+        self._on_transfer = on_transfer
         self._table = LookupTable(abort_timeout)
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
         self._peers: dict[bytes, Any] = {}                       # identity -> transfer peer
-        self._running: dict[str, tuple[CompletionToken, float]] = {}  # id -> (token, start)
+        self._running: dict[str, tuple[CompletionToken, float, int]] = {}  # id -> (token, start, blocks)
         self._waker = Waker()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -143,7 +146,7 @@ class SendBuffer:
     def _poll_interval(self) -> float:
         if not self._running:
             return _IDLE_POLL_S
-        youngest = time.monotonic() - max(start for _, start in self._running.values())
+        youngest = time.monotonic() - max(start for _, start, _ in self._running.values())
         return min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_MIN_S, youngest / 10))
 
     def _drain_router(self) -> None:
@@ -217,12 +220,12 @@ class SendBuffer:
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
-        self._running[rid] = (token, time.monotonic())
+        self._running[rid] = (token, time.monotonic(), len(start.src))
         return None
 
     def _check_transfers(self) -> None:
         assert self._router is not None
-        for rid, (token, _) in list(self._running.items()):
+        for rid, (token, started, num_blocks) in list(self._running.items()):
             if not token.is_done():
                 continue
             del self._running[rid]
@@ -231,6 +234,11 @@ class SendBuffer:
                 error = None
             except TransferError as exc:
                 error = f"transfer of {rid!r} failed: {exc}"
+            if error is None and self._on_transfer is not None:
+                try:
+                    self._on_transfer(time.monotonic() - started, num_blocks)
+                except Exception:  # noqa: BLE001 - a metrics callback must not kill the signal plane
+                    log.exception("on_transfer for %r raised", rid)
             done = self._transfer_done(rid, error)
             if done is not None and not self._router.send(done[0], done[1].to_bytes()):
                 log.warning("peer %r left before the reply for %s", done[0], rid)

@@ -71,6 +71,8 @@ class KVConnector:
         self.config = config
         self.role = config.role
         self.wake: Callable[[], None] = lambda: None   # set by the engine's driver thread
+        # Prefill: called from the SendBuffer thread with (seconds, blocks, bytes) per completed push.
+        self.on_transfer: Callable[[float, int, int], None] = lambda seconds, blocks, nbytes: None
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pending: set[str] = set()
         self._transfer: Any = None
@@ -92,7 +94,9 @@ class KVConnector:
             if self.role == "prefill":
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
                                        on_release=self._on_release, abort_timeout=cfg.abort_timeout,
-                                       transfer_timeout=cfg.pull_timeout)
+                                       transfer_timeout=cfg.pull_timeout,
+                                       on_transfer=lambda seconds, blocks: self.on_transfer(
+                                           seconds, blocks, blocks * layout.block_bytes))
                 self.send.start()
             else:
                 self.recv = RecvBuffer(self._transfer, layout, identity=engine_id,

@@ -37,6 +37,13 @@ class ServerMetrics:
                               buckets=_BUCKETS, registry=self.registry)
         self.itl = Histogram("neuron_di_itl_seconds", "Time between consecutive output tokens.", labels,
                              buckets=_BUCKETS, registry=self.registry)
+        self.transfer_seconds = Histogram(
+            "neuron_di_kv_transfer_seconds", "Prefill: time of one KV push to a decode worker.", labels,
+            buckets=_BUCKETS, registry=self.registry)
+        self.transfer_blocks = Counter("neuron_di_kv_transfer_blocks", "Prefill: KV blocks pushed.", labels,
+                                       registry=self.registry)
+        self.transfer_bytes = Counter("neuron_di_kv_transfer_bytes", "Prefill: KV bytes pushed.", labels,
+                                      registry=self.registry)
         self.requests = Counter("neuron_di_requests", "Requests answered, by finish reason or error status.",
                                 [*labels, "outcome"], registry=self.registry)
         self.model_name = model_name
@@ -47,6 +54,12 @@ class ServerMetrics:
         self.transferring.labels(self.model_name).set(stats.num_transferring)
         self.blocks_used.labels(self.model_name).set(stats.num_blocks_used)
         self.blocks_total.labels(self.model_name).set(stats.num_blocks_total)
+
+    def transfer_done(self, seconds: float, num_blocks: int, num_bytes: int) -> None:
+        """Counts one completed KV push; thread-safe (called from the signal plane's thread)."""
+        self.transfer_seconds.labels(self.model_name).observe(seconds)
+        self.transfer_blocks.labels(self.model_name).inc(num_blocks)
+        self.transfer_bytes.labels(self.model_name).inc(num_bytes)
 
     def request_done(self, outcome: str) -> None:
         """Counts a finished request: a finish reason ("stop", "length", "abort") or an HTTP status."""

@@ -79,6 +79,8 @@ class _Worker:
         assert engine is not None  # start() returned, so the engine was built
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.metrics = ServerMetrics(self.model_name)
+        if engine.kv is not None:
+            engine.kv.on_transfer = self.metrics.transfer_done
 
     async def shutdown(self) -> None:
         await self.engine.stop()
@@ -182,7 +184,9 @@ class _Worker:
             try:
                 async for out in _prepend(first_output, stream):
                     timer.tokens(len(out.new_token_ids))
-                    if out.text_delta or out.finished:
+                    # One chunk per token, even when its text is held back (part of a UTF-8
+                    # character, a possible stop string): the DI proxy and ITL counting rely on it.
+                    if out.new_token_ids or out.finished:
                         yield sse_event(shape.chunk(out.text_delta, out.finish_reason, first, req.include_usage))
                         first = False
             except Exception as exc:  # headers are sent: the error travels as an event (as vLLM does)

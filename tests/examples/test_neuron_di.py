@@ -69,6 +69,10 @@ def test_neuron_di_outputs_match_the_non_disaggregated_run(transport):
     assert re.search(rf"blocks moved +{blocks} \({blocks / 3:.1f} per request\)", result.stdout)
     assert re.search(rf"bytes moved +{blocks * block_bytes:,} ", result.stdout)
     assert re.search(r"time per request +\d+ ms mean end to end \(2 in flight\)", result.stdout)
+    # The prefill worker timed every push: 3 transfers, reported with a rate.
+    assert re.search(r"transfer time +[\d.]+ ms total, [\d.]+ ms per transfer", result.stdout)
+    assert "GB/s" in result.stdout and "not reported" not in result.stdout
+
 
 def test_bad_arguments_exit_2_before_starting_anything():
     result = run_script("neuron_di.py", "--max-tokens", "0")

@@ -42,11 +42,16 @@ class Pair:
     d_pool: torch.Tensor
     engines: list[Any]
     released: list[str] = field(default_factory=list)
+    transfers: list[tuple[float, int]] = field(default_factory=list)   # (seconds, blocks) per push
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_release(self, request_id: str) -> None:
         with self._lock:
             self.released.append(request_id)
+
+    def on_transfer(self, seconds: float, num_blocks: int) -> None:
+        with self._lock:
+            self.transfers.append((seconds, num_blocks))
 
     def releases(self) -> list[str]:
         with self._lock:
@@ -58,7 +63,7 @@ def make_pair(backend: str = "shm", abort_timeout: float = 60.0, grace: float = 
     d_engine, d_pool = engine_with_pool(backend)
     pair = Pair(None, None, p_pool, d_pool, [p_engine, d_engine])  # type: ignore[arg-type]
     pair.send = SendBuffer(p_engine, LAYOUT, "prefill-0", "127.0.0.1", 0, pair.on_release,
-                           abort_timeout=abort_timeout)
+                           abort_timeout=abort_timeout, on_transfer=pair.on_transfer)
     pair.recv = RecvBuffer(d_engine, LAYOUT, identity="127.0.0.1:8200", default_timeout=10.0,
                            grace=grace)
     return pair

@@ -36,6 +36,8 @@ def test_full_pull_before_publish(pair: Pair) -> None:
     assert not pair.d_pool[:, :, untouched].any()
     wait_until(lambda: pair.releases() == ["r1"], timeout=5, what="on_release")
     assert pair.send.pending() == 0 and pair.send.stats.transfers_ok == 1
+    [(seconds, num_blocks)] = pair.transfers   # the one push, timed, with its block count
+    assert num_blocks == 3 and seconds > 0
     with pytest.raises(UnknownRequest):
         pair.recv.poll("r1")   # a terminal status is reported once
 
