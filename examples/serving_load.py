@@ -129,7 +129,10 @@ async def _read_events(response: httpx.Response, result: RequestResult) -> None:
         if "error" in event:
             result.error = f"stream error: {_message(event)}"
             return
-        if any(choice.get("text") for choice in event.get("choices") or ()):
+        # Workers send one chunk per token; its text may be empty (part of a UTF-8 character).
+        # An empty chunk that only carries the finish reason is no token arrival.
+        if any(choice.get("text") or ("text" in choice and choice.get("finish_reason") is None)
+               for choice in event.get("choices") or ()):
             result.chunk_times.append(time.perf_counter())
         if event.get("usage"):
             result.output_tokens = int(event["usage"].get("completion_tokens", 0))

@@ -195,7 +195,10 @@ class LLMEngine:
 
     def output(self, request: Request, token_id: int) -> RequestOutput:
         """The RequestOutput of `request`'s newest token; a finished request leaves `requests`."""
-        delta = request.detokenizer.step(request.output_token_ids, request.is_done)
+        # A prefill leg's text goes on on the decode worker: hand out only what a streaming
+        # server would for this token, so the proxy can swap in the decode worker's copy of it.
+        continues_elsewhere = request.remote_kv and self.config.role == "prefill"
+        delta = request.detokenizer.step(request.output_token_ids, request.is_done and not continues_elsewhere)
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
             request.finish_reason = "stop"  # a stop string wins over max_tokens on the same token

@@ -15,8 +15,9 @@ REQUEST = SyntheticRequest([65, 66, 67], output_len=2)
 Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
 
 
-def chunk(text: str) -> bytes:
-    body = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": text}], "usage": None}
+def chunk(text: str, finish_reason: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "finish_reason": finish_reason}
+    body = {"id": "cmpl-1", "object": "text_completion", "choices": [choice], "usage": None}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -55,11 +56,13 @@ def test_chunk_times_and_usage_are_recorded() -> None:
         writer.write(b": a comment line\n\n" + chunk("a"))
         await writer.drain()
         await asyncio.sleep(0.05)  # the gap the client must see as an ITL
-        writer.write(chunk("") + chunk("b") + usage(2) + b"data: [DONE]\n\n")
+        # A token whose text is held back (part of a UTF-8 character) still comes as a chunk;
+        # a chunk that only carries the finish reason is no token.
+        writer.write(chunk("") + chunk("b") + chunk("", "length") + usage(3) + b"data: [DONE]\n\n")
 
     r = asyncio.run(against(script))
-    assert r.error is None and r.output_tokens == 2
-    assert len(r.chunk_times) == 2  # the empty-text chunk is not a token arrival
+    assert r.error is None and r.output_tokens == 3
+    assert len(r.chunk_times) == 3
     assert r.itls[0] >= 0.05 and r.start < r.chunk_times[0] <= r.end
 
 

@@ -52,6 +52,7 @@ def test_completion_streamed_text_equals_one_shot_text(client: openai.OpenAI, mo
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    assert len(chunks) == 12   # one chunk per token, even one whose text is held back
 
 
 def test_chat_streamed_text_equals_one_shot_text_with_usage(client: openai.OpenAI, model: dict) -> None:
