@@ -4,7 +4,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.di.workers import Worker
+from tests.di.workers import Worker, worker_pair
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +19,5 @@ def both_worker() -> Iterator[Worker]:
 @pytest.fixture(scope="session", params=["shm", "tcp"])
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
     """A prefill and a decode worker (separate processes) over one transport."""
-    prefill = Worker("prefill", request.param)
-    try:
-        decode = Worker("decode", request.param)
-    except BaseException:
-        prefill.stop()
-        raise
-    try:
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
+    with worker_pair(request.param) as workers:
+        yield workers

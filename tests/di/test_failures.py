@@ -9,7 +9,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.di.workers import Worker, decode_body, prefill_body
+from tests.di.workers import Worker, decode_body, prefill_body, worker_pair
 from tests.helpers import free_port, wait_until
 
 ABORT_TIMEOUT_S = 3
@@ -20,17 +20,9 @@ BODY = {"model": "neuron-di-builtin", "prompt": list(range(40, 140)), "max_token
 
 @pytest.fixture(scope="module")
 def short_pair() -> Iterator[tuple[Worker, Worker]]:
-    prefill = Worker("prefill", "shm", ["--kv-abort-timeout", str(ABORT_TIMEOUT_S)])
-    try:
-        decode = Worker("decode", "shm", ["--kv-pull-timeout", str(PULL_TIMEOUT_S)])
-    except BaseException:
-        prefill.stop()
-        raise
-    try:
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
+    with worker_pair("shm", ["--kv-abort-timeout", str(ABORT_TIMEOUT_S)],
+                     ["--kv-pull-timeout", str(PULL_TIMEOUT_S)]) as workers:
+        yield workers
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import httpx
 
@@ -49,6 +50,23 @@ class Worker:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+@contextmanager
+def worker_pair(transport: str, prefill_extra: Sequence[str] = (),
+                decode_extra: Sequence[str] = ()) -> Iterator[tuple[Worker, Worker]]:
+    """A prefill and a decode worker (separate processes) over one transport, both always stopped."""
+    prefill = Worker("prefill", transport, prefill_extra)
+    try:
+        decode = Worker("decode", transport, decode_extra)
+    except BaseException:
+        prefill.stop()
+        raise
+    try:
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
 
 
 def prefill_body(body: dict[str, Any], uid: str) -> dict[str, Any]:
