@@ -18,15 +18,13 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serving_stack import Process, free_port, wait_healthy
 
-ROOT = Path(__file__).resolve().parent.parent
 BODY = json.dumps({"model": "null", "prompt": "hello", "max_tokens": 2}).encode()
 
 
@@ -63,35 +61,6 @@ class RawClient:
             self._writer.close()
             await self._connect()
         return int(head.split(b" ", 2)[1])
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start(args: list[str], core: int | None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if core is not None:
-        os.sched_setaffinity(proc.pid, {core})
-    return proc
-
-
-def _wait_ok(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} not up after {timeout}s")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -150,20 +119,20 @@ async def _client_cpu_ms(http_client: str, port: int, calls: int) -> float:
 
 
 def measure(http_client: str, backends: tuple[int, int], opts: argparse.Namespace, core: int | None) -> dict:
-    port = _free_port()
-    proxy = _start(["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), "--http-client", http_client,
-                    "--prefill-ip", "127.0.0.1", "--prefill-port", str(backends[0]),
-                    "--decode-ip", "127.0.0.1", "--decode-port", str(backends[1])], core)
+    port = free_port()
+    proxy = Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port),
+                              "--http-client", http_client, "--prefill-ip", "127.0.0.1",
+                              "--prefill-port", str(backends[0]), "--decode-ip", "127.0.0.1",
+                              "--decode-port", str(backends[1])], core)
     try:
-        _wait_ok(f"http://127.0.0.1:{port}/health", proxy)
+        wait_healthy(f"http://127.0.0.1:{port}/health", [proxy], timeout_s=30.0)
         asyncio.run(_throughput(port, 8, 1.0))  # warm up connection pools
         direct, proxied = asyncio.run(_latency(backends[1], port, opts.requests))
-        cpu0, t0 = _cpu_seconds(proxy.pid), time.perf_counter()
+        cpu0, t0 = _cpu_seconds(proxy.proc.pid), time.perf_counter()
         done, failed = asyncio.run(_throughput(port, opts.connections, opts.seconds))
-        cpu, wall = _cpu_seconds(proxy.pid) - cpu0, time.perf_counter() - t0
+        cpu, wall = _cpu_seconds(proxy.proc.pid) - cpu0, time.perf_counter() - t0
     finally:
-        proxy.terminate()
-        proxy.wait(timeout=10)
+        proxy.stop()
     call_ms = asyncio.run(_client_cpu_ms(http_client, backends[1], opts.requests))
     return {"http_client": http_client, "client_cpu_ms_per_call": call_ms, "direct_p50_ms": _pct(direct, 50), "proxy_p50_ms": _pct(proxied, 50),
             "added_p50_ms": _pct(proxied, 50) - _pct(direct, 50), "added_p99_ms": _pct(proxied, 99) - _pct(direct, 99),
@@ -186,16 +155,15 @@ def main() -> None:
     proxy_core, other_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
     if other_core is not None:
         os.sched_setaffinity(0, {other_core})
-    ports = (_free_port(), _free_port())
-    backends = [_start(["examples/null_backend.py", "--port", str(p)], other_core) for p in ports]
+    ports = (free_port(), free_port())
+    backends = [Process("null backend", ["examples/null_backend.py", "--port", str(p)], other_core) for p in ports]
     try:
-        for port, proc in zip(ports, backends):
-            _wait_ok(f"http://127.0.0.1:{port}/health", proc)
+        for port in ports:
+            wait_healthy(f"http://127.0.0.1:{port}/health", backends, timeout_s=30.0)
         results = [measure(name, ports, opts, proxy_core) for name in opts.clients.split(",")]
     finally:
         for proc in backends:
-            proc.terminate()
-            proc.wait(timeout=10)
+            proc.stop()
     _print(results)
     if opts.json:
         opts.json.write_text(json.dumps({**results[0], "clients": results, "quick": opts.quick,
