@@ -1,5 +1,5 @@
 """neuron-di: prefill/decode disaggregated inference for LLM serving."""
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="neuron-di",
@@ -9,6 +9,8 @@ setup(
     packages=find_packages(include=["proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*"]),
     package_data={"worker": ["assets/**/*", "py.typed"]},
     include_package_data=True,
+    # The shm transport's copy loop; optional: without a C compiler a slower Python loop runs.
+    ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c"], optional=True)],
     install_requires=[
         # Pinned exactly: a range admitting newer releases pulls CUDA builds.
         "torch==2.13.0",

@@ -3,7 +3,9 @@ turn runs into byte ranges of a pool laid out as in KVLayout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
+
+import numpy as np
 
 from transfer.errors import InvalidBlocks
 from transfer.layout import KVLayout
@@ -50,24 +52,46 @@ def _check_ids(ids: Sequence[int], num_blocks: int, side: str) -> None:
         raise InvalidBlocks(f"repeated {side} block ids")
 
 
-def byte_ranges(layout: KVLayout, starts: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    """(offset, nbytes) within the pool for each (first block, count), plane by plane.
+@dataclass(frozen=True, eq=False)
+class Ranges:
+    """Byte ranges within a pool, as two int64 arrays: a transfer has thousands of them,
+    so they never become one Python object each."""
+
+    offsets: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(offset, nbytes) tuples, for APIs that take lists."""
+        return list(zip(self.offsets.tolist(), self.lengths.tolist()))
+
+
+def byte_ranges(layout: KVLayout, starts: Sequence[int], counts: Sequence[int]) -> Ranges:
+    """The pool's byte ranges for the runs of `counts` blocks from `starts`, plane by plane.
 
     Both sides of a transfer walk the same runs in the same order and every (plane, run)
     range has the same length on both sides, so the i-th range here matches the peer's
     i-th range. Planes go outermost so that, with runs sorted by destination block, the
     destination is written front to back: scattered writes copy about 30% slower.
     """
+    first = np.asarray(starts, dtype=np.int64)
+    count = np.asarray(counts, dtype=np.int64)
+    planes = np.arange(2 * layout.num_layers, dtype=np.int64)[:, None] * layout.num_blocks
     chunk = layout.chunk_bytes
-    for plane in range(2 * layout.num_layers):
-        base = plane * layout.num_blocks
-        for start, count in starts:
-            yield (base + start) * chunk, count * chunk
+    offsets = ((planes + first) * chunk).ravel()
+    lengths = np.broadcast_to(count * chunk, (len(planes), len(count))).ravel()
+    return Ranges(offsets, np.ascontiguousarray(lengths))
 
 
-def local_ranges(layout: KVLayout, runs: Sequence[Run]) -> list[tuple[int, int]]:
-    return list(byte_ranges(layout, [(r.local, r.count) for r in runs]))
+def local_ranges(layout: KVLayout, runs: Sequence[Run]) -> Ranges:
+    return byte_ranges(layout, [r.local for r in runs], [r.count for r in runs])
 
 
-def remote_ranges(layout: KVLayout, runs: Sequence[Run]) -> list[tuple[int, int]]:
-    return list(byte_ranges(layout, [(r.remote, r.count) for r in runs]))
+def remote_ranges(layout: KVLayout, runs: Sequence[Run]) -> Ranges:
+    return byte_ranges(layout, [r.remote for r in runs], [r.count for r in runs])

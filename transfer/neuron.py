@@ -48,7 +48,7 @@ class NeuronLink(Link):
         theirs = remote_ranges(self._layout, runs)
         token = self._torch.classes.neuron.CompletionToken()
         self._engine.queue_transfer_with_token(
-            [region.tensor] * len(ours), [o for o, _ in ours], [n for _, n in ours],
+            [region.tensor] * len(ours), ours.offsets.tolist(), ours.lengths.tolist(),
             [self._peer_core] * len(theirs), [self._core] * len(ours), [self._send] * len(ours),
             len(ours), token, True, int(remaining(deadline)) + 1)
         while not token.is_done():

@@ -48,8 +48,8 @@ class NixlLink(Link):
 
     def _post(self, op: str, region: Region, runs: Sequence[Run], deadline: float) -> None:
         agent, lock = self._backend.agent, self._backend.lock
-        ours = [(region.address + off, n, 0) for off, n in local_ranges(region.layout, runs)]
-        theirs = [(self._address + off, n, 0) for off, n in remote_ranges(self._layout, runs)]
+        ours = [(region.address + off, n, 0) for off, n in local_ranges(region.layout, runs).pairs()]
+        theirs = [(self._address + off, n, 0) for off, n in remote_ranges(self._layout, runs).pairs()]
         handle = None
         try:
             with lock:

@@ -144,9 +144,6 @@ class Region:
     def address(self) -> int:
         return self.flat.data_ptr()
 
-    def memoryview(self) -> memoryview:
-        return memoryview(self.flat.numpy())
-
     @classmethod
     def allocate(cls, layout: KVLayout, shm_name: str | None) -> Region:
         """A zeroed, pre-touched pool, in shared memory when `shm_name` is given."""

@@ -1,18 +1,27 @@
-"""Blocking socket I/O against a deadline, straight from and into memoryviews.
+"""Blocking socket I/O against a deadline, straight from and into memory.
+
+Small frames go through memoryviews. Pool ranges go through libc's sendmsg/recvmsg with
+iovec arrays built by numpy: a transfer has thousands of chunks, and a Python buffer
+object per chunk would cost more than moving its bytes (and stall on garbage collection).
 
 Socket errors are translated here, at the boundary: a timeout becomes TransferTimeout,
 a reset, a broken pipe or an early EOF becomes PeerLost.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 import socket
 import struct
 import time
-from collections import deque
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator
+
+import numpy as np
 
 from transfer.backend import remaining
+from transfer.blocks import Ranges
 from transfer.errors import PeerLost, TransferTimeout
 
 # Linux caps one sendmsg/recvmsg at 1024 buffers (IOV_MAX).
@@ -32,8 +41,8 @@ def translated(what: str) -> Iterator[None]:
 def _arm(sock: socket.socket, option: int, deadline: float | None) -> None:
     """Kernel-side timeout for the next blocking call; 0 means wait forever.
 
-    Blocking calls with SO_SNDTIMEO/SO_RCVTIMEO let one sendmsg or recvmsg_into(WAITALL)
-    move a whole batch of views; Python's own timeouts would return after every partial
+    Blocking calls with SO_SNDTIMEO/SO_RCVTIMEO let one sendmsg or recvmsg(WAITALL)
+    move a whole batch of ranges; Python's own timeouts would return after every partial
     write and cost a Python round trip per socket-buffer's worth of bytes.
     """
     # A zero timeval would mean "no timeout": a live deadline gets at least 1 us.
@@ -47,32 +56,27 @@ def blocking(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def send_views(sock: socket.socket, views: Sequence[memoryview], deadline: float) -> None:
-    """Sends all `views` in order with scatter-gather sendmsg calls."""
-    pending = deque(v.cast("B") for v in views if v.nbytes)
+def send_bytes(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """Sends a small frame (a header, a reply)."""
     with translated("send"):
-        while pending:
-            _arm(sock, socket.SO_SNDTIMEO, deadline)
-            sent = sock.sendmsg([pending[i] for i in range(min(IOV_MAX, len(pending)))])
-            _advance(pending, sent)
+        _arm(sock, socket.SO_SNDTIMEO, deadline)
+        sock.sendall(data)
 
 
-def recv_views(sock: socket.socket, views: Sequence[memoryview], deadline: float | None) -> None:
-    """Fills all `views` in order with scatter recvmsg_into calls, no intermediate copy."""
-    pending = deque(v.cast("B") for v in views if v.nbytes)
+def recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    """Fills `view`; None waits without limit (an idle connection between frames)."""
     with translated("receive"):
-        while pending:
+        while view.nbytes:
             _arm(sock, socket.SO_RCVTIMEO, deadline)
-            batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
-            got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+            got = sock.recv_into(view, 0, socket.MSG_WAITALL)
             if got == 0:
                 raise PeerLost("peer closed the connection mid-transfer")
-            _advance(pending, got)
+            view = view[got:]
 
 
 def recv_bytes(sock: socket.socket, nbytes: int, deadline: float | None) -> bytes:
     buf = bytearray(nbytes)
-    recv_views(sock, [memoryview(buf)], deadline)
+    recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
@@ -81,19 +85,78 @@ def drain(sock: socket.socket, nbytes: int, deadline: float) -> None:
     scratch = memoryview(bytearray(1 << 20))
     while nbytes:
         n = min(nbytes, len(scratch))
-        recv_views(sock, [scratch[:n]], deadline)
+        recv_into(sock, scratch[:n], deadline)
         nbytes -= n
 
 
-def _advance(pending: deque[memoryview], nbytes: int) -> None:
-    while nbytes:
-        head = pending[0]
-        if nbytes >= head.nbytes:
-            nbytes -= head.nbytes
-            pending.popleft()
-        else:
-            pending[0] = head[nbytes:]
-            nbytes = 0
+class _MsgHdr(ctypes.Structure):
+    """Linux `struct msghdr`."""
+
+    _fields_ = [("msg_name", ctypes.c_void_p), ("msg_namelen", ctypes.c_uint32),
+                ("msg_iov", ctypes.c_void_p), ("msg_iovlen", ctypes.c_size_t),
+                ("msg_control", ctypes.c_void_p), ("msg_controllen", ctypes.c_size_t),
+                ("msg_flags", ctypes.c_int)]
+
+
+def _libc_call(name: str) -> Callable[..., int]:
+    call = getattr(ctypes.CDLL(None, use_errno=True), name)
+    call.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+    call.restype = ctypes.c_ssize_t
+    return call
+
+
+_SENDMSG, _RECVMSG = _libc_call("sendmsg"), _libc_call("recvmsg")
+
+
+def send_ranges(sock: socket.socket, base: int, ranges: Ranges, deadline: float) -> None:
+    """Sends the bytes at base + ranges, in order, with scatter-gather sendmsg calls."""
+    _move(_SENDMSG, socket.MSG_NOSIGNAL, socket.SO_SNDTIMEO, "send", sock, base, ranges, deadline)
+
+
+def recv_ranges(sock: socket.socket, base: int, ranges: Ranges, deadline: float) -> None:
+    """Fills base + ranges, in order, with scatter recvmsg calls: no intermediate copy."""
+    _move(_RECVMSG, socket.MSG_WAITALL, socket.SO_RCVTIMEO, "receive", sock, base, ranges, deadline)
+
+
+def iovecs(base: int, ranges: Ranges) -> np.ndarray:
+    """`struct iovec` array ({address, length} as two uint64) for the ranges at `base`."""
+    iov = np.empty((len(ranges), 2), dtype=np.uint64)
+    iov[:, 0] = base + ranges.offsets
+    iov[:, 1] = ranges.lengths
+    return iov
+
+
+def resume(iov: np.ndarray, base: int, ranges: Ranges, ends: np.ndarray, done: int) -> int:
+    """After `done` bytes moved in all, the index of the first iovec still to move; the
+    iovec is cut to its unmoved tail when the last call stopped in the middle of it."""
+    first = int(np.searchsorted(ends, done, side="right"))
+    if first < len(iov):
+        start = int(ends[first] - ranges.lengths[first])
+        if start < done:
+            iov[first] = (base + int(ranges.offsets[first]) + done - start, int(ends[first]) - done)
+    return first
+
+
+def _move(call: Callable[..., int], flags: int, option: int, what: str, sock: socket.socket,
+          base: int, ranges: Ranges, deadline: float) -> None:
+    iov, ends = iovecs(base, ranges), np.cumsum(ranges.lengths)
+    msg, done, first = _MsgHdr(), 0, 0
+    while first < len(iov):
+        _arm(sock, option, deadline)
+        msg.msg_iov = iov.ctypes.data + first * iov.strides[0]
+        msg.msg_iovlen = min(IOV_MAX, len(iov) - first)
+        moved = call(sock.fileno(), ctypes.byref(msg), flags)
+        if moved < 0:
+            code = ctypes.get_errno()
+            if code == errno.EINTR:
+                continue
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise TransferTimeout(f"{what}: peer did not answer in time")
+            raise PeerLost(f"{what}: {os.strerror(code)}")
+        if moved == 0:
+            raise PeerLost("peer closed the connection mid-transfer")
+        done += moved
+        first = resume(iov, base, ranges, ends, done)
 
 
 def deadline_in(seconds: float) -> float:

@@ -3,7 +3,7 @@
 The side whose pool is written (decode, for push) runs a listener; each accepted
 connection gets a thread that serves requests one after another. A write request is a
 header with the destination block ranges followed by the source chunk ranges sent with
-scatter-gather `sendmsg`; the server receives them with `recvmsg_into` straight into its
+scatter-gather `sendmsg`; the server receives them with `recvmsg` straight into its
 pool and acks, so the sender's token completes only after the bytes landed. A read is
 the mirror image. One transfer at a time per connection, each framed by its header, so
 any number of queued transfers share the connection safely.
@@ -17,19 +17,15 @@ import threading
 from typing import Any, Sequence
 
 from transfer.backend import Backend, Link, remaining
-from transfer.blocks import Run, byte_ranges, local_ranges
+from transfer.blocks import Ranges, Run, byte_ranges, local_ranges
 from transfer.errors import InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, TransferError
 from transfer.layout import KVLayout
 from transfer.region import Region
-from transfer.sockio import blocking, deadline_in, drain, recv_bytes, recv_views, send_views, translated
+from transfer.sockio import (blocking, deadline_in, drain, recv_bytes, recv_ranges, send_bytes, send_ranges,
+                             translated)
 from transfer import wire
 
 log = logging.getLogger(__name__)
-
-
-def _views(region: Region, ranges: list[tuple[int, int]]) -> list[memoryview]:
-    whole = region.memoryview()
-    return [whole[off:off + n] for off, n in ranges]
 
 
 def _read_reply(sock: socket.socket, deadline: float) -> wire.Reply:
@@ -47,31 +43,30 @@ class TcpLink(Link):
             self._sock = blocking(socket.create_connection(address, timeout=remaining(deadline)))
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_views(self._sock, [memoryview(wire.encode_hello(hello))], deadline)
+            send_bytes(self._sock, wire.encode_hello(hello), deadline)
             _read_reply(self._sock, deadline).raise_for_status()
         except BaseException:
             self._sock.close()
             raise
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        views = _views(region, local_ranges(region.layout, runs))
-        tid = self._request(wire.OP_WRITE, runs, sum(v.nbytes for v in views), views, deadline)
+        ranges = local_ranges(region.layout, runs)
+        tid = self._request(wire.OP_WRITE, runs, ranges.nbytes, deadline)
+        send_ranges(self._sock, region.address, ranges, deadline)
         self._reply(tid, deadline)
 
     def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        views = _views(region, local_ranges(region.layout, runs))
-        size = sum(v.nbytes for v in views)
-        tid = self._request(wire.OP_READ, runs, size, [], deadline)
+        ranges = local_ranges(region.layout, runs)
+        tid = self._request(wire.OP_READ, runs, ranges.nbytes, deadline)
         reply = self._reply(tid, deadline)
-        if reply.payload_bytes != size:
-            raise PeerLost(f"peer sent {reply.payload_bytes} bytes, expected {size}")
-        recv_views(self._sock, views, deadline)
+        if reply.payload_bytes != ranges.nbytes:
+            raise PeerLost(f"peer sent {reply.payload_bytes} bytes, expected {ranges.nbytes}")
+        recv_ranges(self._sock, region.address, ranges, deadline)
 
-    def _request(self, op: int, runs: Sequence[Run], size: int, views: list[memoryview],
-                 deadline: float) -> int:
+    def _request(self, op: int, runs: Sequence[Run], size: int, deadline: float) -> int:
         tid = next(self._ids)
         head = wire.encode_request(wire.Request(op, tid, [(r.remote, r.count) for r in runs], size))
-        send_views(self._sock, [memoryview(head), *views], deadline)
+        send_bytes(self._sock, head, deadline)
         return tid
 
     def _reply(self, tid: int, deadline: float) -> wire.Reply:
@@ -178,12 +173,12 @@ class TcpBackend(Backend):
         error: TransferError | None = None
         if hello.get("engine_id") != self._engine_id:
             error = PeerLost(f"this listener serves engine {self._engine_id}, not {hello.get('engine_id')}")
-        send_views(conn, [memoryview(wire.encode_reply(wire.OP_HELLO, 0, error))], deadline)
+        send_bytes(conn, wire.encode_reply(wire.OP_HELLO, 0, error), deadline)
         if error is not None:
             raise error
 
-    def _target(self, ranges: list[tuple[int, int]], payload: int) -> list[memoryview]:
-        """Views of our pool for the requested ranges, after checking them."""
+    def _target(self, ranges: list[tuple[int, int]], payload: int) -> tuple[Region, Ranges]:
+        """Our region and its byte ranges for the requested blocks, after checking them."""
         region = self._region
         if region is None:
             raise RegionNotRegistered("no region is registered on this peer")
@@ -191,28 +186,28 @@ class TcpBackend(Backend):
         bad = [(s, c) for s, c in ranges if c <= 0 or s + c > layout.num_blocks]
         if bad:
             raise InvalidBlocks(f"block ranges out of [0, {layout.num_blocks}): {bad[:8]}")
-        spans = list(byte_ranges(layout, ranges))
-        if sum(n for _, n in spans) != payload:
+        spans = byte_ranges(layout, [s for s, _ in ranges], [c for _, c in ranges])
+        if spans.nbytes != payload:
             raise LayoutMismatch(f"payload of {payload} bytes does not match the blocks' size")
-        return _views(region, spans)
+        return region, spans
 
     def _serve_write(self, conn: socket.socket, tid: int, ranges: list[tuple[int, int]],
                      payload: int, deadline: float) -> None:
         try:
-            views = self._target(ranges, payload)
+            region, spans = self._target(ranges, payload)
         except TransferError as exc:
             drain(conn, payload, deadline)
-            send_views(conn, [memoryview(wire.encode_reply(wire.OP_WRITE, tid, exc))], deadline)
+            send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid, exc), deadline)
             return
-        recv_views(conn, views, deadline)
-        send_views(conn, [memoryview(wire.encode_reply(wire.OP_WRITE, tid))], deadline)
+        recv_ranges(conn, region.address, spans, deadline)
+        send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid), deadline)
 
     def _serve_read(self, conn: socket.socket, tid: int, ranges: list[tuple[int, int]],
                     payload: int, deadline: float) -> None:
         try:
-            views = self._target(ranges, payload)
+            region, spans = self._target(ranges, payload)
         except TransferError as exc:
-            send_views(conn, [memoryview(wire.encode_reply(wire.OP_READ, tid, exc))], deadline)
+            send_bytes(conn, wire.encode_reply(wire.OP_READ, tid, exc), deadline)
             return
-        reply = wire.encode_reply(wire.OP_READ, tid, payload_bytes=payload)
-        send_views(conn, [memoryview(reply), *views], deadline)
+        send_bytes(conn, wire.encode_reply(wire.OP_READ, tid, payload_bytes=payload), deadline)
+        send_ranges(conn, region.address, spans, deadline)

@@ -27,7 +27,7 @@ def test_bad_pairs_are_refused(local, remote) -> None:
 def test_byte_ranges_walk_runs_then_planes() -> None:
     layout = KVLayout(num_layers=2, num_blocks=10, block_size=2, num_kv_heads=1, head_dim=4, dtype="float32")
     chunk = layout.chunk_bytes  # 32
-    assert list(byte_ranges(layout, [(3, 2), (9, 1)])) == [
+    assert byte_ranges(layout, [3, 9], [2, 1]).pairs() == [
         (3 * chunk, 2 * chunk), (9 * chunk, chunk), (13 * chunk, 2 * chunk), (19 * chunk, chunk),
         (23 * chunk, 2 * chunk), (29 * chunk, chunk), (33 * chunk, 2 * chunk), (39 * chunk, chunk)]
 
