@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from transfer import KVLayout, available_backends, create_engine  # noqa: E402
+from transfer.memcopy import NATIVE  # noqa: E402
 from worker.bench_model import BENCH_CONFIG  # noqa: E402
 
 MIB = 1 << 20
@@ -235,7 +236,7 @@ def main() -> None:
         results.update(run_group(group, args.sizes, args.repeats))
     print(f"model {args.model}: {layout.block_bytes // 1024} KiB blocks of 16 tokens, "
           f"{layout.chunk_bytes // 1024} KiB per (layer, k/v) chunk; {args.pattern} blocks; "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; shm copy loop: {'native' if NATIVE else 'Python (no C compiler at install)'}")
     print_table(results, args.sizes)
     top = max(args.sizes)
     ratios = {"shm_over_memcpy": ratio(results, "shm", "memcpy", top),
@@ -246,7 +247,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "model": args.model, "pattern": args.pattern, "layout": layout.to_dict(),
-            "block_bytes": layout.block_bytes,
+            "block_bytes": layout.block_bytes, "native_copy": NATIVE,
             "sizes_mib": args.sizes, "repeats": args.repeats, "largest_mib": top,
             "gbps": {name: {str(s): round(v, 3) for s, v in row.items()} for name, row in results.items()},
             "ratios": ratios}, indent=2))
