@@ -8,7 +8,8 @@ reported as `False`, so a slow or dead peer cannot stall the serving loop.
 from __future__ import annotations
 
 import os
-from typing import Union
+import threading
+from typing import Callable, Union
 
 import zmq
 
@@ -50,6 +51,45 @@ class Waker:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class ServiceThread:
+    """The one thread that owns a buffer's channels: started once, stopped once, and
+    woken from any thread through its `waker`."""
+
+    def __init__(self) -> None:
+        self.waker = Waker()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, target: Callable[[], None], name: str) -> None:
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def serving(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def wake(self) -> None:
+        self.waker.wake()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Asks the thread to finish and joins it; False when it was stopped before."""
+        if self._stop.is_set():
+            return False
+        self._stop.set()
+        self.waker.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return True
+
+    def close(self) -> None:
+        """Frees the waker; after `stop`, once nothing polls it."""
+        self.waker.close()
 
 
 def _configure(sock: zmq.Socket) -> None:

@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any
 
-from neuron_connector.channel import DealerChannel, Poller, Waker, new_context
+from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerInfo, PeerLink
 from neuron_connector.protocol import (
@@ -47,14 +47,11 @@ class RecvBuffer:
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._waker = Waker()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = ServiceThread()
         self._context = new_context()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name=f"kv-recv-{self.identity}", daemon=True)
-        self._thread.start()
+        self._service.start(self._serve, f"kv-recv-{self.identity}")
 
     def connect(self, peer_host: str, peer_kv_port: int, timeout: float = 10.0) -> PeerInfo:
         """Static (1P1D) set-up: handshakes with the peer now; raises HandshakeError,
@@ -84,7 +81,7 @@ class RecvBuffer:
             if link is None or link.state is LinkState.FAILED:
                 self._links[address] = PeerLink(address, self.layout.to_dict(), self._descriptor(),
                                                 resend_after=self._resend_after)
-        self._waker.wake()
+        self._service.wake()
         return address
 
     def _descriptor(self) -> dict[str, Any]:
@@ -97,12 +94,12 @@ class RecvBuffer:
         """Forgets a link no pull needs (its DEALER is closed by the thread); lock held."""
         if address not in self._pulls.peers_in_use():
             self._links.pop(address, None)
-            self._waker.wake()
+            self._service.wake()
 
     def request_pull(self, request_id: str, peer_host: str, peer_kv_port: int,
                      dst_block_ids: list[int], deadline_s: float | None = None) -> None:
         """Starts pulling; `deadline_s` (default `default_timeout`) bounds the whole pull."""
-        if not self._thread or not self._thread.is_alive():
+        if not self._service.serving:
             raise ConnectorError("RecvBuffer is not running (call start())")
         if any(b < 0 or b >= self.layout.num_blocks for b in dst_block_ids):
             raise ValueError(f"block ids {dst_block_ids} out of range [0, {self.layout.num_blocks})")
@@ -111,7 +108,7 @@ class RecvBuffer:
         timeout = self.default_timeout if deadline_s is None else deadline_s
         with self._lock:
             self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now)
-        self._waker.wake()
+        self._service.wake()
 
     def poll(self, request_id: str) -> PullStatus:
         """PENDING, DONE(output_token) or FAILED(error); terminal states are reported once."""
@@ -131,31 +128,27 @@ class RecvBuffer:
 
     def close(self) -> None:
         """Stops the thread and closes every DEALER; idempotent."""
-        if self._stop.is_set():
+        if not self._service.stop():
             return
-        self._stop.set()
-        self._waker.wake()
-        if self._thread is not None:
-            self._thread.join(timeout=10.0)
         for channel in self.connection_dict.values():
             channel.close()
         self.connection_dict.clear()
         self._context.term()
-        self._waker.close()
+        self._service.close()
 
     # --- the buffer's thread -------------------------------------------------------------
 
     def _serve(self) -> None:
         poller = Poller()
-        poller.register(self._waker)
-        while not self._stop.is_set():
+        poller.register(self._service.waker)
+        while not self._service.stopping:
             self._sync_channels(poller)
             self._send_due()
             with self._lock:
                 timeout = min(_MAX_POLL_S, self._pulls.next_event(time.monotonic()))
             for item in poller.poll(timeout):
-                if item is self._waker:
-                    self._waker.drain()
+                if item is self._service.waker:
+                    self._service.waker.drain()
                 else:
                     self._drain(item)  # type: ignore[arg-type]
             with self._changed:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from neuron_connector.channel import Poller, RouterChannel, Waker, new_context
+from neuron_connector.channel import Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.protocol import (
@@ -63,9 +63,7 @@ class SendBuffer:
         self._lock = threading.Lock()
         self._peers: dict[bytes, Any] = {}                       # identity -> transfer peer
         self._running: dict[str, tuple[CompletionToken, float, int]] = {}  # id -> (token, start, blocks)
-        self._waker = Waker()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = ServiceThread()
         self._context = new_context()
         self._router: RouterChannel | None = None
         self._started_at = 0.0
@@ -77,8 +75,7 @@ class SendBuffer:
         self._router = RouterChannel(self._context, *self._bind)
         self._started_at = time.time()
         self.port = self._router.port
-        self._thread = threading.Thread(target=self._serve, name=f"kv-send-{self.port}", daemon=True)
-        self._thread.start()
+        self._service.start(self._serve, f"kv-send-{self.port}")
 
     def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
         """Prefill finished: the blocks stay pinned until pulled or `abort_timeout` passes.
@@ -86,7 +83,7 @@ class SendBuffer:
         Raises DuplicateRequest for an id already published (the first entry stays),
         ConnectorError when the buffer is not serving, ValueError for bad block ids.
         """
-        if self._thread is None or self._stop.is_set():
+        if not self._service.serving:
             raise ConnectorError("SendBuffer is not serving (call start(); not after close())")
         if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
@@ -102,7 +99,7 @@ class SendBuffer:
         """The engine aborted the request; a later lookup of it gets a terminal error."""
         with self._lock:
             self._table.discard(request_id, time.monotonic())
-        self._waker.wake()
+        self._service.wake()
 
     def pending(self) -> int:
         """Published requests whose blocks are still held."""
@@ -111,19 +108,15 @@ class SendBuffer:
 
     def close(self) -> None:
         """Stops the thread and closes the socket; every block still held is released."""
-        if self._stop.is_set():
+        if not self._service.stop():
             return
-        self._stop.set()
-        self._waker.wake()
-        if self._thread is not None:
-            self._thread.join(timeout=10.0)
         with self._lock:
             self._table.release_all("the prefill worker's KV signal plane closed", time.monotonic())
         self._release_due()
         if self._router is not None:
             self._router.close()
         self._context.term()
-        self._waker.close()
+        self._service.close()
 
     # --- the buffer's thread -------------------------------------------------------------
 
@@ -131,11 +124,11 @@ class SendBuffer:
         assert self._router is not None
         poller = Poller()
         poller.register(self._router)
-        poller.register(self._waker)
-        while not self._stop.is_set():
+        poller.register(self._service.waker)
+        while not self._service.stopping:
             ready = poller.poll(self._poll_interval())
-            if self._waker in ready:
-                self._waker.drain()
+            if self._service.waker in ready:
+                self._service.waker.drain()
             if self._router in ready:
                 self._drain_router()
             self._check_transfers()
