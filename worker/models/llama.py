@@ -65,11 +65,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata | None) -> torch.Tensor:
         lead = x.shape[:-1]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.sizes[0] + self.sizes[1], self.sizes[2]], dim=-1)
+        # q and k rotated as one tensor of heads: half the small ops of rotating each.
+        qk = apply_rotary(qk.view(*lead, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
         out = causal_attention(q, k, v) if meta is None else paged_attention(self.layer, q, k, v, meta)
         return self.o_proj(out.reshape(*lead, -1))
 
