@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.layers.attention import AttentionMetadata, build_mask
+from worker.layers.linear import pack_linears
 from worker.models.llama import LlamaForCausalLM
 from worker.request import Request
 from worker.sampler import sample
@@ -23,6 +24,8 @@ class ModelRunner:
     """The only part of the engine that touches tensors."""
 
     def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
+        # The runner only ever runs inference: pack the CPU fp32 linears for oneDNN.
+        pack_linears(model)
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size

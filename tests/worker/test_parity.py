@@ -43,9 +43,12 @@ def prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Te
     return list(logits.split([len(p) for p in prompts]))
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2-bias"])
+@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2-bias", "qwen2-wide-packed"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen2-wide-packed":  # wide enough that the engine packs its linears for oneDNN
+        return make_hf_checkpoint(path, arch="qwen2", tie_word_embeddings=True, hidden_size=512,
+                                  intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4)
     if request.param == "llama3-rope":
         scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 32}

@@ -1,1 +1,1 @@
-"""Building blocks of the decoder: rotary embeddings and paged attention."""
+"""Building blocks of the decoder: rotary embeddings, paged attention, packable linears."""

@@ -53,18 +53,19 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if meta.mask is None:  # nothing cached to read: attend over the new tokens themselves
         n = meta.num_seqs
         return causal_attention(_per_seq(q, n), _per_seq(k, n), _per_seq(v, n)).reshape(q.shape)
+    keys, values = _gather(meta.kv_pool[layer], meta.block_tables)
+    if meta.query_index is None:
+        # One new token per sequence: the query heads sharing a KV head become that head's
+        # queries (all at the same position, so the one mask row fits them all), which skips
+        # SDPA's GQA expansion.
+        q_group = q.view(q.shape[0], num_kv_heads, -1, head_dim)     # (seqs, kv_heads, group, d)
+        out = F.scaled_dot_product_attention(q_group, keys, values, attn_mask=meta.mask)
+        return out.reshape(q.shape)
     num_seqs, max_query_len = meta.num_seqs, meta.mask.shape[2]
-    keys = _gather(k_cache, meta.block_tables)
-    values = _gather(v_cache, meta.block_tables)
-    if meta.query_index is None:
-        q_pad = q.unsqueeze(2)                                   # (seqs, heads, 1, d)
-    else:
-        q_pad = q.new_zeros(num_seqs * max_query_len, *q.shape[1:])
-        q_pad[meta.query_index] = q
-        q_pad = q_pad.view(num_seqs, max_query_len, *q.shape[1:]).transpose(1, 2)
+    q_pad = q.new_zeros(num_seqs * max_query_len, *q.shape[1:])
+    q_pad[meta.query_index] = q
+    q_pad = q_pad.view(num_seqs, max_query_len, *q.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.mask, enable_gqa=True)
-    if meta.query_index is None:
-        return out.squeeze(2)
     return out.transpose(1, 2).reshape(num_seqs * max_query_len, *q.shape[1:])[meta.query_index]
 
 
@@ -73,12 +74,14 @@ def _per_seq(x: torch.Tensor, num_seqs: int) -> torch.Tensor:
     return x.view(num_seqs, -1, *x.shape[1:])
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """(blocks, block_size, kv_heads, d) gathered by table -> (seqs, kv_heads, ctx, d)."""
+def _gather(layer_kv: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2, blocks, block_size, kv_heads, d) gathered by table -> keys, values (seqs, kv_heads, ctx, d)."""
     num_seqs, max_blocks = block_tables.shape
-    # index_select on the flat table is a plain row copy, much cheaper than advanced indexing.
-    blocks = cache.index_select(0, block_tables.view(-1))
-    return blocks.view(num_seqs, max_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+    # index_select on the flat table is a plain row copy, much cheaper than advanced indexing;
+    # one call for K and V together.
+    blocks = layer_kv.index_select(1, block_tables.view(-1))
+    kv = blocks.view(2, num_seqs, max_blocks * layer_kv.shape[2], *layer_kv.shape[3:]).transpose(2, 3)
+    return kv[0], kv[1]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

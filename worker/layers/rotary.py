@@ -39,11 +39,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: (..., heads, head_dim); rope: cos, sin of shape (..., 1, head_dim)."""
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: (..., heads, head_dim); rope: cos, sin of shape (..., 1, head_dim)."""
     cos, sin = rope
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 class RotaryEmbedding(nn.Module):
