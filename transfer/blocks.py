@@ -3,7 +3,7 @@ turn runs into byte ranges of a pool laid out as in KVLayout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -11,8 +11,7 @@ from transfer.errors import InvalidBlocks
 from transfer.layout import KVLayout
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
+class Run(NamedTuple):
     """`count` adjacent blocks starting at `local` on this side and `remote` on the peer."""
 
     local: int
@@ -30,26 +29,33 @@ def plan_runs(local_ids: Sequence[int], remote_ids: Sequence[int],
     """
     if len(local_ids) != len(remote_ids):
         raise InvalidBlocks(f"{len(local_ids)} source ids but {len(remote_ids)} destination ids")
-    _check_ids(local_ids, local_blocks, "local")
-    _check_ids(remote_ids, remote_blocks, "peer")
-    runs: list[Run] = []
-    for local, remote in sorted(zip(local_ids, remote_ids)):
-        last = runs[-1] if runs else None
-        if last and local == last.local + last.count and remote == last.remote + last.count:
-            runs[-1] = Run(last.local, last.remote, last.count + 1)
-        else:
-            runs.append(Run(local, remote, 1))
+    local = _checked_ids(local_ids, local_blocks, "local")
+    remote = _checked_ids(remote_ids, remote_blocks, "peer")
+    order = np.argsort(local, kind="stable")
+    local, remote = local[order], remote[order]
+    # A run starts wherever either side is not the previous block + 1.
+    starts = np.flatnonzero(np.diff(local, prepend=-2) != 1) if len(local) else local
+    starts = np.union1d(starts, np.flatnonzero(np.diff(remote, prepend=-2) != 1))
+    counts = np.diff(starts, append=len(local))
+    firsts = np.stack([local[starts], remote[starts], counts])
     if by_remote:
-        runs.sort(key=lambda run: run.remote)
-    return runs
+        firsts = firsts[:, np.argsort(firsts[1], kind="stable")]
+    return [Run(*run) for run in firsts.T.tolist()]
 
 
-def _check_ids(ids: Sequence[int], num_blocks: int, side: str) -> None:
-    bad = [b for b in ids if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks]
-    if bad:
-        raise InvalidBlocks(f"{side} block ids out of range [0, {num_blocks}): {bad[:8]}")
-    if len(set(ids)) != len(ids):
+def _checked_ids(ids: Sequence[int], num_blocks: int, side: str) -> np.ndarray:
+    array = np.asarray(ids)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise InvalidBlocks(f"{side} block ids must be a flat sequence of integers, not {array.dtype}")
+    array = array.astype(np.int64)
+    bad = array[(array < 0) | (array >= num_blocks)]
+    if bad.size:
+        raise InvalidBlocks(f"{side} block ids out of range [0, {num_blocks}): {bad[:8].tolist()}")
+    if np.unique(array).size != array.size:
         raise InvalidBlocks(f"repeated {side} block ids")
+    return array
 
 
 @dataclass(frozen=True, eq=False)
