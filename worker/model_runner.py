@@ -78,13 +78,17 @@ class ModelRunner:
             row += n
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-        context_lens = torch.tensor([len(s) for s in seqs])
-        mask = None
-        if with_mask:
-            mask = build_mask(context_lens, torch.tensor(query_lens), max(query_lens), max_blocks * bs,
+        context_lens = [len(s) for s in seqs]
+        longest = max(context_lens)
+        # A decode batch whose contexts are all equally long sees every key: no mask needed.
+        if with_mask and (query_index is not None or min(context_lens) < longest):
+            mask = build_mask(torch.tensor(context_lens), torch.tensor(query_lens), max(query_lens), longest,
                               self.kv_pool.dtype).to(self.device)
+        else:
+            mask = None
         return AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(slots),
-                                 block_tables=self._tensor(tables), mask=mask, query_index=query_index)
+                                 block_tables=self._tensor(tables), max_context_len=longest, mask=mask,
+                                 query_index=query_index)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -69,16 +69,20 @@ def test_prefill_logits_match_transformers(checkpoint: Path, batch: list[list[in
         assert torch.allclose(logits, expected, atol=1e-4, rtol=0), (logits - expected).abs().max()
 
 
-def test_decode_logits_through_paged_cache_match_transformers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("batch", [PROMPTS, [PROMPTS[0], PROMPTS[0][::-1]]], ids=["ragged", "equal-lengths"])
+def test_decode_logits_through_paged_cache_match_transformers(checkpoint: Path, batch: list[list[int]]) -> None:
     hf = hf_model(checkpoint)
     engine = engine_for(checkpoint)
-    prefill_logits(engine, PROMPTS)
+    prefill_logits(engine, batch)
     seqs = list(engine.scheduler.running)
     engine.scheduler.postprocess(seqs, [int(s.token_ids[-1]) % 200 + 30 for s in seqs])
     for _ in range(6):  # crosses block boundaries (block_size 4)
         seqs, is_prefill = engine.scheduler.schedule()
-        assert not is_prefill and len(seqs) == len(PROMPTS)
-        logits = engine.runner.forward(engine.runner.prepare_decode(seqs))
+        assert not is_prefill and len(seqs) == len(batch)
+        inputs = engine.runner.prepare_decode(seqs)
+        # Equally long contexts attend to every key: that step runs without a mask.
+        assert (inputs.meta.mask is None) == (len({len(s) for s in seqs}) == 1)
+        logits = engine.runner.forward(inputs)
         for seq, row in zip(seqs, logits):
             expected = hf_logits(hf, seq.token_ids)[-1]
             assert torch.allclose(row, expected, atol=1e-4, rtol=0), (row - expected).abs().max()

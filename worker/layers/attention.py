@@ -20,8 +20,11 @@ class AttentionMetadata:
     kv_pool: torch.Tensor              # (layers, 2, blocks, block_size, kv_heads, head_dim)
     slot_mapping: torch.Tensor         # (tokens,) flat slot of each new token
     block_tables: torch.Tensor         # (seqs, max_blocks), padded with block 0 (masked out)
-    mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_blocks * block_size) additive;
-                                       # None: fresh prompts of equal length, plain causal attention
+    max_context_len: int               # keys attended: the longest context (the rest of its last
+                                       # block is never visible)
+    mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_context_len) additive; None:
+                                       # fresh prompts of equal length (plain causal attention), or
+                                       # a decode step whose contexts are all max_context_len long
     query_index: torch.Tensor | None   # (tokens,) row in the padded (seqs * max_query_len) layout;
                                        # None when every sequence has exactly one new token
 
@@ -50,14 +53,15 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    if meta.mask is None:  # nothing cached to read: attend over the new tokens themselves
+    if meta.mask is None and meta.query_index is not None:
+        # Fresh prompts, nothing cached to read: attend over the new tokens themselves.
         n = meta.num_seqs
         return causal_attention(_per_seq(q, n), _per_seq(k, n), _per_seq(v, n)).reshape(q.shape)
-    keys, values = _gather(meta.kv_pool[layer], meta.block_tables)
+    keys, values = _gather(meta.kv_pool[layer], meta.block_tables, meta.max_context_len)
     if meta.query_index is None:
         # One new token per sequence: the query heads sharing a KV head become that head's
         # queries (all at the same position, so the one mask row fits them all), which skips
-        # SDPA's GQA expansion.
+        # SDPA's GQA expansion. Without a mask (all contexts equally long) SDPA runs faster.
         q_group = q.view(q.shape[0], num_kv_heads, -1, head_dim)     # (seqs, kv_heads, group, d)
         out = F.scaled_dot_product_attention(q_group, keys, values, attn_mask=meta.mask)
         return out.reshape(q.shape)
@@ -74,14 +78,15 @@ def _per_seq(x: torch.Tensor, num_seqs: int) -> torch.Tensor:
     return x.view(num_seqs, -1, *x.shape[1:])
 
 
-def _gather(layer_kv: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(2, blocks, block_size, kv_heads, d) gathered by table -> keys, values (seqs, kv_heads, ctx, d)."""
+def _gather(layer_kv: torch.Tensor, block_tables: torch.Tensor,
+            num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2, blocks, block_size, kv_heads, d) gathered by table -> keys, values (seqs, kv_heads, num_keys, d)."""
     num_seqs, max_blocks = block_tables.shape
     # index_select on the flat table is a plain row copy, much cheaper than advanced indexing;
     # one call for K and V together.
     blocks = layer_kv.index_select(1, block_tables.view(-1))
     kv = blocks.view(2, num_seqs, max_blocks * layer_kv.shape[2], *layer_kv.shape[3:]).transpose(2, 3)
-    return kv[0], kv[1]
+    return kv[0, :, :, :num_keys], kv[1, :, :, :num_keys]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

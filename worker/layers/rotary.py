@@ -41,9 +41,8 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     the table, so the rotation is one swap of the halves and two arithmetic ops.
     """
     cos, signed_sin = rope
-    half = x.shape[-1] // 2
-    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-    return torch.addcmul(swapped * signed_sin, x, cos)
+    # Rolling by half a head swaps the halves; measured cheaper than flip or cat of slices.
+    return torch.addcmul(x.roll(x.shape[-1] // 2, -1) * signed_sin, x, cos)
 
 
 class RotaryEmbedding(nn.Module):
