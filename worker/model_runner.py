@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.layers.attention import AttentionMetadata, build_mask
+from worker.layers import paged_decode
 from worker.layers.linear import pack_linears
 from worker.models.llama import LlamaForCausalLM
 from worker.request import Request
@@ -80,14 +81,17 @@ class ModelRunner:
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         context_lens = [len(s) for s in seqs]
         longest = max(context_lens)
-        # A decode batch whose contexts are all equally long sees every key: no mask needed.
-        if with_mask and (query_index is not None or min(context_lens) < longest):
+        # Decode needs no mask where the native loops run (they stop at each context's end),
+        # nor where every context is equally long (every key is visible).
+        decode_unmasked = paged_decode.applies(self.kv_pool) or min(context_lens) == longest
+        if with_mask and (query_index is not None or not decode_unmasked):
             mask = build_mask(torch.tensor(context_lens), torch.tensor(query_lens), max(query_lens), longest,
                               self.kv_pool.dtype).to(self.device)
         else:
             mask = None
         return AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(slots),
-                                 block_tables=self._tensor(tables), max_context_len=longest, mask=mask,
+                                 block_tables=self._tensor(tables), context_lens=self._tensor(context_lens),
+                                 max_context_len=longest, mask=mask,
                                  query_index=query_index)
 
     def _tensor(self, values: list) -> torch.Tensor:
