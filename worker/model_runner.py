@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.layers.attention import AttentionMetadata, build_mask
 from worker.layers import paged_decode
+from worker.layers.attention import AttentionMetadata, build_mask
 from worker.layers.linear import pack_linears
 from worker.models.llama import LlamaForCausalLM
 from worker.request import Request

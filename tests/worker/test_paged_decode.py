@@ -63,6 +63,14 @@ def test_block_id_outside_the_pool_is_an_error_not_a_stray_read() -> None:
         paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor([5]), 5)
 
 
+@needs_native
+def test_context_longer_than_max_context_is_an_error_not_a_stray_write() -> None:
+    layer_kv, tables = pool_and_tables([8])
+    q_group = torch.randn(1, KV_HEADS, GROUP, HEAD_DIM)
+    with pytest.raises(ValueError, match="context length"):
+        paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor([8]), 5)
+
+
 @pytest.mark.parametrize("pool", [
     torch.zeros(1, 2, 4, 4, 2, 8),                           # head_dim not a multiple of 16
     torch.zeros(1, 2, 4, 4, 2, 32, dtype=torch.bfloat16),    # fp32 only

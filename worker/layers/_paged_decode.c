@@ -44,7 +44,12 @@ static float dot(const float *a, const float *b, int64_t n)
     return sum;
 }
 
-/* scores[s, h, g, t] = scale * q[s, h, g] . K[t, h] for t < lens[s]; -inf beyond. 0 or -1 (bad block). */
+/* Return codes of the loops. */
+#define OK 0
+#define BAD_BLOCK (-1)
+#define BAD_LENGTH (-2)
+
+/* scores[s, h, g, t] = scale * q[s, h, g] . K[t, h] for t < lens[s]; -inf beyond. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static int scores_loop(const float *q, const float *k, const int64_t *tables, const int64_t *lens,
                        float scale, float *scores, const Dims *d)
@@ -53,10 +58,12 @@ static int scores_loop(const float *q, const float *k, const int64_t *tables, co
     for (int64_t s = 0; s < d->num_seqs; s++) {
         const float *qs = q + s * rows * D;
         float *out = scores + s * rows * T;
+        if (lens[s] < 0 || lens[s] > T)
+            return BAD_LENGTH;
         for (int64_t t = 0; t < lens[s]; t++) {
             const float *kr = pool_row(k, tables + s * d->max_blocks, t, d);
             if (kr == NULL)
-                return -1;
+                return BAD_BLOCK;
             for (int64_t r = 0; r < rows; r++)
                 out[r * T + t] = scale * dot(qs + r * D, kr + (r / d->group) * D, D);
         }
@@ -64,10 +71,10 @@ static int scores_loop(const float *q, const float *k, const int64_t *tables, co
             for (int64_t t = lens[s]; t < T; t++)
                 out[r * T + t] = -INFINITY;
     }
-    return 0;
+    return OK;
 }
 
-/* out[s, h, g] = sum over t < lens[s] of probs[s, h, g, t] * V[t, h]. 0 or -1 (bad block). */
+/* out[s, h, g] = sum over t < lens[s] of probs[s, h, g, t] * V[t, h]. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static int values_loop(const float *probs, const float *v, const int64_t *tables, const int64_t *lens,
                        float *out, const Dims *d)
@@ -77,10 +84,12 @@ static int values_loop(const float *probs, const float *v, const int64_t *tables
     for (int64_t s = 0; s < d->num_seqs; s++) {
         const float *ps = probs + s * rows * T;
         float *os = out + s * rows * D;
+        if (lens[s] < 0 || lens[s] > T)
+            return BAD_LENGTH;
         for (int64_t t = 0; t < lens[s]; t++) {
             const float *vr = pool_row(v, tables + s * d->max_blocks, t, d);
             if (vr == NULL)
-                return -1;
+                return BAD_BLOCK;
             for (int64_t r = 0; r < rows; r++) {
                 const float w = ps[r * T + t], *src = vr + (r / d->group) * D;
                 float *dst = os + r * D;
@@ -89,7 +98,7 @@ static int values_loop(const float *probs, const float *v, const int64_t *tables
             }
         }
     }
-    return 0;
+    return OK;
 }
 
 #define ARGS_FORMAT "KKKKKLLLLLLLLd"
@@ -120,8 +129,9 @@ static PyObject *run(PyObject *args, int scores)
                          (const int64_t *)(uintptr_t)tables, (const int64_t *)(uintptr_t)lens,
                          (float *)(uintptr_t)out, &d);
     Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_SetString(PyExc_ValueError, "a block table holds a block id outside the pool");
+    if (rc != OK) {
+        PyErr_SetString(PyExc_ValueError, rc == BAD_BLOCK ? "a block table holds a block id outside the pool"
+                                                          : "a context length is negative or above max_context");
         return NULL;
     }
     return Py_NewRef(Py_None);

@@ -27,7 +27,7 @@ class AttentionMetadata:
                                        # block is never visible)
     mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_context_len) additive; None:
                                        # fresh prompts of equal length (plain causal attention), or
-                                       # a decode step that needs none (see paged_attention)
+                                       # a decode step that needs none (see _decode_attention)
     query_index: torch.Tensor | None   # (tokens,) row in the padded (seqs * max_query_len) layout;
                                        # None when every sequence has exactly one new token
 
