@@ -80,19 +80,15 @@ class ModelRunner:
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         context_lens = [len(s) for s in seqs]
-        longest = max(context_lens)
-        # Decode needs no mask where the native loops run (they stop at each context's end),
-        # nor where every context is equally long (every key is visible).
-        decode_unmasked = paged_decode.applies(self.kv_pool) or min(context_lens) == longest
-        if with_mask and (query_index is not None or not decode_unmasked):
-            mask = build_mask(torch.tensor(context_lens), torch.tensor(query_lens), max(query_lens), longest,
+        # The native decode loops stop at each context's end: they need no mask.
+        native_decode = query_index is None and paged_decode.applies(self.kv_pool)
+        mask = None
+        if with_mask and not native_decode:
+            mask = build_mask(torch.tensor(context_lens), torch.tensor(query_lens), max(query_lens), max_blocks * bs,
                               self.kv_pool.dtype).to(self.device)
-        else:
-            mask = None
         return AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(slots),
                                  block_tables=self._tensor(tables), context_lens=self._tensor(context_lens),
-                                 max_context_len=longest, mask=mask,
-                                 query_index=query_index)
+                                 max_context_len=max(context_lens), mask=mask, query_index=query_index)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,9 +1,10 @@
 """Paged attention over one shared KV pool.
 
 Every step writes the new tokens' K/V into their slots of the pool first, then each sequence
-attends over its whole context gathered through its block table. Because every layer writes
-before it reads, a sequence may read blocks that another sequence of the same batch is filling
-in this very step (prefix-cache hits on a block computed in the same prefill).
+attends over its whole context gathered through its block table (decode steps on an fp32 CPU
+pool read it through the table in place: see paged_decode). Because every layer writes before
+it reads, a sequence may read blocks that another sequence of the same batch is filling in this
+very step (prefix-cache hits on a block computed in the same prefill).
 """
 from __future__ import annotations
 
@@ -23,11 +24,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor         # (tokens,) flat slot of each new token
     block_tables: torch.Tensor         # (seqs, max_blocks), padded with block 0 (masked out)
     context_lens: torch.Tensor         # (seqs,) tokens in each context, this step's included
-    max_context_len: int               # keys attended: the longest context (the rest of its last
-                                       # block is never visible)
-    mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_context_len) additive; None:
-                                       # fresh prompts of equal length (plain causal attention), or
-                                       # a decode step that needs none (see _decode_attention)
+    max_context_len: int               # the longest of them
+    mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_blocks * block_size) additive;
+                                       # None: fresh prompts of equal length (plain causal attention),
+                                       # or a decode step on the native path (see _decode_attention)
     query_index: torch.Tensor | None   # (tokens,) row in the padded (seqs * max_query_len) layout;
                                        # None when every sequence has exactly one new token
 
@@ -62,7 +62,7 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return causal_attention(_per_seq(q, n), _per_seq(k, n), _per_seq(v, n)).reshape(q.shape)
     if meta.query_index is None:
         return _decode_attention(layer, q, meta)
-    keys, values = _gather(meta.kv_pool[layer], meta.block_tables, meta.max_context_len)
+    keys, values = _gather(meta.kv_pool[layer], meta.block_tables)
     num_seqs, max_query_len = meta.num_seqs, meta.mask.shape[2]
     q_pad = q.new_zeros(num_seqs * max_query_len, *q.shape[1:])
     q_pad[meta.query_index] = q
@@ -76,8 +76,7 @@ def _decode_attention(layer: int, q: torch.Tensor, meta: AttentionMetadata) -> t
 
     The query heads sharing a KV head become that head's queries (all at the same position,
     so the one mask row fits them all), which skips SDPA's GQA expansion. The native loops
-    stop at each context's end and need no mask; SDPA needs none when all contexts are
-    equally long, and then runs faster.
+    stop at each context's end and need no mask.
     """
     num_kv_heads, head_dim = meta.kv_pool.shape[-2:]
     q_group = q.view(q.shape[0], num_kv_heads, -1, head_dim)     # (seqs, kv_heads, group, d)
@@ -85,7 +84,7 @@ def _decode_attention(layer: int, q: torch.Tensor, meta: AttentionMetadata) -> t
         out = paged_decode.decode_attention(q_group, meta.kv_pool[layer], meta.block_tables, meta.context_lens,
                                             meta.max_context_len)
     else:
-        keys, values = _gather(meta.kv_pool[layer], meta.block_tables, meta.max_context_len)
+        keys, values = _gather(meta.kv_pool[layer], meta.block_tables)
         out = F.scaled_dot_product_attention(q_group, keys, values, attn_mask=meta.mask)
     return out.reshape(q.shape)
 
@@ -95,15 +94,14 @@ def _per_seq(x: torch.Tensor, num_seqs: int) -> torch.Tensor:
     return x.view(num_seqs, -1, *x.shape[1:])
 
 
-def _gather(layer_kv: torch.Tensor, block_tables: torch.Tensor,
-            num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(2, blocks, block_size, kv_heads, d) gathered by table -> keys, values (seqs, kv_heads, num_keys, d)."""
+def _gather(layer_kv: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2, blocks, block_size, kv_heads, d) gathered by table -> keys, values (seqs, kv_heads, ctx, d)."""
     num_seqs, max_blocks = block_tables.shape
     # index_select on the flat table is a plain row copy, much cheaper than advanced indexing;
     # one call for K and V together.
     blocks = layer_kv.index_select(1, block_tables.view(-1))
     kv = blocks.view(2, num_seqs, max_blocks * layer_kv.shape[2], *layer_kv.shape[3:]).transpose(2, 3)
-    return kv[0, :, :, :num_keys], kv[1, :, :, :num_keys]
+    return kv[0], kv[1]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
