@@ -1,8 +1,9 @@
 """Decode attention read straight from the paged KV pool by a native loop (_paged_decode.c).
 
 The torch path gathers each layer's contexts into a fresh tensor and SDPA reads that copy
-again; the native loops read every K and V row once, from the pool (batch 8, one thread,
-contexts of 96 / 300 tokens: about 4x less time per layer than gather + SDPA). The extension
+again; the native loops read every K and V row once, from the pool (benchmark model, batch 8,
+one thread, per layer inside a decode step: ~150 us instead of ~260 at 88 tokens of context,
+~380 us instead of ~750 at 300). The extension
 is compiled when the package is installed; without a C compiler `applies` is False and
 attention gathers as before. Results equal SDPA's up to fp32 rounding.
 """
