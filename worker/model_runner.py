@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.layers import paged_decode
 from worker.layers.attention import AttentionMetadata, build_mask
 from worker.layers.linear import pack_linears
 from worker.models.llama import LlamaForCausalLM
@@ -78,13 +79,16 @@ class ModelRunner:
             row += n
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-        context_lens = torch.tensor([len(s) for s in seqs])
+        context_lens = [len(s) for s in seqs]
+        # The native decode loops stop at each context's end: they need no mask.
+        native_decode = query_index is None and paged_decode.applies(self.kv_pool)
         mask = None
-        if with_mask:
-            mask = build_mask(context_lens, torch.tensor(query_lens), max(query_lens), max_blocks * bs,
+        if with_mask and not native_decode:
+            mask = build_mask(torch.tensor(context_lens), torch.tensor(query_lens), max(query_lens), max_blocks * bs,
                               self.kv_pool.dtype).to(self.device)
         return AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(slots),
-                                 block_tables=self._tensor(tables), mask=mask, query_index=query_index)
+                                 block_tables=self._tensor(tables), context_lens=self._tensor(context_lens),
+                                 max_context_len=max(context_lens), mask=mask, query_index=query_index)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

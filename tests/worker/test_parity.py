@@ -8,6 +8,7 @@ import torch
 
 from tests.worker.conftest import make_hf_checkpoint
 from worker import EngineConfig, LLMEngine, SamplingParams
+from worker.layers import paged_decode
 
 PROMPTS = [[256, 100, 101, 102, 32, 120, 40, 41, 58, 10, 32, 32],
            [256, 105, 109, 112, 111, 114, 116],
@@ -69,16 +70,24 @@ def test_prefill_logits_match_transformers(checkpoint: Path, batch: list[list[in
         assert torch.allclose(logits, expected, atol=1e-4, rtol=0), (logits - expected).abs().max()
 
 
-def test_decode_logits_through_paged_cache_match_transformers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "gather-sdpa"])
+@pytest.mark.parametrize("batch", [PROMPTS, [PROMPTS[0], PROMPTS[0][::-1]]], ids=["ragged", "equal-lengths"])
+def test_decode_logits_through_paged_cache_match_transformers(checkpoint: Path, batch: list[list[int]], native: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if native and not paged_decode.NATIVE:
+        pytest.skip("worker.layers._paged_decode is not built")
+    monkeypatch.setattr(paged_decode, "NATIVE", native)
     hf = hf_model(checkpoint)
     engine = engine_for(checkpoint)
-    prefill_logits(engine, PROMPTS)
+    prefill_logits(engine, batch)
     seqs = list(engine.scheduler.running)
     engine.scheduler.postprocess(seqs, [int(s.token_ids[-1]) % 200 + 30 for s in seqs])
     for _ in range(6):  # crosses block boundaries (block_size 4)
         seqs, is_prefill = engine.scheduler.schedule()
-        assert not is_prefill and len(seqs) == len(PROMPTS)
-        logits = engine.runner.forward(engine.runner.prepare_decode(seqs))
+        assert not is_prefill and len(seqs) == len(batch)
+        inputs = engine.runner.prepare_decode(seqs)
+        assert (inputs.meta.mask is None) == native  # the native loops stop at each context's end
+        logits = engine.runner.forward(inputs)
         for seq, row in zip(seqs, logits):
             expected = hf_logits(hf, seq.token_ids)[-1]
             assert torch.allclose(row, expected, atol=1e-4, rtol=0), (row - expected).abs().max()

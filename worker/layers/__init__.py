@@ -1,1 +1,1 @@
-"""Building blocks of the decoder: rotary embeddings, paged attention, packable linears."""
+"""Building blocks of the decoder: rotary embeddings, paged attention (with a native decode path), packable linears."""
