@@ -9,8 +9,10 @@ setup(
     packages=find_packages(include=["proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*"]),
     package_data={"worker": ["assets/**/*", "py.typed"]},
     include_package_data=True,
-    # The shm transport's copy loop; optional: without a C compiler a slower Python loop runs.
-    ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c"], optional=True)],
+    # Native hot loops, each optional: without a C compiler the same results come from a
+    # slower Python/torch path (the shm transport's copy loop, the decode attention).
+    ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c"], optional=True),
+                 Extension("worker.layers._paged_decode", ["worker/layers/_paged_decode.c"], optional=True)],
     install_requires=[
         # Pinned exactly: a range admitting newer releases pulls CUDA builds.
         "torch==2.13.0",

@@ -1,0 +1,15 @@
+"""The optional C extensions are built wherever the install found a C compiler."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from transfer import memcopy
+from worker.layers import paged_decode
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the Python/torch paths run")
+@pytest.mark.parametrize("module", [memcopy, paged_decode], ids=lambda m: m.__name__)
+def test_native_loop_is_built(module) -> None:
+    assert module.NATIVE, f"{module.__name__}'s C extension was not built; reinstall (pip install -e .)"
