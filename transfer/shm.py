@@ -117,8 +117,11 @@ class ShmBackend(Backend):
         try:
             segment = ShmSegment(descriptor["transports"]["shm"]["segment"],
                                  peer_layout.total_bytes, create=False)
-        except TransferError:
+        except TransferError as exc:
+            alive = watch.alive()
             watch.close()
+            if not alive:  # a dead owner's segment is gone too: that is a lost peer, not an unregistered pool
+                raise PeerLost(f"peer process {watch.pid} died") from exc
             raise
         except OSError as exc:
             watch.close()

@@ -1,14 +1,19 @@
 """Each failure ends its token with a typed error in time, and the engine keeps working."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import python_process, wait_until
 from tests.transfer.conftest import LAYOUT, OUR_PIDS, PROCESS_BACKENDS, shm_segments
 from tests.transfer.peer_proc import block_bytes, exit_without_close
 from transfer import (KVLayout, PeerLost, RegionNotRegistered, TransferEngine, TransferTimeout)
+from transfer.region import unlink_segment
 
 # Large enough that a whole-pool transfer cannot fit in loopback socket buffers.
 BIG = KVLayout(num_layers=4, num_blocks=256, block_size=16, num_kv_heads=8, head_dim=64, dtype="float32")
@@ -155,3 +160,33 @@ def test_pool_of_a_killed_owner_is_reaped_by_the_next_allocation(make_engine, ma
     assert any(f"-{victim.pid}-" in name for name in shm_segments())   # nobody mapped it: still there
     make_engine("shm")
     assert not any(f"-{victim.pid}-" in name for name in shm_segments())
+
+
+def test_connecting_to_a_dead_unreaped_owner_is_peer_lost(make_engine) -> None:
+    """A killed owner that its parent has not reaped yet still has a pid, and its segment is
+    gone (another link or the reaper removed it): that is a lost peer, not an unregistered pool."""
+    owner = python_process(["-c", _OWNER], name="shm-owner")
+    try:
+        line = wait_until(lambda: owner.output().partition("\n")[0] if "\n" in owner.output() else None,
+                          timeout=60, what="owner's descriptor")
+        descriptor = json.loads(line)
+        os.kill(owner.pid, signal.SIGKILL)  # no wait(): the owner stays a zombie
+        wait_until(lambda: Path(f"/proc/{owner.pid}/stat").read_text().split(") ")[1][0] == "Z",
+                   timeout=10, what="killed owner to be a zombie")
+        unlink_segment(descriptor["transports"]["shm"]["segment"])
+        engine = make_engine("shm")
+        peer = engine.connect(descriptor)
+        with pytest.raises(PeerLost, match="died"):
+            engine.queue_transfer_with_token(peer, [0], [0]).wait(10)
+    finally:
+        owner.stop()
+
+
+_OWNER = f"""
+import json, time
+from transfer import KVLayout, create_engine
+engine = create_engine("shm")
+engine.allocate_region(KVLayout.from_dict({LAYOUT.to_dict()!r}))
+print(json.dumps(engine.descriptor()), flush=True)
+time.sleep(600)
+"""
