@@ -20,6 +20,9 @@ from transfer.layout import KVLayout
 from transfer.memcopy import copy_ranges
 from transfer.region import Region, ShmSegment, host_identity, unlink_segment
 
+# How long a peer whose segment is missing may take to finish exiting before we call it unregistered.
+_EXIT_GRACE_S = 0.5
+
 
 class _ProcessWatch:
     """Tells whether a same-host process is still alive."""
@@ -33,15 +36,16 @@ class _ProcessWatch:
         except OSError:
             self._fd = None  # no pidfd support: fall back to signal 0
 
-    def alive(self) -> bool:
+    def alive(self, grace: float = 0.0) -> bool:
+        """False once the process has exited; waits up to `grace` seconds for that."""
         if self._fd is None:
             try:
                 os.kill(self.pid, 0)
                 return True
             except ProcessLookupError:
                 return False
-        # A pidfd becomes readable when the process exits.
-        return not select.select([self._fd], [], [], 0)[0]
+        # A pidfd becomes readable when the process exits: all its threads, not just the first.
+        return not select.select([self._fd], [], [], grace)[0]
 
     def close(self) -> None:
         if self._fd is not None:
@@ -118,9 +122,12 @@ class ShmBackend(Backend):
             segment = ShmSegment(descriptor["transports"]["shm"]["segment"],
                                  peer_layout.total_bytes, create=False)
         except TransferError as exc:
-            alive = watch.alive()
+            # A killed owner's segment is gone too (unlinked by a link that saw it die), and the
+            # owner may still be tearing down its threads: that is a lost peer, not a pool the
+            # owner unregistered.
+            alive = watch.alive(grace=min(_EXIT_GRACE_S, remaining(deadline)))
             watch.close()
-            if not alive:  # a dead owner's segment is gone too: that is a lost peer, not an unregistered pool
+            if not alive:
                 raise PeerLost(f"peer process {watch.pid} died") from exc
             raise
         except OSError as exc:
