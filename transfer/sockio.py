@@ -141,22 +141,21 @@ def _move(call: Callable[..., int], flags: int, option: int, what: str, sock: so
           base: int, ranges: Ranges, deadline: float) -> None:
     iov, ends = iovecs(base, ranges), np.cumsum(ranges.lengths)
     msg, done, first = _MsgHdr(), 0, 0
-    while first < len(iov):
-        _arm(sock, option, deadline)
-        msg.msg_iov = iov.ctypes.data + first * iov.strides[0]
-        msg.msg_iovlen = min(IOV_MAX, len(iov) - first)
-        moved = call(sock.fileno(), ctypes.byref(msg), flags)
-        if moved < 0:
-            code = ctypes.get_errno()
-            if code == errno.EINTR:
-                continue
-            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
-                raise TransferTimeout(f"{what}: peer did not answer in time")
-            raise PeerLost(f"{what}: {os.strerror(code)}")
-        if moved == 0:
-            raise PeerLost("peer closed the connection mid-transfer")
-        done += moved
-        first = resume(iov, base, ranges, ends, done)
+    with translated(what):
+        while first < len(iov):
+            _arm(sock, option, deadline)
+            msg.msg_iov = iov.ctypes.data + first * iov.strides[0]
+            msg.msg_iovlen = min(IOV_MAX, len(iov) - first)
+            moved = call(sock.fileno(), ctypes.byref(msg), flags)
+            if moved < 0:
+                code = ctypes.get_errno()
+                if code == errno.EINTR:
+                    continue
+                raise OSError(code, os.strerror(code))  # its errno subclass: `translated` maps it
+            if moved == 0:
+                raise PeerLost("peer closed the connection mid-transfer")
+            done += moved
+            first = resume(iov, base, ranges, ends, done)
 
 
 def deadline_in(seconds: float) -> float:
