@@ -88,8 +88,8 @@ def byte_ranges(layout: KVLayout, starts: Sequence[int], counts: Sequence[int]) 
     """
     first = np.asarray(starts, dtype=np.int64)
     count = np.asarray(counts, dtype=np.int64)
-    planes = np.arange(2 * layout.num_layers, dtype=np.int64)[:, None] * layout.num_blocks
-    chunk = layout.chunk_bytes
+    planes = np.arange(layout.num_planes, dtype=np.int64)[:, None] * layout.num_blocks
+    chunk = layout.plane_chunk_bytes
     offsets = ((planes + first) * chunk).ravel()
     lengths = np.broadcast_to(count * chunk, (len(planes), len(count))).ravel()
     return Ranges(offsets, np.ascontiguousarray(lengths))

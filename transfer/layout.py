@@ -15,13 +15,21 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# How the pool's dimensions nest, outermost first: L layers, K the k/v pair, B blocks,
+# T tokens of a block, H kv heads, D head_dim.
+NEURON_ORDER = "LKBTHD"   # ours: one (layer, k/v) plane per block chunk
+VLLM_CPU_ORDER = "LBHKTD"  # vLLM's CPU cache: a block holds, head by head, its K rows then its V rows
+ORDERS = (NEURON_ORDER, VLLM_CPU_ORDER)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """A paged KV pool: one tensor of shape (layers, 2, blocks, block_size, kv_heads, head_dim).
+    """A paged KV pool: one contiguous tensor whose dimensions nest as `order` says.
 
-    Block `b` of the pool is the slice `pool[:, :, b]`: 2 * num_layers chunks of
-    `chunk_bytes` each, one per (layer, k/v), so adjacent block ids are adjacent in memory
-    within every chunk.
+    With the default order the shape is (layers, 2, blocks, block_size, kv_heads, head_dim)
+    and block `b` is the slice `pool[:, :, b]`. Whatever the order, the pool is
+    `num_planes` planes of `num_blocks` chunks of `plane_chunk_bytes`, block `b` being
+    chunk `b` of every plane, so adjacent block ids are adjacent in memory within a plane.
     """
 
     num_layers: int
@@ -30,10 +38,13 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
+    order: str = NEURON_ORDER
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
+        if self.order not in ORDERS:
+            raise ValueError(f"unsupported KV order {self.order!r}; expected one of {ORDERS}")
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
@@ -48,12 +59,24 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
+        if self.order == VLLM_CPU_ORDER:
+            return (self.num_layers, self.num_blocks, self.num_kv_heads, 2, self.block_size, self.head_dim)
         return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes of one block within one (layer, k/v) plane."""
+        """Bytes of the keys (or the values) of one block in one layer."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def num_planes(self) -> int:
+        """Planes of the pool: per (layer, k/v) in our order, per layer in vLLM's."""
+        return self.num_layers if self.order == VLLM_CPU_ORDER else 2 * self.num_layers
+
+    @property
+    def plane_chunk_bytes(self) -> int:
+        """Bytes of one block within one plane."""
+        return self.block_bytes // self.num_planes
 
     @property
     def block_bytes(self) -> int:
@@ -70,7 +93,9 @@ class KVLayout:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
         try:
-            return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+            # A peer that predates `order` lays its pool out in ours.
+            return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name != "order"},
+                       order=data.get("order", NEURON_ORDER))
         except (KeyError, TypeError) as exc:
             raise LayoutMismatch(f"malformed KV layout {data!r}: {exc}") from exc
 
@@ -79,8 +104,14 @@ class KVLayout:
 
         The number of blocks may differ; everything that shapes one block may not.
         """
-        fields = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+        fields = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "order")
         diffs = [f"{f}: {getattr(self, f)} != {getattr(other, f)}" for f in fields
                  if getattr(self, f) != getattr(other, f)]
         if diffs:
-            raise LayoutMismatch("incompatible KV layouts (" + "; ".join(diffs) + ")")
+            raise LayoutMismatch(f"incompatible KV layouts: ours {self.describe()}, peer's {other.describe()} ("
+                                 + "; ".join(diffs) + ")")
+
+    def describe(self) -> str:
+        """One line naming everything that shapes a block, for error messages."""
+        return (f"[{self.order} layers={self.num_layers} block_size={self.block_size} "
+                f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} {self.dtype}]")

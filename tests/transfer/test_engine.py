@@ -27,6 +27,23 @@ def test_incompatible_layout_is_refused_at_connect(backend: str, field: str, val
     engine.queue_transfer_with_token(peer, [95], [199]).wait(10)
 
 
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_vllm_cpu_order_moves_whole_blocks_of_every_layer(backend: str, make_engine) -> None:
+    layout = KVLayout(**{**LAYOUT.to_dict(), "order": "LBHKTD"})
+    src, dst = make_engine(backend, layout=layout, seed=1), make_engine(backend, layout=layout, seed=2)
+    src_pool, dst_pool = src._region.tensor, dst._region.tensor
+    before = dst_pool.clone()
+    peer = src.connect(dst.descriptor())
+    src.queue_transfer_with_token(peer, [4, 5, 90], [10, 11, 3]).wait(10)
+    def raw(pool: torch.Tensor, ids: list[int]) -> bytes:
+        # Block b of this order is pool[:, b]: every layer's keys and values of that block.
+        return pool[:, ids].contiguous().view(torch.uint8).numpy().tobytes()
+
+    assert raw(dst_pool, [10, 11, 3]) == raw(src_pool, [4, 5, 90])
+    untouched = [b for b in range(layout.num_blocks) if b not in (10, 11, 3)]
+    assert raw(dst_pool, untouched) == raw(before, untouched)
+
+
 BAD_IDS = [([96], [0]), ([0], [96]), ([-1], [0]), ([0, 1], [2]), ([0, 1], [2, 2]), ([0.5], [1]),
            ([True], [1]), ("ab", [1, 2])]
 

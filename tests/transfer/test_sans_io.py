@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from transfer import CompletionToken, InvalidBlocks, KVLayout, PeerLost, Run, TransferTimeout, plan_runs
+from transfer import (CompletionToken, InvalidBlocks, KVLayout, LayoutMismatch, PeerLost, Run, TransferTimeout,
+                      plan_runs)
 from transfer import wire
 from transfer.blocks import byte_ranges
 from transfer.errors import RegionNotRegistered
@@ -30,6 +31,27 @@ def test_byte_ranges_walk_runs_then_planes() -> None:
     assert byte_ranges(layout, [3, 9], [2, 1]).pairs() == [
         (3 * chunk, 2 * chunk), (9 * chunk, chunk), (13 * chunk, 2 * chunk), (19 * chunk, chunk),
         (23 * chunk, 2 * chunk), (29 * chunk, chunk), (33 * chunk, 2 * chunk), (39 * chunk, chunk)]
+
+
+def test_vllm_cpu_order_has_one_plane_per_layer() -> None:
+    layout = KVLayout(num_layers=2, num_blocks=10, block_size=2, num_kv_heads=1, head_dim=4, order="LBHKTD")
+    assert layout.shape == (2, 10, 1, 2, 2, 4) and layout.num_planes == 2
+    chunk = layout.plane_chunk_bytes  # keys and values of a block in one layer: 64
+    assert chunk == 2 * layout.chunk_bytes == 64
+    assert byte_ranges(layout, [3, 9], [2, 1]).pairs() == [
+        (3 * chunk, 2 * chunk), (9 * chunk, chunk), (13 * chunk, 2 * chunk), (19 * chunk, chunk)]
+
+
+def test_layouts_of_different_orders_are_refused_with_both_named() -> None:
+    ours = KVLayout(num_layers=2, num_blocks=10, block_size=2, num_kv_heads=1, head_dim=4)
+    vllm = KVLayout(num_layers=2, num_blocks=10, block_size=2, num_kv_heads=1, head_dim=4, order="LBHKTD")
+    with pytest.raises(LayoutMismatch, match=r"ours \[LKBTHD .*peer's \[LBHKTD .*order: LKBTHD != LBHKTD"):
+        ours.check_compatible(vllm)
+    with pytest.raises(ValueError, match="unsupported KV order"):
+        KVLayout(num_layers=2, num_blocks=10, block_size=2, num_kv_heads=1, head_dim=4, order="BLKHTD")
+    # A peer that predates `order` lays its pool out in ours.
+    legacy = {k: v for k, v in ours.to_dict().items() if k != "order"}
+    assert KVLayout.from_dict(legacy) == ours
 
 
 def test_request_and_reply_round_trip() -> None:
