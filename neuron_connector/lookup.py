@@ -28,7 +28,8 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """Queue the transfer of `src` (ours) into `dst` (the peer's)."""
+    """Queue the transfer of `src` (ours) into `dst` (the peer's): the last len(dst) blocks
+    of the request, so a peer that has the prompt's head cached pulls only the tail."""
 
     src: tuple[int, ...]
     dst: tuple[int, ...]
@@ -104,10 +105,11 @@ class LookupTable:
             return NotReady()
         if entry.peer is not None:
             return InProgress() if entry.peer == peer else refuse("is being pulled by another peer")
-        if len(dst) != len(entry.block_ids):
+        if len(dst) > len(entry.block_ids):
             return refuse(f"holds {len(entry.block_ids)} blocks, peer offered {len(dst)}")
         entry.peer, entry.dst = peer, dst
-        return Start(entry.block_ids, dst)
+        # Fewer blocks: the peer already holds the prompt's first blocks (its prefix cache).
+        return Start(entry.block_ids[len(entry.block_ids) - len(dst):], dst)
 
     def transfer_done(self, request_id: str, error: str | None,
                       now: float) -> tuple[bytes, LookupReply] | None:

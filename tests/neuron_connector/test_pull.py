@@ -111,10 +111,20 @@ def test_discard_releases_and_fails_the_pull(shm_pair: Pair) -> None:
 
 def test_block_count_mismatch_is_terminal(shm_pair: Pair) -> None:
     shm_pair.send.publish("short", [1, 2, 3], output_token=3)
-    _pull(shm_pair, "short", [0], deadline_s=30)
+    _pull(shm_pair, "short", [0, 4, 5, 6], deadline_s=30)
     status = wait_terminal(shm_pair.recv, "short", timeout=10)
-    assert status.state is PullState.FAILED and "holds 3 blocks, peer offered 1" in status.message
+    assert status.state is PullState.FAILED and "holds 3 blocks, peer offered 4" in status.message
     wait_until(lambda: shm_pair.releases() == ["short"], timeout=5, what="release")
+
+
+def test_a_peer_with_the_prompt_head_cached_pulls_the_tail(shm_pair: Pair) -> None:
+    shm_pair.send.publish("tail", [1, 2, 3], output_token=7)
+    _pull(shm_pair, "tail", [9, 10], deadline_s=30)
+    status = wait_terminal(shm_pair.recv, "tail", timeout=10)
+    assert status.state is PullState.DONE and status.output_token == 7
+    assert torch.equal(shm_pair.d_pool[:, :, [9, 10]], shm_pair.p_pool[:, :, [2, 3]])
+    assert not shm_pair.d_pool[:, :, [0, 1, 11]].any()
+    wait_until(lambda: shm_pair.releases() == ["tail"], timeout=5, what="release")
 
 
 def test_prefill_side_argument_errors(shm_pair: Pair) -> None:

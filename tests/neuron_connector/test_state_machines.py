@@ -61,11 +61,18 @@ class TestLookupTable:
     def test_failed_transfer_and_short_block_list_are_terminal(self) -> None:
         table = LookupTable(abort_timeout=10)
         table.publish("r", [1, 2], 5, now=0)
-        assert "offered 1" in table.lookup("r", D1, (3,)).reply.error  # type: ignore[union-attr]
+        assert "offered 3" in table.lookup("r", D1, (3, 4, 5)).reply.error  # type: ignore[union-attr]
         table.lookup("r", D1, (3, 4))
         _, reply = table.transfer_done("r", "peer lost", now=1)
         assert reply == LookupReply("r", False, error="peer lost")
         assert table.take_releases() == ["r"]
+
+    def test_fewer_peer_blocks_take_the_tail(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [4, 5, 6], 5, now=0)
+        assert table.lookup("r", D1, (9,)) == Start((6,), (9,))
+        table.publish("s", [7], 5, now=0)
+        assert table.lookup("s", D1, ()) == Start((), ())
 
     def test_release_all_on_shutdown(self) -> None:
         table = LookupTable(abort_timeout=10)
