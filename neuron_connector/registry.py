@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ROLES = ("prefill", "decode", "both")
+# How the proxy drives a worker: "neuron" = our signal plane (both legs at once, decode pulls
+# the KV), "nixl" = vLLM's upstream NixlConnector handoff (prefill first, its answer to decode).
+KV_PROTOCOLS = ("neuron", "nixl")
 DEFAULT_KV_PORT = 14579
 KEY_PREFIX = "/workers/"
 _CALL_TIMEOUT_S = 3
@@ -31,11 +34,11 @@ _CALL_TIMEOUT_S = 3
 
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
-    """One worker: where its HTTP API and its KV signal plane listen.
+    """One worker: where its HTTP API and its KV signal plane listen, and how it is driven.
 
     The workers register it in etcd and the proxy reads it back (or builds it from its command
     line for static workers, where the KV host defaults to the HTTP host and the engine id to
-    `host:http_port`). Bad fields raise ValueError.
+    `host:http_port`). `kv_protocol` is one of KV_PROTOCOLS. Bad fields raise ValueError.
     """
 
     role: str
@@ -46,10 +49,13 @@ class WorkerRecord:
     engine_id: str = ""
     model: str = ""
     transfer: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    kv_protocol: str = "neuron"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_protocol not in KV_PROTOCOLS:
+            raise ValueError(f"worker kv_protocol must be one of {KV_PROTOCOLS}, got {self.kv_protocol!r}")
         if not self.host or not 0 < self.http_port < 65536:
             raise ValueError(f"bad worker address {self.host!r}:{self.http_port}")
         if not self.kv_host:
@@ -80,7 +86,8 @@ class WorkerRecord:
             return cls(role=obj["role"], host=obj["host"], http_port=int(obj["http_port"]),
                        kv_host=obj.get("kv_host") or "", kv_port=int(obj.get("kv_port", DEFAULT_KV_PORT)),
                        engine_id=obj.get("engine_id") or "", model=str(obj.get("model") or ""),
-                       transfer=dict(obj.get("transfer") or {}))
+                       transfer=dict(obj.get("transfer") or {}),
+                       kv_protocol=obj.get("kv_protocol", "neuron"))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistrationError(f"malformed worker record {data!r}: {exc}") from exc
 

@@ -9,12 +9,12 @@ from proxy.requests import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_req
 from proxy.sse import SSEDecoder
 from proxy.stitch import StreamStitcher, merge_bodies, summed_usage
 from proxy.upstream import AiohttpUpstream, Timeouts, Upstream
-from proxy.workers import DEFAULT_KV_PORT, WorkerPool, WorkerRecord, pick
+from proxy.workers import DEFAULT_KV_PORT, KV_PROTOCOLS, WorkerPool, WorkerRecord, pick
 
 __all__ = [
     "AiohttpUpstream", "BadRequest", "CHAT", "COMPLETIONS", "ClientRequest", "ConfigError", "DEFAULT_KV_PORT",
-    "Endpoint", "NoWorkers", "ProxyConfig", "ProxyError", "ProxyState", "SSEDecoder", "StreamStitcher",
-    "Timeouts", "Upstream", "UpstreamError", "UpstreamProtocol", "UpstreamStatus", "UpstreamTimeout",
-    "UpstreamUnavailable", "WorkerPool", "WorkerRecord", "build_parser", "create_app", "error_body",
-    "merge_bodies", "parse_args", "parse_request", "pick", "summed_usage", "to_http",
+    "Endpoint", "KV_PROTOCOLS", "NoWorkers", "ProxyConfig", "ProxyError", "ProxyState", "SSEDecoder",
+    "StreamStitcher", "Timeouts", "Upstream", "UpstreamError", "UpstreamProtocol", "UpstreamStatus",
+    "UpstreamTimeout", "UpstreamUnavailable", "WorkerPool", "WorkerRecord", "build_parser", "create_app",
+    "error_body", "merge_bodies", "parse_args", "parse_request", "pick", "summed_usage", "to_http",
 ]

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from proxy.errors import ConfigError
 from proxy.upstream import Timeouts
-from proxy.workers import DEFAULT_KV_PORT, WorkerRecord, static_worker
+from proxy.workers import DEFAULT_KV_PORT, KV_PROTOCOLS, WorkerRecord, static_worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static xPyD prefill worker (repeat)")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
                    help="static xPyD decode worker (repeat)")
+    p.add_argument("--kv-protocol", choices=KV_PROTOCOLS, default="neuron",
+                   help="how the static prefill/decode workers are driven: neuron (our signal plane, both legs "
+                        "at once) or nixl (vLLM's NixlConnector: prefill first, its kv_transfer_params to decode)")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="colocated worker (repeat)")
     p.add_argument("--etcd", metavar="HOST:PORT", help="discover workers under /workers/ in etcd")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")
@@ -65,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     etcd = _host_port(args.etcd, "--etcd") if args.etcd else None
     if etcd and workers:
         raise ConfigError("give either static workers or --etcd, not both")
+    if args.kv_protocol != "neuron" and (etcd or args.mode == "colocated"):
+        raise ConfigError("--kv-protocol is for static prefill/decode workers; etcd records carry their own")
     if not etcd and not workers:
         need = "--worker" if args.mode == "colocated" else "--prefill-ip/--prefill-port/--decode-ip/--decode-port"
         raise ConfigError(f"no workers: give {need}, or --etcd HOST:PORT")
@@ -84,18 +89,20 @@ def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
     if args.worker:
         raise ConfigError("--worker is for --mode colocated; use --prefill/--decode in di mode")
     workers: list[WorkerRecord] = []
+    protocol = args.kv_protocol
     if any(v is not None for v in one_p_one_d):
         if any(v is None for v in one_p_one_d):
             raise ConfigError("static 1P1D needs all of --prefill-ip --prefill-port --decode-ip --decode-port")
         _check_port("--prefill-kv-port", args.prefill_kv_port)
-        workers.append(_worker("prefill", args.prefill_ip, args.prefill_port, "--prefill-port", args.prefill_kv_port))
-        workers.append(_worker("decode", args.decode_ip, args.decode_port, "--decode-port"))
+        workers.append(_worker("prefill", args.prefill_ip, args.prefill_port, "--prefill-port", protocol,
+                               args.prefill_kv_port))
+        workers.append(_worker("decode", args.decode_ip, args.decode_port, "--decode-port", protocol))
     for spec in args.prefill:
         host, port, *kv = _split(spec, "--prefill", 3)
-        workers.append(_worker("prefill", host, _port(port, "--prefill"), "--prefill",
+        workers.append(_worker("prefill", host, _port(port, "--prefill"), "--prefill", protocol,
                                _port(kv[0], "--prefill") if kv else DEFAULT_KV_PORT))
     for spec in args.decode:
-        workers.append(static_worker("decode", *_host_port(spec, "--decode")))
+        workers.append(static_worker("decode", *_host_port(spec, "--decode"), kv_protocol=protocol))
     roles = {w.role for w in workers}
     if workers and roles != {"prefill", "decode"}:
         raise ConfigError("di mode needs at least one prefill and one decode worker")
@@ -104,9 +111,10 @@ def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
     return tuple(workers)
 
 
-def _worker(role: str, host: str, port: int, flag: str, kv_port: int = DEFAULT_KV_PORT) -> WorkerRecord:
+def _worker(role: str, host: str, port: int, flag: str, kv_protocol: str,
+            kv_port: int = DEFAULT_KV_PORT) -> WorkerRecord:
     _check_port(flag, port)
-    return static_worker(role, host, port, kv_port)
+    return static_worker(role, host, port, kv_port, kv_protocol)
 
 
 def _split(spec: str, flag: str, max_parts: int) -> list[str]:

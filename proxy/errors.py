@@ -3,7 +3,7 @@
     ProxyError
     ├── ConfigError              bad command line or configuration; the proxy does not start
     ├── BadRequest               the client's request is invalid (400)
-    ├── NoWorkers                no healthy worker of a role right now (503)
+    ├── NoWorkers                no healthy worker of a role (and kv_protocol) right now (503)
     └── UpstreamError            a worker failed one leg of a request
         ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502)
         ├── UpstreamTimeout      connecting to or reading from the worker timed out (504)
@@ -31,9 +31,11 @@ class BadRequest(ProxyError):
 
 
 class NoWorkers(ProxyError):
-    def __init__(self, role: str) -> None:
-        super().__init__(f"no healthy {role} worker is available")
+    def __init__(self, role: str, kv_protocol: str | None = None) -> None:
+        driven = f" with kv_protocol {kv_protocol!r}" if kv_protocol else ""
+        super().__init__(f"no healthy {role} worker{driven} is available")
         self.role = role
+        self.kv_protocol = kv_protocol
 
 
 class UpstreamError(ProxyError):

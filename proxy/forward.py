@@ -73,7 +73,8 @@ class Forwarder:
         return StreamAnswer(self._relayed(first, queue, task, started))
 
     async def _disaggregated(self, request: ClientRequest) -> Answer:
-        prefill, decode = self._pool.next("prefill"), self._pool.next("decode")
+        prefill = self._pool.next("prefill")
+        decode = self._pool.next("decode", prefill.kv_protocol)  # the two legs must speak one handoff
         uid = uuid.uuid4().hex
         headers, path, started = {"X-Request-Id": uid}, request.endpoint.path, time.perf_counter()
         prefill_task = _spawn(self._call(prefill, path, prefill_body(request, uid), headers))

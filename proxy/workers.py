@@ -3,16 +3,17 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from neuron_connector.registry import DEFAULT_KV_PORT, ROLES, WorkerRecord
+from neuron_connector.registry import DEFAULT_KV_PORT, KV_PROTOCOLS, ROLES, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-__all__ = ["DEFAULT_KV_PORT", "ROLES", "WorkerPool", "WorkerRecord", "pick", "static_worker"]
+__all__ = ["DEFAULT_KV_PORT", "KV_PROTOCOLS", "ROLES", "WorkerPool", "WorkerRecord", "pick", "static_worker"]
 
 
-def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_KV_PORT) -> WorkerRecord:
-    """A worker given on the command line; ConfigError for a bad role or address."""
+def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_KV_PORT,
+                  kv_protocol: str = "neuron") -> WorkerRecord:
+    """A worker given on the command line; ConfigError for a bad role, address or protocol."""
     try:
-        return WorkerRecord(role, host, http_port, kv_port=kv_port)
+        return WorkerRecord(role, host, http_port, kv_port=kv_port, kv_protocol=kv_protocol)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -23,7 +24,7 @@ def pick(candidates: Sequence[WorkerRecord], turn: int) -> WorkerRecord:
 
 
 class WorkerPool:
-    """The workers the proxy knows, which of them are healthy, and a turn counter per role.
+    """The workers the proxy knows, which of them are healthy, and a turn counter per role and protocol.
 
     Plain synchronous state, touched only from the event loop: discovery and health
     checks update it, request handlers read it.
@@ -32,7 +33,7 @@ class WorkerPool:
     def __init__(self, workers: Iterable[WorkerRecord] = ()) -> None:
         self._workers: dict[str, WorkerRecord] = {}
         self._down: set[str] = set()
-        self._turns = {role: 0 for role in ROLES}
+        self._turns: dict[tuple[str, str | None], int] = {}
         self._healthy: dict[str, list[WorkerRecord]] | None = None
         for worker in workers:
             self.add(worker)
@@ -67,20 +68,22 @@ class WorkerPool:
     def all(self) -> list[WorkerRecord]:
         return sorted(self._workers.values(), key=lambda w: w.key)
 
-    def healthy(self, role: str) -> list[WorkerRecord]:
+    def healthy(self, role: str, kv_protocol: str | None = None) -> list[WorkerRecord]:
+        """The healthy workers of `role` (and of `kv_protocol`, if given), sorted by key."""
         if self._healthy is None:
             # Sorted so that the rotation order does not depend on discovery order.
             self._healthy = {r: [] for r in ROLES}
             for worker in self.all():
                 if worker.key not in self._down:
                     self._healthy[worker.role].append(worker)
-        return self._healthy[role]
+        workers = self._healthy[role]
+        return workers if kv_protocol is None else [w for w in workers if w.kv_protocol == kv_protocol]
 
-    def next(self, role: str) -> WorkerRecord:
-        """Picks the next healthy worker of `role`; NoWorkers at once if there is none."""
-        candidates = self.healthy(role)
+    def next(self, role: str, kv_protocol: str | None = None) -> WorkerRecord:
+        """Picks the next healthy worker of `role` (driven by `kv_protocol`, if given); NoWorkers at once if none."""
+        candidates = self.healthy(role, kv_protocol)
         if not candidates:
-            raise NoWorkers(role)
-        turn = self._turns[role]
-        self._turns[role] = turn + 1
+            raise NoWorkers(role, kv_protocol)
+        turn = self._turns.get((role, kv_protocol), 0)
+        self._turns[(role, kv_protocol)] = turn + 1
         return pick(candidates, turn)

@@ -176,7 +176,7 @@ def test_decode_death_mid_stream_is_an_sse_error_and_leaves_rotation(
     assert prefill.state()["active"] == 0
     after = httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30)
     assert after.status_code == 503
-    assert after.json()["error"]["message"] == "no healthy decode worker is available"
+    assert after.json()["error"]["message"] == "no healthy decode worker with kv_protocol 'neuron' is available"
 
 
 def test_refused_connection_is_502_and_takes_the_worker_out(servers: Callable[[Server], Server]) -> None:

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 import neuron_connector
 from neuron_connector import RegistrationError
-from proxy import (CHAT, COMPLETIONS, BadRequest, ConfigError, NoWorkers, SSEDecoder, StreamStitcher,
-                   UpstreamProtocol, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable, WorkerPool,
-                   WorkerRecord, parse_args, parse_request, pick, summed_usage, to_http)
+from proxy import (CHAT, COMPLETIONS, KV_PROTOCOLS, BadRequest, ConfigError, NoWorkers, SSEDecoder,
+                   StreamStitcher, UpstreamProtocol, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable,
+                   WorkerPool, WorkerRecord, parse_args, parse_request, pick, summed_usage, to_http)
 from proxy.requests import decode_body, prefill_body
 
 STREAM = (b"data: {\"a\": 1}\n\n: keep-alive comment\n\nevent: message\r\ndata: {\"b\":\r\ndata: 2}\r\n\r\n"
@@ -118,19 +118,47 @@ def test_round_robin_and_health() -> None:
         pool.next("decode")
 
 
+def test_decode_is_picked_among_workers_of_the_prefills_kv_protocol() -> None:
+    neuron = [WorkerRecord("decode", "n", port) for port in (1, 2)]
+    nixl = [WorkerRecord("decode", "x", port, kv_protocol="nixl") for port in (1, 2)]
+    pool = WorkerPool([*neuron, *nixl, WorkerRecord("prefill", "p", 1, kv_protocol="nixl")])
+    assert pool.healthy("decode", "nixl") == nixl and pool.healthy("decode", "neuron") == neuron
+    assert [pool.next("decode", "nixl") for _ in range(3)] == [nixl[0], nixl[1], nixl[0]]
+    assert [pool.next("decode", "neuron") for _ in range(3)] == [neuron[0], neuron[1], neuron[0]]
+    assert pool.next("prefill").kv_protocol == "nixl"
+    for worker in nixl:
+        pool.mark(worker.key, healthy=False)
+    with pytest.raises(NoWorkers) as failure:
+        pool.next("decode", "nixl")
+    assert str(failure.value) == "no healthy decode worker with kv_protocol 'nixl' is available"
+    assert to_http(failure.value)[0] == 503
+    assert pool.healthy("decode") == neuron
+
+
 def test_worker_record_round_trips_and_rejects_garbage() -> None:
     record = WorkerRecord("prefill", "h", 8100, kv_host="k", kv_port=1, engine_id="e", model="m",
-                          transfer={"backend": "shm"})
+                          transfer={"backend": "shm"}, kv_protocol="nixl")
+    assert json.loads(record.to_json())["kv_protocol"] == "nixl"
     assert WorkerRecord.from_json(record.to_json()) == record
-    for raw in (b"{", b"[]", b'{"role": "x", "host": "h", "http_port": 1}', b'{"role": "decode"}'):
+    assert WorkerRecord.from_json(record.to_json()).kv_protocol == "nixl"
+    for raw in (b"{", b"[]", b'{"role": "x", "host": "h", "http_port": 1}', b'{"role": "decode"}',
+                b'{"role": "decode", "host": "h", "http_port": 1, "kv_protocol": "mooncake"}'):
         with pytest.raises(RegistrationError):
             WorkerRecord.from_json(raw)
+
+
+def test_worker_record_rejects_an_unknown_kv_protocol() -> None:
+    assert KV_PROTOCOLS == ("neuron", "nixl")
+    with pytest.raises(ValueError) as failure:
+        WorkerRecord("decode", "h", 8200, kv_protocol="mooncake")
+    assert str(failure.value) == "worker kv_protocol must be one of ('neuron', 'nixl'), got 'mooncake'"
 
 
 def test_one_worker_record_type_serves_proxy_and_workers() -> None:
     assert WorkerRecord is neuron_connector.WorkerRecord
     minimal = WorkerRecord.from_json(b'{"role": "prefill", "host": "h", "http_port": 8100}')
-    assert (minimal.kv_host, minimal.kv_port, minimal.engine_id) == ("h", 14579, "h:8100")
+    assert (minimal.kv_host, minimal.kv_port, minimal.engine_id, minimal.kv_protocol) == (
+        "h", 14579, "h:8100", "neuron")
 
 
 def test_errors_map_to_statuses_in_one_place() -> None:
@@ -155,6 +183,18 @@ def test_config_static_1p1d_and_xpyd() -> None:
     assert parse_args(["--mode", "colocated", "--worker", "w:1"]).workers[0].role == "both"
 
 
+def test_config_kv_protocol_drives_every_static_worker() -> None:
+    config = parse_args(["--prefill", "a:1", "--decode", "c:3", "--decode", "d:4"])
+    assert [w.kv_protocol for w in config.workers] == ["neuron"] * 3
+    config = parse_args(["--prefill-ip", "a", "--prefill-port", "1", "--decode-ip", "b", "--decode-port", "2",
+                         "--prefill", "c:3", "--decode", "d:4", "--kv-protocol", "nixl"])
+    assert [(w.role, w.kv_protocol) for w in config.workers] == [
+        ("prefill", "nixl"), ("decode", "nixl"), ("prefill", "nixl"), ("decode", "nixl")]
+    assert parse_args(["--etcd", "e:1", "--kv-protocol", "neuron"]).workers == ()
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "a:1", "--decode", "c:3", "--kv-protocol", "mooncake"])
+
+
 @pytest.mark.parametrize("argv,message", [
     ([], "no workers"),
     (["--prefill-ip", "a", "--prefill-port", "1"], "needs all of"),
@@ -167,6 +207,8 @@ def test_config_static_1p1d_and_xpyd() -> None:
     (["--worker", "a:1"], "is for --mode colocated"),
     (["--etcd", "e:1", "--read-timeout", "0"], "must be positive"),
     (["--prefill", "a:1", "--prefill", "a:1", "--decode", "b:2"], "given twice"),
+    (["--etcd", "e:1", "--kv-protocol", "nixl"], "etcd records carry their own"),
+    (["--mode", "colocated", "--worker", "w:1", "--kv-protocol", "nixl"], "is for static prefill/decode"),
 ])
 def test_config_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
