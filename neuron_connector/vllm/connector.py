@@ -1,0 +1,127 @@
+"""`NeuronConnector`: vLLM's KV connector hooks, delegated to SchedulerPlan and WorkerSide.
+
+vLLM builds one instance in the scheduler and one in each worker process; the scheduler's
+instance hands its StepOrders to the worker's inside `NeuronConnectorMetadata` every step,
+and the worker's reports transfers back through `get_transfer_results`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+from vllm.v1.request import RequestStatus
+
+from neuron_connector.vllm.config import NeuronConnectorConfig
+from neuron_connector.vllm.plan import SchedulerPlan, StepOrders
+from neuron_connector.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+
+def _log_through_vllm() -> None:
+    """Our modules log under `neuron_connector`; inside vLLM they go where vLLM's own logs go."""
+    ours, theirs = logging.getLogger("neuron_connector"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
+_log_through_vllm()
+
+
+@dataclass
+class NeuronConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side decided this step, for the worker side."""
+
+    orders: StepOrders
+
+
+class NeuronConnector(KVConnectorBase_V1):
+    """Prefill (kv_producer) publishes finished prompts' blocks on our signal plane; decode
+    (kv_consumer) pulls them with lookup_all while the request waits for remote KV."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self.config = NeuronConnectorConfig.from_vllm(transfer_config.kv_role,
+                                                      transfer_config.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        self._plan = SchedulerPlan(self.config.role, block_size) if role == KVConnectorRole.SCHEDULER else None
+        model = vllm_config.model_config.served_model_name
+        self._worker = (WorkerSide(self.config, model if isinstance(model, str) else model[0])
+                        if role == KVConnectorRole.WORKER else None)
+
+    # ---- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._plan is not None
+        count = self._plan.matched_tokens(request.request_id, request.kv_transfer_params,
+                                          request.num_prompt_tokens, num_computed_tokens)
+        return count, count > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._plan is not None
+        self._plan.allocated(request.request_id, request.kv_transfer_params, blocks.get_block_ids()[0],
+                             request.num_prompt_tokens, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._plan is not None
+        return NeuronConnectorMetadata(self._plan.take_orders())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._plan is not None
+        capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED and request.output_token_ids
+        first_token = request.output_token_ids[0] if capped else None
+        held = self._plan.finished(request.request_id, request.kv_transfer_params, list(block_ids),
+                                   request.num_prompt_tokens, first_token)
+        return held, None
+
+    # ---- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, NeuronConnectorMetadata)
+        self._worker.apply(metadata.orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole requests, done before the request is scheduled: nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Blocks are pushed from the pool when the decode peer asks: nothing to save per layer."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved per step."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        results = self._worker.results(finished_req_ids)
+        return KVConnectorTransferResults(results.finished_sending, results.finished_recving,
+                                          results.failed_recving)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,107 @@
+"""NeuronConnector's parts that need no vLLM: its settings, the scheduler side's orders, the pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_connector.vllm import NeuronConnectorConfig
+from neuron_connector.vllm.plan import Publish, Pull, SchedulerPlan, blocks_to_pull, prompt_blocks
+from neuron_connector.vllm.pool import distinct_layers, kv_layout, rebind
+from transfer import KVLayout, create_engine
+
+DECODE_PARAMS = {"role": "decode", "request_id": "u1", "remote_host": "10.0.0.5", "remote_port": 14579}
+
+
+def test_config_from_vllm_settings() -> None:
+    config = NeuronConnectorConfig.from_vllm("kv_consumer", {"kv_transport": "tcp", "pull_timeout": 5})
+    assert (config.role, config.kv_transport, config.pull_timeout) == ("decode", "tcp", 5)
+    assert NeuronConnectorConfig.from_vllm("kv_producer", None).role == "prefill"
+
+
+@pytest.mark.parametrize("kv_role, extra, message", [
+    ("kv_both", {}, "kv_producer \\(prefill\\) or kv_consumer"),
+    ("kv_producer", {"kvport": 1}, "unknown kv_connector_extra_config keys \\['kvport'\\]"),
+    ("kv_producer", {"kv_port": "1"}, "kv_port must be int"),
+    ("kv_producer", {"kv_port": True}, "kv_port must be int"),
+    ("kv_producer", {"kv_transport": "rdma"}, "kv_transport must be one of"),
+    ("kv_producer", {"etcd": "127.0.0.1:2379"}, "http_port .* is required with etcd"),
+    ("kv_consumer", {"pull_timeout": 0}, "pull_timeout must be positive"),
+])
+def test_bad_settings_are_refused_by_name(kv_role: str, extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NeuronConnectorConfig.from_vllm(kv_role, extra)
+
+
+def test_block_arithmetic() -> None:
+    ids = [7, 3, 9, 4]
+    assert prompt_blocks(ids, 129, 128) == (7, 3)
+    assert prompt_blocks(ids, 128, 128) == (7,)
+    # All 300 prompt tokens external: every prompt block; 256 of them cached locally: the tail.
+    assert blocks_to_pull(ids, 300, 300, 128) == (7, 3, 9)
+    assert blocks_to_pull(ids, 300, 44, 128) == (9,)
+
+
+def test_decode_pulls_each_request_once() -> None:
+    plan = SchedulerPlan("decode", block_size=128)
+    assert plan.matched_tokens("r1", DECODE_PARAMS, 300, 0) == 300
+    plan.allocated("r1", DECODE_PARAMS, [5, 6, 7], 300, 300)
+    assert plan.take_orders().pull == [Pull("r1", "u1", "10.0.0.5", 14579, (5, 6, 7))]
+    # Preempted and admitted again: computed locally, never pulled a second time.
+    assert plan.matched_tokens("r1", DECODE_PARAMS, 300, 0) == 0
+    assert plan.finished("r1", DECODE_PARAMS, [5, 6, 7], 300, None) is False
+    assert plan.take_orders().pull == []
+
+
+@pytest.mark.parametrize("params", [None, {"role": "prefill", "request_id": "u"},
+                                    {"role": "decode", "request_id": "u", "remote_host": "h"},
+                                    {"role": "decode", "request_id": "", "remote_host": "h", "remote_port": 1},
+                                    {"role": "decode", "request_id": "u", "remote_host": "h", "remote_port": True}])
+def test_decode_serves_requests_without_usable_params_itself(params) -> None:
+    plan = SchedulerPlan("decode", block_size=128)
+    assert plan.matched_tokens("r", params, 300, 0) == 0
+    plan.allocated("r", params, [1, 2, 3], 300, 0)
+    assert plan.take_orders().pull == []
+
+
+def test_prefill_publishes_capped_requests_and_discards_the_rest() -> None:
+    plan = SchedulerPlan("prefill", block_size=128)
+    params = {"role": "prefill", "request_id": "u1"}
+    assert plan.finished("r1", params, [4, 8, 2], 257, first_token=42) is True
+    assert plan.finished("r2", {**params, "request_id": "u2"}, [1], 10, first_token=None) is False
+    assert plan.finished("r3", None, [3], 10, first_token=5) is False
+    orders = plan.take_orders()
+    assert orders.publish == [Publish("r1", "u1", (4, 8, 2), 42)] and orders.discard == ["u2"]
+    assert plan.take_orders().publish == []
+
+
+def vllm_like_caches(layers: int, blocks: int = 6, heads: int = 2, block_size: int = 4,
+                     head_dim: int = 8) -> dict[str, torch.Tensor]:
+    """Per-layer tensors cut from one allocation, shaped as vLLM's CPU backend shapes them."""
+    whole = torch.randn(layers, blocks, heads, block_size, 2 * head_dim)
+    return {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(layers)}
+
+
+def test_layout_of_vllm_caches() -> None:
+    caches = vllm_like_caches(3)
+    layers = distinct_layers({**caches, "shared.attn": caches["model.layers.1.self_attn.attn"]})
+    assert len(layers) == 3
+    assert kv_layout(layers) == KVLayout(num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8,
+                                         order="LBHKTD")
+    with pytest.raises(ValueError, match="every layer"):
+        kv_layout([layers[0], torch.zeros(6, 2, 4, 8)])
+
+
+def test_rebound_layers_write_into_the_registered_pool() -> None:
+    caches = vllm_like_caches(2)
+    layers = distinct_layers(caches)
+    layout = kv_layout(layers)
+    with create_engine("shm") as engine:
+        pool = engine.allocate_region(layout)
+        rebind(layers, pool)
+        # Written as vLLM's CPU attention writes: keys, then values, of each head of a block.
+        keys, values = layers[1].view(6, 2, 2 * 4, 8).chunk(2, dim=2)
+        keys[3, 0] = 1.5
+        values[3, 1] = -2.0
+        assert torch.all(pool[1, 3, 0, 0] == 1.5) and torch.all(pool[1, 3, 1, 1] == -2.0)
+        assert pool.count_nonzero() == 2 * 4 * 8   # two (block_size x head_dim) writes, nothing else
+        assert layers[0].data_ptr() == pool[0].data_ptr()
