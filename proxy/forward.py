@@ -1,8 +1,11 @@
 """One client request -> one or two legs to workers -> one answer.
 
-Disaggregated: the prefill leg (one token, not streamed) and the decode leg run at the
-same time; whichever fails first cancels the other. Single leg: colocated workers, or a
-request for one token, which prefill answers on its own.
+Disaggregated: a prefill leg (one token, not streamed) and a decode leg, driven as the
+prefill worker's record says. kv_protocol "neuron" (our signal plane): both legs at once;
+whichever fails first cancels the other. "nixl" (vLLM's NixlConnector): prefill first, then
+decode with the kv_transfer_params of prefill's answer. Either way the answer is stitched
+the same. Single leg: colocated workers, or a request for one token, which prefill answers
+on its own.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 from proxy.errors import (ProxyError, UpstreamError, UpstreamProtocol, UpstreamStatus, UpstreamUnavailable,
                           error_body, to_http)
 from proxy.metrics import Metrics
-from proxy.requests import ClientRequest, decode_body, prefill_body
+from proxy.requests import (ClientRequest, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
+                            nixl_prefill_params, prefill_body)
 from proxy.sse import DONE, DONE_EVENT, SSEDecoder, encode_raw
-from proxy.stitch import StreamStitcher, merge_bodies, prefill_finished
+from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
@@ -40,6 +44,15 @@ class StreamAnswer:
 
 
 Answer = JSONAnswer | StreamAnswer
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeLeg:
+    """A started decode leg; a streamed one delivers its SSE payloads through `queue`."""
+
+    worker: WorkerRecord
+    task: asyncio.Task[Any]
+    queue: asyncio.Queue[Any] | None = None
 
 
 class Forwarder:
@@ -75,36 +88,71 @@ class Forwarder:
     async def _disaggregated(self, request: ClientRequest) -> Answer:
         prefill = self._pool.next("prefill")
         decode = self._pool.next("decode", prefill.kv_protocol)  # the two legs must speak one handoff
-        uid = uuid.uuid4().hex
-        headers, path, started = {"X-Request-Id": uid}, request.endpoint.path, time.perf_counter()
-        prefill_task = _spawn(self._call(prefill, path, prefill_body(request, uid), headers))
-        dbody = decode_body(request, uid, prefill)
-        if request.stream:
-            queue, decode_task = self._open_stream(decode, path, dbody, headers)
-        else:
-            decode_task = _spawn(self._call(decode, path, dbody, headers))
+        uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
+        flow = self._prefill_first if prefill.kv_protocol == "nixl" else self._concurrent
+        first, leg = await flow(request, prefill, decode, uid, seed)
+        return await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started)
+
+    async def _concurrent(self, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
+                          uid: str, seed: int) -> tuple[dict[str, Any], _DecodeLeg]:
+        """Our signal plane: both legs at once; decode pulls the KV blocks when prefill has them."""
+        headers = {"X-Request-Id": uid}
+        pbody = prefill_body(request, seed, neuron_prefill_params(uid))
+        dbody = decode_body(request, seed, neuron_decode_params(uid, prefill))
+        prefill_task = _spawn(self._call(prefill, request.endpoint.path, pbody, headers))
+        leg = self._start_decode(decode, request, dbody, headers)
         try:
-            first = _json(await _first_or_failure(prefill_task, decode_task), prefill)
-            response_id = request.endpoint.id_prefix + uid
+            return _json(await _first_or_failure(prefill_task, leg.task), prefill), leg
+        except BaseException:
+            leg.task.cancel()  # a failed leg has cancelled both already; prefill's answer may not be JSON
+            raise
+
+    async def _prefill_first(self, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
+                             uid: str, seed: int) -> tuple[dict[str, Any], _DecodeLeg | None]:
+        """vLLM's NixlConnector: prefill answers with where its KV lies; then decode starts with that."""
+        headers = {"X-Request-Id": uid}
+        pbody = prefill_body(request, seed, nixl_prefill_params())
+        first = _json(await self._call(prefill, request.endpoint.path, pbody, headers), prefill)
+        if prefill_finished(first):
+            return first, None  # EOS at token one: decode is not called at all
+        dbody = decode_body(request, seed, _handoff(first, prefill))
+        return first, self._start_decode(decode, request, dbody, headers)
+
+    def _start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],
+                      headers: dict[str, str]) -> _DecodeLeg:
+        if request.stream:
+            queue, task = self._open_stream(worker, request.endpoint.path, body, headers)
+            return _DecodeLeg(worker, task, queue)
+        return _DecodeLeg(worker, _spawn(self._call(worker, request.endpoint.path, body, headers)))
+
+    async def _answer(self, request: ClientRequest, response_id: str, first: dict[str, Any],
+                      leg: _DecodeLeg | None, started: float) -> Answer:
+        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give."""
+        try:
             if not request.stream:
-                return await self._whole(response_id, first, decode_task, decode)
+                return JSONAnswer(_dump(await self._whole(response_id, first, leg)))
             stitcher = StreamStitcher(request, response_id, int(time.time()), first)
             events = stitcher.first()
         except BaseException:
-            prefill_task.cancel()
-            decode_task.cancel()
+            _cancel(leg)
             raise
         if stitcher.finished:
-            decode_task.cancel()  # EOS at token one: decode has nothing to add
-        return StreamAnswer(self._stitched(stitcher, events, queue, decode_task, started))
+            _cancel(leg)  # EOS at token one: decode has nothing to add
+        return StreamAnswer(self._stitched(stitcher, events, leg, started))
 
-    async def _whole(self, response_id: str, first: dict[str, Any], decode_task: asyncio.Task[bytes],
-                     decode: WorkerRecord) -> JSONAnswer:
-        if prefill_finished(first):
-            decode_task.cancel()  # EOS at token one: decode has nothing to add
-            return JSONAnswer(_dump({**first, "id": response_id}))
-        rest = _json(await decode_task, decode)
-        return JSONAnswer(_dump(merge_bodies(response_id, first, rest)))
+    async def _whole(self, response_id: str, first: dict[str, Any], leg: _DecodeLeg | None) -> dict[str, Any]:
+        if leg is None or prefill_finished(first):
+            _cancel(leg)  # EOS at token one: decode has nothing to add
+            return prefill_answer(response_id, first)
+        rest = _json(await leg.task, leg.worker)
+        self._first_token(leg.worker, first_token_repeated(first, rest))
+        return merge_bodies(response_id, first, rest)
+
+    def _first_token(self, decode: WorkerRecord, matched: bool) -> None:
+        """Counts one checked first token; a different one means the KV did not arrive intact."""
+        self._metrics.first_token(decode.kv_protocol, matched)
+        if not matched:
+            log.warning("decode worker %s: first token differs from prefill's (KV not intact?)", decode.address)
 
     async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         with self._leg(worker):
@@ -152,28 +200,31 @@ class Forwarder:
                     self._pool.mark(worker.key, healthy=False)  # until a health check passes again
                 raise
 
-    async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], queue: asyncio.Queue[Any],
-                        task: asyncio.Task[None], started: float) -> AsyncIterator[bytes]:
+    async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: _DecodeLeg | None,
+                        started: float) -> AsyncIterator[bytes]:
         timer = _TokenTimer(self._metrics, started)
         try:
-            finished_by_prefill = stitcher.finished
             for event in first:
                 timer.tick()
                 yield event
-            if finished_by_prefill:
-                return
-            while (item := await queue.get()) is not _END:
+            if leg is None or leg.queue is None or stitcher.finished:
+                return  # prefill's token ended the answer
+            checked = False
+            while (item := await leg.queue.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
                 for event in stitcher.feed(item):
                     timer.tick()
                     yield event
+                if not checked and stitcher.first_token_matched is not None:
+                    checked = True  # counted at once, before the client can see the end of the answer
+                    self._first_token(leg.worker, stitcher.first_token_matched)
             for event in stitcher.close():
                 yield event
         except ProxyError as exc:
             yield _error_event(exc)
         finally:
-            task.cancel()  # client gone or answer failed: drop the decode connection
+            _cancel(leg)  # client gone or answer failed: drop the decode connection
             timer.done()
 
     async def _relayed(self, first: Any, queue: asyncio.Queue[Any], task: asyncio.Task[None],
@@ -229,6 +280,20 @@ async def _first_or_failure(main: asyncio.Future[Any], other: asyncio.Task[Any])
         main.cancel()
         other.cancel()
         raise
+
+
+def _cancel(leg: _DecodeLeg | None) -> None:
+    if leg is not None:
+        leg.task.cancel()
+
+
+def _handoff(first: dict[str, Any], prefill: WorkerRecord) -> dict[str, Any]:
+    """The kv_transfer_params in a NixlConnector prefill's answer: what decode needs to pull the KV."""
+    params = first.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise UpstreamProtocol("answer has no kv_transfer_params object for decode (is it a vLLM worker with "
+                               "NixlConnector?)", prefill.role, prefill.address)
+    return params
 
 
 def _spawn(coro: Awaitable[Any]) -> asyncio.Task[Any]:

@@ -7,13 +7,14 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proxy.errors import UpstreamError
-from proxy.workers import WorkerRecord
+from proxy.workers import KV_PROTOCOLS, WorkerRecord
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
-    """Requests by status, TTFT, ITL, end-to-end latency, in-flight legs per worker, upstream errors."""
+    """Requests by status, TTFT, ITL, end-to-end latency, in-flight legs per worker, upstream errors,
+    and decode first tokens checked against prefill's, per kv_protocol."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -29,6 +30,15 @@ class Metrics:
                               ["role", "worker"], registry=self.registry)
         self.upstream_errors = Counter("proxy_upstream_errors", "Failed legs by role and error kind",
                                        ["role", "kind"], registry=self.registry)
+        self.first_token_checks = Counter(
+            "proxy_first_token_checks", "Disaggregated answers whose decode first token was compared with "
+            "prefill's", ["kv_protocol"], registry=self.registry)
+        self.first_token_mismatches = Counter(
+            "proxy_first_token_mismatches", "Disaggregated answers whose decode first token differed from "
+            "prefill's (the moved KV was not intact)", ["kv_protocol"], registry=self.registry)
+        for protocol in KV_PROTOCOLS:  # exported at 0 from the start, so that a rate exists
+            self.first_token_checks.labels(protocol)
+            self.first_token_mismatches.labels(protocol)
 
     @contextmanager
     def leg(self, worker: WorkerRecord) -> Iterator[None]:
@@ -42,6 +52,12 @@ class Metrics:
             raise
         finally:
             gauge.dec()
+
+    def first_token(self, kv_protocol: str, matched: bool) -> None:
+        """Counts one checked first token, and whether decode's differed from prefill's."""
+        self.first_token_checks.labels(kv_protocol).inc()
+        if not matched:
+            self.first_token_mismatches.labels(kv_protocol).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import BadRequest
 from proxy.workers import WorkerRecord
+
+SEED_RANGE = 2**31  # seeds the proxy draws lie in [0, SEED_RANGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,7 @@ class ClientRequest:
     stream: bool
     max_tokens: int | None
     include_usage: bool
+    seed: int | None
 
 
 def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> ClientRequest:
@@ -55,12 +59,13 @@ def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> Client
     options = _optional(body, "stream_options", dict, {})
     include_usage = _optional(options, "include_usage", bool, False)
     max_tokens = _max_tokens(body, endpoint)
+    seed = _optional(body, "seed", int, None)
     if disaggregated:
         if _optional(body, "n", int, 1) != 1 or _optional(body, "best_of", int, 1) != 1:
             raise BadRequest("only one choice per request (n=1) is supported by the disaggregated proxy", "n")
         if _optional(body, "echo", bool, False):
             raise BadRequest("'echo' is not supported by the disaggregated proxy", "echo")
-    return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage and stream)
+    return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage and stream, seed)
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
@@ -105,18 +110,42 @@ def _check_messages(messages: Any) -> None:
             raise BadRequest("each message must be an object with a string 'role'", "messages")
 
 
-def prefill_body(request: ClientRequest, uid: str) -> dict[str, Any]:
-    """The prefill leg: the client's body, one token, not streamed."""
-    body = {**request.body, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"role": "prefill", "request_id": uid}}
+def leg_seed(request: ClientRequest) -> int:
+    """The seed of both legs: the client's, or one drawn for this request.
+
+    A vLLM decode worker samples the first token again itself; only the same seed on both
+    legs makes a sampled request give what one server gives.
+    """
+    return request.seed if request.seed is not None else random.randrange(SEED_RANGE)
+
+
+def prefill_body(request: ClientRequest, seed: int, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """A prefill leg: the client's body, one token, not streamed."""
+    body = {**request.body, "max_tokens": 1, "stream": False, "seed": seed,
+            "kv_transfer_params": kv_transfer_params}
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     body.pop("stream_options", None)
     return body
 
 
-def decode_body(request: ClientRequest, uid: str, prefill: WorkerRecord) -> dict[str, Any]:
-    """The decode leg: the client's body plus where to pull the prompt's KV blocks from."""
-    return {**request.body, "kv_transfer_params": {
-        "role": "decode", "request_id": uid, "remote_host": prefill.kv_host,
-        "remote_port": prefill.kv_port, "remote_engine_id": prefill.engine_id}}
+def decode_body(request: ClientRequest, seed: int, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """A decode leg: the client's body with the legs' seed and the handoff."""
+    return {**request.body, "seed": seed, "kv_transfer_params": kv_transfer_params}
+
+
+def neuron_prefill_params(uid: str) -> dict[str, Any]:
+    """Our signal plane, prefill: which request the KV blocks it keeps belong to."""
+    return {"role": "prefill", "request_id": uid}
+
+
+def neuron_decode_params(uid: str, prefill: WorkerRecord) -> dict[str, Any]:
+    """Our signal plane, decode: where to pull the prompt's KV blocks from."""
+    return {"role": "decode", "request_id": uid, "remote_host": prefill.kv_host,
+            "remote_port": prefill.kv_port, "remote_engine_id": prefill.engine_id}
+
+
+def nixl_prefill_params() -> dict[str, Any]:
+    """vLLM's NixlConnector, prefill: keep the KV for a remote decode (which learns where from the answer)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -1,7 +1,9 @@
 """Stitching the two legs into the one answer a single server would give (sans-I/O).
 
 The decode worker repeats the prefill worker's token as its own first token, so the
-client gets prefill's token first (early), then decode's tokens without that repeat.
+client gets prefill's token first (early), then decode's tokens without that repeat. That
+repeat is also checked: a vLLM decode worker samples it again from the KV it received, so a
+different token means the KV did not arrive intact.
 """
 from __future__ import annotations
 
@@ -27,16 +29,33 @@ def prefill_finished(prefill: dict[str, Any]) -> bool:
     return _first_choice(prefill).get("finish_reason") == "stop"
 
 
+def prefill_answer(response_id: str, prefill: dict[str, Any]) -> dict[str, Any]:
+    """The non-streamed answer when prefill's token ended it; where its KV lies is not the client's business."""
+    return {**{k: v for k, v in prefill.items() if k != "kv_transfer_params"}, "id": response_id}
+
+
 def merge_bodies(response_id: str, prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
     """The non-streamed answer: decode's body already holds every token, prefill's included."""
     return {**decode, "id": response_id, "usage": summed_usage(prefill.get("usage"), decode.get("usage"))}
 
 
-def _first_choice(body: dict[str, Any]) -> dict[str, Any]:
+def first_token_repeated(prefill: dict[str, Any], decode: dict[str, Any]) -> bool:
+    """Non-streamed: decode's text starts with prefill's token."""
+    return _text(_first_choice(decode, "decode")).startswith(_text(_first_choice(prefill)))
+
+
+def _first_choice(body: dict[str, Any], role: str = "prefill") -> dict[str, Any]:
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise UpstreamProtocol("answer has no choices", "prefill")
+        raise UpstreamProtocol("answer has no choices", role)
     return choices[0]
+
+
+def _text(choice: dict[str, Any]) -> str:
+    """A choice's text: `text` (completions), `message` or `delta` content (chat)."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("message") or choice.get("delta") or {}).get("content") or ""
 
 
 class StreamStitcher:
@@ -50,6 +69,7 @@ class StreamStitcher:
                       "model": prefill.get("model") or request.model}
         self._prefill = prefill
         self._skipped = False
+        self._first_token_matched: bool | None = None
         self._finished = False
         self._tokens = 1
         self._decode_usage: dict[str, Any] | None = None
@@ -62,9 +82,9 @@ class StreamStitcher:
             # Like a single server: a role-only chunk first, then one chunk per token.
             events.append(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}))
-            body = {"delta": {"content": (choice.get("message") or {}).get("content") or ""}}
+            body = {"delta": {"content": _text(choice)}}
         else:
-            body = {"text": choice.get("text") or ""}
+            body = {"text": _text(choice)}
         finish = choice.get("finish_reason") if prefill_finished(self._prefill) else None
         events.append(self._chunk({"index": 0, **body, "logprobs": choice.get("logprobs"), "finish_reason": finish}))
         if finish is not None:
@@ -104,12 +124,18 @@ class StreamStitcher:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def first_token_matched(self) -> bool | None:
+        """Whether decode's first token equals prefill's; None until decode has sent it."""
+        return self._first_token_matched
+
     def _choice(self, choice: dict[str, Any]) -> bytes | None:
         finish = choice.get("finish_reason")
         if not self._skipped:
             if self._chat and _header_only(choice) and finish is None:
                 return None  # the role chunk was already sent before prefill's token
             self._skipped = True  # decode's repeat of prefill's token
+            self._first_token_matched = _text(choice) == _text(_first_choice(self._prefill))
             if finish is None:
                 return None
             choice = {**choice, "text": ""} if not self._chat else {**choice, "delta": {}}

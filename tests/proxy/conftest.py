@@ -55,8 +55,7 @@ class Pair:
     proxy: Server
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[Pair]:
+def _pair(proxy_args: Sequence[str]) -> Iterator[Pair]:
     started: list[Server] = []
     try:
         for role in ("prefill", "decode", "both"):
@@ -65,11 +64,22 @@ def pair() -> Iterator[Pair]:
         started.append(start_proxy([
             "--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port), "--prefill-kv-port", "15000",
             "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
-            "--read-timeout", "2", "--health-interval", "0.5"]))
+            "--read-timeout", "2", "--health-interval", "0.5", *proxy_args]))
         yield Pair(prefill, decode, single, started[-1])
     finally:
         for server in started:
             server.process.stop()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    yield from _pair([])
+
+
+@pytest.fixture(scope="module")
+def nixl_pair() -> Iterator[Pair]:
+    """The same, with the workers driven by vLLM's NixlConnector handoff."""
+    yield from _pair(["--kv-protocol", "nixl"])
 
 
 @pytest.fixture

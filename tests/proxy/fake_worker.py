@@ -4,11 +4,16 @@ It "generates" deterministic word tokens from the prompt, one SSE chunk per toke
 OpenAI formats a vLLM-style server uses. With `kv_transfer_params.role == "prefill"` it
 answers like a prefill worker; with role "decode" it repeats the first token and goes on;
 without it, it is an ordinary single server, whose output the stitched output must equal.
+Like vLLM's NixlConnector, `kv_transfer_params.do_remote_decode` makes it a prefill leg that
+answers with `nixl_handoff(uid, kv_port)` as its `kv_transfer_params`, and
+`do_remote_prefill` a decode leg. Each leg's whole body is recorded.
 
 A request may steer it with a body field `fake` (the proxy passes unknown fields on):
 `{"eos_at": k}` ends the answer with an EOS token at token k, and per leg role
 (`"prefill"`, `"decode"`, `"single"`): `{"status": 500}`, `{"hang": true}`,
-`{"delay": seconds_per_token}`, `{"die_after": n}` (os._exit after n chunks).
+`{"delay": seconds_per_token}`, `{"die_after": n}` (os._exit after n chunks),
+`{"first_token": text}` (a different first token), `{"no_handoff": true}` (a NixlConnector
+prefill answer without `kv_transfer_params`).
 
     python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT --lease-ttl 2]
 """
@@ -30,9 +35,10 @@ from tests.proxy.registration import register_forever
 class FakeWorker:
     """Request handlers plus what the tests inspect at GET /fake/state."""
 
-    def __init__(self, role: str, model: str) -> None:
+    def __init__(self, role: str, model: str, kv_port: int) -> None:
         self.role = role
         self.model = model
+        self.kv_port = kv_port
         self.active = 0
         self.legs: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
@@ -62,10 +68,10 @@ class FakeWorker:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         kv = body.get("kv_transfer_params") or {}
-        leg = kv.get("role", "single")
+        leg = kv.get("role") or _nixl_leg(kv)
         uid = request.headers.get("X-Request-Id", "")
         self.legs.append({"uid": uid, "leg": leg, "kv_transfer_params": kv, "max_tokens": body.get("max_tokens"),
-                          "stream": bool(body.get("stream")), "user": body.get("user")})
+                          "stream": bool(body.get("stream")), "user": body.get("user"), "body": body})
         steer = (body.get("fake") or {}).get(leg, {})
         self.active += 1
         try:
@@ -74,11 +80,14 @@ class FakeWorker:
                                                     "code": steer["status"]}}, status=steer["status"])
             if steer.get("hang"):
                 await asyncio.sleep(3600)
-            answer = _Answer(body, chat, self.model, uid)
+            answer = _Answer(body, chat, self.model, uid, steer.get("first_token"))
             if body.get("stream"):
                 return await self._stream(request, answer, steer)
             await asyncio.sleep(steer.get("delay", 0) * len(answer.tokens))
-            return web.json_response(answer.whole())
+            whole = answer.whole()
+            if kv.get("do_remote_decode") and not steer.get("no_handoff"):
+                whole["kv_transfer_params"] = nixl_handoff(uid, self.kv_port)
+            return web.json_response(whole)
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled.append(uid)  # the proxy went away: the leg is over
             raise
@@ -99,10 +108,21 @@ class FakeWorker:
         return response
 
 
+def _nixl_leg(kv: dict[str, Any]) -> str:
+    return "prefill" if kv.get("do_remote_decode") else "decode" if kv.get("do_remote_prefill") else "single"
+
+
+def nixl_handoff(uid: str, kv_port: int) -> dict[str, Any]:
+    """What a NixlConnector prefill answers with: where decode finds this request's KV blocks."""
+    return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "fake-prefill-engine",
+            "remote_block_ids": [zlib.crc32(uid.encode()) % 1000, 7], "remote_host": "127.0.0.1",
+            "remote_port": kv_port, "tp_size": 1}
+
+
 class _Answer:
     """The deterministic answer to one request, whole or as chunks."""
 
-    def __init__(self, body: dict[str, Any], chat: bool, model: str, uid: str) -> None:
+    def __init__(self, body: dict[str, Any], chat: bool, model: str, uid: str, first_token: str | None) -> None:
         self.chat = chat
         text = (" ".join(str(m.get("content", "")) for m in body["messages"]) if chat else
                 body["prompt"] if isinstance(body["prompt"], str) else json.dumps(body["prompt"]))
@@ -112,6 +132,8 @@ class _Answer:
         count = min(limit, eos_at) if eos_at else limit
         # EOS decodes to no text; it ends the answer with "stop" instead of "length".
         self.tokens = ["" if eos_at == i + 1 else f" w{(seed + 7 * i) % 1000}" for i in range(count)]
+        if first_token is not None:
+            self.tokens[0] = first_token
         self.finish = "stop" if eos_at and eos_at <= limit else "length"
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + (uid or "local"), "created": int(time.time()),
                      "model": model}
@@ -144,7 +166,7 @@ class _Answer:
 
 async def serve(role: str, port: int, model: str, etcd: str | None, kv_port: int, lease_ttl: int) -> None:
     app = web.Application()
-    app.add_routes(FakeWorker(role, model).routes())
+    app.add_routes(FakeWorker(role, model, kv_port).routes())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -12,7 +12,9 @@ from neuron_connector import RegistrationError
 from proxy import (CHAT, COMPLETIONS, KV_PROTOCOLS, BadRequest, ConfigError, NoWorkers, SSEDecoder,
                    StreamStitcher, UpstreamProtocol, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable,
                    WorkerPool, WorkerRecord, parse_args, parse_request, pick, summed_usage, to_http)
-from proxy.requests import decode_body, prefill_body
+from proxy.requests import (SEED_RANGE, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
+                            nixl_prefill_params, prefill_body)
+from proxy.stitch import first_token_repeated, prefill_answer
 
 STREAM = (b"data: {\"a\": 1}\n\n: keep-alive comment\n\nevent: message\r\ndata: {\"b\":\r\ndata: 2}\r\n\r\n"
           b"id: 7\rdata: [DONE]\r\r")
@@ -78,6 +80,44 @@ def test_stitcher_keeps_a_finish_reason_on_decodes_only_token() -> None:
     assert events[1] == "[DONE]"
 
 
+@pytest.mark.parametrize("repeat,matched", [(" A", True), (" Z", False)])
+def test_stitcher_reports_whether_decodes_first_token_is_prefills(repeat: str, matched: bool) -> None:
+    stitcher = StreamStitcher(_request(stream=True), "cmpl-X", 1, PREFILL)
+    stitcher.first()
+    assert stitcher.first_token_matched is None
+    events = stitcher.feed(_chunk({"index": 0, "text": repeat, "finish_reason": None}))
+    assert events == [] and stitcher.first_token_matched is matched
+    stitcher.feed(_chunk({"index": 0, "text": " A", "finish_reason": "length"}))
+    assert stitcher.first_token_matched is matched
+
+
+def test_chat_stitcher_checks_the_first_content_delta_not_the_role_chunk() -> None:
+    prefill = {"model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": " A"},
+                                          "finish_reason": "length"}]}
+    stitcher = StreamStitcher(_request(CHAT, stream=True), "chatcmpl-X", 1, prefill)
+    stitcher.first()
+    stitcher.feed(_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
+    assert stitcher.first_token_matched is None
+    stitcher.feed(_chunk({"index": 0, "delta": {"content": " B"}, "finish_reason": None}))
+    assert stitcher.first_token_matched is False
+
+
+def test_whole_answers_first_token_check() -> None:
+    assert first_token_repeated(PREFILL, {"choices": [{"text": " A B C"}]})
+    assert not first_token_repeated(PREFILL, {"choices": [{"text": " Z B C"}]})
+    chat_prefill = {"choices": [{"message": {"role": "assistant", "content": " A"}}]}
+    assert first_token_repeated(chat_prefill, {"choices": [{"message": {"role": "assistant", "content": " A B"}}]})
+    assert not first_token_repeated(chat_prefill, {"choices": [{"message": {"role": "assistant", "content": "B"}}]})
+    with pytest.raises(UpstreamProtocol, match="answer has no choices") as failure:
+        first_token_repeated(PREFILL, {"choices": []})
+    assert failure.value.role == "decode"
+
+
+def test_prefills_own_answer_hides_its_kv_handle() -> None:
+    assert prefill_answer("cmpl-X", {**PREFILL, "kv_transfer_params": {"remote_block_ids": [1]}}) == {
+        **PREFILL, "id": "cmpl-X"}
+
+
 def test_stitcher_errors() -> None:
     stitcher = StreamStitcher(_request(stream=True), "cmpl-X", 1, PREFILL)
     stitcher.first()
@@ -96,14 +136,40 @@ def test_usage_counts_decodes_repeat_once() -> None:
 def test_leg_bodies_follow_the_contract() -> None:
     request = _request(CHAT, max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
     prefill = WorkerRecord("prefill", "10.0.0.1", 8100, kv_port=14600)
-    assert prefill_body(request, "u1") == {
+    assert prefill_body(request, 5, neuron_prefill_params("u1")) == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-        "max_completion_tokens": 1, "stream": False, "kv_transfer_params": {"role": "prefill", "request_id": "u1"}}
-    decode = decode_body(request, "u1", prefill)
+        "max_completion_tokens": 1, "stream": False, "seed": 5,
+        "kv_transfer_params": {"role": "prefill", "request_id": "u1"}}
+    decode = decode_body(request, 5, neuron_decode_params("u1", prefill))
+    assert decode == {**request.body, "seed": 5, "kv_transfer_params": {
+        "role": "decode", "request_id": "u1", "remote_host": "10.0.0.1", "remote_port": 14600,
+        "remote_engine_id": "10.0.0.1:8100"}}
     assert decode["stream"] is True and decode["max_completion_tokens"] == 7
-    assert decode["kv_transfer_params"] == {"role": "decode", "request_id": "u1", "remote_host": "10.0.0.1",
-                                            "remote_port": 14600, "remote_engine_id": "10.0.0.1:8100"}
     assert request.max_tokens == 7 and request.include_usage
+
+
+def test_nixl_leg_bodies_are_vllms_handoff() -> None:
+    request = _request(COMPLETIONS, max_tokens=9, stream=True, stream_options={"include_usage": True})
+    assert prefill_body(request, 11, nixl_prefill_params()) == {
+        "model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "seed": 11, "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    handoff = {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_engine_id": "e"}
+    assert decode_body(request, 11, handoff) == {
+        "model": "m", "prompt": "hi", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
+        "seed": 11, "kv_transfer_params": handoff}
+
+
+def test_both_legs_seed_is_the_clients_or_one_drawn_per_request() -> None:
+    assert _request(seed=0).seed == 0 and leg_seed(_request(seed=0)) == 0
+    assert leg_seed(_request(seed=-3)) == -3
+    drawn = {leg_seed(_request()) for _ in range(50)}
+    assert len(drawn) > 1 and all(isinstance(s, int) and 0 <= s < SEED_RANGE for s in drawn)
+    assert SEED_RANGE == 2**31
+    for bad in ("7", True, 1.5):
+        with pytest.raises(BadRequest) as failure:
+            _request(seed=bad)
+        assert (str(failure.value), failure.value.param) == ("'seed' must be of type int", "seed")
 
 
 def test_round_robin_and_health() -> None:
