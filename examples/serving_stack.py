@@ -66,12 +66,13 @@ def proxy_args(port: int, backends: Sequence[str]) -> list[str]:
 class Process:
     """A Python child in its own session, optionally pinned to one core, logging to a temp file."""
 
-    def __init__(self, name: str, args: Sequence[str], core: int | None = None) -> None:
+    def __init__(self, name: str, args: Sequence[str], core: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         prefix = f"neuron-di-{name}-".replace(" ", "-")
         self.log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", **(env or {})}
         # Pinned in the child before exec, so no thread of it ever runs on another core.
         pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
         self.proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=self.log,
@@ -127,8 +128,9 @@ class Stack:
         self.processes: list[Process] = []
         self._exit = ExitStack()
 
-    def start(self, name: str, args: Sequence[str], core: int | None = None) -> Process:
-        process = Process(name, args, core)
+    def start(self, name: str, args: Sequence[str], core: int | None = None,
+              env: dict[str, str] | None = None) -> Process:
+        process = Process(name, args, core, env)
         self.processes.append(process)
         self._exit.callback(process.stop)
         return process
@@ -149,11 +151,11 @@ def start_di(options: StackOptions) -> Stack:
         stack.worker_urls = {"prefill worker": f"http://127.0.0.1:{prefill_port}",
                              "decode worker": f"http://127.0.0.1:{decode_port}"}
         _wait_workers(stack, [prefill_port, decode_port], options)
-        _start_proxy(stack, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill_port),
+        start_proxy(stack, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill_port),
                              "--prefill-kv-port", str(kv_port), "--decode-ip", "127.0.0.1",
                              "--decode-port", str(decode_port)], options)
 
-    return _started(build)
+    return started(build)
 
 
 def start_colocated(options: StackOptions) -> Stack:
@@ -163,13 +165,13 @@ def start_colocated(options: StackOptions) -> Stack:
         for i, (port, core) in enumerate(zip(ports, options.cores)):
             stack.start(f"worker {i}", worker_args("both", port, options), core)
         _wait_workers(stack, ports, options)
-        _start_proxy(stack, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]],
+        start_proxy(stack, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]],
                      options)
 
-    return _started(build)
+    return started(build)
 
 
-def _started(build: Callable[[Stack], None]) -> Stack:
+def started(build: Callable[[Stack], None]) -> Stack:
     """A stack built by `build`; if building fails or is interrupted, what it started is stopped."""
     stack = Stack()
     try:
@@ -185,7 +187,7 @@ def _wait_workers(stack: Stack, ports: Sequence[int], options: StackOptions) -> 
         wait_healthy(f"http://127.0.0.1:{port}/health", stack.processes, options.startup_timeout_s)
 
 
-def _start_proxy(stack: Stack, backends: list[str], options: StackOptions) -> None:
+def start_proxy(stack: Stack, backends: list[str], options: StackOptions) -> None:
     port = free_port()
     stack.start("proxy", proxy_args(port, backends))
     stack.url = f"http://127.0.0.1:{port}"

