@@ -125,6 +125,7 @@ class Stack:
     def __init__(self) -> None:
         self.url = ""
         self.worker_urls: dict[str, str] = {}  # process name -> its HTTP address
+        self.kv_ports: dict[str, int] = {}     # prefill process name -> its signal-plane port
         self.processes: list[Process] = []
         self._exit = ExitStack()
 

@@ -81,6 +81,19 @@ def start_colocated(options: VllmOptions, proxied: bool = False) -> Stack:
     return started(build)
 
 
+def start_colocated_pair(options: VllmOptions) -> Stack:
+    """Two plain `vllm serve` replicas, one per core, behind our proxy round-robining them (what a
+    vLLM user runs today on these cores)."""
+    def build(stack: Stack) -> None:
+        ports = [free_port() for _ in options.cores]
+        for i, (port, core) in enumerate(zip(ports, options.cores)):
+            start_server(stack, f"vllm {i}", options, port, core)
+        wait_servers(stack, options)
+        _proxy(stack, options, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]])
+
+    return started(build)
+
+
 def start_neuron_1p1d(options: VllmOptions) -> Stack:
     """Prefill and decode `vllm serve` with NeuronConnector, one core each, behind our proxy."""
     def build(stack: Stack) -> None:
@@ -88,6 +101,7 @@ def start_neuron_1p1d(options: VllmOptions) -> Stack:
         start_server(stack, "prefill", options, prefill, options.cores[0],
                      neuron_kv_config("prefill", options, kv_port))
         start_server(stack, "decode", options, decode, options.cores[1], neuron_kv_config("decode", options))
+        stack.kv_ports["prefill"] = kv_port
         wait_servers(stack, options)
         _proxy(stack, options, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill),
                                 "--prefill-kv-port", str(kv_port), "--decode-ip", "127.0.0.1",
