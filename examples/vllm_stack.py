@@ -39,9 +39,12 @@ def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None
     return args
 
 
-def neuron_kv_config(role: str, options: VllmOptions, kv_port: int = DEFAULT_KV_PORT) -> dict[str, Any]:
-    """NeuronConnector for `role` prefill or decode."""
+def neuron_kv_config(role: str, options: VllmOptions, kv_port: int = DEFAULT_KV_PORT,
+                     etcd: str | None = None, http_port: int = 0) -> dict[str, Any]:
+    """NeuronConnector for `role` prefill or decode; with `etcd`, registered there under `http_port`."""
     extra = {"kv_transport": options.kv_transport, "kv_port": kv_port, **options.extra_config}
+    if etcd:
+        extra.update(etcd=etcd, http_port=http_port)
     return {"kv_connector": "NeuronConnector", "kv_connector_module_path": "neuron_connector.vllm",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_connector_extra_config": extra}
 
@@ -94,18 +97,20 @@ def start_colocated_pair(options: VllmOptions) -> Stack:
     return started(build)
 
 
-def start_neuron_1p1d(options: VllmOptions) -> Stack:
-    """Prefill and decode `vllm serve` with NeuronConnector, one core each, behind our proxy."""
+def start_neuron_1p1d(options: VllmOptions, etcd: str | None = None) -> Stack:
+    """Prefill and decode `vllm serve` with NeuronConnector, one core each, behind our proxy
+    (which finds them in etcd when `etcd` is given, else from its command line)."""
     def build(stack: Stack) -> None:
         prefill, decode, kv_port = free_port(), free_port(), free_port()
         start_server(stack, "prefill", options, prefill, options.cores[0],
-                     neuron_kv_config("prefill", options, kv_port))
-        start_server(stack, "decode", options, decode, options.cores[1], neuron_kv_config("decode", options))
+                     neuron_kv_config("prefill", options, kv_port, etcd, prefill))
+        start_server(stack, "decode", options, decode, options.cores[1],
+                     neuron_kv_config("decode", options, etcd=etcd, http_port=decode))
         stack.kv_ports["prefill"] = kv_port
         wait_servers(stack, options)
-        _proxy(stack, options, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill),
-                                "--prefill-kv-port", str(kv_port), "--decode-ip", "127.0.0.1",
-                                "--decode-port", str(decode)])
+        _proxy(stack, options, ["--etcd", etcd] if etcd else [
+            "--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill), "--prefill-kv-port", str(kv_port),
+            "--decode-ip", "127.0.0.1", "--decode-port", str(decode)])
 
     return started(build)
 

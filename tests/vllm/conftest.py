@@ -11,6 +11,7 @@ import pytest
 
 from examples.serving_stack import Stack
 from examples.vllm_stack import VllmOptions, start_colocated, start_neuron_1p1d
+from tests.helpers import EtcdServer
 from worker.loader import builtin_model_path
 
 OPTIONS = VllmOptions(model=str(builtin_model_path()), max_model_len=1280)
@@ -24,7 +25,17 @@ def reference() -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
-def neuron_stack() -> Iterator[Stack]:
-    """Prefill and decode `vllm serve` with NeuronConnector behind our proxy."""
-    with start_neuron_1p1d(OPTIONS) as stack:
+def etcd() -> Iterator[EtcdServer]:
+    server = EtcdServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def neuron_stack(etcd: EtcdServer) -> Iterator[Stack]:
+    """Prefill and decode `vllm serve` with NeuronConnector, registered in a real etcd, and our
+    proxy discovering them there."""
+    with start_neuron_1p1d(OPTIONS, etcd=etcd.endpoint) as stack:
         yield stack

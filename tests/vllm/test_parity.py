@@ -1,4 +1,4 @@
-"""Our proxy over vLLM 1P1D with NeuronConnector answers exactly as one plain `vllm serve`."""
+"""Our proxy over vLLM 1P1D with NeuronConnector (found in etcd) answers exactly as one plain `vllm serve`."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,9 @@ import random
 import pytest
 
 from examples.serving_stack import Stack
-from tests.helpers import wait_until
+from examples.vllm_stack import SERVED_NAME
+from neuron_connector import list_workers
+from tests.helpers import EtcdServer, wait_until
 from tests.vllm.client import answers, body, metric
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
@@ -29,6 +31,15 @@ def payloads(endpoint: str, stream: bool, sampled: bool) -> list[dict]:
     return [body(endpoint, p, MAX_TOKENS, stream, **({"temperature": 0.9, "seed": i} if sampled
                                                       else {"temperature": 0}))
             for i, p in enumerate(prompts())]
+
+
+def test_vllm_workers_register_in_etcd(etcd: EtcdServer, neuron_stack: Stack) -> None:
+    records = {r.role: r for r in list_workers(etcd.endpoint)}
+    assert sorted(records) == ["decode", "prefill"]
+    for role, record in records.items():
+        assert record.base_url == neuron_stack.worker_urls[role] and record.kv_protocol == "neuron"
+        assert record.model == SERVED_NAME
+    assert records["prefill"].kv_port == neuron_stack.kv_ports["prefill"]
 
 
 def kv_usage_back_to_zero(stack: Stack) -> None:
