@@ -120,9 +120,6 @@ class WorkerSide:
         return results
 
     def _sent(self, finished_req_ids: set[str], results: TransferResults) -> None:
-        # vLLM accepts a sent id only once it reported that request finished to us.
-        published = set(self._published.values())
-        self._finished_seen |= finished_req_ids & published
         while True:
             try:
                 uid = self._released.get_nowait()
@@ -130,6 +127,9 @@ class WorkerSide:
                 break
             if (request_id := self._published.pop(uid, None)) is not None:
                 self._unreported.add(request_id)
+        # vLLM accepts a sent id only once it has told us that request finished.
+        known = set(self._published.values()) | self._unreported
+        self._finished_seen |= finished_req_ids & known
         ready = self._unreported & self._finished_seen
         self._unreported -= ready
         self._finished_seen -= ready

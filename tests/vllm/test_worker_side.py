@@ -1,0 +1,82 @@
+"""NeuronConnector's worker halves of a prefill and a decode server, in one process over real
+ZMQ and shared memory, driven with the orders vLLM's scheduler side would send."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+from neuron_connector.vllm import NeuronConnectorConfig
+from neuron_connector.vllm.plan import Publish, Pull, StepOrders
+from neuron_connector.vllm.worker_side import TransferResults, WorkerSide
+from tests.helpers import free_port, wait_until
+from tests.vllm.test_connector_logic import vllm_like_caches
+
+
+@pytest.fixture
+def sides() -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
+    kv_port = free_port()
+    prefill = WorkerSide(NeuronConnectorConfig("prefill", kv_port=kv_port, abort_timeout=30), "m")
+    decode = WorkerSide(NeuronConnectorConfig("decode", pull_timeout=3), "m")
+    p_caches, d_caches = vllm_like_caches(3, blocks=8), vllm_like_caches(3, blocks=8)
+    try:
+        prefill.register(p_caches)
+        decode.register(d_caches)
+        yield prefill, decode, p_caches, d_caches
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def collect(side: WorkerSide, finished: set[str], want: str, timeout: float = 10) -> TransferResults:
+    seen = TransferResults()
+
+    def done() -> bool:
+        step = side.results(finished)
+        for name in ("finished_sending", "finished_recving", "failed_recving"):
+            getattr(seen, name).update(getattr(step, name))
+        return bool(getattr(seen, want))
+    wait_until(done, timeout=timeout, what=want)
+    return seen
+
+
+def test_pull_lands_every_layer_and_prefill_reports_sent_after_vllm_finished_it(sides) -> None:
+    prefill, decode, p_caches, d_caches = sides
+    for name, tensor in p_caches.items():
+        tensor.copy_(torch.randn_like(tensor))           # rebound tensors: this writes into the pool
+    prefill.apply(StepOrders(publish=[Publish("p-req", "uid1", (5, 6), output_token=9)]))
+    decode.apply(StepOrders(pull=[Pull("d-req", "uid1", "127.0.0.1", prefill.send.port, (1, 2))]))
+    got = collect(decode, set(), "finished_recving")
+    assert got.finished_recving == {"d-req"} and not got.failed_recving
+    for name in p_caches:
+        assert torch.equal(d_caches[name][[1, 2]], p_caches[name][[5, 6]])
+        assert not d_caches[name][[0, 3, 4, 5, 6, 7]].any()
+    # Released, but vLLM has not yet said the request finished: not reported until it has.
+    wait_until(lambda: prefill.send.pending() == 0, timeout=5, what="release")
+    assert prefill.results(set()).finished_sending == set()
+    assert prefill.results({"p-req", "other"}).finished_sending == {"p-req"}
+    assert prefill.pending() == 0 and decode.pending() == 0
+
+
+def test_a_discarded_request_fails_its_pull_at_once(sides) -> None:
+    prefill, decode, _, _ = sides
+    prefill.apply(StepOrders(discard=["uid2"]))
+    decode.apply(StepOrders(pull=[Pull("d-req", "uid2", "127.0.0.1", prefill.send.port, (0,))]))
+    got = collect(decode, set(), "failed_recving", timeout=2)
+    assert got.failed_recving == got.finished_recving == {"d-req"}
+
+
+def test_an_aborted_pull_gives_its_blocks_back(sides) -> None:
+    prefill, decode, _, _ = sides
+    decode.apply(StepOrders(pull=[Pull("d-req", "never-published", "127.0.0.1", prefill.send.port, (3,))]))
+    assert decode.results(set()).finished_recving == set()     # still waiting for prefill
+    got = collect(decode, {"d-req"}, "finished_recving", timeout=5)
+    assert got.finished_recving == {"d-req"} and decode.pending() == 0
+
+
+def test_a_dead_prefill_peer_fails_the_pull_by_its_deadline(sides) -> None:
+    _, decode, _, _ = sides
+    decode.apply(StepOrders(pull=[Pull("d-req", "uid3", "127.0.0.1", free_port(), (0, 1))]))
+    got = collect(decode, set(), "failed_recving", timeout=3 + 10)
+    assert got.failed_recving == {"d-req"}
