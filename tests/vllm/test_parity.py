@@ -48,15 +48,21 @@ def kv_usage_back_to_zero(stack: Stack) -> None:
                    what=f"KV usage of {url} back to 0")
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_1p1d_equals_one_vllm_server(reference: Stack, neuron_stack: Stack, endpoint: str, sampled: bool) -> None:
+def assert_answers_like_reference(reference: Stack, stack: Stack, endpoint: str, sampled: bool) -> None:
+    """50 prompts, streamed or not, one or eight at a time: what `reference` answers, token for token."""
     want = asyncio.run(answers(reference.url, endpoint, payloads(endpoint, False, sampled), concurrency=1))
     assert all(w.completion_tokens == MAX_TOKENS for w in want)
     for stream in (False, True):
         for concurrency in (1, 8):
-            got = asyncio.run(answers(neuron_stack.url, endpoint, payloads(endpoint, stream, sampled), concurrency))
+            got = asyncio.run(answers(stack.url, endpoint, payloads(endpoint, stream, sampled), concurrency))
             mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
             assert not mismatched, (f"stream={stream} concurrency={concurrency}: prompts {mismatched} differ, "
                                     f"first: {got[mismatched[0]]} != {want[mismatched[0]]}")
-            kv_usage_back_to_zero(neuron_stack)
+            kv_usage_back_to_zero(stack)
+    assert metric(stack.url, "proxy_first_token_mismatches_total") == 0
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_1p1d_equals_one_vllm_server(reference: Stack, neuron_stack: Stack, endpoint: str, sampled: bool) -> None:
+    assert_answers_like_reference(reference, neuron_stack, endpoint, sampled)

@@ -1,0 +1,28 @@
+"""Our proxy (`--kv-protocol nixl`) over vLLM 1P1D with vLLM's own NixlConnector answers exactly as
+one plain `vllm serve`: the drop-in for vLLM's toy proxy. Runs where nixl is installed."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from examples.serving_stack import Stack
+from examples.vllm_stack import start_nixl_1p1d
+from tests.vllm.conftest import OPTIONS
+from tests.vllm.test_parity import ENDPOINTS, assert_answers_like_reference
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
+pytest.importorskip("nixl", reason="nixl is not installed")
+
+
+@pytest.fixture(scope="module")
+def nixl_stack() -> Iterator[Stack]:
+    # Module scope: each NixlConnector server's progress thread keeps a core busy while it lives.
+    with start_nixl_1p1d(OPTIONS) as stack:
+        yield stack
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_nixl_1p1d_equals_one_vllm_server(reference: Stack, nixl_stack: Stack, endpoint: str, sampled: bool) -> None:
+    assert_answers_like_reference(reference, nixl_stack, endpoint, sampled)
