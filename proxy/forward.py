@@ -94,7 +94,7 @@ class Forwarder:
         return await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started)
 
     async def _concurrent(self, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
-                          uid: str, seed: int) -> tuple[dict[str, Any], _DecodeLeg]:
+                          uid: str, seed: int | None) -> tuple[dict[str, Any], _DecodeLeg]:
         """Our signal plane: both legs at once; decode pulls the KV blocks when prefill has them."""
         headers = {"X-Request-Id": uid}
         pbody = prefill_body(request, seed, neuron_prefill_params(uid))
@@ -108,7 +108,7 @@ class Forwarder:
             raise
 
     async def _prefill_first(self, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
-                             uid: str, seed: int) -> tuple[dict[str, Any], _DecodeLeg | None]:
+                             uid: str, seed: int | None) -> tuple[dict[str, Any], _DecodeLeg | None]:
         """vLLM's NixlConnector: prefill answers with where its KV lies; then decode starts with that."""
         headers = {"X-Request-Id": uid}
         pbody = prefill_body(request, seed, nixl_prefill_params())

@@ -110,18 +110,26 @@ def _check_messages(messages: Any) -> None:
             raise BadRequest("each message must be an object with a string 'role'", "messages")
 
 
-def leg_seed(request: ClientRequest) -> int:
-    """The seed of both legs: the client's, or one drawn for this request.
+def leg_seed(request: ClientRequest) -> int | None:
+    """The seed of both legs: the client's, one drawn for a sampled request, None for greedy.
 
     A vLLM decode worker samples the first token again itself; only the same seed on both
-    legs makes a sampled request give what one server gives.
+    legs makes a sampled request give what one server gives. A greedy request is left
+    unseeded: vLLM's CPU build kills its engine on a seeded request whose prompt is
+    prefilled in chunks ("CPU Generator does not use offset").
     """
-    return request.seed if request.seed is not None else random.randrange(SEED_RANGE)
+    if request.seed is not None:
+        return request.seed
+    return None if request.body.get("temperature") == 0 else random.randrange(SEED_RANGE)
 
 
-def prefill_body(request: ClientRequest, seed: int, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+def _seeded(body: dict[str, Any], seed: int | None) -> dict[str, Any]:
+    return body if seed is None else {**body, "seed": seed}
+
+
+def prefill_body(request: ClientRequest, seed: int | None, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """A prefill leg: the client's body, one token, not streamed."""
-    body = {**request.body, "max_tokens": 1, "stream": False, "seed": seed,
+    body = {**_seeded(request.body, seed), "max_tokens": 1, "stream": False,
             "kv_transfer_params": kv_transfer_params}
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
@@ -129,9 +137,9 @@ def prefill_body(request: ClientRequest, seed: int, kv_transfer_params: dict[str
     return body
 
 
-def decode_body(request: ClientRequest, seed: int, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+def decode_body(request: ClientRequest, seed: int | None, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """A decode leg: the client's body with the legs' seed and the handoff."""
-    return {**request.body, "seed": seed, "kv_transfer_params": kv_transfer_params}
+    return {**_seeded(request.body, seed), "kv_transfer_params": kv_transfer_params}
 
 
 def neuron_prefill_params(uid: str) -> dict[str, Any]:

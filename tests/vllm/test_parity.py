@@ -42,6 +42,16 @@ def test_vllm_workers_register_in_etcd(etcd: EtcdServer, neuron_stack: Stack) ->
     assert records["prefill"].kv_port == neuron_stack.kv_ports["prefill"]
 
 
+def test_sampled_requests_without_a_seed_under_load(neuron_stack: Stack) -> None:
+    """The proxy seeds them; eight long prompts at once must neither fail nor stop a server."""
+    rng = random.Random(3)
+    long_prompts = ["".join(chr(rng.randrange(32, 127)) for _ in range(1000)) for _ in range(8)]
+    got = asyncio.run(answers(neuron_stack.url, "/v1/completions",
+                              [body("/v1/completions", p, MAX_TOKENS, False) for p in long_prompts], 8))
+    assert [g.completion_tokens for g in got] == [MAX_TOKENS] * 8
+    kv_usage_back_to_zero(neuron_stack)
+
+
 def kv_usage_back_to_zero(stack: Stack) -> None:
     for url in stack.worker_urls.values():
         wait_until(lambda: metric(url, "vllm:kv_cache_usage_perc") == 0.0, timeout=30,
