@@ -13,6 +13,8 @@ from tests.vllm.test_parity import ENDPOINTS, assert_answers_like_reference
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
 pytest.importorskip("nixl", reason="nixl is not installed")
+# About 9 minutes here (NixlConnector's progress threads take both cores): run with --full.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
