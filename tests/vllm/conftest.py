@@ -14,7 +14,10 @@ from examples.vllm_stack import VllmOptions, start_colocated, start_neuron_1p1d
 from tests.helpers import EtcdServer
 from worker.loader import builtin_model_path
 
-OPTIONS = VllmOptions(model=str(builtin_model_path()), max_model_len=1280)
+# Short timeouts, so that the failure tests (test_stack_failures, run last) see them expire.
+ABORT_TIMEOUT, PULL_TIMEOUT = 8.0, 15.0
+OPTIONS = VllmOptions(model=str(builtin_model_path()), max_model_len=1280,
+                      extra_config={"abort_timeout": ABORT_TIMEOUT, "pull_timeout": PULL_TIMEOUT})
 
 
 @pytest.fixture(scope="session")

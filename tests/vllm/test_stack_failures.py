@@ -1,4 +1,5 @@
-"""Failures of a vLLM 1P1D NeuronConnector stack, with real processes: nothing hangs, nothing is held."""
+"""Failures of the session's vLLM 1P1D NeuronConnector stack, with real processes: nothing hangs,
+nothing is held. Runs after the parity tests: its last test kills the prefill server."""
 from __future__ import annotations
 
 import asyncio
@@ -6,29 +7,22 @@ import os
 import signal
 import time
 import uuid
-from typing import Iterator
-
 import httpx
 import pytest
 
 from examples.serving_stack import Stack
-from examples.vllm_stack import VllmOptions, start_neuron_1p1d
 from tests.helpers import free_port, python_process, wait_http_ok, wait_until
 from tests.vllm.client import body, metric
-from tests.vllm.conftest import OPTIONS
+from tests.vllm.conftest import ABORT_TIMEOUT, PULL_TIMEOUT
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
 
-ABORT_TIMEOUT, PULL_TIMEOUT = 4.0, 6.0
 LONG_PROMPT = "a stream that the client drops " * 30
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    options = VllmOptions(**{**{f: getattr(OPTIONS, f) for f in OPTIONS.__dataclass_fields__},
-                             "extra_config": {"abort_timeout": ABORT_TIMEOUT, "pull_timeout": PULL_TIMEOUT}})
-    with start_neuron_1p1d(options) as started:
-        yield started
+@pytest.fixture
+def stack(neuron_stack: Stack) -> Stack:
+    return neuron_stack
 
 
 def nothing_held(url: str, timeout: float = 30.0) -> None:
