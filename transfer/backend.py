@@ -19,10 +19,6 @@ class Link(ABC):
         """Copies our blocks (run.local) into the peer's blocks (run.remote)."""
 
     @abstractmethod
-    def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        """Copies the peer's blocks (run.remote) into our blocks (run.local)."""
-
-    @abstractmethod
     def close(self) -> None:
         """Frees the link's sockets or mappings; idempotent."""
 

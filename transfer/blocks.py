@@ -20,12 +20,12 @@ class Run(NamedTuple):
 
 
 def plan_runs(local_ids: Sequence[int], remote_ids: Sequence[int],
-              local_blocks: int, remote_blocks: int, by_remote: bool = False) -> list[Run]:
+              local_blocks: int, remote_blocks: int) -> list[Run]:
     """Pairs local_ids[i] with remote_ids[i] and merges pairs adjacent on both sides.
 
     Pairs are sorted by local id first, so ids listed out of order still merge; the runs
-    come back in local order, and `by_remote=True` re-sorts them by the peer's blocks.
-    Raises InvalidBlocks on unequal lengths, out-of-range or repeated ids.
+    come back sorted by the peer's blocks, the destination of a push, so that every backend
+    writes front to back. Raises InvalidBlocks on unequal lengths, out-of-range or repeated ids.
     """
     if len(local_ids) != len(remote_ids):
         raise InvalidBlocks(f"{len(local_ids)} source ids but {len(remote_ids)} destination ids")
@@ -38,8 +38,7 @@ def plan_runs(local_ids: Sequence[int], remote_ids: Sequence[int],
     starts = np.union1d(starts, np.flatnonzero(np.diff(remote, prepend=-2) != 1))
     counts = np.diff(starts, append=len(local))
     firsts = np.stack([local[starts], remote[starts], counts])
-    if by_remote:
-        firsts = firsts[:, np.argsort(firsts[1], kind="stable")]
+    firsts = firsts[:, np.argsort(firsts[1], kind="stable")]
     return [Run(*run) for run in firsts.T.tolist()]
 
 

@@ -1,10 +1,9 @@
 """The transfer engine: one registered KV region, its transports, and connected peers.
 
-Push is the default direction: the prefill side, which owns the source blocks, queues a
-write into the decode side's blocks. It learns completion from its own token and frees
-its blocks at once; the decode side learns it from the one reply on the signal plane.
-With pull, the side that must free the blocks would only hear of completion through an
-extra message. Pull (`direction="pull"`) still works over every link that supports it.
+Transfers are pushes: the prefill side, which owns the source blocks, queues a write into
+the decode side's blocks. It learns completion from its own token and frees its blocks at
+once; the decode side learns it from the one reply on the signal plane. With pulls, the
+side that must free the blocks would only hear of completion through an extra message.
 """
 from __future__ import annotations
 
@@ -155,30 +154,23 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------------------
     def queue_transfer_with_token(self, peer: str, src_block_ids: Sequence[int],
                                   dst_block_ids: Sequence[int], token: CompletionToken | None = None,
-                                  timeout: float = DEFAULT_TIMEOUT,
-                                  direction: str = "push") -> CompletionToken:
-        """Queues a copy of blocks src -> dst and returns its token at once.
+                                  timeout: float = DEFAULT_TIMEOUT) -> CompletionToken:
+        """Queues a copy of our blocks src into the peer's blocks dst; returns its token at once.
 
-        push: src ids are ours, dst ids the peer's. pull: src ids are the peer's, dst ours.
         Every failure, including bad ids, ends the token with a typed error.
         """
-        if direction not in ("push", "pull"):
-            raise ValueError(f"direction must be 'push' or 'pull', not {direction!r}")
         token = token if token is not None else CompletionToken()
         token._arm(time.monotonic() + timeout)
-        push = direction == "push"
-        local_ids, remote_ids = (src_block_ids, dst_block_ids) if push else (dst_block_ids, src_block_ids)
         try:
             # Submitting under the lock orders the job before any disconnect's stop signal.
             with self._lock:
                 handle, region = self._peer(peer), self._region
                 if region is None:
                     raise RegionNotRegistered("no local region is registered")
-                # Runs in destination order: every backend then writes front to back.
-                runs = plan_runs(_ints(local_ids), _ints(remote_ids),
-                                 region.layout.num_blocks, handle.layout.num_blocks, by_remote=push)
+                runs = plan_runs(_ints(src_block_ids), _ints(dst_block_ids),
+                                 region.layout.num_blocks, handle.layout.num_blocks)
                 if runs:
-                    handle.submit(Job(token, region, runs, push))
+                    handle.submit(Job(token, region, runs))
                 else:
                     token._finish(None)  # nothing to move, e.g. a prompt served from cache
         except TransferError as exc:

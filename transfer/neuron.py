@@ -57,9 +57,6 @@ class NeuronLink(Link):
         if getattr(token, "has_error", lambda: False)():
             raise PeerLost("the Neuron runtime reported a failed transfer")
 
-    def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        raise BackendUnavailable("the neuron backend moves KV by push only")
-
     def close(self) -> None:
         self._engine = None
 

@@ -2,8 +2,8 @@
 memory (optional extra `neuron-di[nixl]`).
 
 Our descriptor carries the agent's metadata (base64) and the pool's address; a peer adds
-us as a remote agent and posts one-sided WRITE (push) or READ (pull) requests whose
-descriptor lists are the runs' chunk ranges on both sides.
+us as a remote agent and posts one-sided WRITE requests whose descriptor lists are the
+runs' chunk ranges on both sides.
 """
 from __future__ import annotations
 
@@ -41,19 +41,13 @@ class NixlLink(Link):
         self._layout = layout
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        self._post("WRITE", region, runs, deadline)
-
-    def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        self._post("READ", region, runs, deadline)
-
-    def _post(self, op: str, region: Region, runs: Sequence[Run], deadline: float) -> None:
         agent, lock = self._backend.agent, self._backend.lock
         ours = [(region.address + off, n, 0) for off, n in local_ranges(region.layout, runs).pairs()]
         theirs = [(self._address + off, n, 0) for off, n in remote_ranges(self._layout, runs).pairs()]
         handle = None
         try:
             with lock:
-                handle = agent.initialize_xfer(op, agent.get_xfer_descs(ours, "DRAM"),
+                handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(ours, "DRAM"),
                                                agent.get_xfer_descs(theirs, "DRAM"), self._remote)
                 state = agent.transfer(handle)
             while state == "PROC":
@@ -64,12 +58,12 @@ class NixlLink(Link):
         except TransferError:
             raise
         except Exception as exc:  # noqa: BLE001 - nixl's native errors have no common base
-            raise PeerLost(f"nixl {op} to {self._remote} failed: {exc!r}") from exc
+            raise PeerLost(f"nixl WRITE to {self._remote} failed: {exc!r}") from exc
         finally:
             if handle is not None:
                 self._release(handle)
         if state != "DONE":
-            raise PeerLost(f"nixl {op} to {self._remote} failed ({state})")
+            raise PeerLost(f"nixl WRITE to {self._remote} failed ({state})")
 
     def _release(self, handle: Any) -> None:
         with self._backend.lock:

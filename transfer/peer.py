@@ -22,7 +22,6 @@ class Job:
     token: CompletionToken
     region: Region
     runs: Sequence[Run]
-    push: bool
 
 
 class Peer:
@@ -74,8 +73,7 @@ class Peer:
                 raise RegionNotRegistered("the local region was unregistered before the transfer ran")
             if self._link is None:
                 self._link = self._open_link(deadline)
-            move = self._link.write if job.push else self._link.read
-            move(job.region, job.runs, deadline)
+            self._link.write(job.region, job.runs, deadline)
         except (PeerLost, TransferTimeout) as exc:
             # The stream or mapping is in an unknown state: start over next time.
             self._drop_link()

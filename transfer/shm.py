@@ -63,22 +63,14 @@ class ShmLink(Link):
         self._address = segment.pool_flat.data_ptr()
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        self._copy(region, runs, deadline, push=True)
-
-    def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        self._copy(region, runs, deadline, push=False)
-
-    def _copy(self, region: Region, runs: Sequence[Run], deadline: float, push: bool) -> None:
         self._check_peer()
         ours = local_ranges(region.layout, runs)
-        local = (region.address, ours.offsets)
-        remote = (self._address, remote_ranges(self._layout, runs).offsets)
-        (src, src_offsets), (dst, dst_offsets) = (local, remote) if push else (remote, local)
+        theirs = remote_ranges(self._layout, runs).offsets
         # One call per plane: the deadline bounds a stuck copy without a check per chunk.
         for i in range(0, len(ours), len(runs)):
             remaining(deadline)
             part = slice(i, i + len(runs))
-            copy_ranges(dst, src, dst_offsets[part], src_offsets[part], ours.lengths[part])
+            copy_ranges(self._address, region.address, theirs[part], ours.offsets[part], ours.lengths[part])
         self._check_peer()
 
     def _check_peer(self) -> None:

@@ -1,12 +1,12 @@
 """Cross-host transport over one persistent TCP connection per peer.
 
-The side whose pool is written (decode, for push) runs a listener; each accepted
-connection gets a thread that serves requests one after another. A write request is a
-header with the destination block ranges followed by the source chunk ranges sent with
-scatter-gather `sendmsg`; the server receives them with `recvmsg` straight into its
-pool and acks, so the sender's token completes only after the bytes landed. A read is
-the mirror image. One transfer at a time per connection, each framed by its header, so
-any number of queued transfers share the connection safely.
+The side whose pool is written (decode) runs a listener; each accepted connection gets a
+thread that serves requests one after another. A write request is a header with the
+destination block ranges followed by the source chunk ranges sent with scatter-gather
+`sendmsg`; the server receives them with `recvmsg` straight into its pool and acks, so the
+sender's token completes only after the bytes landed. One transfer at a time per
+connection, each framed by its header, so any number of queued transfers share the
+connection safely.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def _read_reply(sock: socket.socket, deadline: float) -> wire.Reply:
     head, msg_len = wire.decode_reply_head(recv_bytes(sock, wire.REPLY_BYTES, deadline))
     message = recv_bytes(sock, msg_len, deadline).decode(errors="replace")
-    return wire.Reply(head.op, head.transfer_id, head.status, head.payload_bytes, message)
+    return wire.Reply(head.op, head.transfer_id, head.status, message)
 
 
 class TcpLink(Link):
@@ -55,26 +55,17 @@ class TcpLink(Link):
         send_ranges(self._sock, region.address, ranges, deadline)
         self._reply(tid, deadline)
 
-    def read(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        ranges = local_ranges(region.layout, runs)
-        tid = self._request(wire.OP_READ, runs, ranges.nbytes, deadline)
-        reply = self._reply(tid, deadline)
-        if reply.payload_bytes != ranges.nbytes:
-            raise PeerLost(f"peer sent {reply.payload_bytes} bytes, expected {ranges.nbytes}")
-        recv_ranges(self._sock, region.address, ranges, deadline)
-
     def _request(self, op: int, runs: Sequence[Run], size: int, deadline: float) -> int:
         tid = next(self._ids)
         head = wire.encode_request(wire.Request(op, tid, [(r.remote, r.count) for r in runs], size))
         send_bytes(self._sock, head, deadline)
         return tid
 
-    def _reply(self, tid: int, deadline: float) -> wire.Reply:
+    def _reply(self, tid: int, deadline: float) -> None:
         reply = _read_reply(self._sock, deadline)
         if reply.transfer_id != tid:
             raise PeerLost(f"reply for transfer {reply.transfer_id}, expected {tid}")
         reply.raise_for_status()
-        return reply
 
     def close(self) -> None:
         self._sock.close()
@@ -155,10 +146,7 @@ class TcpBackend(Backend):
                     self._serve_hello(conn, recv_bytes(conn, payload, deadline), deadline)
                     continue
                 ranges = wire.decode_ranges(recv_bytes(conn, 16 * count, deadline))
-                if op == wire.OP_WRITE:
-                    self._serve_write(conn, tid, ranges, payload, deadline)
-                else:
-                    self._serve_read(conn, tid, ranges, payload, deadline)
+                self._serve_write(conn, tid, ranges, payload, deadline)
         except TransferError as exc:
             log.debug("tcp connection ended: %s", exc)
         except Exception:  # noqa: BLE001 - a bad peer must not take the listener down
@@ -201,13 +189,3 @@ class TcpBackend(Backend):
             return
         recv_ranges(conn, region.address, spans, deadline)
         send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid), deadline)
-
-    def _serve_read(self, conn: socket.socket, tid: int, ranges: list[tuple[int, int]],
-                    payload: int, deadline: float) -> None:
-        try:
-            region, spans = self._target(ranges, payload)
-        except TransferError as exc:
-            send_bytes(conn, wire.encode_reply(wire.OP_READ, tid, exc), deadline)
-            return
-        send_bytes(conn, wire.encode_reply(wire.OP_READ, tid, payload_bytes=payload), deadline)
-        send_ranges(conn, region.address, spans, deadline)

@@ -1,9 +1,9 @@
 """Sans-I/O framing of the tcp transport: pure encode/decode of headers, tested with bytes.
 
-Each transfer on a connection is one request header, its block ranges, and (for a write)
-the payload; the server answers with one reply header, its message, and (for a read) the
-payload. Payload bytes are the runs' chunk ranges in `byte_ranges` order, so neither side
-ever serializes blocks: they are sent from and received into pool memory directly.
+Each transfer on a connection is one write request header, its block ranges, and the
+payload; the server answers with one reply header and its message. Payload bytes are the
+runs' chunk ranges in `byte_ranges` order, so neither side ever serializes blocks: they are
+sent from and received into pool memory directly.
 """
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from transfer.errors import (InvalidBlocks, LayoutMismatch, PeerLost, RegionNotR
                              TransferError)
 
 MAGIC = b"NDKV"
-OP_HELLO, OP_WRITE, OP_READ = 1, 2, 3
+OP_HELLO, OP_WRITE = 1, 2
 _REQUEST = struct.Struct("!4sBQIQ")   # magic, op, transfer id, number of ranges, payload bytes
-_REPLY = struct.Struct("!4sBQBQI")    # magic, op, transfer id, status, payload bytes, message bytes
+# magic, op, transfer id, status, payload bytes, message bytes. Replies carry no payload (the
+# field is always 0); it stays so the frame is the one peers of earlier versions read.
+_REPLY = struct.Struct("!4sBQBQI")
 REQUEST_BYTES, REPLY_BYTES = _REQUEST.size, _REPLY.size
 MAX_HELLO_BYTES = 1 << 16
 
@@ -41,7 +43,6 @@ class Reply:
     op: int
     transfer_id: int
     status: int
-    payload_bytes: int
     message: str
 
     def raise_for_status(self) -> None:
@@ -58,7 +59,7 @@ def encode_request(req: Request) -> bytes:
 def decode_request_head(data: bytes) -> tuple[int, int, int, int]:
     """(op, transfer id, number of ranges, payload bytes); the ranges follow."""
     magic, op, tid, count, payload = _REQUEST.unpack(data)
-    if magic != MAGIC or op not in (OP_HELLO, OP_WRITE, OP_READ):
+    if magic != MAGIC or op not in (OP_HELLO, OP_WRITE):
         raise PeerLost(f"bad request header {data[:8]!r}: not a KV transfer stream")
     if op == OP_HELLO and payload > MAX_HELLO_BYTES:
         raise PeerLost(f"hello of {payload} bytes is too large")
@@ -71,19 +72,18 @@ def decode_ranges(data: bytes) -> list[tuple[int, int]]:
     return list(zip(flat[0::2], flat[1::2]))
 
 
-def encode_reply(op: int, transfer_id: int, error: TransferError | None = None,
-                 payload_bytes: int = 0) -> bytes:
+def encode_reply(op: int, transfer_id: int, error: TransferError | None = None) -> bytes:
     status = 0 if error is None else _CODES.get(type(error), 5)
     message = b"" if error is None else str(error).encode()
-    return _REPLY.pack(MAGIC, op, transfer_id, status, payload_bytes, len(message)) + message
+    return _REPLY.pack(MAGIC, op, transfer_id, status, 0, len(message)) + message
 
 
 def decode_reply_head(data: bytes) -> tuple[Reply, int]:
     """The reply without its message, and how many message bytes follow."""
-    magic, op, tid, status, payload, msg_len = _REPLY.unpack(data)
+    magic, op, tid, status, _, msg_len = _REPLY.unpack(data)
     if magic != MAGIC:
         raise PeerLost(f"bad reply header {data[:8]!r}: not a KV transfer stream")
-    return Reply(op, tid, status, payload, ""), msg_len
+    return Reply(op, tid, status, ""), msg_len
 
 
 def encode_hello(fields: dict[str, Any]) -> bytes:

@@ -29,8 +29,8 @@ def _handle(engine: Any, pool: torch.Tensor, cmd: str, args: tuple) -> Any:
         return engine.descriptor()
     if cmd == "connect":
         return engine.connect(args[0])
-    if cmd == "transfer":  # (peer, src, dst, timeout, direction) -> None or (error type, message)
-        token = engine.queue_transfer_with_token(*args[:3], timeout=args[3], direction=args[4])
+    if cmd == "transfer":  # (peer, src, dst, timeout) -> None or (error type, message)
+        token = engine.queue_transfer_with_token(*args[:3], timeout=args[3])
         try:
             token.wait(args[3] + 5)
         except Exception as exc:  # noqa: BLE001 - reported to the test as data

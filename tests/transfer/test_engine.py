@@ -53,11 +53,10 @@ def test_bad_block_ids_end_the_token(backend: str, make_engine) -> None:
     engine, other = make_engine(backend, seed=1), make_engine(backend)
     peer = engine.connect(other.descriptor())
     for src, dst in BAD_IDS:
-        for direction in ("push", "pull"):
-            token = engine.queue_transfer_with_token(peer, src, dst, direction=direction)
-            assert token.is_done() and isinstance(token.error, InvalidBlocks), (src, dst)
-            with pytest.raises(InvalidBlocks):
-                token.wait(1)
+        token = engine.queue_transfer_with_token(peer, src, dst)
+        assert token.is_done() and isinstance(token.error, InvalidBlocks), (src, dst)
+        with pytest.raises(InvalidBlocks):
+            token.wait(1)
     empty = engine.queue_transfer_with_token(peer, [], [])
     assert empty.is_done() and empty.error is None
     engine.queue_transfer_with_token(peer, [3, 4], [5, 6]).wait(10)
@@ -174,8 +173,6 @@ def test_a_token_serves_one_transfer(make_engine) -> None:
     token.wait(10)
     with pytest.raises(ValueError, match="one transfer"):
         engine.queue_transfer_with_token(peer, [1], [1], token)
-    with pytest.raises(ValueError, match="direction"):
-        engine.queue_transfer_with_token(peer, [1], [1], direction="sideways")
 
 
 def test_tcp_listener_serves_only_its_engine_and_survives_garbage(make_engine) -> None:

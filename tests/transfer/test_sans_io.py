@@ -15,7 +15,7 @@ from transfer.errors import RegionNotRegistered
 def test_adjacent_pairs_merge_into_runs() -> None:
     runs = plan_runs([7, 3, 4, 5, 9, 10], [20, 0, 1, 2, 30, 40], 16, 64)
     assert runs == [Run(3, 0, 3), Run(7, 20, 1), Run(9, 30, 1), Run(10, 40, 1)]
-    by_peer = plan_runs([1, 2, 3, 8], [50, 51, 52, 4], 16, 64, by_remote=True)
+    by_peer = plan_runs([1, 2, 3, 8], [50, 51, 52, 4], 16, 64)
     assert by_peer == [Run(8, 4, 1), Run(1, 50, 3)]
 
 
@@ -60,11 +60,11 @@ def test_request_and_reply_round_trip() -> None:
     assert (op, tid, count, payload) == (wire.OP_WRITE, 42, 2, 4096)
     assert wire.decode_ranges(data[wire.REQUEST_BYTES:]) == [(5, 3), (1 << 40, 1)]
 
-    reply = wire.encode_reply(wire.OP_READ, 42, RegionNotRegistered("gone"))
+    reply = wire.encode_reply(wire.OP_WRITE, 42, RegionNotRegistered("gone"))
     head, msg_len = wire.decode_reply_head(reply[:wire.REPLY_BYTES])
     assert reply[wire.REPLY_BYTES:] == b"gone" and msg_len == 4
     with pytest.raises(RegionNotRegistered, match="gone"):
-        wire.Reply(head.op, head.transfer_id, head.status, 0, "gone").raise_for_status()
+        wire.Reply(head.op, head.transfer_id, head.status, "gone").raise_for_status()
 
 
 def test_garbage_is_not_a_frame() -> None:

@@ -55,20 +55,12 @@ def test_push_random_blocks(setup: Setup) -> None:
     assert setup.peers[0].call("dump", dst) == setup.ours(src)
 
 
-def test_pull_random_blocks(setup: Setup) -> None:
-    theirs, ours = random_blocks(random.Random(2), 17)
-    before = setup.peers[1].call("dump", theirs)
-    setup.engine.queue_transfer_with_token(setup.peer_ids[1], theirs, ours, direction="pull").wait(20)
-    assert setup.ours(ours) == before
-    assert before != bytes(len(before))  # the peer's blocks were not blank
-
-
 def test_peer_process_pushes_into_our_pool(setup: Setup) -> None:
     peer = setup.peers[0]
     our_id = peer.call("connect", setup.engine.descriptor())
     src, dst = random_blocks(random.Random(3), 30)
     sent = peer.call("dump", src)
-    assert peer.call("transfer", our_id, src, dst, 20.0, "push") is None
+    assert peer.call("transfer", our_id, src, dst, 20.0) is None
     assert setup.ours(dst) == sent
 
 
