@@ -60,10 +60,6 @@ class CompletionToken:
                 raise ValueError("a CompletionToken can be used for one transfer only")
             self._deadline = deadline
 
-    @property
-    def _remaining(self) -> float:
-        return (self._deadline or time.monotonic()) - time.monotonic()
-
     def _start(self) -> bool:
         """Claims the token for running; False if it already expired or finished."""
         self._expire_if_overdue()
