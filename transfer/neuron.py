@@ -1,10 +1,14 @@
-"""Neuron runtime transport (torch-neuronx): device-to-device KV copies over EFA.
+"""Neuron runtime transport (torch-neuronx): KV copies run by the runtime's transfer engine.
 
 Only usable where torch-neuronx is installed; everywhere else constructing the backend
-raises BackendUnavailable. It is a thin adapter over the runtime's own engine: one send
-or receive communicator per local NeuronCore, and the runtime's
-`queue_transfer_with_token`, whose token we poll against our deadline. The pool lives
-in device memory, so this backend offers no shm or byte-level access.
+raises BackendUnavailable. It is a thin adapter over the runtime's own engine: each link
+opens one send communicator from our NeuronCore to the peer's and hands the runtime's
+`queue_transfer_with_token` the chunk ranges, polling its token against our deadline.
+
+The pool is not in device memory: like every backend's, it is the engine's region, a
+contiguous CPU tensor in host memory (allocate_region makes it with plain torch.empty, not
+in shared memory, since no shm backend runs beside this one), and that host tensor is what
+the runtime is given as the source of each transfer.
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ class NeuronLink(Link):
 
 
 class NeuronBackend(Backend):
-    """Offers the device pool on `core` to peers that also run the neuron backend."""
+    """Describes our pool by host and NeuronCore `core` to peers that also run the neuron backend."""
 
     name = "neuron"
 
