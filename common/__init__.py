@@ -1,0 +1,1 @@
+"""What the proxy, the connector and the worker share, with nothing but the stdlib behind it."""
