@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.roles import DEFAULT_KV_PORT
 from examples.serving_stack import Stack, StackOptions, free_port, start_proxy, started, wait_healthy
-from neuron_connector.registry import DEFAULT_KV_PORT
 
 SERVED_NAME = "model"
 

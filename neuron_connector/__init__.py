@@ -23,13 +23,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from common.roles import DEFAULT_KV_PORT
 from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable,
     ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
 from neuron_connector.peer_link import PeerInfo
 from neuron_connector.pulls import PullState, PullStatus
 from neuron_connector.registry import (
-    DEFAULT_KV_PORT, Registration, WorkerRecord, list_workers, list_workers_async)
+    Registration, WorkerRecord, list_workers, list_workers_async)
 
 # The buffers need the transfer engine (and torch); the proxy only needs records and
 # registration, so they are imported on first use.

@@ -10,7 +10,8 @@ import logging
 import signal
 import threading
 
-from neuron_connector.registry import ROLES, Registration, WorkerRecord
+from common.roles import DEFAULT_KV_PORT, ROLES
+from neuron_connector.registry import Registration, WorkerRecord
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--http-port", type=int, required=True)
     parser.add_argument("--kv-host", default=None, help="defaults to --host")
-    parser.add_argument("--kv-port", type=int, default=14579)
+    parser.add_argument("--kv-port", type=int, default=DEFAULT_KV_PORT)
     parser.add_argument("--engine-id", default=None)
     parser.add_argument("--model", default="")
     parser.add_argument("--ttl", type=int, default=10, help="lease TTL in seconds")

@@ -18,16 +18,15 @@ from typing import Any, Coroutine, TypeVar
 
 import aetcd
 
+from common.roles import DEFAULT_KV_PORT, ROLES
 from neuron_connector.errors import RegistrationError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ROLES = ("prefill", "decode", "both")
 # How the proxy drives a worker: "neuron" = our signal plane (both legs at once, decode pulls
 # the KV), "nixl" = vLLM's upstream NixlConnector handoff (prefill first, its answer to decode).
 KV_PROTOCOLS = ("neuron", "nixl")
-DEFAULT_KV_PORT = 14579
 KEY_PREFIX = "/workers/"
 _CALL_TIMEOUT_S = 3
 

@@ -13,11 +13,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
+from common.roles import ROLES
 from scheduler.block_manager import BlockManager
 from scheduler.errors import QueueFull, WillNeverFit
 from scheduler.sequence import Sequence, SequenceStatus, blocks_for
-
-ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)

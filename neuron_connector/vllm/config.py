@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from neuron_connector.registry import DEFAULT_KV_PORT
+from common.roles import DEFAULT_KV_PORT
 
 # vLLM's kv_role -> our worker role.
 ROLE_OF_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
