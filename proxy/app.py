@@ -3,21 +3,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from typing import Any
 
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
+from common.openai_wire import error_body, json_bytes
+from common.roles import DISAGGREGATED_ROLES, ROLES
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, health_loop
-from proxy.errors import NoWorkers, ProxyError, UpstreamError, error_body, to_http
+from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
 from proxy.forward import Forwarder, JSONAnswer
 from proxy.metrics import Metrics
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
 from proxy.upstream import AiohttpUpstream, Upstream
-from proxy.workers import ROLES, WorkerPool, WorkerRecord
+from proxy.workers import WorkerPool, WorkerRecord
 
 _JSON = "application/json"
 
@@ -98,7 +99,7 @@ def create_app(config: ProxyConfig) -> Quart:
     async def http_error(exc: HTTPException) -> Response:
         # Unknown paths and wrong methods answer in OpenAI's error shape too.
         status = exc.code or 500
-        return _json_response(error_body(exc.description or exc.name, "invalid_request_error", status), status)
+        return _json_response(error_body(status, exc.description or exc.name, "invalid_request_error"), status)
 
     return app
 
@@ -130,12 +131,12 @@ def _health(state: ProxyState) -> dict[str, Any]:
 
 
 def _json_response(body: dict[str, Any], status: int) -> Response:
-    return Response(json.dumps(body), status, content_type=_JSON)
+    return Response(json_bytes(body), status, content_type=_JSON)
 
 
 async def _models(state: ProxyState) -> Response:
     """The union of the models the healthy workers serve."""
-    roles = ("both",) if state.config.colocated else ("prefill", "decode")
+    roles = ("both",) if state.config.colocated else DISAGGREGATED_ROLES
     workers = [w for role in roles for w in state.pool.healthy(role)]
     if not workers:
         return _error_response(NoWorkers(" or ".join(roles)))

@@ -5,9 +5,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Sequence
 
+from common.roles import DEFAULT_KV_PORT, DISAGGREGATED_ROLES
 from proxy.errors import ConfigError
 from proxy.upstream import Timeouts
-from proxy.workers import DEFAULT_KV_PORT, KV_PROTOCOLS, WorkerRecord, static_worker
+from proxy.workers import KV_PROTOCOLS, WorkerRecord, static_worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +104,7 @@ def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
                                _port(kv[0], "--prefill") if kv else DEFAULT_KV_PORT))
     for spec in args.decode:
         workers.append(static_worker("decode", *_host_port(spec, "--decode"), kv_protocol=protocol))
-    roles = {w.role for w in workers}
-    if workers and roles != {"prefill", "decode"}:
+    if workers and {w.role for w in workers} != set(DISAGGREGATED_ROLES):
         raise ConfigError("di mode needs at least one prefill and one decode worker")
     if len({w.key for w in workers}) != len(workers):
         raise ConfigError("the same worker is given twice")

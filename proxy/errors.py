@@ -12,8 +12,7 @@
 """
 from __future__ import annotations
 
-import json
-from typing import Any
+from common.openai_wire import error_body, json_bytes
 
 
 class ProxyError(Exception):
@@ -66,16 +65,11 @@ class UpstreamProtocol(UpstreamError):
     pass
 
 
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
-    """An OpenAI-style error body."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
 def to_http(exc: ProxyError) -> tuple[int, bytes]:
     """Maps an error to (HTTP status, JSON body); the only place statuses are decided."""
     if isinstance(exc, UpstreamStatus) and 400 <= exc.status < 500:
         # The worker judged the request itself: the client gets the worker's own answer.
-        return exc.status, exc.body or _dump(error_body(str(exc), "invalid_request_error", exc.status))
+        return exc.status, exc.body or json_bytes(error_body(exc.status, str(exc), "invalid_request_error"))
     if isinstance(exc, BadRequest):
         status, err_type, param = 400, "invalid_request_error", exc.param
     elif isinstance(exc, NoWorkers):
@@ -86,8 +80,4 @@ def to_http(exc: ProxyError) -> tuple[int, bytes]:
         status, err_type, param = 502, "upstream_error", None
     else:
         status, err_type, param = 500, "internal_error", None
-    return status, _dump(error_body(str(exc), err_type, status, param))
-
-
-def _dump(body: dict[str, Any]) -> bytes:
-    return json.dumps(body).encode()
+    return status, json_bytes(error_body(status, str(exc), err_type, param))

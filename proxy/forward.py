@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
+from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
 from proxy.errors import (ProxyError, UpstreamError, UpstreamProtocol, UpstreamStatus, UpstreamUnavailable,
-                          error_body, to_http)
+                          to_http)
 from proxy.metrics import Metrics
 from proxy.requests import (ClientRequest, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
                             nixl_prefill_params, prefill_body)
-from proxy.sse import DONE, DONE_EVENT, SSEDecoder, encode_raw
+from proxy.sse import SSEDecoder, encode_raw
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
@@ -130,7 +131,7 @@ class Forwarder:
         """Prefill's answer and the decode leg (None: not called) -> the answer one server would give."""
         try:
             if not request.stream:
-                return JSONAnswer(_dump(await self._whole(response_id, first, leg)))
+                return JSONAnswer(json_bytes(await self._whole(response_id, first, leg)))
             stitcher = StreamStitcher(request, response_id, int(time.time()), first)
             events = stitcher.first()
         except BaseException:
@@ -313,16 +314,12 @@ def _json(body: bytes, worker: WorkerRecord) -> dict[str, Any]:
     return data
 
 
-def _dump(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 def _error_event(exc: ProxyError) -> bytes:
     """After streaming has started the status is sent: the error goes in an SSE event."""
     status, body = to_http(exc)
     try:
         payload = json.loads(body)
     except ValueError:  # a worker's own error body need not be JSON
-        payload = error_body(str(exc), "upstream_error", status)
-    # The body may span lines; an SSE data line needs compact JSON.
-    return encode_raw(json.dumps(payload, separators=(",", ":"))) + DONE_EVENT
+        payload = error_body(status, str(exc), "upstream_error")
+    # Re-encoded, not passed on: the body may span lines, an SSE data line must not.
+    return sse_event(payload) + DONE_EVENT

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX
 from proxy.errors import BadRequest
 from proxy.workers import WorkerRecord
 
@@ -23,8 +24,8 @@ class Endpoint:
     is_chat: bool
 
 
-COMPLETIONS = Endpoint("/v1/completions", "cmpl-", "text_completion", "text_completion", False)
-CHAT = Endpoint("/v1/chat/completions", "chatcmpl-", "chat.completion", "chat.completion.chunk", True)
+COMPLETIONS = Endpoint("/v1/completions", COMPLETION_ID_PREFIX, "text_completion", "text_completion", False)
+CHAT = Endpoint("/v1/chat/completions", CHAT_ID_PREFIX, "chat.completion", "chat.completion.chunk", True)
 
 
 @dataclass(frozen=True, slots=True)

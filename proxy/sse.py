@@ -1,11 +1,8 @@
-"""Server-sent events, sans-I/O: split a byte stream into event payloads, and encode them."""
+"""Server-sent events, sans-I/O: split a byte stream into event payloads, and pass them on.
+
+Events the proxy writes itself are encoded by common.openai_wire.sse_event.
+"""
 from __future__ import annotations
-
-import json
-from typing import Any
-
-DONE = "[DONE]"
-DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class SSEDecoder:
@@ -63,10 +60,6 @@ class SSEDecoder:
             self._data.append(value[1:] if value.startswith(" ") else value)
 
 
-def encode(payload: dict[str, Any]) -> bytes:
-    """One SSE event carrying `payload` as JSON."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
 def encode_raw(data: str) -> bytes:
+    """One SSE event carrying a decoded payload as it came: a relayed worker's JSON is not re-serialized."""
     return b"data: " + data.encode() + b"\n\n"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from common.openai_wire import DONE, DONE_EVENT, sse_event
 from proxy.errors import UpstreamError, UpstreamProtocol, UpstreamUnavailable
 from proxy.requests import ClientRequest
-from proxy.sse import DONE, DONE_EVENT, encode
 
 
 def summed_usage(prefill: dict[str, Any] | None, decode: dict[str, Any] | None) -> dict[str, int] | None:
@@ -148,10 +148,10 @@ class StreamStitcher:
         return self._chunk({**choice, "index": 0})
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
-        return encode({**self._head, "choices": [choice]})
+        return sse_event({**self._head, "choices": [choice]})
 
     def _closing(self, usage: dict[str, Any] | None) -> list[bytes]:
-        events = [encode({**self._head, "choices": [], "usage": usage})] if self._include_usage else []
+        events = [sse_event({**self._head, "choices": [], "usage": usage})] if self._include_usage else []
         return events + [DONE_EVENT]
 
 

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 
 import aiohttp
 
+from common.openai_wire import json_bytes
 from proxy.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from proxy.workers import WorkerRecord
 
@@ -104,14 +105,14 @@ class AiohttpUpstream:
 
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:
         with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
-            async with self._session.post(path, data=dump_json(payload), headers=json_headers(headers)) as response:
+            async with self._session.post(path, data=json_bytes(payload), headers=json_headers(headers)) as response:
                 return Reply(response.status, await response.read())
 
     @asynccontextmanager
     async def stream(self, path: str, payload: dict[str, Any],
                      headers: dict[str, str]) -> AsyncIterator[_AiohttpStream]:
         with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
-            response = await self._session.post(path, data=dump_json(payload), headers=json_headers(headers))
+            response = await self._session.post(path, data=json_bytes(payload), headers=json_headers(headers))
         try:
             yield _AiohttpStream(response, self.worker)
         finally:
@@ -125,10 +126,6 @@ class AiohttpUpstream:
 
     async def close(self) -> None:
         await self._session.close()
-
-
-def dump_json(payload: dict[str, Any]) -> bytes:
-    return json.dumps(payload, separators=(",", ":")).encode()
 
 
 def json_headers(headers: dict[str, str]) -> dict[str, str]:

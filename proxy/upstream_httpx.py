@@ -6,7 +6,8 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from proxy.upstream import Reply, Timeouts, dump_json, json_headers, translated
+from common.openai_wire import json_bytes
+from proxy.upstream import Reply, Timeouts, json_headers, translated
 from proxy.workers import WorkerRecord
 
 _HTTPX_TIMEOUTS = (httpx.TimeoutException,)
@@ -41,13 +42,13 @@ class HttpxUpstream:
 
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:
         with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
-            response = await self._client.post(path, content=dump_json(payload), headers=json_headers(headers))
+            response = await self._client.post(path, content=json_bytes(payload), headers=json_headers(headers))
             return Reply(response.status_code, response.content)
 
     @asynccontextmanager
     async def stream(self, path: str, payload: dict[str, Any],
                      headers: dict[str, str]) -> AsyncIterator[_HttpxStream]:
-        request = self._client.build_request("POST", path, content=dump_json(payload), headers=json_headers(headers))
+        request = self._client.build_request("POST", path, content=json_bytes(payload), headers=json_headers(headers))
         with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
             response = await self._client.send(request, stream=True)
         try:

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from neuron_connector.registry import DEFAULT_KV_PORT, KV_PROTOCOLS, ROLES, WorkerRecord
+from common.roles import DEFAULT_KV_PORT, ROLES
+from neuron_connector.registry import KV_PROTOCOLS, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-__all__ = ["DEFAULT_KV_PORT", "KV_PROTOCOLS", "ROLES", "WorkerPool", "WorkerRecord", "pick", "static_worker"]
+__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "pick", "static_worker"]
 
 
 def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_KV_PORT,
