@@ -1,8 +1,8 @@
 """neuron_connector: the worker's side of disaggregated inference.
 
 Prefill workers serve KV lookups with a `SendBuffer`; decode workers pull with a
-`RecvBuffer`; both register in etcd with a `Registration`; the proxy reads them back with
-`list_workers`.
+`RecvBuffer`; both register a `WorkerRecord` in etcd with a `Registration`, which the proxy
+reads back and watches (`proxy.discovery.EtcdDiscovery`).
 
     # prefill
     send = SendBuffer(engine, layout, engine_id, "0.0.0.0", kv_port, on_release=free_blocks)
@@ -29,8 +29,7 @@ from neuron_connector.errors import (
     ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
 from neuron_connector.peer_link import PeerInfo
 from neuron_connector.pulls import PullState, PullStatus
-from neuron_connector.registry import (
-    Registration, WorkerRecord, list_workers, list_workers_async)
+from neuron_connector.registry import Registration, WorkerRecord
 
 # The buffers need the transfer engine (and torch); the proxy only needs records and
 # registration, so they are imported on first use.
@@ -54,5 +53,5 @@ __all__ = [
     "ConnectorError", "DuplicateRequest", "HandshakeError", "LayoutMismatch", "PeerUnavailable",
     "ProtocolError", "PullTimeout", "RegistrationError", "UnknownRequest",
     "PeerInfo", "PullState", "PullStatus", "RecvBuffer", "SendBuffer", "SendStats",
-    "Registration", "WorkerRecord", "list_workers", "list_workers_async",
+    "Registration", "WorkerRecord",
 ]

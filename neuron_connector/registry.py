@@ -1,4 +1,4 @@
-"""etcd registration of a worker under a lease, and the reader the proxy discovers workers with.
+"""etcd registration of a worker under a lease (the proxy reads the records back in proxy.discovery).
 
 Key `/workers/{role}/{host}/{http_port}`, value a `WorkerRecord` as JSON. The lease is kept
 alive by a private asyncio loop in a daemon thread (the engine is not async); stopping
@@ -97,30 +97,6 @@ def _client(endpoint: str) -> aetcd.Client:
     if not host or not port.isdigit():
         raise RegistrationError(f"etcd endpoint must be host:port, got {endpoint!r}")
     return aetcd.Client(host=host, port=int(port), timeout=_CALL_TIMEOUT_S)
-
-
-async def list_workers_async(endpoint: str, role: str | None = None) -> list[WorkerRecord]:
-    """Registered workers (of one role, or all), sorted by key; malformed values skipped."""
-    prefix = KEY_PREFIX if role is None else f"{KEY_PREFIX}{role}/"
-    client = _client(endpoint)
-    try:
-        found = await client.get_prefix(prefix.encode())
-    except aetcd.ClientError as exc:
-        raise RegistrationError(f"cannot list workers in etcd at {endpoint}: {exc}") from exc
-    finally:
-        await client.close()
-    records = []
-    for kv in found:
-        try:
-            records.append(WorkerRecord.from_json(kv.value))
-        except (RegistrationError, ValueError) as exc:
-            log.warning("skipping %s: %s", kv.key, exc)
-    return sorted(records, key=lambda r: r.key)
-
-
-def list_workers(endpoint: str, role: str | None = None) -> list[WorkerRecord]:
-    """Blocking `list_workers_async` for code that has no event loop of its own."""
-    return asyncio.run(list_workers_async(endpoint, role))
 
 
 class Registration:

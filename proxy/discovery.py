@@ -7,13 +7,13 @@ from typing import Callable
 
 import aetcd
 
-from neuron_connector.registry import RegistrationError
+from neuron_connector.registry import KEY_PREFIX, RegistrationError
 from proxy.errors import UpstreamError
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
 log = logging.getLogger("proxy.discovery")
-PREFIX = b"/workers/"
+PREFIX = KEY_PREFIX.encode()
 _FIRST_BACKOFF = 0.2
 
 
@@ -62,12 +62,12 @@ class EtcdDiscovery:
 
     async def _sync_and_watch(self) -> None:
         async with aetcd.Client(self._host, self._port, timeout=5) as client:
-            snapshot = await client.get_prefix(PREFIX)
-            self._pool.replace_all(w for kv in snapshot if (w := _record(kv.key, kv.value)) is not None)
+            workers, revision = await read_workers(client)
+            self._pool.replace_all(workers)
             self.synced.set()
             self._backoff = _FIRST_BACKOFF
             log.info("etcd: %d workers", len(self._pool.all()))
-            watch = await client.watch_prefix(PREFIX, start_revision=snapshot.header.revision + 1)
+            watch = await client.watch_prefix(PREFIX, start_revision=revision + 1)
             async for event in watch:
                 self._apply(event)
         raise ConnectionError("etcd watch ended")
@@ -80,6 +80,12 @@ class EtcdDiscovery:
         elif (worker := _record(event.kv.key, event.kv.value)) is not None:
             log.info("etcd: worker %s joined", key)
             self._pool.add(worker)
+
+
+async def read_workers(client: aetcd.Client) -> tuple[list[WorkerRecord], int]:
+    """The well-formed records under `/workers/`, and the etcd revision they were read at."""
+    snapshot = await client.get_prefix(PREFIX)
+    return [w for kv in snapshot if (w := _record(kv.key, kv.value)) is not None], snapshot.header.revision
 
 
 def _record(key: bytes, value: bytes) -> WorkerRecord | None:

@@ -6,8 +6,9 @@ import tempfile
 
 import pytest
 
-from neuron_connector import Registration, RegistrationError, WorkerRecord, list_workers
+from neuron_connector import Registration, RegistrationError, WorkerRecord
 from tests.helpers import EtcdServer, ManagedProcess, free_port, python_process, wait_until
+from tests.proxy.registration import registered_workers
 
 
 def _record(role: str = "prefill", http_port: int = 8100) -> WorkerRecord:
@@ -17,7 +18,7 @@ def _record(role: str = "prefill", http_port: int = 8100) -> WorkerRecord:
 
 
 def _keys(endpoint: str, role: str | None = None) -> list[str]:
-    return [r.key for r in list_workers(endpoint, role)]
+    return [r.key for r in registered_workers(endpoint, role)]
 
 
 def test_key_appears_with_the_json_and_disappears_on_stop(etcd_server: EtcdServer) -> None:
@@ -25,7 +26,7 @@ def test_key_appears_with_the_json_and_disappears_on_stop(etcd_server: EtcdServe
     registration = Registration(etcd_server.endpoint, record, ttl=5)
     registration.start()
     try:
-        assert list_workers(etcd_server.endpoint) == [record]
+        assert registered_workers(etcd_server.endpoint) == [record]
         assert json.loads(record.to_json()) == {
             "role": "prefill", "host": "127.0.0.1", "http_port": 8100, "kv_host": "127.0.0.1",
             "kv_port": 14579, "engine_id": "prefill-8100",
@@ -34,11 +35,11 @@ def test_key_appears_with_the_json_and_disappears_on_stop(etcd_server: EtcdServe
     finally:
         registration.stop()
     # Revoking the lease deletes the key at once: no polling needed.
-    assert list_workers(etcd_server.endpoint) == []
+    assert registered_workers(etcd_server.endpoint) == []
     registration.stop()   # idempotent
 
 
-def test_list_workers_filters_by_role(etcd_server: EtcdServer) -> None:
+def test_workers_are_filed_under_their_role(etcd_server: EtcdServer) -> None:
     regs = [Registration(etcd_server.endpoint, _record(role, port), ttl=5)
             for role, port in (("prefill", 8100), ("decode", 8200), ("decode", 8201))]
     for reg in regs:
@@ -71,8 +72,6 @@ def test_unreachable_etcd_is_a_registration_error() -> None:
     registration = Registration(f"127.0.0.1:{free_port()}", _record(), ttl=2)
     with pytest.raises(RegistrationError, match="etcd"):
         registration.start()
-    with pytest.raises(RegistrationError, match="cannot list workers"):
-        list_workers(f"127.0.0.1:{free_port()}")
 
 
 def test_bad_endpoint_and_record() -> None:
@@ -90,12 +89,12 @@ def test_killed_process_vanishes_within_ttl(etcd_server: EtcdServer) -> None:
                            "--ttl", "2"], name="register-demo")
     try:
         wait_until(lambda: "registered" in proc.output(), timeout=30, what="registration")
-        records = list_workers(etcd_server.endpoint)
+        records = registered_workers(etcd_server.endpoint)
         assert [(r.role, r.http_port, r.kv_port, r.engine_id) for r in records] == [
             ("decode", 8200, 14600, "decode-127.0.0.1-8200")]
         proc.kill9()
         # TTL 2 s plus etcd's expiry sweep: it must vanish well within 2 + 5 s.
-        wait_until(lambda: list_workers(etcd_server.endpoint) == [], timeout=7,
+        wait_until(lambda: registered_workers(etcd_server.endpoint) == [], timeout=7,
                    what="the lease of the killed process to expire")
     finally:
         proc.stop()

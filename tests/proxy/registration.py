@@ -1,9 +1,13 @@
-"""Registering a test worker in etcd exactly as the real workers do: neuron_connector's Registration."""
+"""Test workers in etcd exactly as the real ones: registered with neuron_connector's Registration,
+read back with the proxy's own reader."""
 from __future__ import annotations
 
 import asyncio
 
+import aetcd
+
 from neuron_connector import Registration, WorkerRecord
+from proxy.discovery import read_workers
 
 
 async def register_forever(etcd: str, role: str, host: str, port: int, kv_port: int, model: str,
@@ -19,3 +23,13 @@ async def register_forever(etcd: str, role: str, host: str, port: int, kv_port: 
         await asyncio.Event().wait()
     finally:
         registration.stop()
+
+
+def registered_workers(etcd: str, role: str | None = None) -> list[WorkerRecord]:
+    """The workers registered in etcd at host:port `etcd` (of `role`, if given), sorted by key."""
+    host, _, port = etcd.rpartition(":")
+
+    async def read() -> list[WorkerRecord]:
+        async with aetcd.Client(host, int(port), timeout=3) as client:
+            return (await read_workers(client))[0]
+    return sorted((w for w in asyncio.run(read()) if role in (None, w.role)), key=lambda w: w.key)

@@ -8,8 +8,8 @@ import pytest
 
 from examples.serving_stack import Stack
 from examples.vllm_stack import SERVED_NAME
-from neuron_connector import list_workers
 from tests.helpers import EtcdServer, wait_until
+from tests.proxy.registration import registered_workers
 from tests.vllm.client import answers, body, metric
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
@@ -36,7 +36,7 @@ def payloads(endpoint: str, stream: bool, sampled: bool) -> list[dict]:
 
 
 def test_vllm_workers_register_in_etcd(etcd: EtcdServer, neuron_stack: Stack) -> None:
-    records = {r.role: r for r in list_workers(etcd.endpoint)}
+    records = {r.role: r for r in registered_workers(etcd.endpoint)}
     assert sorted(records) == ["decode", "prefill"]
     for role, record in records.items():
         assert record.base_url == neuron_stack.worker_urls[role] and record.kv_protocol == "neuron"
