@@ -6,11 +6,12 @@ pushes the blocks: it is read from its `/metrics` (the `neuron_di_kv_transfer_se
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler import blocks_for
 
 TRANSFER_PREFIX = "neuron_di_kv_transfer"
 
@@ -48,11 +49,6 @@ def diverging_at(expected: str, got: str) -> int:
         if a != b:
             return i
     return min(len(expected), len(got))
-
-
-def blocks_for(num_prompt_tokens: int, block_size: int) -> int:
-    """KV blocks one prompt occupies, hence the blocks its transfer moves."""
-    return math.ceil(num_prompt_tokens / block_size)
 
 
 @dataclass(frozen=True, slots=True)
