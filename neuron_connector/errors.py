@@ -3,8 +3,10 @@
     ConnectorError
     ├── ProtocolError       a signal-plane message that is not valid JSON or not a known message
     ├── HandshakeError      the prefill peer refused or never answered the handshake
-    │   └── LayoutMismatch  the two KV layouts cannot exchange blocks (the prefill side's
-    │                       transfer.LayoutMismatch, carried back over the signal plane)
+    │   ├── LayoutMismatch  the two KV layouts cannot exchange blocks (the prefill side's
+    │   │                   transfer.LayoutMismatch, carried back over the signal plane)
+    │   └── EngineMismatch  the peer's handshake names another engine than the pull expects
+    │                       (e.g. another prefill worker restarted on that address)
     ├── PullTimeout         the prefill peer had no finished request for the id before the deadline
     ├── PeerUnavailable     the prefill peer could not be reached
     ├── RegistrationError   etcd registration failed (etcd unreachable, lease lost)
@@ -27,6 +29,10 @@ class HandshakeError(ConnectorError):
 
 
 class LayoutMismatch(HandshakeError):
+    pass
+
+
+class EngineMismatch(HandshakeError):
     pass
 
 

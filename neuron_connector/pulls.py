@@ -5,6 +5,10 @@ A pull is WAITING (a lookup is due at `next_send_at`), or AWAITING a reply (rese
 While a lookup is outstanding the peer may be writing into our blocks, so such a pull is
 only failed (timeout or cancel) once the peer answered or `grace` seconds passed after
 the deadline: FAILED always means our blocks are safe to reuse.
+
+A pull may name the prefill engine it expects. A peer whose handshake names another
+engine fails it; a pull that began after the handshake first asks for a new one, since the
+peer may have restarted as the engine the pull names since.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import enum
 from dataclasses import dataclass
 
 from neuron_connector.errors import (
-    ConnectorError, DuplicateRequest, PeerUnavailable, ProtocolError, PullTimeout, UnknownRequest)
+    ConnectorError, DuplicateRequest, EngineMismatch, PeerUnavailable, ProtocolError, PullTimeout,
+    UnknownRequest)
 from neuron_connector.protocol import LookupAll, LookupReply
 
 
@@ -46,6 +51,7 @@ class _Pull:
     deadline: float
     next_send_at: float
     backoff: float
+    engine_id: str | None = None        # the prefill engine expected at `peer`; None: any
     sent_at: float | None = None        # set while a lookup is outstanding
     result: PullStatus = PENDING
     cancelled: bool = False
@@ -62,11 +68,15 @@ class PullTracker:
 
     def __post_init__(self) -> None:
         self._pulls: dict[str, _Pull] = {}
+        self._engines: dict[str, str] = {}        # peer -> the engine its latest handshake named
+        self._stale: set[str] = set()             # peers to handshake with again
 
-    def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float) -> None:
+    def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float,
+            engine_id: str | None = None) -> None:
         if request_id in self._pulls:
             raise DuplicateRequest(f"a pull of request {request_id!r} is already registered")
-        self._pulls[request_id] = _Pull(request_id, peer, tuple(dst), deadline, now, self.first_backoff)
+        self._pulls[request_id] = _Pull(request_id, peer, tuple(dst), deadline, now, self.first_backoff,
+                                        engine_id)
 
     def due(self, now: float, ready_peers: set[str]) -> list[tuple[str, LookupAll]]:
         """(peer, lookup) pairs to send now; marks them outstanding."""
@@ -75,11 +85,36 @@ class PullTracker:
             if pull.result is not PENDING or pull.cancelled or pull.peer not in ready_peers:
                 continue
             resend = pull.sent_at is not None and now - pull.sent_at >= self.resend_after
-            if (pull.sent_at is None and now >= pull.next_send_at) or resend:
-                pull.sent_at = now
-                left = max(pull.deadline - now, 0.001)
-                out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3))))
+            if not ((pull.sent_at is None and now >= pull.next_send_at) or resend):
+                continue
+            if pull.engine_id is not None and self._engines.get(pull.peer) != pull.engine_id:
+                # The handshake predates this pull (peer_ready failed the older ones): the
+                # peer may have restarted as the engine the pull names since.
+                self._stale.add(pull.peer)
+                continue
+            pull.sent_at = now
+            left = max(pull.deadline - now, 0.001)
+            out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3))))
         return out
+
+    def take_stale_peers(self) -> list[str]:
+        """Ready peers whose handshake names another engine than a waiting pull expects:
+        handshake with them again; `peer_ready` then fails the pulls it still does not match."""
+        stale, self._stale = sorted(self._stale), set()
+        return stale
+
+    def peer_ready(self, peer: str, engine_id: str) -> None:
+        """The peer completed a handshake as `engine_id`: its pulls expecting another engine fail.
+
+        Even one with a lookup outstanding: another engine answering at the address means the
+        one asked is gone, as `resend_peer` assumes after a restart.
+        """
+        self._engines[peer] = engine_id
+        for pull in self._pulls.values():
+            if pull.peer == peer and pull.result is PENDING and pull.engine_id not in (None, engine_id):
+                pull.sent_at, pull.result = None, PullStatus(PullState.FAILED, error=EngineMismatch(
+                    f"pull of {pull.request_id!r}: expected prefill engine {pull.engine_id} at {peer}, "
+                    f"found {engine_id}"))
 
     def on_reply(self, reply: LookupReply, now: float) -> None:
         pull = self._pulls.get(reply.request_id)

@@ -96,9 +96,13 @@ class RecvBuffer:
             self._links.pop(address, None)
             self._service.wake()
 
-    def request_pull(self, request_id: str, peer_host: str, peer_kv_port: int,
-                     dst_block_ids: list[int], deadline_s: float | None = None) -> None:
-        """Starts pulling; `deadline_s` (default `default_timeout`) bounds the whole pull."""
+    def request_pull(self, request_id: str, peer_host: str, peer_kv_port: int, dst_block_ids: list[int],
+                     deadline_s: float | None = None, peer_engine_id: str | None = None) -> None:
+        """Starts pulling; `deadline_s` (default `default_timeout`) bounds the whole pull.
+
+        With `peer_engine_id`, the pull fails with EngineMismatch when the peer's handshake
+        names another engine, instead of pulling from whatever worker now has that address.
+        """
         if not self._service.serving:
             raise ConnectorError("RecvBuffer is not running (call start())")
         if any(b < 0 or b >= self.layout.num_blocks for b in dst_block_ids):
@@ -107,7 +111,7 @@ class RecvBuffer:
         now = time.monotonic()
         timeout = self.default_timeout if deadline_s is None else deadline_s
         with self._lock:
-            self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now)
+            self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id)
         self._service.wake()
 
     def poll(self, request_id: str) -> PullStatus:
@@ -182,10 +186,13 @@ class RecvBuffer:
     def _send_due(self) -> None:
         now = time.monotonic()
         with self._lock:
+            ready = {a for a, link in self._links.items() if link.ready}
+            lookups = [(a, m.to_bytes()) for a, m in self._pulls.due(now, ready)]
+            for address in self._pulls.take_stale_peers():
+                self._links[address].reset()     # its handshake goes out below
             outgoing = [(a, m) for a, link in self._links.items()
                         if a in self.connection_dict and (m := link.due(now)) is not None]
-            ready = {a for a, link in self._links.items() if link.ready}
-            outgoing += [(a, m.to_bytes()) for a, m in self._pulls.due(now, ready)]
+            outgoing += lookups
         for address, payload in outgoing:
             self.connection_dict[address].send(payload)
 
@@ -217,9 +224,12 @@ class RecvBuffer:
             return link.on_handshake(reply, now)
         elif isinstance(reply, KVMapReply) or (isinstance(reply, ErrorReply)
                                                 and reply.reply_to == KVMapInit.TYPE):
+            was_ready = link.ready
             link.on_kv_map(reply)
             if link.error is not None:
                 self._pulls.fail_peer(address, link.error)
+            elif link.ready and not was_ready and link.info is not None:
+                self._pulls.peer_ready(address, link.info.engine_id)
         elif isinstance(reply, ErrorReply) and reply.code == HANDSHAKE_REQUIRED:
             link.reset()
             self._pulls.resend_peer(address)

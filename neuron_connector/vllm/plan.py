@@ -26,13 +26,15 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """Decode admitted a request: pull the prompt's KV of `uid` from the prefill peer."""
+    """Decode admitted a request: pull the prompt's KV of `uid` from the prefill peer
+    (`engine_id`: the prefill engine the proxy named, None when it named none)."""
 
     request_id: str
     uid: str
     host: str
     port: int
     block_ids: tuple[int, ...]
+    engine_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class LegParams:
     uid: str
     host: str = ""
     port: int = 0
+    engine_id: str | None = None
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None, our_role: str) -> LegParams | None:
@@ -69,7 +72,11 @@ class LegParams:
                                      or not isinstance(port, int) or not 0 < port < 65536):
             log.warning("kv_transfer_params %r lack a prefill address; serving without DI", params)
             return None
-        return cls(our_role, uid, host, port)
+        engine_id = params.get("remote_engine_id") if our_role == "decode" else None
+        if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
+            log.warning("kv_transfer_params %r name no usable prefill engine; serving without DI", params)
+            return None
+        return cls(our_role, uid, host, port, engine_id)
 
 
 def blocks_holding(num_tokens: int, block_size: int) -> int:
@@ -122,7 +129,7 @@ class SchedulerPlan:
             return
         dst = blocks_to_pull(block_ids, num_prompt_tokens, num_external_tokens, self.block_size)
         self._pulled.add(request_id)
-        self._orders.pull.append(Pull(request_id, leg.uid, leg.host, leg.port, dst))
+        self._orders.pull.append(Pull(request_id, leg.uid, leg.host, leg.port, dst, leg.engine_id))
 
     def finished(self, request_id: str, params: dict[str, Any] | None, block_ids: list[int],
                  num_prompt_tokens: int, first_token: int | None) -> bool:

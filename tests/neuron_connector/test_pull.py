@@ -9,6 +9,7 @@ import torch
 from neuron_connector import (
     ConnectorError, DuplicateRequest, HandshakeError, PeerUnavailable, PullState, PullTimeout,
     RecvBuffer, SendBuffer, UnknownRequest)
+from neuron_connector.errors import EngineMismatch
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
@@ -246,3 +247,52 @@ def test_interleaved_publishes_and_pulls_keep_every_byte(pair: Pair) -> None:
     wait_until(lambda: len(pair.releases()) == 40, timeout=10, what="forty releases")
     assert sorted(pair.releases()) == sorted(f"w{i}" for i in range(40))
     assert pair.send.pending() == 0
+
+
+def test_a_pull_names_the_prefill_engine_it_expects(pair: Pair) -> None:
+    address = f"127.0.0.1:{pair.send.port}"
+    pair.send.publish("right", [1], output_token=5)
+    pair.send.publish("wrong", [2], output_token=6)
+    expected = f"pull of 'wrong': expected prefill engine prefill-9 at {address}, found prefill-0"
+    # Asked before any handshake: failed when the link becomes ready.
+    pair.recv.request_pull("wrong", "127.0.0.1", pair.send.port, [8], peer_engine_id="prefill-9")
+    status = wait_terminal(pair.recv, "wrong")
+    assert isinstance(status.error, EngineMismatch) and isinstance(status.error, HandshakeError)
+    assert status.message == expected
+    pair.recv.request_pull("right", "127.0.0.1", pair.send.port, [9], peer_engine_id="prefill-0")
+    assert wait_terminal(pair.recv, "right").output_token == 5
+    assert torch.equal(pair.d_pool[:, :, 9], pair.p_pool[:, :, 1])
+    # Asked on a ready link: checked again after a fresh handshake, and failed the same way.
+    pair.recv.request_pull("wrong", "127.0.0.1", pair.send.port, [8], peer_engine_id="prefill-9")
+    status = wait_terminal(pair.recv, "wrong")
+    assert isinstance(status.error, EngineMismatch) and status.message == expected
+    assert not pair.d_pool[:, :, 8].any()
+    wait_until(lambda: pair.releases() == ["right"], timeout=5, what="the one release")
+    assert pair.send.pending() == 1 and pair.send.stats.transfers_ok == 1   # "wrong" was never looked up
+
+
+def test_a_pull_naming_a_restarted_prefill_handshakes_again(shm_pair: Pair) -> None:
+    """Another prefill engine now serves the address: its handshake is asked for, not assumed."""
+    port = shm_pair.send.port
+    shm_pair.send.publish("a", [1], output_token=1)
+    shm_pair.recv.request_pull("a", "127.0.0.1", port, [10], peer_engine_id="prefill-0")
+    assert wait_terminal(shm_pair.recv, "a").output_token == 1
+    shm_pair.send.close()
+    engine, pool = engine_with_pool("shm", seed=3)
+    restarted = SendBuffer(engine, LAYOUT, "prefill-1", "127.0.0.1", port, shm_pair.on_release)
+    restarted.start()
+    try:
+        restarted.publish("b", [2], output_token=2)
+        restarted.publish("c", [3], output_token=3)
+        # The link is still ready with prefill-0's handshake: naming prefill-1 renews it.
+        shm_pair.recv.request_pull("b", "127.0.0.1", port, [11], peer_engine_id="prefill-1")
+        assert wait_terminal(shm_pair.recv, "b").output_token == 2
+        assert torch.equal(shm_pair.d_pool[:, :, 11], pool[:, :, 2])
+        # A pull still naming the old engine fails instead of pulling from the new one.
+        shm_pair.recv.request_pull("c", "127.0.0.1", port, [12], peer_engine_id="prefill-0")
+        status = wait_terminal(shm_pair.recv, "c")
+        assert isinstance(status.error, EngineMismatch) and status.message.endswith("found prefill-1")
+        assert not shm_pair.d_pool[:, :, 12].any()
+    finally:
+        restarted.close()
+        engine.close()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from neuron_connector.errors import (
-    DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout,
-    UnknownRequest)
+    DuplicateRequest, EngineMismatch, HandshakeError, LayoutMismatch, PeerUnavailable, ProtocolError,
+    PullTimeout, UnknownRequest)
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
@@ -168,6 +168,35 @@ class TestPullTracker:
         pulls.on_reply(LookupReply("r", True, 5, (2, 1)), 1)
         status = pulls.poll("r")
         assert isinstance(status.error, ProtocolError) and "we offered [1, 2]" in status.message
+
+    def test_a_handshake_naming_another_engine_fails_the_pulls_expecting_one(self) -> None:
+        pulls = PullTracker(resend_after=100)
+        pulls.add("any", "p", [1], deadline=10, now=0)
+        pulls.add("right", "p", [2], deadline=10, now=0, engine_id="P0")
+        pulls.add("wrong", "p", [3], deadline=10, now=0, engine_id="P9")
+        pulls.peer_ready("p", "P0")
+        status = pulls.poll("wrong")
+        assert isinstance(status.error, EngineMismatch) and isinstance(status.error, HandshakeError)
+        assert status.message == "pull of 'wrong': expected prefill engine P9 at p, found P0"
+        assert sorted(m.request_id for _, m in pulls.due(0, {"p"})) == ["any", "right"]
+        assert pulls.take_stale_peers() == []
+
+    def test_a_pull_newer_than_the_handshake_asks_for_another(self) -> None:
+        pulls = PullTracker(resend_after=100)
+        pulls.peer_ready("p", "P0")
+        pulls.add("new", "p", [1], deadline=10, now=0, engine_id="P1")
+        assert pulls.due(0, {"p"}) == []                   # never asked of P0
+        assert pulls.take_stale_peers() == ["p"] and pulls.take_stale_peers() == []
+        pulls.peer_ready("p", "P1")                        # the peer had restarted as P1
+        assert [m.request_id for _, m in pulls.due(0.1, {"p"})] == ["new"]
+        # A pull naming P0 asks for a handshake too, and fails when it names P1 again.
+        pulls.add("old", "p", [2], deadline=10, now=1, engine_id="P0")
+        assert pulls.due(1, {"p"}) == [] and pulls.take_stale_peers() == ["p"]
+        pulls.peer_ready("p", "P1")
+        assert "found P1" in pulls.poll("old").message  # type: ignore[operator]
+        # Another engine at the address means the one asked is gone, outstanding lookup or not.
+        pulls.peer_ready("p", "P2")
+        assert pulls.poll("new").message == "pull of 'new': expected prefill engine P1 at p, found P2"
 
 
 class TestPeerLink:

@@ -52,10 +52,20 @@ def test_decode_pulls_each_request_once() -> None:
     assert plan.take_orders().pull == []
 
 
+def test_decode_pull_names_the_prefill_engine_the_proxy_named() -> None:
+    plan = SchedulerPlan("decode", block_size=128)
+    params = {**DECODE_PARAMS, "remote_engine_id": "prefill-7"}
+    assert plan.matched_tokens("r1", params, 300, 0) == 300
+    plan.allocated("r1", params, [5, 6, 7], 300, 300)
+    assert plan.take_orders().pull == [Pull("r1", "u1", "10.0.0.5", 14579, (5, 6, 7), engine_id="prefill-7")]
+
+
 @pytest.mark.parametrize("params", [None, {"role": "prefill", "request_id": "u"},
                                     {"role": "decode", "request_id": "u", "remote_host": "h"},
                                     {"role": "decode", "request_id": "", "remote_host": "h", "remote_port": 1},
-                                    {"role": "decode", "request_id": "u", "remote_host": "h", "remote_port": True}])
+                                    {"role": "decode", "request_id": "u", "remote_host": "h", "remote_port": True},
+                                    {**DECODE_PARAMS, "remote_engine_id": ""},
+                                    {**DECODE_PARAMS, "remote_engine_id": 7}])
 def test_decode_serves_requests_without_usable_params_itself(params) -> None:
     plan = SchedulerPlan("decode", block_size=128)
     assert plan.matched_tokens("r", params, 300, 0) == 0
