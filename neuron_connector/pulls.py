@@ -4,7 +4,8 @@ A pull is WAITING (a lookup is due at `next_send_at`), or AWAITING a reply (rese
 `resend_after` seconds, since a reply can be lost when the peer restarts), or terminal.
 While a lookup is outstanding the peer may be writing into our blocks, so such a pull is
 only failed (timeout or cancel) once the peer answered or `grace` seconds passed after
-the deadline: FAILED always means our blocks are safe to reuse.
+the deadline: FAILED always means our blocks are safe to reuse. Every pull that turns
+terminal is recorded for `take_finished`, so the owner can announce it.
 
 A pull may name the prefill engine it expects. A peer whose handshake names another
 engine fails it; a pull that began after the handshake first asks for a new one, since the
@@ -70,6 +71,7 @@ class PullTracker:
         self._pulls: dict[str, _Pull] = {}
         self._engines: dict[str, str] = {}        # peer -> the engine its latest handshake named
         self._stale: set[str] = set()             # peers to handshake with again
+        self._finished: dict[str, None] = {}      # ids turned terminal, not yet taken (in order)
 
     def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float,
             engine_id: str | None = None) -> None:
@@ -112,9 +114,9 @@ class PullTracker:
         self._engines[peer] = engine_id
         for pull in self._pulls.values():
             if pull.peer == peer and pull.result is PENDING and pull.engine_id not in (None, engine_id):
-                pull.sent_at, pull.result = None, PullStatus(PullState.FAILED, error=EngineMismatch(
+                self._end(pull, PullStatus(PullState.FAILED, error=EngineMismatch(
                     f"pull of {pull.request_id!r}: expected prefill engine {pull.engine_id} at {peer}, "
-                    f"found {engine_id}"))
+                    f"found {engine_id}")))
 
     def on_reply(self, reply: LookupReply, now: float) -> None:
         pull = self._pulls.get(reply.request_id)
@@ -122,17 +124,17 @@ class PullTracker:
             return  # a duplicate answer to a resent lookup
         pull.sent_at = None
         if pull.cancelled:
-            pull.result = PullStatus(PullState.FAILED, error=UnknownRequest(
-                f"pull of {pull.request_id!r} was cancelled"))
+            self._end(pull, PullStatus(PullState.FAILED, error=UnknownRequest(
+                f"pull of {pull.request_id!r} was cancelled")))
         elif reply.success and reply.block_ids_in_peer_device != pull.dst:
-            pull.result = PullStatus(PullState.FAILED, error=ProtocolError(
+            self._end(pull, PullStatus(PullState.FAILED, error=ProtocolError(
                 f"prefill peer {pull.peer} filled blocks {list(reply.block_ids_in_peer_device)} of "
-                f"{pull.request_id!r}, we offered {list(pull.dst)}"))
+                f"{pull.request_id!r}, we offered {list(pull.dst)}")))
         elif reply.success:
-            pull.result = PullStatus(PullState.DONE, output_token=reply.output_token)
+            self._end(pull, PullStatus(PullState.DONE, output_token=reply.output_token))
         elif reply.error is not None:
-            pull.result = PullStatus(PullState.FAILED, error=ConnectorError(
-                f"prefill peer {pull.peer} failed request {pull.request_id!r}: {reply.error}"))
+            self._end(pull, PullStatus(PullState.FAILED, error=ConnectorError(
+                f"prefill peer {pull.peer} failed request {pull.request_id!r}: {reply.error}")))
         else:
             pull.next_send_at = now + pull.backoff
             pull.backoff = min(2 * pull.backoff, self.max_backoff)
@@ -147,7 +149,7 @@ class PullTracker:
     def fail_peer(self, peer: str, error: ConnectorError) -> None:
         for pull in self._pulls.values():
             if pull.peer == peer and pull.result is PENDING:
-                pull.sent_at, pull.result = None, PullStatus(PullState.FAILED, error=error)
+                self._end(pull, PullStatus(PullState.FAILED, error=error))
 
     def expire(self, now: float, ready_peers: set[str]) -> None:
         for pull in self._pulls.values():
@@ -156,10 +158,10 @@ class PullTracker:
             if pull.sent_at is not None and now < pull.deadline + self.grace:
                 continue
             if pull.cancelled:
-                pull.result = PullStatus(PullState.FAILED, error=UnknownRequest(
-                    f"pull of {pull.request_id!r} was cancelled"))
+                self._end(pull, PullStatus(PullState.FAILED, error=UnknownRequest(
+                    f"pull of {pull.request_id!r} was cancelled")))
             elif now >= pull.deadline:
-                pull.result = PullStatus(PullState.FAILED, error=self._timeout_error(pull, ready_peers))
+                self._end(pull, PullStatus(PullState.FAILED, error=self._timeout_error(pull, ready_peers)))
 
     def cancel(self, request_id: str) -> bool:
         """True if our blocks are free at once; False: poll until FAILED before reusing them."""
@@ -167,7 +169,7 @@ class PullTracker:
         if pull is None:
             return True
         if pull.sent_at is None or pull.result is not PENDING:
-            del self._pulls[request_id]
+            self._forget(request_id)
             return True
         pull.cancelled = True
         return False
@@ -178,11 +180,17 @@ class PullTracker:
         if pull is None:
             raise UnknownRequest(f"no pull of request {request_id!r} is registered")
         if pull.result is not PENDING:
-            del self._pulls[request_id]
+            self._forget(request_id)
         return pull.result
 
     def peers_in_use(self) -> set[str]:
         return {p.peer for p in self._pulls.values() if p.result is PENDING}
+
+    def take_finished(self) -> list[str]:
+        """Ids of the pulls that turned DONE or FAILED since the last call, each once; a pull
+        `poll` or `cancel` forgot before then is left out."""
+        finished, self._finished = list(self._finished), {}
+        return finished
 
     def next_event(self, now: float) -> float:
         """Seconds until something may be due (a send, a resend or an expiry)."""
@@ -195,6 +203,15 @@ class PullTracker:
 
     def __len__(self) -> int:
         return len(self._pulls)
+
+    def _end(self, pull: _Pull, result: PullStatus) -> None:
+        """Every terminal result is set here, so none goes unannounced."""
+        pull.sent_at, pull.result = None, result
+        self._finished[pull.request_id] = None
+
+    def _forget(self, request_id: str) -> None:
+        del self._pulls[request_id]
+        self._finished.pop(request_id, None)
 
     @staticmethod
     def _timeout_error(pull: _Pull, ready_peers: set[str]) -> ConnectorError:

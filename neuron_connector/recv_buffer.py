@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
@@ -27,6 +27,10 @@ class RecvBuffer:
     blocks `dst_block_ids`; the buffer's thread connects to that peer on demand (one
     DEALER per peer, kept in `connection_dict`), handshakes, and sends `lookup_all` with
     backoff until the peer pushed the blocks or the deadline passed. `poll` never waits.
+    `on_finished(request_id)` is called from the buffer's thread, once, when a pull turns
+    DONE or FAILED, so the caller knows which id to `poll` without polling every pull (if
+    `poll` reported it meanwhile, polling it again raises UnknownRequest; a pull `cancel`
+    forgot is not named).
 
     `max_backoff` bounds the wait between "not finished yet" and the next lookup (it is the
     worst extra latency after the prefill finishes); an unanswered lookup is resent after
@@ -36,7 +40,7 @@ class RecvBuffer:
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, identity: str,
                  default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
-                 max_backoff: float = 0.02) -> None:
+                 max_backoff: float = 0.02, on_finished: Callable[[str], None] | None = None) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.identity = identity
@@ -45,6 +49,7 @@ class RecvBuffer:
         self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff)
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
+        self._on_finished = on_finished
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._service = ServiceThread()
@@ -158,7 +163,18 @@ class RecvBuffer:
             with self._changed:
                 ready = {a for a, link in self._links.items() if link.ready}
                 self._pulls.expire(time.monotonic(), ready)
+                finished = self._pulls.take_finished()
                 self._changed.notify_all()
+            self._announce(finished)
+
+    def _announce(self, finished: list[str]) -> None:
+        if self._on_finished is None:
+            return
+        for request_id in finished:
+            try:
+                self._on_finished(request_id)
+            except Exception:  # noqa: BLE001 - an engine callback must not kill the signal plane
+                log.exception("on_finished(%r) raised", request_id)
 
     def _sync_channels(self, poller: Poller) -> None:
         """Opens a DEALER per linked peer, and closes those whose link was dropped."""

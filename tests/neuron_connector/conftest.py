@@ -42,12 +42,21 @@ class Pair:
     d_pool: torch.Tensor
     engines: list[Any]
     released: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)                  # RecvBuffer's on_finished calls
     transfers: list[tuple[float, int]] = field(default_factory=list)   # (seconds, blocks) per push
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_release(self, request_id: str) -> None:
         with self._lock:
             self.released.append(request_id)
+
+    def on_finished(self, request_id: str) -> None:
+        with self._lock:
+            self.finished.append(request_id)
+
+    def finishes(self) -> list[str]:
+        with self._lock:
+            return list(self.finished)
 
     def on_transfer(self, seconds: float, num_blocks: int) -> None:
         with self._lock:
@@ -65,7 +74,7 @@ def make_pair(backend: str = "shm", abort_timeout: float = 60.0, grace: float = 
     pair.send = SendBuffer(p_engine, LAYOUT, "prefill-0", "127.0.0.1", 0, pair.on_release,
                            abort_timeout=abort_timeout, on_transfer=pair.on_transfer)
     pair.recv = RecvBuffer(d_engine, LAYOUT, identity="127.0.0.1:8200", default_timeout=10.0,
-                           grace=grace)
+                           grace=grace, on_finished=pair.on_finished)
     return pair
 
 

@@ -249,6 +249,41 @@ def test_interleaved_publishes_and_pulls_keep_every_byte(pair: Pair) -> None:
     assert pair.send.pending() == 0
 
 
+def test_on_finished_names_a_done_and_a_timed_out_pull(pair: Pair) -> None:
+    pair.send.publish("done", [2], output_token=9)
+    _pull(pair, "done", [3])
+    _pull(pair, "late", [4], deadline_s=0.3)
+    wait_until(lambda: sorted(pair.finishes()) == ["done", "late"], timeout=10, what="two on_finished calls")
+    # Named once each, and only once they are terminal: poll has the result.
+    assert pair.recv.poll("done").output_token == 9
+    assert isinstance(pair.recv.poll("late").error, PullTimeout)
+    assert sorted(pair.finishes()) == ["done", "late"]
+
+
+def test_a_raising_on_finished_is_logged_and_the_thread_goes_on(
+        shm_pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+    named: list[str] = []
+
+    def boom(request_id: str) -> None:
+        named.append(request_id)
+        raise RuntimeError("engine callback failed")
+
+    engine, pool = engine_with_pool("shm")
+    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8203", on_finished=boom)
+    recv.start()
+    try:
+        for rid, block in (("a", 1), ("b", 2)):
+            shm_pair.send.publish(rid, [block], output_token=block)
+            recv.request_pull(rid, "127.0.0.1", shm_pair.send.port, [block])
+            wait_until(lambda: rid in named, timeout=10, what=f"on_finished({rid!r})")
+            assert recv.poll(rid).output_token == block
+        assert named == ["a", "b"]
+        assert "on_finished('a') raised" in caplog.text
+    finally:
+        recv.close()
+        engine.close()
+
+
 def test_a_pull_names_the_prefill_engine_it_expects(pair: Pair) -> None:
     address = f"127.0.0.1:{pair.send.port}"
     pair.send.publish("right", [1], output_token=5)

@@ -169,12 +169,46 @@ class TestPullTracker:
         status = pulls.poll("r")
         assert isinstance(status.error, ProtocolError) and "we offered [1, 2]" in status.message
 
+    def test_take_finished_names_every_terminal_pull_once(self) -> None:
+        pulls = PullTracker(resend_after=100, grace=5)
+        for rid, peer in (("done", "p"), ("refused", "p"), ("cancelled", "p"), ("late", "p"), ("lost", "q")):
+            pulls.add(rid, peer, [1], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        assert pulls.cancel("cancelled") is False          # its lookup is outstanding: it ends later
+        pulls.on_reply(LookupReply("done", True, 7, (1,)), 1)
+        pulls.on_reply(LookupReply("refused", False, error="aborted"), 1)
+        pulls.on_reply(LookupReply("cancelled", True, 7, (1,)), 1)
+        pulls.on_reply(LookupReply("late", False), 1)      # not ready yet: not terminal
+        pulls.fail_peer("q", PeerUnavailable("gone"))
+        assert pulls.take_finished() == ["done", "refused", "cancelled", "lost"]
+        assert pulls.take_finished() == []
+        pulls.expire(10, {"p"})
+        assert pulls.take_finished() == ["late"]
+        # Announcing does not consume: poll still reports each terminal state once.
+        assert [pulls.poll(r).state for r in ("done", "refused", "cancelled", "late", "lost")] == [
+            PullState.DONE] + [PullState.FAILED] * 4
+        assert pulls.take_finished() == [] and len(pulls) == 0
+
+    def test_take_finished_leaves_out_what_poll_or_cancel_forgot(self) -> None:
+        pulls = PullTracker()
+        pulls.add("quiet", "p", [1], deadline=10, now=0)
+        assert pulls.cancel("quiet") is True               # never announced
+        pulls.add("polled", "p", [2], deadline=10, now=0)
+        pulls.add("dropped", "p", [3], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        pulls.on_reply(LookupReply("polled", True, 1, (2,)), 1)
+        pulls.on_reply(LookupReply("dropped", True, 1, (3,)), 1)
+        assert pulls.poll("polled").state is PullState.DONE
+        assert pulls.cancel("dropped") is True             # already terminal: forgotten at once
+        assert pulls.take_finished() == []
+
     def test_a_handshake_naming_another_engine_fails_the_pulls_expecting_one(self) -> None:
         pulls = PullTracker(resend_after=100)
         pulls.add("any", "p", [1], deadline=10, now=0)
         pulls.add("right", "p", [2], deadline=10, now=0, engine_id="P0")
         pulls.add("wrong", "p", [3], deadline=10, now=0, engine_id="P9")
         pulls.peer_ready("p", "P0")
+        assert pulls.take_finished() == ["wrong"]
         status = pulls.poll("wrong")
         assert isinstance(status.error, EngineMismatch) and isinstance(status.error, HandshakeError)
         assert status.message == "pull of 'wrong': expected prefill engine P9 at p, found P0"
@@ -193,9 +227,10 @@ class TestPullTracker:
         pulls.add("old", "p", [2], deadline=10, now=1, engine_id="P0")
         assert pulls.due(1, {"p"}) == [] and pulls.take_stale_peers() == ["p"]
         pulls.peer_ready("p", "P1")
-        assert "found P1" in pulls.poll("old").message  # type: ignore[operator]
+        assert pulls.take_finished() == ["old"] and "found P1" in pulls.poll("old").message  # type: ignore[operator]
         # Another engine at the address means the one asked is gone, outstanding lookup or not.
         pulls.peer_ready("p", "P2")
+        assert pulls.take_finished() == ["new"]
         assert pulls.poll("new").message == "pull of 'new': expected prefill engine P1 at p, found P2"
 
 
