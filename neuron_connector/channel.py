@@ -187,11 +187,6 @@ class Poller:
         self._poller.register(key, zmq.POLLIN)
         self._by_key[key] = item
 
-    def unregister(self, item: Pollable) -> None:
-        key: object = item.fileno() if isinstance(item, Waker) else item.socket
-        self._poller.unregister(key)
-        del self._by_key[key]
-
     def poll(self, timeout_s: float) -> list[Pollable]:
         events = self._poller.poll(max(0, int(timeout_s * 1000)))
         return [self._by_key[key] for key, _ in events if key in self._by_key]

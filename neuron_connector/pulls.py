@@ -183,9 +183,6 @@ class PullTracker:
             self._forget(request_id)
         return pull.result
 
-    def peers_in_use(self) -> set[str]:
-        return {p.peer for p in self._pulls.values() if p.result is PENDING}
-
     def take_finished(self) -> list[str]:
         """Ids of the pulls that turned DONE or FAILED since the last call, each once; a pull
         `poll` or `cancel` forgot before then is left out."""

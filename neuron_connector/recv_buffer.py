@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
-from neuron_connector.peer_link import LinkState, PeerInfo, PeerLink
+from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
     HANDSHAKE_REQUIRED, ErrorReply, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
     decode_reply)
@@ -51,32 +51,11 @@ class RecvBuffer:
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
         self._on_finished = on_finished
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._service = ServiceThread()
         self._context = new_context()
 
     def start(self) -> None:
         self._service.start(self._serve, f"kv-recv-{self.identity}")
-
-    def connect(self, peer_host: str, peer_kv_port: int, timeout: float = 10.0) -> PeerInfo:
-        """Static (1P1D) set-up: handshakes with the peer now; raises HandshakeError,
-        LayoutMismatch or PeerUnavailable instead of failing later pulls."""
-        address = self.maybe_setup_buffer(peer_host, peer_kv_port)
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                link = self._links.get(address)
-                if link is not None and link.ready and link.info is not None:
-                    return link.info
-                error = link.error if link is not None else None
-                left = deadline - time.monotonic()
-                if error is None and left <= 0:
-                    error = PeerUnavailable(f"prefill peer {address} did not answer the handshake "
-                                            f"within {timeout}s")
-                if error is not None:
-                    self._drop_idle_link(address)
-                    raise error
-                self._changed.wait(left)
 
     def maybe_setup_buffer(self, peer_host: str, peer_kv_port: int) -> str:
         """Makes sure a link to the peer exists (created on demand); returns its address."""
@@ -94,12 +73,6 @@ class RecvBuffer:
             return self._engine.descriptor()
         except TransferError as exc:
             raise HandshakeError(f"our transfer engine cannot describe its KV pool: {exc}") from exc
-
-    def _drop_idle_link(self, address: str) -> None:
-        """Forgets a link no pull needs (its DEALER is closed by the thread); lock held."""
-        if address not in self._pulls.peers_in_use():
-            self._links.pop(address, None)
-            self._service.wake()
 
     def request_pull(self, request_id: str, peer_host: str, peer_kv_port: int, dst_block_ids: list[int],
                      deadline_s: float | None = None, peer_engine_id: str | None = None) -> None:
@@ -130,11 +103,6 @@ class RecvBuffer:
         with self._lock:
             return self._pulls.cancel(request_id)
 
-    def peer_info(self, peer_host: str, peer_kv_port: int) -> PeerInfo | None:
-        with self._lock:
-            link = self._links.get(f"{peer_host}:{peer_kv_port}")
-            return None if link is None else link.info
-
     def close(self) -> None:
         """Stops the thread and closes every DEALER; idempotent."""
         if not self._service.stop():
@@ -160,11 +128,10 @@ class RecvBuffer:
                     self._service.waker.drain()
                 else:
                     self._drain(item)  # type: ignore[arg-type]
-            with self._changed:
+            with self._lock:
                 ready = {a for a, link in self._links.items() if link.ready}
                 self._pulls.expire(time.monotonic(), ready)
                 finished = self._pulls.take_finished()
-                self._changed.notify_all()
             self._announce(finished)
 
     def _announce(self, finished: list[str]) -> None:
@@ -177,24 +144,17 @@ class RecvBuffer:
                 log.exception("on_finished(%r) raised", request_id)
 
     def _sync_channels(self, poller: Poller) -> None:
-        """Opens a DEALER per linked peer, and closes those whose link was dropped."""
+        """Opens a DEALER per linked peer."""
         with self._lock:
             wanted = [a for a in self._links if a not in self.connection_dict]
-            dropped = [a for a in self.connection_dict if a not in self._links]
-        for address in dropped:
-            channel = self.connection_dict.pop(address)
-            poller.unregister(channel)
-            channel.close()
         for address in wanted:
             host, port = address.rsplit(":", 1)
             try:
                 channel = DealerChannel(self._context, self.identity, host, int(port))
             except PeerUnavailable as exc:
-                with self._changed:
-                    if (link := self._links.get(address)) is not None:
-                        link.fail(exc)
+                with self._lock:
+                    self._links[address].fail(exc)
                     self._pulls.fail_peer(address, exc)
-                    self._changed.notify_all()
                 continue
             self.connection_dict[address] = channel
             poller.register(channel)
@@ -220,13 +180,12 @@ class RecvBuffer:
             except ProtocolError as exc:
                 log.warning("bad reply from %s: %s", address, exc)
                 continue
-            with self._changed:
+            with self._lock:
                 try:
                     answer = self._on_reply(address, reply)
                 except Exception:  # noqa: BLE001 - one bad reply must not stop every pull
                     log.exception("handling a reply from %s failed", address)
                     answer = None
-                self._changed.notify_all()
             if answer is not None:
                 channel.send(answer)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from neuron_connector import LayoutMismatch, PullState, RecvBuffer
+from neuron_connector.errors import EngineMismatch
 from tests.helpers import ManagedProcess, free_port, python_process, wait_until
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, seeded, wait_terminal
 
@@ -51,9 +52,8 @@ def test_handshake_and_pull_across_processes(decode) -> None:
     port = free_port()
     proc = start_prefill(port, "--seed", "11", "--publish", "a:2,9,4:777", backend=backend)
     try:
-        info = recv.connect("127.0.0.1", port, timeout=20)
-        assert info.engine_id == "prefill-proc" and info.kv_map == LAYOUT.to_dict()
-        recv.request_pull("a", "127.0.0.1", port, [1, 2, 3])
+        # Pulled only if the handshake names the engine the child runs.
+        recv.request_pull("a", "127.0.0.1", port, [1, 2, 3], peer_engine_id="prefill-proc")
         status = wait_terminal(recv, "a")
         assert status.state is PullState.DONE and status.output_token == 777, status
         assert torch.equal(pool[:, :, [1, 2, 3]], seeded(LAYOUT, 11)[:, :, [2, 9, 4]])
@@ -62,19 +62,17 @@ def test_handshake_and_pull_across_processes(decode) -> None:
         proc.stop()
 
 
-def test_layout_mismatch_is_raised_at_connect() -> None:
+def test_layout_mismatch_fails_the_pull() -> None:
     engine, _ = engine_with_pool("shm")
     recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8201")
     recv.start()
     port = free_port()
     proc = start_prefill(port, "--head-dim", "16")
     try:
-        with pytest.raises(LayoutMismatch, match=r"head_dim: 16 != 8"):
-            recv.connect("127.0.0.1", port, timeout=20)
-        # A pull to that peer fails with the same clear error, long before its deadline.
+        # The pull fails with a clear error, long before its deadline.
         recv.request_pull("m", "127.0.0.1", port, [0], deadline_s=60)
         status = wait_terminal(recv, "m", timeout=20)
-        assert isinstance(status.error, LayoutMismatch) and "head_dim" in status.message
+        assert isinstance(status.error, LayoutMismatch) and "head_dim: 16 != 8" in status.message
     finally:
         proc.stop()
         recv.close()
@@ -88,19 +86,24 @@ def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
     try:
         recv.request_pull("a", "127.0.0.1", port, [0])
         assert wait_terminal(recv, "a").output_token == 10
-        old = recv.peer_info("127.0.0.1", port)
         kill9_and_reap(first)
     finally:
         first.stop()
     # Asked while no prefill listens: the lookups wait for the new process's handshake.
     recv.request_pull("b", "127.0.0.1", port, [7, 8])
-    second = start_prefill(port, "--seed", "2", "--publish", "b:5,6:20", backend=backend)
+    second = start_prefill(port, "--seed", "2", "--publish", "b:5,6:20", "--publish", "c:3:30",
+                           "--engine-id", "prefill-proc-2", backend=backend)
     try:
         status = wait_terminal(recv, "b")
         assert status.state is PullState.DONE and status.output_token == 20, status
         assert torch.equal(pool[:, :, [7, 8]], seeded(LAYOUT, 2)[:, :, [5, 6]])
         assert torch.equal(pool[:, :, 0], seeded(LAYOUT, 1)[:, :, 1])
-        new = recv.peer_info("127.0.0.1", port)
-        assert new is not None and old is not None and new.timestamp > old.timestamp
+        # The link's handshake is now the new process's; a pull naming the old one is refused.
+        recv.request_pull("c", "127.0.0.1", port, [9], peer_engine_id="prefill-proc")
+        status = wait_terminal(recv, "c")
+        assert isinstance(status.error, EngineMismatch), status
+        assert status.message.endswith(f"expected prefill engine prefill-proc at 127.0.0.1:{port}, "
+                                       "found prefill-proc-2")
+        assert not pool[:, :, 9].any()
     finally:
         second.stop()
