@@ -47,7 +47,6 @@ class PeerLink:
     state: LinkState = LinkState.NEW
     error: ConnectorError | None = None
     info: PeerInfo | None = None
-    handshakes: int = 0              # completed handshakes; > 1 means the peer restarted
     _sent_at: float = 0.0
     _hello: HandshakeReply | None = field(default=None, repr=False)
 
@@ -80,7 +79,6 @@ class PeerLink:
         hello = self._hello
         self.info = PeerInfo(self.address, hello.engine_id, hello.transfer, reply.kv_map, hello.timestamp)
         self.state = LinkState.READY
-        self.handshakes += 1
 
     def reset(self) -> None:
         """The peer forgot us (it restarted): handshake again."""

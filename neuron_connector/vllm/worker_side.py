@@ -16,7 +16,7 @@ from neuron_connector.send_buffer import SendBuffer
 from neuron_connector.vllm.config import NeuronConnectorConfig
 from neuron_connector.vllm.plan import StepOrders
 from neuron_connector.vllm.pool import distinct_layers, kv_layout, rebind
-from transfer import KVLayout, TransferError, create_engine
+from transfer import KVLayout, create_engine
 
 log = logging.getLogger(__name__)
 
