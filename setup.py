@@ -7,12 +7,12 @@ setup(
     description="Prefill/decode disaggregated LLM inference: proxy, KV connector, transfer engine, reference worker.",
     python_requires=">=3.10",
     packages=find_packages(include=["common*", "proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*"]),
-    package_data={"worker": ["assets/**/*", "py.typed"]},
+    package_data={"worker": ["model/assets/**/*", "py.typed"]},
     include_package_data=True,
     # Native hot loops, each optional: without a C compiler the same results come from a
     # slower Python/torch path (the shm transport's copy loop, the decode attention).
     ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c"], optional=True),
-                 Extension("worker.layers._paged_decode", ["worker/layers/_paged_decode.c"], optional=True)],
+                 Extension("worker.model.layers._paged_decode", ["worker/model/layers/_paged_decode.c"], optional=True)],
     install_requires=[
         # Pinned exactly: a range admitting newer releases pulls CUDA builds.
         "torch==2.13.0",

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from transfer import KVLayout, available_backends, create_engine  # noqa: E402
 from transfer.memcopy import NATIVE  # noqa: E402
-from worker.bench_model import BENCH_CONFIG  # noqa: E402
+from worker.model.bench_model import BENCH_CONFIG  # noqa: E402
 
 MIB = 1 << 20
 # (layers, kv heads, head dim, dtype) of the KV cache of models we serve.

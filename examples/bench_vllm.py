@@ -118,8 +118,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _model_dir(model: str | None) -> str:
-    from worker.bench_model import create_bench_model
-    from worker.loader import builtin_model_path
+    from worker.model.bench_model import create_bench_model
+    from worker.model.loader import builtin_model_path
 
     if model == "builtin":
         return str(builtin_model_path())

@@ -70,8 +70,8 @@ def _positive(text: str) -> int:
 
 def encode_prompts(model: str | None, texts: Sequence[str]) -> list[list[int]]:
     """The prompts as token ids, so both runs see exactly the same input."""
-    from worker.loader import builtin_model_path, load_config  # imports torch
-    from worker.tokenizer import Tokenizer
+    from worker.model.loader import builtin_model_path, load_config  # imports torch
+    from worker.model.tokenizer import Tokenizer
 
     path = model or builtin_model_path()
     tokenizer = Tokenizer.from_dir(path, load_config(path))
@@ -87,7 +87,7 @@ def reference_run(model: str | None, prompts: Sequence[list[int]], args: argpars
                   ) -> tuple[list[Completion], KVLayout]:
     """Outputs of an in-process engine in role `both`, text built the way the server builds it."""
     from worker.config import EngineConfig  # imports torch: only once the command line is known to be good
-    from worker.engine import LLMEngine
+    from worker.engine.llm_engine import LLMEngine
     from worker.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model))

@@ -118,7 +118,7 @@ class Scheduler:
         """
         admitted: list[Sequence] = []
         for seq in [s for s in self.waiting if self._needs_pull(s)]:
-            if self._num_busy() >= self.config.max_num_seqs or not self.block_manager.can_allocate(seq):
+            if not self._can_admit(seq):
                 break
             self.block_manager.allocate_fresh(seq)
             seq.status = SequenceStatus.TRANSFERRING
@@ -126,6 +126,14 @@ class Scheduler:
             self.transferring[seq.request_id] = seq
             admitted.append(seq)
         return admitted
+
+    def can_admit_transfer(self) -> bool:
+        """Decode: whether admit_transfers() would admit a request now (they are admitted in order)."""
+        first = next((s for s in self.waiting if self._needs_pull(s)), None)
+        return first is not None and self._can_admit(first)
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        return self._num_busy() < self.config.max_num_seqs and self.block_manager.can_allocate(seq)
 
     def transfer_done(self, seq: Sequence, token_id: int) -> None:
         """Decode: the prompt's KV arrived with the peer's first token; `seq` runs from here."""

@@ -61,7 +61,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def is_done(self) -> bool:
+    def finished_generating(self) -> bool:
         """Nothing more to generate (its blocks may still be held for a transfer)."""
         return self.finish_reason is not None
 

@@ -26,7 +26,7 @@ if [ ! -x "$ROOT/.venv/bin/python" ]; then
 fi
 stamp="$ROOT/.venv/.neuron-di-${EXTRAS:-base}"
 # The C sources count too: a changed one must be compiled again.
-want="$(cat "$ROOT/setup.py" "$ROOT"/transfer/*.c "$ROOT"/worker/layers/*.c | sha256sum | cut -c1-16)"
+want="$(cat "$ROOT/setup.py" "$ROOT"/transfer/*.c "$ROOT"/worker/model/layers/*.c | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   # torch first, pinned: anything depending on plain `torch` would otherwise fetch CUDA builds.
   pip_install torch==2.13.0

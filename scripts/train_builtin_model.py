@@ -4,7 +4,7 @@ Deterministic for a given seed and thread count. Writes an HF-style directory (c
 model.safetensors, tokenizer.json, tokenizer_config.json) that the normal loader reads. The
 defaults reproduce the shipped checkpoint (about 20 minutes on one core):
 
-    nice python scripts/train_builtin_model.py --out worker/assets/builtin
+    nice python scripts/train_builtin_model.py --out worker/model/assets/builtin
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
-from worker.checkpoint import save_checkpoint
-from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.model.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from worker.model.checkpoint import save_checkpoint
+from worker.model.model_config import ModelConfig
+from worker.model.llama import LlamaForCausalLM
 
 BUILTIN_CONFIG = ModelConfig(
     vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -76,7 +76,7 @@ def save(model: LlamaForCausalLM, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("worker/assets/builtin"))
+    parser.add_argument("--out", type=Path, default=Path("worker/model/assets/builtin"))
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from transfer import memcopy
-from worker.layers import paged_decode
+from worker.model.layers import paged_decode
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the Python/torch paths run")

@@ -1,23 +1,51 @@
-"""The reference worker engine: a Llama-family model, paged KV cache, continuous batching."""
+"""The reference worker: a Llama-family model, a paged KV cache and continuous batching, served
+over the same OpenAI API as `vllm serve`.
+
+    worker/server/   the HTTP server, the engine thread behind it, the command line
+    worker/engine/   LLMEngine: the request table, schedule / run / postprocess, the DI roles
+    worker/model/    the model, its layers, tokenizer and sampler, and loading them
+
+The names below are imported on first use, so `python -m worker --help` loads no torch.
+"""
 from __future__ import annotations
 
-from worker.bench_model import create_bench_model
-from worker.config import EngineConfig
-from worker.engine import EngineStats, LLMEngine, RequestOutput, zeros_pool
-from worker.errors import InvalidRequestError, KVTransferError, ModelLoadError, QueueFullError, WorkerError
-from worker.kv_connector import KVConnector, KVConnectorConfig
-from worker.loader import BUILTIN_MODEL_NAME, builtin_model_path
-from worker.sampling_params import SamplingParams
-from worker.tokenizer import Tokenizer
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "BUILTIN_MODEL_NAME", "EngineConfig", "EngineStats", "InvalidRequestError", "KVConnector",
-    "KVConnectorConfig", "KVTransferError", "LLMEngine", "ModelLoadError", "QueueFullError", "RequestOutput", "SamplingParams", "Tokenizer", "WorkerError",
-    "builtin_model_path", "create_bench_model", "zeros_pool",
-]
+_EXPORTS = {
+    "EngineConfig": "worker.config",
+    "SamplingParams": "worker.sampling_params",
+    "InvalidRequestError": "worker.errors", "KVTransferError": "worker.errors", "ModelLoadError": "worker.errors",
+    "QueueFullError": "worker.errors", "WorkerError": "worker.errors",
+    "EngineStats": "worker.engine.llm_engine", "LLMEngine": "worker.engine.llm_engine",
+    "zeros_pool": "worker.engine.llm_engine",
+    "RequestOutput": "worker.engine.request",
+    "KVConnector": "worker.engine.kv_connector", "KVConnectorConfig": "worker.engine.kv_connector",
+    "BUILTIN_MODEL_NAME": "worker.model.loader", "builtin_model_path": "worker.model.loader",
+    "Tokenizer": "worker.model.tokenizer",
+    "create_bench_model": "worker.model.bench_model",
+    "AsyncEngine": "worker.server.async_engine", "RequestStream": "worker.server.async_engine",
+    "create_app": "worker.server.app",
+}
+__all__ = sorted(_EXPORTS)
 
-# The OpenAI server on top of the engine.
-from worker.async_engine import AsyncEngine, RequestStream  # noqa: E402
-from worker.server import create_app  # noqa: E402
 
-__all__ += ["AsyncEngine", "RequestStream", "create_app"]
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'worker' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+if TYPE_CHECKING:
+    from worker.config import EngineConfig
+    from worker.engine.kv_connector import KVConnector, KVConnectorConfig
+    from worker.engine.llm_engine import EngineStats, LLMEngine, zeros_pool
+    from worker.engine.request import RequestOutput
+    from worker.errors import InvalidRequestError, KVTransferError, ModelLoadError, QueueFullError, WorkerError
+    from worker.model.bench_model import create_bench_model
+    from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path
+    from worker.model.tokenizer import Tokenizer
+    from worker.sampling_params import SamplingParams
+    from worker.server.app import create_app
+    from worker.server.async_engine import AsyncEngine, RequestStream

@@ -3,6 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from worker.cli import main
+from worker.server.cli import main
 
 sys.exit(main())

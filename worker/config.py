@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("both", "prefill", "decode")
+from common.roles import ROLES
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 

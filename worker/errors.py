@@ -27,3 +27,10 @@ class ModelLoadError(WorkerError):
 
 class KVTransferError(WorkerError):
     pass
+
+
+def invalid(message: str, param: str | None = None) -> InvalidRequestError:
+    """An InvalidRequestError naming the offending body field (shown as `param` in the error body)."""
+    error = InvalidRequestError(message)
+    error.param = param  # type: ignore[attr-defined]
+    return error

@@ -4,12 +4,13 @@ from typing import Iterator
 
 import pytest
 
-from tests.di.workers import Worker, worker_pair
+from tests.di.workers import worker_pair
+from tests.worker_process import WorkerProcess
 
 
 @pytest.fixture(scope="session")
-def both_worker() -> Iterator[Worker]:
-    worker = Worker("both")
+def both_worker() -> Iterator[WorkerProcess]:
+    worker = WorkerProcess("both")
     try:
         yield worker
     finally:
@@ -17,7 +18,7 @@ def both_worker() -> Iterator[Worker]:
 
 
 @pytest.fixture(scope="session", params=["shm", "tcp"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     """A prefill and a decode worker (separate processes) over one transport."""
     with worker_pair(request.param) as workers:
         yield workers

@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import free_port
 from worker import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from worker.kv_connector import KVConnector, KVConnectorConfig
+from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
 NUM_BLOCKS = 256
 
@@ -39,7 +39,7 @@ def run_pair(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]],
                              ignore_eos=p.ignore_eos)
         prefill.add_request(rid, prompt, leg, {"role": "prefill", "request_id": rid})
         decode.add_request(rid, prompt, p, {"role": "decode", "request_id": rid, "remote_host": "127.0.0.1",
-                                            "remote_port": prefill.kv.kv_port})
+                                            "remote_port": prefill.kv_connector.kv_port})
     unfinished, deadline = set(tokens), time.monotonic() + 120
     while unfinished:
         assert time.monotonic() < deadline, f"still unfinished: {sorted(unfinished)}"
@@ -87,7 +87,7 @@ def test_prefill_abort_fails_the_decode_leg_at_once(engines) -> None:
     prefill.add_request(rid, [65] * 40, SamplingParams(max_tokens=1), {"role": "prefill"})
     prefill.abort_request(rid)
     decode.add_request(rid, [65] * 40, SamplingParams(max_tokens=4), {
-        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv.kv_port})
+        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port})
     start, failed = time.monotonic(), None
     while failed is None:
         assert time.monotonic() - start < 10, "the decode leg waited for its deadline"

@@ -9,7 +9,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.di.workers import Worker, decode_body, prefill_body, worker_pair
+from tests.di.workers import decode_body, prefill_body, worker_pair
+from tests.worker_process import WorkerProcess
 from tests.helpers import free_port, wait_until
 
 ABORT_TIMEOUT_S = 3
@@ -19,14 +20,14 @@ BODY = {"model": "neuron-di-builtin", "prompt": list(range(40, 140)), "max_token
 
 
 @pytest.fixture(scope="module")
-def short_pair() -> Iterator[tuple[Worker, Worker]]:
+def short_pair() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     with worker_pair("shm", ["--kv-abort-timeout", str(ABORT_TIMEOUT_S)],
                      ["--kv-pull-timeout", str(PULL_TIMEOUT_S)]) as workers:
         yield workers
 
 
 @pytest.fixture(autouse=True)
-def blocks_free_after(short_pair: tuple[Worker, Worker]) -> Iterator[None]:
+def blocks_free_after(short_pair: tuple[WorkerProcess, WorkerProcess]) -> Iterator[None]:
     yield
     for worker in short_pair:
         worker.wait_blocks_free(timeout=ABORT_TIMEOUT_S + 10)
@@ -43,7 +44,7 @@ def assert_transfer_error(response: httpx.Response, uid: str) -> None:
     assert f"KV transfer of request {uid!r} from the prefill worker failed" in error["message"], error
 
 
-def test_prefill_never_answers_fails_decode_after_its_deadline(short_pair: tuple[Worker, Worker]) -> None:
+def test_prefill_never_answers_fails_decode_after_its_deadline(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
     # The prefill worker never got this id (its leg was lost): decode gives up at its deadline.
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
@@ -53,14 +54,14 @@ def test_prefill_never_answers_fails_decode_after_its_deadline(short_pair: tuple
     assert_transfer_error(response, uid)
 
 
-def test_unknown_request_id_fails_streaming_decode_with_http_error(short_pair: tuple[Worker, Worker]) -> None:
+def test_unknown_request_id_fails_streaming_decode_with_http_error(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
     response = post(f"{decode.url}/v1/completions", {**decode_body(BODY, uid, prefill), "stream": True}, uid)
     assert_transfer_error(response, uid)
 
 
-def test_dead_prefill_peer_fails_decode_after_its_deadline(short_pair: tuple[Worker, Worker]) -> None:
+def test_dead_prefill_peer_fails_decode_after_its_deadline(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
     body = decode_body(BODY, uid, prefill)
@@ -68,7 +69,7 @@ def test_dead_prefill_peer_fails_decode_after_its_deadline(short_pair: tuple[Wor
     assert_transfer_error(post(f"{decode.url}/v1/completions", body, uid), uid)
 
 
-def test_decode_never_pulls_prefill_frees_blocks_after_abort_timeout(short_pair: tuple[Worker, Worker]) -> None:
+def test_decode_never_pulls_prefill_frees_blocks_after_abort_timeout(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
     prefill, _ = short_pair
     uid = uuid.uuid4().hex
     response = post(f"{prefill.url}/v1/completions", prefill_body(BODY, uid), uid)
@@ -81,8 +82,8 @@ def test_decode_never_pulls_prefill_frees_blocks_after_abort_timeout(short_pair:
     assert prefill.metric("neuron_di_requests_transferring") == 0
 
 
-def test_duplicate_request_id_is_refused_without_corruption(short_pair: tuple[Worker, Worker],
-                                                            both_worker: Worker) -> None:
+def test_duplicate_request_id_is_refused_without_corruption(short_pair: tuple[WorkerProcess, WorkerProcess],
+                                                            both_worker: WorkerProcess) -> None:
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
     assert post(f"{prefill.url}/v1/completions", prefill_body(BODY, uid), uid).status_code == 200
@@ -96,7 +97,7 @@ def test_duplicate_request_id_is_refused_without_corruption(short_pair: tuple[Wo
     assert response.json()["choices"] == want.json()["choices"]
 
 
-def test_duplicate_decode_leg_is_refused(short_pair: tuple[Worker, Worker], both_worker: Worker) -> None:
+def test_duplicate_decode_leg_is_refused(short_pair: tuple[WorkerProcess, WorkerProcess], both_worker: WorkerProcess) -> None:
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
     with ThreadPoolExecutor(1) as pool:
@@ -112,7 +113,7 @@ def test_duplicate_decode_leg_is_refused(short_pair: tuple[Worker, Worker], both
     assert response.json()["choices"] == want.json()["choices"]
 
 
-def test_client_leaving_during_the_pull_frees_decode_blocks(short_pair: tuple[Worker, Worker]) -> None:
+def test_client_leaving_during_the_pull_frees_decode_blocks(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
     with pytest.raises(httpx.ReadTimeout):

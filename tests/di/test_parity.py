@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.di.workers import Worker, disaggregated
+from tests.di.workers import disaggregated
+from tests.worker_process import WorkerProcess
 
 NUM_PROMPTS = 50
 MAX_TOKENS = 8
@@ -43,13 +44,13 @@ async def gather_limited(concurrency: int, coros: list) -> list:
     return await asyncio.gather(*(run(c) for c in coros))
 
 
-async def both_answers(worker: Worker, bodies: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+async def both_answers(worker: WorkerProcess, bodies: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
     async with httpx.AsyncClient(timeout=120.0) as client:
         responses = await gather_limited(1, [client.post(f"{worker.url}/v1/completions", json=b) for b in bodies])
     return [answer(r) for r in responses]
 
 
-async def pair_answers(prefill: Worker, decode: Worker, bodies: list[dict[str, Any]],
+async def pair_answers(prefill: WorkerProcess, decode: WorkerProcess, bodies: list[dict[str, Any]],
                        concurrency: int) -> list[tuple[str, str, int]]:
     async with httpx.AsyncClient(timeout=120.0) as client:
         legs = await gather_limited(concurrency, [disaggregated(client, prefill, decode, "/v1/completions", b)
@@ -64,7 +65,7 @@ async def pair_answers(prefill: Worker, decode: Worker, bodies: list[dict[str, A
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(both_worker: Worker) -> list[tuple[str, str, int]]:
+def greedy_reference(both_worker: WorkerProcess) -> list[tuple[str, str, int]]:
     return asyncio.run(both_answers(both_worker, [body(p) for p in prompts()]))
 
 
@@ -79,7 +80,7 @@ def blocks_free_after(request: pytest.FixtureRequest):
 
 
 @pytest.mark.parametrize("concurrency", [1, 16])
-def test_greedy_parity(pair: tuple[Worker, Worker], greedy_reference: list, concurrency: int) -> None:
+def test_greedy_parity(pair: tuple[WorkerProcess, WorkerProcess], greedy_reference: list, concurrency: int) -> None:
     got = asyncio.run(pair_answers(*pair, [body(p) for p in prompts()], concurrency))
     mismatches = [(i, len(p), want, have) for i, (p, want, have)
                   in enumerate(zip(prompts(), greedy_reference, got)) if want != have]
@@ -94,7 +95,7 @@ def seeded_bodies() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("concurrency", [1, 16])
-def test_seeded_sampling_parity(pair: tuple[Worker, Worker], both_worker: Worker, concurrency: int) -> None:
+def test_seeded_sampling_parity(pair: tuple[WorkerProcess, WorkerProcess], both_worker: WorkerProcess, concurrency: int) -> None:
     want = asyncio.run(both_answers(both_worker, seeded_bodies()))
     got = asyncio.run(pair_answers(*pair, seeded_bodies(), concurrency))
     assert got == want

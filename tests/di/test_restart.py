@@ -6,15 +6,16 @@ import uuid
 import httpx
 import pytest
 
-from neuron_connector import list_workers
-from tests.di.workers import Worker, disaggregated
+from tests.proxy.registration import registered_workers
+from tests.di.workers import disaggregated
+from tests.worker_process import WorkerProcess
 from tests.helpers import wait_until
 
 BODY = {"model": "neuron-di-builtin", "prompt": list(range(50, 90)), "max_tokens": 5, "temperature": 0,
         "ignore_eos": True}
 
 
-def one_request(prefill: Worker, decode: Worker) -> dict:
+def one_request(prefill: WorkerProcess, decode: WorkerProcess) -> dict:
     import asyncio
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
@@ -27,13 +28,13 @@ def one_request(prefill: Worker, decode: Worker) -> dict:
 
 
 @pytest.fixture(scope="module")
-def want(both_worker: Worker) -> list:
+def want(both_worker: WorkerProcess) -> list:
     return httpx.post(f"{both_worker.url}/v1/completions", json=BODY, timeout=60.0).json()["choices"]
 
 
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_restarted_worker_is_reconnected(victim: str, want: list) -> None:
-    workers = {"prefill": Worker("prefill", "tcp"), "decode": Worker("decode", "tcp")}
+    workers = {"prefill": WorkerProcess("prefill", "tcp"), "decode": WorkerProcess("decode", "tcp")}
     try:
         assert one_request(workers["prefill"], workers["decode"]) == want
         workers[victim].proc.kill9()
@@ -48,22 +49,22 @@ def test_restarted_worker_is_reconnected(victim: str, want: list) -> None:
 
 def test_etcd_key_appears_and_vanishes_after_kill9(etcd_server) -> None:
     ttl = 2
-    prefill = Worker("prefill", "tcp", ["--etcd", etcd_server.endpoint, "--etcd-ttl", str(ttl)])
+    prefill = WorkerProcess("prefill", "tcp", ["--etcd", etcd_server.endpoint, "--etcd-ttl", str(ttl)])
     try:
-        records = wait_until(lambda: list_workers(etcd_server.endpoint, "prefill"), timeout=10)
+        records = wait_until(lambda: registered_workers(etcd_server.endpoint, "prefill"), timeout=10)
         assert [(r.host, r.http_port, r.kv_port, r.model) for r in records] == [
             ("127.0.0.1", prefill.port, prefill.kv_port, "neuron-di-builtin")]
         prefill.proc.kill9()
-        wait_until(lambda: not list_workers(etcd_server.endpoint, "prefill"), timeout=ttl + 5)
+        wait_until(lambda: not registered_workers(etcd_server.endpoint, "prefill"), timeout=ttl + 5)
     finally:
         prefill.stop()
 
 
 def test_etcd_key_is_revoked_on_clean_shutdown(etcd_server) -> None:
-    decode = Worker("decode", "tcp", ["--etcd", etcd_server.endpoint, "--etcd-ttl", "30"])
+    decode = WorkerProcess("decode", "tcp", ["--etcd", etcd_server.endpoint, "--etcd-ttl", "30"])
     try:
-        records = wait_until(lambda: list_workers(etcd_server.endpoint, "decode"), timeout=10)
+        records = wait_until(lambda: registered_workers(etcd_server.endpoint, "decode"), timeout=10)
         assert records[0].http_port == decode.port
     finally:
         decode.stop()
-    assert not list_workers(etcd_server.endpoint, "decode")  # revoked, not left to expire
+    assert not registered_workers(etcd_server.endpoint, "decode")  # revoked, not left to expire

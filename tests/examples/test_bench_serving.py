@@ -22,7 +22,6 @@ from serving_stack import Stack, StackError, StackOptions, start_colocated, star
 
 from tests.examples.tiny_model import tiny_model_dir
 from tests.helpers import ROOT, free_port, python_process, wait_http_ok, wait_until
-from worker import cli as worker_cli
 
 BENCH = str(ROOT / "examples" / "bench_serving.py")
 SMALL_LOAD = ["--num-prompts", "8", "--input-len-min", "4", "--input-len-max", "24",
@@ -202,8 +201,6 @@ def test_report_has_both_configs_and_di_over_colocated_ratios() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not {"prefill", "decode"} <= set(getattr(worker_cli, "SUPPORTED_ROLES", worker_cli.ROLES)),
-                    reason="the worker has no DI roles yet")
 def test_compare_quick_runs_both_stacks(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     done = run_bench("--compare", "--quick", "--model", str(tiny_model_dir(tmp_path)), "--json", str(out),

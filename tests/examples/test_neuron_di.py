@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from di_stats import Completion, blocks_for, diverging_at, first_mismatch, format_summary, summarize, transfer_time
 from neuron_di import PROMPTS, encode_prompts
 from tests.examples.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
-from worker.loader import builtin_model_path, load_config
+from worker.model.loader import builtin_model_path, load_config
 
 
 def test_first_mismatch_finds_the_first_differing_output():

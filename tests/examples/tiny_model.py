@@ -5,11 +5,11 @@ from pathlib import Path
 
 import torch
 
-from worker.bench_model import BENCH_CONFIG
-from worker.checkpoint import save_checkpoint
-from worker.loader import builtin_model_path
-from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.model.bench_model import BENCH_CONFIG
+from worker.model.checkpoint import save_checkpoint
+from worker.model.loader import builtin_model_path
+from worker.model.model_config import ModelConfig
+from worker.model.llama import LlamaForCausalLM
 
 
 def tiny_model_dir(tmp: Path) -> Path:

@@ -10,7 +10,7 @@ from typing import Iterator
 import openai
 import pytest
 
-from tests.di.workers import Worker
+from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, start_proxy
 
 PROMPT = "def fibonacci(n):\n    "
@@ -19,12 +19,12 @@ SAMPLING = {"max_tokens": 12, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[tuple[Server, Worker, Worker, Worker]]:
-    started: list[Worker] = []
+def stack() -> Iterator[tuple[Server, WorkerProcess, WorkerProcess, WorkerProcess]]:
+    started: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
         for role in ("prefill", "decode", "both"):
-            started.append(Worker(role, "shm"))
+            started.append(WorkerProcess(role, "shm"))
         prefill, decode, both = started
         proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                              "--prefill-kv-port", str(prefill.kv_port),
@@ -38,13 +38,13 @@ def stack() -> Iterator[tuple[Server, Worker, Worker, Worker]]:
 
 
 @pytest.fixture(autouse=True)
-def blocks_free_after(stack: tuple[Server, Worker, Worker, Worker]) -> Iterator[None]:
+def blocks_free_after(stack: tuple[Server, WorkerProcess, WorkerProcess, WorkerProcess]) -> Iterator[None]:
     yield
     for worker in stack[1:]:
         worker.wait_blocks_free()
 
 
-def clients(stack: tuple[Server, Worker, Worker, Worker]) -> tuple[openai.OpenAI, openai.OpenAI]:
+def clients(stack: tuple[Server, WorkerProcess, WorkerProcess, WorkerProcess]) -> tuple[openai.OpenAI, openai.OpenAI]:
     proxy, _, _, both = stack
     return (openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0),
             openai.OpenAI(base_url=f"{both.url}/v1", api_key="x", max_retries=0))
@@ -108,7 +108,7 @@ def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
 
 def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> None:
     # tcp: a killed shm worker cannot unlink its pool segment
-    prefill, decode = Worker("prefill", "tcp"), Worker("decode", "tcp", ["--kv-pull-timeout", "5"])
+    prefill, decode = WorkerProcess("prefill", "tcp"), WorkerProcess("decode", "tcp", ["--kv-pull-timeout", "5"])
     proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                          "--prefill-kv-port", str(prefill.kv_port),
                          "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])

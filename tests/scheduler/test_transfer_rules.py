@@ -90,7 +90,7 @@ def test_invariants_hold_over_random_events(role: str, events: list[tuple[str, i
             s.postprocess(seqs, [1 + arg] * len(seqs))
         elif s.transferring:
             target = list(s.transferring.values())[arg % len(s.transferring)]
-            if event == "done" and role == "decode" and not target.is_done:
+            if event == "done" and role == "decode" and not target.finished_generating:
                 s.transfer_done(target, 1 + arg)
             elif event in ("fail", "release"):
                 s.release(target, "error")

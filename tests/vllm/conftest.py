@@ -12,7 +12,7 @@ import pytest
 from examples.serving_stack import Stack
 from examples.vllm_stack import VllmOptions, start_colocated, start_neuron_1p1d
 from tests.helpers import EtcdServer
-from worker.loader import builtin_model_path
+from worker.model.loader import builtin_model_path
 
 # Short timeouts, so that the failure tests (test_stack_failures, run last) see them expire.
 ABORT_TIMEOUT, PULL_TIMEOUT = 8.0, 15.0

@@ -1,39 +1,15 @@
-"""Test helpers for the worker server: a worker subprocess, an in-process server, metric scraping."""
+"""Test helpers for the worker server: an in-process server, metric scraping."""
 from __future__ import annotations
 
 import asyncio
 import re
 import threading
-from typing import Sequence
-
 import httpx
 from hypercorn.asyncio import serve
 from quart import Quart
 
-from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok
-from worker.cli import hypercorn_config
-
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-class WorkerProcess:
-    """`python -m worker --role both` on a free port, stopped (and its children killed) on close."""
-
-    def __init__(self, extra_args: Sequence[str] = ()) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: ManagedProcess = python_process(
-            ["-m", "worker", "--role", "both", "--port", str(self.port), "--threads", "1", *extra_args],
-            name="worker", env=WORKER_ENV)
-        try:
-            wait_http_ok(f"{self.url}/health", self.proc, timeout=120.0)
-        except BaseException:
-            self.proc.stop()
-            raise
-
-    def stop(self) -> None:
-        self.proc.stop()
-
+from tests.helpers import free_port, wait_http_ok
+from worker.server.cli import hypercorn_config
 
 class InProcessServer:
     """Serves a Quart app with hypercorn on a free port, on an event loop in a background thread."""

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import ROOT
 from worker import BUILTIN_MODEL_NAME, EngineConfig, LLMEngine, SamplingParams, create_bench_model
-from worker.models.config import ModelConfig
+from worker.model.model_config import ModelConfig
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker import EngineConfig, LLMEngine, SamplingParams
-from worker.checkpoint import save_checkpoint
-from worker.layers.linear import MIN_PACKED_ELEMENTS, Linear, can_pack, pack_linears
-from worker.loader import load_model
-from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.model.checkpoint import save_checkpoint
+from worker.model.layers.linear import MIN_PACKED_ELEMENTS, Linear, can_pack, pack_linears
+from worker.model.loader import load_model
+from worker.model.model_config import ModelConfig
+from worker.model.llama import LlamaForCausalLM
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.layers import paged_decode
+from worker.model.layers import paged_decode
 
-needs_native = pytest.mark.skipif(not paged_decode.NATIVE, reason="worker.layers._paged_decode is not built")
+needs_native = pytest.mark.skipif(not paged_decode.NATIVE, reason="worker.model.layers._paged_decode is not built")
 
 BLOCKS, BLOCK_SIZE, KV_HEADS, GROUP, HEAD_DIM = 40, 4, 2, 3, 32
 

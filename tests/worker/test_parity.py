@@ -8,7 +8,7 @@ import torch
 
 from tests.worker.conftest import make_hf_checkpoint
 from worker import EngineConfig, LLMEngine, SamplingParams
-from worker.layers import paged_decode
+from worker.model.layers import paged_decode
 
 PROMPTS = [[256, 100, 101, 102, 32, 120, 40, 41, 58, 10, 32, 32],
            [256, 105, 109, 112, 111, 114, 116],
@@ -75,7 +75,7 @@ def test_prefill_logits_match_transformers(checkpoint: Path, batch: list[list[in
 def test_decode_logits_through_paged_cache_match_transformers(checkpoint: Path, batch: list[list[int]], native: bool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     if native and not paged_decode.NATIVE:
-        pytest.skip("worker.layers._paged_decode is not built")
+        pytest.skip("worker.model.layers._paged_decode is not built")
     monkeypatch.setattr(paged_decode, "NATIVE", native)
     hf = hf_model(checkpoint)
     engine = engine_for(checkpoint)
@@ -121,9 +121,9 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
 
 
 def test_checkpoints_we_save_load_in_transformers(tmp_path: Path) -> None:
-    from worker.checkpoint import save_checkpoint
-    from worker.models.config import ModelConfig
-    from worker.models.llama import LlamaForCausalLM
+    from worker.model.checkpoint import save_checkpoint
+    from worker.model.model_config import ModelConfig
+    from worker.model.llama import LlamaForCausalLM
 
     config = ModelConfig(vocab_size=262, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,

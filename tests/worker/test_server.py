@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from tests.helpers import wait_until
-from tests.worker.server_helpers import WorkerProcess, metric
+from tests.worker.server_helpers import metric
+from tests.worker_process import WorkerProcess
 
 GREEDY = {"temperature": 0.0}
 LONG = {"ignore_eos": True}
@@ -18,7 +19,7 @@ LONG = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    proc = WorkerProcess(["--max-waiting", "64"])
+    proc = WorkerProcess(extra=["--max-waiting", "64"])
     try:
         yield proc
     finally:

@@ -16,12 +16,12 @@ import pytest
 
 from tests.helpers import wait_until
 from tests.worker.server_helpers import InProcessServer, metric
-from worker.async_engine import AsyncEngine
+from worker.server.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.engine import LLMEngine, RequestOutput
+from worker.engine.llm_engine import LLMEngine, RequestOutput
 from worker.errors import WorkerError
 from worker.sampling_params import SamplingParams
-from worker.server import create_app
+from worker.server.app import create_app
 
 
 class FaultInjectedEngine(LLMEngine):
@@ -45,7 +45,7 @@ def server() -> Iterator[InProcessServer]:
     finally:
         served.stop()
     # after_serving joined the engine thread
-    assert not app.extensions["neuron_di_worker"].engine.is_alive()
+    assert not app.extensions["neuron_di_worker"].async_engine.is_alive()
     assert not any(t.name == "engine" for t in threading.enumerate())
 
 

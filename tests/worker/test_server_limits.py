@@ -9,12 +9,13 @@ import httpx
 import pytest
 
 from tests.helpers import ROOT, free_port, wait_until
-from tests.worker.server_helpers import WorkerProcess, metric
-from worker.cli import parse_args
+from tests.worker.server_helpers import metric
+from tests.worker_process import WorkerProcess
+from worker.server.cli import parse_args
 
 
 def test_queue_full_is_503_then_the_worker_recovers() -> None:
-    worker = WorkerProcess(["--max-num-seqs", "1", "--max-waiting", "1"])
+    worker = WorkerProcess(extra=["--max-num-seqs", "1", "--max-waiting", "1"])
     try:
         max_len = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["max_model_len"]
         body = {"prompt": "Go on and on", "max_tokens": max_len // 2, "ignore_eos": True, "stream": True}
@@ -54,6 +55,26 @@ def test_bad_command_line_is_rejected_up_front(args: list[str], message: str,
         parse_args(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+HEAVY_MODULES = ("torch", "quart", "zmq", "safetensors", "tokenizers")
+_RUN_HELP = """
+import runpy, sys
+sys.argv = ["python -m worker", "--help"]
+try:
+    runpy.run_module("worker", run_name="__main__")
+except SystemExit as exit_:
+    assert exit_.code == 0, exit_.code
+print(sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:])))
+"""
+
+
+def test_python_m_worker_help_loads_no_torch() -> None:
+    done = subprocess.run([sys.executable, "-c", _RUN_HELP, *HEAVY_MODULES], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert "--kv-transport" in done.stdout
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def test_python_m_worker_exits_2_on_a_bad_kv_port() -> None:

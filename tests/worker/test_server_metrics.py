@@ -1,8 +1,8 @@
 """ServerMetrics: one registry per app, and the latency bookkeeping of one request."""
 from __future__ import annotations
 
-from worker.engine import EngineStats
-from worker.metrics import ServerMetrics
+from worker.engine.llm_engine import EngineStats
+from worker.server.metrics import ServerMetrics
 
 
 def sample(metrics: ServerMetrics, name: str, **labels: str) -> float | None:

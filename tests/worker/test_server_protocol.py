@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from common.openai_wire import sse_event
 from worker.errors import InvalidRequestError, QueueFullError, WorkerError
-from worker.protocol import (ResponseShape, build_params, error_for, parse_body, parse_request, sse_event,
-                             usage)
+from worker.server.protocol import ResponseShape, build_params, error_for, parse_body, parse_request, usage
 
 MODEL = "m"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from worker import InvalidRequestError, Tokenizer
-from worker.detokenizer import IncrementalDetokenizer
-from worker.models.config import ModelConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.model.model_config import ModelConfig
 
 
 def load(path: Path) -> Tokenizer:

@@ -4,7 +4,9 @@ The engine calls it from its one thread. On a prefill worker it publishes each f
 `remote_kv` request's blocks with a SendBuffer and reports the releases the SendBuffer's
 thread announces (pulled, failed, or not pulled within the abort timeout). On a decode
 worker it starts a pull into each admitted request's fresh blocks with a RecvBuffer and
-turns poll results into "done with first token t" or "failed with this error".
+reports the pulls its thread announces as finished: "done with first token t" or "failed
+with this error". Either buffer's announcement also calls `wake`, so an idle engine thread
+steps at once instead of polling.
 """
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-from neuron_connector import ConnectorError, PullState, RecvBuffer, SendBuffer
+from common.roles import DEFAULT_KV_PORT
+from neuron_connector import ConnectorError, PullState, RecvBuffer, SendBuffer, UnknownRequest
 from transfer import KVLayout, TransferError, create_engine
-from worker.errors import KVTransferError
-from worker.protocol import invalid
+from worker.errors import KVTransferError, invalid
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ class KVConnectorConfig:
     role: str                              # "prefill" | "decode"
     transport: str = "auto"
     kv_host: str = "127.0.0.1"
-    kv_port: int = 14579                   # prefill's ROUTER; 0 = a free port
+    kv_port: int = DEFAULT_KV_PORT         # prefill's ROUTER; 0 = a free port
     engine_id: str = ""                    # "" = the transfer engine's unique id
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
@@ -42,16 +44,21 @@ class PullTarget:
 
     host: str
     port: int
+    engine_id: str | None = None   # the prefill worker the proxy picked; checked at the handshake
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> PullTarget:
         host, port = params.get("remote_host"), params.get("remote_port")
+        engine_id = params.get("remote_engine_id")
         if not isinstance(host, str) or not host:
             raise invalid("kv_transfer_params.remote_host must be a non-empty string", "kv_transfer_params")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise invalid(f"kv_transfer_params.remote_port must be a TCP port, got {port!r}",
                           "kv_transfer_params")
-        return cls(host, port)
+        if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
+            raise invalid("kv_transfer_params.remote_engine_id must be a non-empty string",
+                          "kv_transfer_params")
+        return cls(host, port, engine_id)
 
 
 @dataclass(slots=True)
@@ -74,7 +81,7 @@ class KVConnector:
         # Prefill: called from the SendBuffer thread with (seconds, blocks, bytes) per completed push.
         self.on_transfer: Callable[[float, int, int], None] = lambda seconds, blocks, nbytes: None
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._pending: set[str] = set()
+        self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._transfer: Any = None
         self.send: SendBuffer | None = None
         self.recv: RecvBuffer | None = None
@@ -100,7 +107,7 @@ class KVConnector:
                 self.send.start()
             else:
                 self.recv = RecvBuffer(self._transfer, layout, identity=engine_id,
-                                       default_timeout=cfg.pull_timeout)
+                                       default_timeout=cfg.pull_timeout, on_finished=self._on_finished)
                 self.recv.start()
         except (TransferError, ConnectorError) as exc:
             self.close()
@@ -113,8 +120,8 @@ class KVConnector:
         assert self.send is not None
         self.send.publish(request_id, block_ids, output_token)
 
-    def knows(self, request_id: str) -> bool:
-        """Prefill: the id is still published (or remembered) for a decode peer."""
+    def remembers(self, request_id: str) -> bool:
+        """Prefill: the id is still published, or remembered so a late lookup of it gets its answer."""
         return self.send is not None and self.send.knows(request_id)
 
     def discard(self, request_id: str) -> None:
@@ -128,52 +135,43 @@ class KVConnector:
         self.wake()
 
     def take_released(self) -> list[str]:
-        released: list[str] = []
-        while True:
-            try:
-                released.append(self._released.get_nowait())
-            except queue.Empty:
-                return released
+        return _drain(self._released)
 
     # ---- decode -------------------------------------------------------------------------------
 
     def start_pull(self, request_id: str, target: PullTarget, block_ids: list[int]) -> None:
         assert self.recv is not None
         try:
-            self.recv.request_pull(request_id, target.host, target.port, block_ids)
+            self.recv.request_pull(request_id, target.host, target.port, block_ids,
+                                   peer_engine_id=target.engine_id)
         except (ConnectorError, ValueError) as exc:
             raise KVTransferError(f"KV pull of request {request_id!r} could not start: {exc}") from exc
-        self._pending.add(request_id)
 
-    def poll(self) -> PullResults:
-        """Checks every pending pull once; never blocks."""
+    def _on_finished(self, request_id: str) -> None:
+        # RecvBuffer thread: as _on_release.
+        self._finished.put(request_id)
+        self.wake()
+
+    def take_finished(self) -> PullResults:
+        """The pulls that ended since the last call; never blocks."""
         results = PullResults()
-        if self.recv is None:
-            return results
-        for request_id in list(self._pending):
-            status = self.recv.poll(request_id)
-            if status.state is PullState.PENDING:
+        for request_id in _drain(self._finished):
+            assert self.recv is not None
+            try:
+                status = self.recv.poll(request_id)
+            except UnknownRequest:  # cancelled after it ended: its blocks were freed then
                 continue
-            self._pending.discard(request_id)
             if status.state is PullState.DONE:
                 assert status.output_token is not None
                 results.done.append((request_id, status.output_token))
-            else:
+            elif status.state is PullState.FAILED:
                 results.failed.append((request_id, KVTransferError(
                     f"KV transfer of request {request_id!r} from the prefill worker failed: {status.message}")))
         return results
 
     def cancel(self, request_id: str) -> bool:
-        """Stops a pull; True if its blocks may be freed now, else poll() reports it failed later."""
-        if self.recv is None or request_id not in self._pending:
-            return True
-        if self.recv.cancel(request_id):
-            self._pending.discard(request_id)
-            return True
-        return False
-
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+        """Stops a pull; True if its blocks may be freed now, else take_finished() reports it failed later."""
+        return self.recv is None or self.recv.cancel(request_id)
 
     def close(self) -> None:
         for buffer in (self.send, self.recv):
@@ -186,3 +184,12 @@ class KVConnector:
             except Exception:  # noqa: BLE001 - shutting down: log and go on releasing the rest
                 logger.exception("closing the transfer engine failed")
             self._transfer = None
+
+
+def _drain(ids: queue.SimpleQueue[str]) -> list[str]:
+    taken: list[str] = []
+    while True:
+        try:
+            taken.append(ids.get_nowait())
+        except queue.Empty:
+            return taken

@@ -11,19 +11,22 @@ import torch
 
 from scheduler import QueueFull, Scheduler, SchedulerConfig, WillNeverFit
 from transfer.layout import KVLayout
-from worker import kv_steps
 from worker.config import EngineConfig
-from worker.detokenizer import IncrementalDetokenizer
+from worker.engine.decode_side import DecodeSide
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.kv_connector import KVConnector
+from worker.engine.prefill_side import PrefillSide
+from worker.engine.request import Request, RequestOutput
+from worker.engine.request_table import RequestTable
+from worker.engine.roles import EngineParts, EngineRole
 from worker.errors import InvalidRequestError, QueueFullError
-from worker.kv_connector import KVConnector, PullTarget
-from worker.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
-from worker.model_runner import ModelRunner
-from worker.request import Request, RequestOutput
+from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
+from worker.model.runner import ModelRunner
+from worker.model.tokenizer import Tokenizer
 from worker.sampling_params import SamplingParams
-from worker.tokenizer import Tokenizer
 
-PULL_POLL_S = 0.002  # how often a decode engine with only pulls in flight checks them
 PoolAllocator = Callable[[KVLayout], torch.Tensor]
+ROLE_SIDES: dict[str, type[EngineRole]] = {"both": EngineRole, "prefill": PrefillSide, "decode": DecodeSide}
 
 
 @dataclass(slots=True)
@@ -43,15 +46,16 @@ class LLMEngine:
     """A Llama-family model behind a paged KV pool and a continuous-batching scheduler.
 
     Used from one thread: add_request / abort_request between calls to step(). Roles prefill
-    and decode need a `kv_connector`, which also provides the KV pool.
+    and decode need a `kv_connector`, which also provides the KV pool; the role's hooks
+    (roles.py) run before and after each step.
     """
 
     def __init__(self, config: EngineConfig, allocate_pool: PoolAllocator | None = None,
                  kv_connector: KVConnector | None = None) -> None:
-        if config.role != "both" and (kv_connector is None or kv_connector.role != config.role):
-            raise ValueError(f"role {config.role!r} needs a KV connector of the same role")
+        ROLE_SIDES[config.role].check_connector(kv_connector)
         self.config = config
-        self.kv = kv_connector
+        self.requests = RequestTable()
+        self.kv_connector = kv_connector
         if allocate_pool is None and kv_connector is not None:
             allocate_pool = kv_connector.allocate_pool
         path = Path(config.model) if config.model is not None else builtin_model_path()
@@ -69,9 +73,8 @@ class LLMEngine:
             max_waiting=config.max_waiting, enable_prefix_caching=config.enable_prefix_caching,
             role=config.role,
         ), eos_token_ids=self.tokenizer.eos_token_ids)
-        self.requests: dict[str, Request] = {}
-        self.cancelling: dict[str, Request] = {}   # decode: aborted while a peer may still write its blocks
-        self._aborted: list[RequestOutput] = []
+        parts = EngineParts(self.scheduler, self.requests, self._output, self.model_config.vocab_size)
+        self.role = ROLE_SIDES[config.role](parts, kv_connector)
         self._rng = random.Random(config.seed)
         self._generate_ids = itertools.count()
 
@@ -104,14 +107,14 @@ class LLMEngine:
         leg of a disaggregated request; a worker of role "both" ignores them.
         """
         self._validate(request_id, prompt_token_ids, params)
-        remote_kv, target = self._kv_leg(kv_transfer_params)
+        leg = self.role.leg(request_id, kv_transfer_params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos, block_size=self.config.block_size, params=params,
             generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-            remote_kv=remote_kv, pull_target=target,
+            remote_kv=leg.remote_kv, pull_target=leg.pull_target,
         )
         try:
             self.scheduler.add(request)
@@ -119,23 +122,12 @@ class LLMEngine:
             raise InvalidRequestError(str(exc)) from exc
         except QueueFull as exc:
             raise QueueFullError(str(exc)) from exc
-        self.requests[request_id] = request
-
-    def _kv_leg(self, params: dict | None) -> tuple[bool, PullTarget | None]:
-        """Whether a request is a disaggregated leg here, and where a decode leg pulls from."""
-        role = self.config.role
-        if role == "both" or params is None:
-            return False, None
-        if params.get("role") != role:
-            raise InvalidRequestError(f"kv_transfer_params.role is {params.get('role')!r} but this worker "
-                                      f"serves role {role!r}")
-        return True, PullTarget.parse(params) if role == "decode" else None
+        self.requests.add(request)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
-        busy = (self.requests, self.scheduler.transferring, self.cancelling)
-        if any(request_id in ids for ids in busy) or (self.kv is not None and self.kv.knows(request_id)):
+        if request_id in self.requests or self.role.remembers(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -151,65 +143,53 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; the next step() reports it once."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.generating(request_id)
         if request is None:
             return
-        if self.kv is not None:
-            kv_steps.abort(self, request)
-        else:
-            self.scheduler.finish(request, "abort")
-        self._aborted.append(RequestOutput(request_id, [], "", True, "abort", request.num_prompt_tokens,
-                                           request.num_output_tokens))
+        self.role.abort(request)
+        self.requests.aborted(request)
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._aborted = self._aborted, []
-        if self.kv is not None:
-            outputs.extend(kv_steps.before_step(self))
-        if not self.scheduler.has_runnable():
-            return outputs
+        """The role's hook, then schedule / run / postprocess, then the role's hook."""
+        outputs = self.requests.take_aborted() + self.role.before_step()
         seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return outputs
-        token_ids = self.runner.run(seqs, is_prefill)
-        self.scheduler.postprocess(seqs, token_ids)
-        outputs.extend(self.output(seq, token_id) for seq, token_id in zip(seqs, token_ids))
-        if self.kv is not None:
-            kv_steps.after_step(self, seqs)
+        if seqs:
+            token_ids = self.runner.run(seqs, is_prefill)
+            self.scheduler.postprocess(seqs, token_ids)
+            outputs.extend(self._output(seq, token_id) for seq, token_id in zip(seqs, token_ids))
+            self.role.after_step(seqs)
         return outputs
 
     def wait_hint(self) -> float | None:
         """How long the driver may wait for a command before the next step: 0 = step now,
-        None = nothing to do until a command (or a connector wake-up) arrives."""
-        if self._aborted or self.scheduler.has_runnable():
+        None = nothing to do until a command (or a KV connector's wake-up) arrives."""
+        if self.requests.has_unreported_aborts() or self.scheduler.has_runnable() or self.role.has_work():
             return 0.0
-        if self.kv is not None and self.kv.has_pending():
-            return PULL_POLL_S
-        if self.kv is not None and self.scheduler.waiting:  # decode: admission waits for free blocks
-            return PULL_POLL_S
         return None
 
     def close(self) -> None:
         """Stops the KV connector's thread (role prefill or decode); the engine is unusable after."""
-        if self.kv is not None:
-            self.kv.close()
+        self.role.close()
 
-    def output(self, request: Request, token_id: int) -> RequestOutput:
-        """The RequestOutput of `request`'s newest token; a finished request leaves `requests`."""
+    def _output(self, request: Request, token_id: int) -> RequestOutput:
+        """The RequestOutput of `request`'s newest token; a request done and holding no blocks leaves the table."""
         # A prefill leg's text goes on on the decode worker: hand out only what a streaming
         # server would for this token, so the proxy can swap in the decode worker's copy of it.
-        continues_elsewhere = request.remote_kv and self.config.role == "prefill"
-        delta = request.detokenizer.step(request.output_token_ids, request.is_done and not continues_elsewhere)
+        # (A decode leg is remote_kv only until its KV arrived, before its first output.)
+        done = request.finished_generating
+        delta = request.detokenizer.step(request.output_token_ids, done and not request.remote_kv)
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
             request.finish_reason = "stop"  # a stop string wins over max_tokens on the same token
-        if request.is_done:
-            del self.requests[request.request_id]
-        return RequestOutput(request.request_id, [token_id], delta, request.is_done,
+            done = True
+        if done and request.is_finished:
+            self.requests.remove(request.request_id)
+        return RequestOutput(request.request_id, [token_id], delta, done,
                              request.finish_reason, request.num_prompt_tokens, request.num_output_tokens)
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or blocks still held for (or by) a transfer."""
-        return bool(self.requests or self._aborted or self.scheduler.transferring or self.cancelling)
+        return self.requests.has_work()
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager

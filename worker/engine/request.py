@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from scheduler import Sequence
-from worker.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine.kv_connector import PullTarget
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -16,7 +19,7 @@ class Request(Sequence):
     params: SamplingParams
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
-    pull_target: Any = None          # decode: the kv_connector.PullTarget its prompt's KV comes from
+    pull_target: PullTarget | None = None   # decode: where its prompt's KV comes from
 
 
 @dataclass(slots=True)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from worker.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
-from worker.checkpoint import save_checkpoint
-from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.model.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from worker.model.checkpoint import save_checkpoint
+from worker.model.model_config import ModelConfig
+from worker.model.llama import LlamaForCausalLM
 
 BENCH_CONFIG = ModelConfig(
     vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,

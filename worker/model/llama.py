@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers.attention import AttentionMetadata, causal_attention, paged_attention
-from worker.layers.linear import Linear
-from worker.layers.rotary import RotaryEmbedding, apply_rotary
-from worker.models.config import ModelConfig
+from worker.model.layers.attention import AttentionMetadata, causal_attention, paged_attention
+from worker.model.layers.linear import Linear
+from worker.model.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.model.model_config import ModelConfig
 
 # Checkpoints store q/k/v and gate/up separately; the model runs each group as one matmul.
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -9,8 +9,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from worker.errors import ModelLoadError
-from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM, pack_checkpoint, rotary_for
+from worker.model.model_config import ModelConfig
+from worker.model.llama import LlamaForCausalLM, pack_checkpoint, rotary_for
 
 BUILTIN_MODEL_NAME = "neuron-di-builtin"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints still store

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.layers import paged_decode
-from worker.layers.attention import AttentionMetadata, build_mask
-from worker.layers.linear import pack_linears
-from worker.models.llama import LlamaForCausalLM
-from worker.request import Request
-from worker.sampler import sample
+from worker.model.layers import paged_decode
+from worker.model.layers.attention import AttentionMetadata, build_mask
+from worker.model.layers.linear import pack_linears
+from worker.model.llama import LlamaForCausalLM
+from worker.engine.request import Request
+from worker.model.sampler import sample
 
 
 @dataclass(slots=True)

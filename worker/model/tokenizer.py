@@ -10,7 +10,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from worker.errors import InvalidRequestError, ModelLoadError
-from worker.models.config import ModelConfig
+from worker.model.model_config import ModelConfig
 
 # Used when a checkpoint ships no chat template: plain "role: content" lines.
 FALLBACK_CHAT_TEMPLATE = (

@@ -4,7 +4,7 @@
     POST /v1/chat/completions    messages rendered by the model's chat template; JSON or SSE
     GET  /v1/models              the served model
     GET  /health                 200 while the engine thread runs, else 503
-    GET  /metrics                Prometheus text (worker/metrics.py)
+    GET  /metrics                Prometheus text (worker/server/metrics.py)
 
 `X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
 whatever raised it, is turned into a status and an OpenAI-style body by protocol.error_for.
@@ -20,12 +20,14 @@ from typing import AsyncIterator, Callable
 
 from quart import Quart, Response, g, jsonify, make_response, request
 
-from worker.async_engine import AsyncEngine, RequestStream
+from worker.server.async_engine import AsyncEngine, RequestStream
 from worker.config import EngineConfig
-from worker.engine import LLMEngine, RequestOutput
-from worker.metrics import RequestTimer, ServerMetrics
-from worker.protocol import (DONE_EVENT, GenerateRequest, Kind, ResponseShape, build_params, error_body,
-                             error_for, models_body, parse_body, parse_request, sse_event, usage)
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.request import RequestOutput
+from worker.server.metrics import RequestTimer, ServerMetrics
+from common.openai_wire import DONE_EVENT, error_body, sse_event
+from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, error_for, models_body,
+                                    parse_body, parse_request, usage)
 
 logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -67,23 +69,23 @@ class _Worker:
     """The app's state and route handlers; one per app, so several apps can share a process."""
 
     def __init__(self, factory: Callable[[], LLMEngine]) -> None:
-        self.engine = AsyncEngine(factory)
+        self.async_engine = AsyncEngine(factory)
         self.metrics: ServerMetrics | None = None
         self.model_name = ""
         self.max_model_len = 0
         self.created = int(time.time())
 
     async def startup(self) -> None:
-        await self.engine.start()
-        engine = self.engine.engine
+        await self.async_engine.start()
+        engine = self.async_engine.llm_engine
         assert engine is not None  # start() returned, so the engine was built
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.metrics = ServerMetrics(self.model_name)
-        if engine.kv is not None:
-            engine.kv.on_transfer = self.metrics.transfer_done
+        if engine.kv_connector is not None:
+            engine.kv_connector.on_transfer = self.metrics.transfer_done
 
     async def shutdown(self) -> None:
-        await self.engine.stop()
+        await self.async_engine.stop()
 
     # ---- routes -------------------------------------------------------------------------------
 
@@ -97,13 +99,13 @@ class _Worker:
         return jsonify(models_body(self.model_name, self.max_model_len, self.created))
 
     async def health(self) -> Response:
-        if self.engine.is_alive():
+        if self.async_engine.is_alive():
             return jsonify({"status": "ok"})
         return _json(error_body(503, "the engine is not running", "server_error"), 503)
 
     async def metrics_page(self) -> Response:
         assert self.metrics is not None
-        return Response(self.metrics.render(self.engine.stats), content_type=ServerMetrics.content_type)
+        return Response(self.metrics.render(self.async_engine.stats), content_type=ServerMetrics.content_type)
 
     # ---- errors: every status comes from protocol.error_for ----------------------------------
 
@@ -134,7 +136,7 @@ class _Worker:
         req = parse_request(kind, parse_body(await request.get_data()), self.model_name)
         prompt_ids = self._prompt_ids(req)
         params = build_params(req, len(prompt_ids), self.max_model_len)
-        stream = await self.engine.generate(g.request_id, prompt_ids, params, req.kv_transfer_params)
+        stream = await self.async_engine.generate(g.request_id, prompt_ids, params, req.kv_transfer_params)
         timer = self.metrics.timer(len(prompt_ids))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         if not req.stream:
@@ -148,7 +150,7 @@ class _Worker:
         return response
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
-        engine = self.engine.engine
+        engine = self.async_engine.llm_engine
         assert engine is not None
         tokenizer = engine.tokenizer
         if req.kind == "chat":

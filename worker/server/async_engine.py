@@ -14,7 +14,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from worker.engine import EngineStats, LLMEngine, RequestOutput
+from worker.engine.llm_engine import EngineStats, LLMEngine
+from worker.engine.request import RequestOutput
 from worker.errors import WorkerError
 from worker.sampling_params import SamplingParams
 
@@ -135,7 +136,7 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.engine: LLMEngine | None = None
+        self.llm_engine: LLMEngine | None = None
         self.stats: EngineStats | None = None  # refreshed by the engine thread after every change
 
     async def start(self) -> None:
@@ -196,24 +197,24 @@ class AsyncEngine:
 
     def _main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
         try:
-            self.engine = self._factory()
-            self.stats = self.engine.stats()
-            if self.engine.kv is not None:
-                self.engine.kv.wake = lambda: self._inbox.put(_Wake())
+            self.llm_engine = self._factory()
+            self.stats = self.llm_engine.stats()
+            if self.llm_engine.kv_connector is not None:
+                self.llm_engine.kv_connector.wake = lambda: self._inbox.put(_Wake())
         except Exception as exc:  # e.g. ModelLoadError, or a config the model cannot honour
             _deliver(loop, _settle, ready, WorkerError(f"engine failed to start: {exc}"))
             return
         _deliver(loop, _settle, ready, None)
         reason = "the engine is shutting down"
         try:
-            self._loop(self.engine)
+            self._loop(self.llm_engine)
         except BaseException as exc:  # a bug in this loop must not leave requests hanging
             logger.exception("engine thread crashed")
             reason = f"engine thread crashed: {exc}"
         finally:
             self._stopping.set()
             self._close(WorkerError(reason))
-            self.engine.close()
+            self.llm_engine.close()
 
     def _loop(self, engine: LLMEngine) -> None:
         failed = False

@@ -11,10 +11,10 @@ from typing import Any, Callable, Sequence
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from common.roles import DEFAULT_KV_PORT, ROLES
 from worker.config import EngineConfig
 
 logger = logging.getLogger("worker")
-ROLES = ("both", "prefill", "decode")
 TRANSPORTS = ("auto", "shm", "tcp", "nixl", "neuron")
 
 
@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv = parser.add_argument_group("KV transfer (roles prefill and decode)")
     kv.add_argument("--kv-transport", choices=TRANSPORTS, default="auto", help="KV block transport (default auto)")
     kv.add_argument("--kv-host", default="127.0.0.1", help="address of the KV signal plane (default 127.0.0.1)")
-    kv.add_argument("--kv-port", type=int, default=14579,
-                    help="prefill: port of the KV signal plane, 0 = a free one (default 14579)")
+    kv.add_argument("--kv-port", type=int, default=DEFAULT_KV_PORT,
+                    help=f"prefill: port of the KV signal plane, 0 = a free one (default {DEFAULT_KV_PORT})")
     kv.add_argument("--engine-id", default=None, help="this worker's id on the signal plane (default host:port)")
     kv.add_argument("--kv-abort-timeout", type=float, default=60.0,
                     help="prefill: free KV blocks not pulled within this many seconds (default 60)")
@@ -100,7 +100,7 @@ def hypercorn_config(host: str, port: int) -> HypercornConfig:
 
 async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     """Serves until SIGTERM/SIGINT, then drains: hypercorn stops accepting, the engine thread is joined."""
-    from worker.server import create_app  # imports torch: only once the command line is known to be good
+    from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -115,8 +115,8 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
 
 def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:
     """Builds the engine (with its KV connector for roles prefill and decode) on the engine thread."""
-    from worker.engine import LLMEngine
-    from worker.kv_connector import KVConnector, KVConnectorConfig
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
     def build() -> LLMEngine:
         if engine_config.role == "both":
@@ -140,8 +140,8 @@ def _register_on_start(app: Any, args: argparse.Namespace, engine_config: Engine
     holder: list[Registration] = []
 
     async def register() -> None:
-        engine = app.extensions["neuron_di_worker"].engine.engine
-        kv_port = engine.kv.kv_port if engine.kv is not None else 0
+        engine = app.extensions["neuron_di_worker"].async_engine.llm_engine
+        kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
         record = WorkerRecord(role=engine_config.role, host=args.host, http_port=args.port, kv_host=args.kv_host,
                               kv_port=kv_port, engine_id=args.engine_id or f"{args.host}:{args.port}",
                               transfer={"backend": args.kv_transport}, model=engine.model_name)

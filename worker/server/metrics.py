@@ -5,7 +5,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from worker.engine import EngineStats
+from worker.engine.llm_engine import EngineStats
 
 # Latency buckets from 1 ms to ~1 min: a CPU engine's first token can take seconds under load.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -11,21 +11,14 @@ from typing import Any, Literal, Mapping
 
 from werkzeug.exceptions import HTTPException
 
-from worker.errors import InvalidRequestError, QueueFullError
+from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, error_body
+from worker.errors import InvalidRequestError, QueueFullError, invalid
 from worker.sampling_params import SamplingParams
 
 Kind = Literal["completion", "chat"]
-DONE_EVENT = b"data: [DONE]\n\n"
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 # Accepted when off (null/false/empty), refused when asked for, rather than silently ignored.
 _UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "response_format")
-
-
-def invalid(message: str, param: str | None = None) -> InvalidRequestError:
-    """An InvalidRequestError naming the offending body field (shown as `param` in the error body)."""
-    error = InvalidRequestError(message)
-    error.param = param  # type: ignore[attr-defined]
-    return error
 
 
 @dataclass(frozen=True)
@@ -185,7 +178,7 @@ class ResponseShape:
 
     @property
     def id(self) -> str:
-        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
+        return f"{CHAT_ID_PREFIX if self.kind == 'chat' else COMPLETION_ID_PREFIX}{self.request_id}"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -226,11 +219,6 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
-def sse_event(body: Mapping[str, Any]) -> bytes:
-    """One server-sent event carrying a JSON body."""
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
 def models_body(model_name: str, max_model_len: int, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                         "owned_by": "neuron-di", "root": model_name,
@@ -238,11 +226,6 @@ def models_body(model_name: str, max_model_len: int, created: int) -> dict[str, 
 
 
 # ---- errors: the one place where worker errors become HTTP statuses ---------------------------
-
-
-def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
-    """An OpenAI-style error body; `code` is the HTTP status, as vLLM reports it."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
 def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:

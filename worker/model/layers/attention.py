@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.layers import paged_decode
+from worker.model.layers import paged_decode
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 try:
-    from worker.layers import _paged_decode
+    from worker.model.layers import _paged_decode
 except ImportError:  # built without a C compiler
     _paged_decode = None
 

@@ -1,0 +1,89 @@
+"""The engine's DI roles in one process over shm: wake-ups instead of polling, and publish failures."""
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import pytest
+import torch
+
+from tests.helpers import free_port, wait_until
+from worker import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from worker.engine.kv_connector import KVConnector, KVConnectorConfig
+
+NUM_BLOCKS = 64
+
+
+def prefill_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(role="prefill", num_kv_blocks=NUM_BLOCKS),
+                     kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port())))
+
+
+@pytest.fixture()
+def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    torch.set_num_threads(1)
+    prefill = prefill_engine()
+    decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=NUM_BLOCKS),
+                       kv_connector=KVConnector(KVConnectorConfig("decode", "shm", engine_id="decode-roles")))
+    try:
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_pending_pull_sleeps_until_the_connector_wakes_the_engine(pair) -> None:
+    prefill, decode = pair
+    woken = threading.Event()
+    decode.kv_connector.wake = woken.set
+    prompt, params = [40 + i % 50 for i in range(50)], SamplingParams(max_tokens=3, ignore_eos=True)
+    decode.add_request("r", prompt, params, {"role": "decode", "request_id": "r", "remote_host": "127.0.0.1",
+                                             "remote_port": prefill.kv_connector.kv_port})
+    assert decode.step() == []           # admitted: its pull started
+    assert decode.wait_hint() is None    # nothing to poll: the RecvBuffer's thread will say when it ends
+    prefill.add_request("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True), {"role": "prefill"})
+    first = wait_until(prefill.step, timeout=30, what="the prefill leg's output")
+    assert woken.wait(timeout=30), "the finished pull never woke the decode engine"
+    outputs = decode.step()   # the pulled first token, then a decode step's second
+    assert [(o.request_id, o.new_token_ids) for o in outputs][0] == ("r", first[0].new_token_ids)
+    while decode.has_unfinished_requests() or prefill.has_unfinished_requests():
+        decode.step()
+        prefill.step()
+    assert decode.stats().num_blocks_used == prefill.stats().num_blocks_used == 0
+
+
+def test_a_signal_plane_that_cannot_publish_frees_the_blocks() -> None:
+    prefill = prefill_engine()
+    try:
+        prefill.kv_connector.send.close()   # publish now raises ConnectorError: not serving
+        prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), {"role": "prefill"})
+        outputs = prefill.step()
+        assert [(o.request_id, o.finished) for o in outputs] == [("p", True)]
+        assert prefill.stats().num_blocks_used == 0
+        assert not prefill.has_unfinished_requests()
+    finally:
+        prefill.close()
+
+
+def test_a_bug_in_publish_is_not_taken_for_a_transport_failure(monkeypatch) -> None:
+    prefill = prefill_engine()
+    try:
+        def broken(*args: object) -> None:
+            raise KeyError("a bug")
+        monkeypatch.setattr(prefill.kv_connector, "publish", broken)
+        prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), {"role": "prefill"})
+        with pytest.raises(KeyError, match="a bug"):
+            prefill.step()
+    finally:
+        prefill.close()
+
+
+def test_a_leg_whose_shared_id_differs_from_the_request_id_is_refused() -> None:
+    prefill = prefill_engine()
+    try:
+        with pytest.raises(InvalidRequestError, match="kv_transfer_params.request_id 'other' is not"):
+            prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1),
+                                {"role": "prefill", "request_id": "other"})
+        assert "p" not in prefill.requests and prefill.stats().num_waiting == 0
+    finally:
+        prefill.close()

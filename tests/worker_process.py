@@ -1,0 +1,51 @@
+"""The one way tests start a worker: `python -m worker` on free ports, stopped with its children."""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import httpx
+
+from examples.serving_stack import StackOptions, worker_args
+from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok, wait_until
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class WorkerProcess:
+    """`python -m worker --role ROLE` (the command line examples/serving_stack.py builds) on free ports."""
+
+    def __init__(self, role: str = "both", transport: str = "shm", extra: Sequence[str] = (),
+                 port: int | None = None, kv_port: int | None = None) -> None:
+        self.role, self.transport, self.extra = role, transport, tuple(extra)
+        self.port = port or free_port()
+        self.kv_port = kv_port if kv_port is not None else (free_port() if role == "prefill" else 0)
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = worker_args(role, self.port, StackOptions(kv_transport=transport),
+                           self.kv_port if role != "both" else None)
+        self.proc: ManagedProcess = python_process([*args, *self.extra], name=f"{role}-worker", env=WORKER_ENV)
+        try:
+            wait_http_ok(f"{self.url}/health", self.proc, timeout=120.0)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def metric(self, name: str) -> int:
+        """A gauge of this worker, read from /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        match = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+        assert match is not None, text
+        return int(float(match.group(1)))
+
+    def blocks_used(self) -> int:
+        return self.metric("neuron_di_kv_blocks_used")
+
+    def wait_blocks_free(self, timeout: float = 30.0) -> None:
+        wait_until(lambda: self.blocks_used() == 0, timeout=timeout)
+
+    def restarted(self) -> WorkerProcess:
+        """The same worker (role, ports, flags) started anew; call after this one died."""
+        return WorkerProcess(self.role, self.transport, self.extra, self.port, self.kv_port)
+
+    def stop(self) -> None:
+        self.proc.stop()

@@ -1,0 +1,66 @@
+"""Role "decode": a leg's prompt KV is pulled from its prefill worker into fresh blocks, then it runs."""
+from __future__ import annotations
+
+from typing import Any
+
+from worker.engine.kv_connector import PullTarget
+from worker.engine.request import Request, RequestOutput
+from worker.engine.roles import DisaggregatedRole, Leg
+from worker.errors import KVTransferError
+from worker.model.sampler import skip_sample
+
+
+class DecodeSide(DisaggregatedRole):
+    """Starts a pull for each admitted leg; a finished pull runs it (first token: the prefill's) or fails it."""
+
+    name = "decode"
+
+    def _leg(self, params: dict[str, Any]) -> Leg:
+        return Leg(remote_kv=True, pull_target=PullTarget.parse(params))
+
+    def before_step(self) -> list[RequestOutput]:
+        scheduler = self.parts.scheduler
+        outputs: list[RequestOutput] = []
+        results = self.kv.take_finished()
+        for request_id, token_id in results.done:
+            if (request := self._pulled(request_id)) is not None:
+                # Token 1 was sampled on the prefill worker from its copy of this generator.
+                skip_sample(self.parts.vocab_size, request.params, request.generator)
+                scheduler.transfer_done(request, token_id)
+                outputs.append(self.parts.emit(request, token_id))
+        for request_id, error in results.failed:
+            if (request := self._pulled(request_id)) is not None:
+                outputs.append(self._fail(request, error))
+        for request in scheduler.admit_transfers():
+            try:
+                self.kv.start_pull(request.request_id, request.pull_target, list(request.block_table))
+            except KVTransferError as exc:
+                outputs.append(self._fail(request, exc))
+        return outputs
+
+    def abort(self, request: Request) -> None:
+        """A pull the peer may still be writing keeps its blocks until it reports failed."""
+        if request.request_id in self.parts.scheduler.transferring and not self.kv.cancel(request.request_id):
+            request.finish_reason = "abort"   # live, cancelling: _pulled frees it
+            return
+        super().abort(request)
+
+    def has_work(self) -> bool:
+        return self.parts.scheduler.can_admit_transfer()
+
+    def _pulled(self, request_id: str) -> Request | None:
+        """The request a finished pull belongs to, or None if it was aborted (its blocks go now)."""
+        request = self.parts.requests.get(request_id)
+        if request is None or request.request_id not in self.parts.scheduler.transferring:
+            return None
+        if request.finish_reason == "abort":
+            self.parts.scheduler.release(request, "abort")
+            self.parts.requests.remove(request_id)
+            return None
+        return request
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        self.parts.scheduler.release(request, "error")
+        self.parts.requests.remove(request.request_id)
+        return RequestOutput(request.request_id, [], "", True, "error", request.num_prompt_tokens,
+                             request.num_output_tokens, error=error)

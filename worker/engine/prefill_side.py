@@ -1,0 +1,44 @@
+"""Role "prefill": each finished leg's KV blocks wait, held, for the decode peer to pull them."""
+from __future__ import annotations
+
+import logging
+
+from neuron_connector import ConnectorError
+from worker.engine.request import Request, RequestOutput
+from worker.engine.roles import DisaggregatedRole
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillSide(DisaggregatedRole):
+    """Publishes every finished `remote_kv` request with the SendBuffer; frees its blocks on release."""
+
+    name = "prefill"
+
+    def before_step(self) -> list[RequestOutput]:
+        scheduler, requests = self.parts.scheduler, self.parts.requests
+        for request_id in self.kv.take_released():
+            if (seq := scheduler.transferring.get(request_id)) is not None:
+                scheduler.release(seq)
+                requests.remove(request_id)
+        return []
+
+    def after_step(self, seqs: list[Request]) -> None:
+        scheduler = self.parts.scheduler
+        for seq in seqs:
+            if scheduler.transferring.get(seq.request_id) is not seq:
+                continue
+            try:
+                self.kv.publish(seq.request_id, list(seq.block_table), seq.token_ids[seq.num_prompt_tokens])
+            except ConnectorError:  # the signal plane is down: nobody can pull it, so free the blocks
+                logger.exception("could not publish request %s for its decode peer", seq.request_id)
+                scheduler.release(seq)
+                self.parts.requests.remove(seq.request_id)
+
+    def abort(self, request: Request) -> None:
+        super().abort(request)
+        if request.remote_kv:
+            self.kv.discard(request.request_id)  # its decode peer's lookup fails now, not at its deadline
+
+    def remembers(self, request_id: str) -> bool:
+        return self.kv.remembers(request_id)
