@@ -11,11 +11,12 @@ reads back and watches (`proxy.discovery.EtcdDiscovery`).
     send.discard(request_id)                               # aborted
 
     # decode
-    recv = RecvBuffer(engine, layout, identity=f"{host}:{http_port}")
+    recv = RecvBuffer(engine, layout, identity=f"{host}:{http_port}", on_finished=wake_engine)
     recv.start()
-    recv.connect(p_host, p_kv_port)                        # 1P1D: fail fast on a bad peer
-    recv.request_pull(request_id, p_host, p_kv_port, dst_block_ids)
-    recv.poll(request_id)        # PENDING | DONE(output_token) | FAILED(error), never blocks
+    recv.request_pull(request_id, p_host, p_kv_port, dst_block_ids,
+                      peer_engine_id=p_engine_id)          # optional: EngineMismatch if another answers
+    recv.poll(request_id)        # PENDING | DONE(output_token) | FAILED(error), never blocks;
+                                 # on_finished(request_id) says when it is no longer PENDING
     recv.cancel(request_id)      # True: blocks free now; False: poll until FAILED first
 """
 from __future__ import annotations
@@ -25,9 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from common.roles import DEFAULT_KV_PORT
 from neuron_connector.errors import (
-    ConnectorError, DuplicateRequest, HandshakeError, LayoutMismatch, PeerUnavailable,
+    ConnectorError, DuplicateRequest, EngineMismatch, HandshakeError, LayoutMismatch, PeerUnavailable,
     ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
-from neuron_connector.peer_link import PeerInfo
 from neuron_connector.pulls import PullState, PullStatus
 from neuron_connector.registry import Registration, WorkerRecord
 
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_KV_PORT",
-    "ConnectorError", "DuplicateRequest", "HandshakeError", "LayoutMismatch", "PeerUnavailable",
+    "ConnectorError", "DuplicateRequest", "EngineMismatch", "HandshakeError", "LayoutMismatch", "PeerUnavailable",
     "ProtocolError", "PullTimeout", "RegistrationError", "UnknownRequest",
-    "PeerInfo", "PullState", "PullStatus", "RecvBuffer", "SendBuffer", "SendStats",
+    "PullState", "PullStatus", "RecvBuffer", "SendBuffer", "SendStats",
     "Registration", "WorkerRecord",
 ]

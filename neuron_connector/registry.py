@@ -36,8 +36,10 @@ class WorkerRecord:
     """One worker: where its HTTP API and its KV signal plane listen, and how it is driven.
 
     The workers register it in etcd and the proxy reads it back (or builds it from its command
-    line for static workers, where the KV host defaults to the HTTP host and the engine id to
-    `host:http_port`). `kv_protocol` is one of KV_PROTOCOLS. Bad fields raise ValueError.
+    line for static workers, where the KV host defaults to the HTTP host). `engine_id` is the
+    id the worker's signal plane shows in its handshake: a worker registers it; a static one
+    has "" (unknown, so nobody checks it). `kv_protocol` is one of KV_PROTOCOLS. Bad fields
+    raise ValueError.
     """
 
     role: str
@@ -59,8 +61,6 @@ class WorkerRecord:
             raise ValueError(f"bad worker address {self.host!r}:{self.http_port}")
         if not self.kv_host:
             object.__setattr__(self, "kv_host", self.host)
-        if not self.engine_id:
-            object.__setattr__(self, "engine_id", f"{self.host}:{self.http_port}")
 
     @property
     def key(self) -> str:

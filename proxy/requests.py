@@ -149,9 +149,12 @@ def neuron_prefill_params(uid: str) -> dict[str, Any]:
 
 
 def neuron_decode_params(uid: str, prefill: WorkerRecord) -> dict[str, Any]:
-    """Our signal plane, decode: where to pull the prompt's KV blocks from."""
-    return {"role": "decode", "request_id": uid, "remote_host": prefill.kv_host,
-            "remote_port": prefill.kv_port, "remote_engine_id": prefill.engine_id}
+    """Our signal plane, decode: where to pull the prompt's KV blocks from, and (when the prefill
+    registered it) the engine id its handshake must show."""
+    params = {"role": "decode", "request_id": uid, "remote_host": prefill.kv_host, "remote_port": prefill.kv_port}
+    if prefill.engine_id:
+        params["remote_engine_id"] = prefill.engine_id
+    return params
 
 
 def nixl_prefill_params() -> dict[str, Any]:

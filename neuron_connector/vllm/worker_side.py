@@ -107,11 +107,8 @@ class WorkerSide:
             assert self.recv is not None
             pending = self._pulls[pull.uid] = _PendingPull(pull.request_id)
             try:
-                # Only a proxy reading etcd knows a prefill's engine id (from its record): a static
-                # one names it `host:http_port`, which a vLLM prefill's id (its transfer engine's,
-                # unless configured) is not, so the check would refuse every pull.
                 self.recv.request_pull(pull.uid, pull.host, pull.port, list(pull.block_ids),
-                                       peer_engine_id=pull.engine_id if self.config.etcd else None)
+                                       peer_engine_id=pull.engine_id)
             except (ConnectorError, ValueError) as exc:
                 pending.start_error = f"the pull could not start: {exc}"   # reported by results()
 

@@ -142,10 +142,11 @@ def test_leg_bodies_follow_the_contract() -> None:
         "kv_transfer_params": {"role": "prefill", "request_id": "u1"}}
     decode = decode_body(request, 5, neuron_decode_params("u1", prefill))
     assert decode == {**request.body, "seed": 5, "kv_transfer_params": {
-        "role": "decode", "request_id": "u1", "remote_host": "10.0.0.1", "remote_port": 14600,
-        "remote_engine_id": "10.0.0.1:8100"}}
+        "role": "decode", "request_id": "u1", "remote_host": "10.0.0.1", "remote_port": 14600}}
     assert decode["stream"] is True and decode["max_completion_tokens"] == 7
     assert request.max_tokens == 7 and request.include_usage
+    registered = WorkerRecord("prefill", "10.0.0.1", 8100, kv_port=14600, engine_id="p-engine")
+    assert neuron_decode_params("u1", registered)["remote_engine_id"] == "p-engine"
 
 
 def test_nixl_leg_bodies_are_vllms_handoff() -> None:
@@ -224,7 +225,7 @@ def test_one_worker_record_type_serves_proxy_and_workers() -> None:
     assert WorkerRecord is neuron_connector.WorkerRecord
     minimal = WorkerRecord.from_json(b'{"role": "prefill", "host": "h", "http_port": 8100}')
     assert (minimal.kv_host, minimal.kv_port, minimal.engine_id, minimal.kv_protocol) == (
-        "h", 14579, "h:8100", "neuron")
+        "h", 14579, "", "neuron")
 
 
 def test_errors_map_to_statuses_in_one_place() -> None:

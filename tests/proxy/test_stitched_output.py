@@ -78,8 +78,7 @@ def test_both_legs_carry_one_request_id_and_the_contract(pair: Pair) -> None:
     assert prefill_leg["kv_transfer_params"] == {"role": "prefill", "request_id": uid}
     assert (prefill_leg["max_tokens"], prefill_leg["stream"]) == (1, False)
     assert decode_leg["kv_transfer_params"] == {
-        "role": "decode", "request_id": uid, "remote_host": "127.0.0.1", "remote_port": 15000,
-        "remote_engine_id": f"127.0.0.1:{pair.prefill.port}"}
+        "role": "decode", "request_id": uid, "remote_host": "127.0.0.1", "remote_port": 15000}
     assert decode_leg["max_tokens"] == 3
 
 

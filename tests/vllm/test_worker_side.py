@@ -10,7 +10,7 @@ import torch
 from neuron_connector.vllm import NeuronConnectorConfig
 from neuron_connector.vllm.plan import Publish, Pull, StepOrders
 from neuron_connector.vllm.worker_side import TransferResults, WorkerSide
-from tests.helpers import EtcdServer, free_port, wait_until
+from tests.helpers import free_port, wait_until
 from tests.vllm.test_connector_logic import vllm_like_caches
 
 
@@ -82,38 +82,27 @@ def test_a_dead_prefill_peer_fails_the_pull_by_its_deadline(sides) -> None:
     assert got.failed_recving == {"d-req"}
 
 
-def test_a_static_decode_leaves_the_named_prefill_engine_unchecked(sides) -> None:
-    """A static proxy names a prefill `host:http_port`, never a vLLM prefill's engine id."""
+def test_a_pull_naming_no_prefill_engine_is_not_checked(sides) -> None:
+    """A static proxy does not know a prefill's engine id and names none."""
     prefill, decode, _, _ = sides
     prefill.apply(StepOrders(publish=[Publish("p-req", "uid4", (5,), output_token=9)]))
-    decode.apply(StepOrders(pull=[Pull("d-req", "uid4", "127.0.0.1", prefill.send.port, (1,), "127.0.0.1:8100")]))
+    decode.apply(StepOrders(pull=[Pull("d-req", "uid4", "127.0.0.1", prefill.send.port, (1,), None)]))
     got = collect(decode, set(), "finished_recving")
     assert got.finished_recving == {"d-req"} and not got.failed_recving
 
 
-@pytest.fixture
-def etcd_decode(etcd: EtcdServer) -> Iterator[WorkerSide]:
-    decode = WorkerSide(NeuronConnectorConfig("decode", pull_timeout=3, etcd=etcd.endpoint, http_port=free_port()),
-                        "m")
-    try:
-        decode.register(vllm_like_caches(3, blocks=8))
-        yield decode
-    finally:
-        decode.close()
-
-
-def test_with_etcd_a_pull_fails_when_another_prefill_engine_answers(sides, etcd_decode: WorkerSide) -> None:
-    prefill = sides[0]
+def test_a_pull_fails_when_another_prefill_engine_answers(sides) -> None:
+    prefill, decode, _, _ = sides
     assert prefill.send is not None
     prefill.apply(StepOrders(publish=[Publish("p-1", "uid5", (5,), output_token=9),
                                       Publish("p-2", "uid6", (6,), output_token=9)]))
     port, engine_id = prefill.send.port, prefill.send.engine_id
-    etcd_decode.apply(StepOrders(pull=[Pull("d-1", "uid5", "127.0.0.1", port, (1,), engine_id),
-                                       Pull("d-2", "uid6", "127.0.0.1", port, (2,), "another-prefill")]))
+    decode.apply(StepOrders(pull=[Pull("d-1", "uid5", "127.0.0.1", port, (1,), engine_id),
+                                  Pull("d-2", "uid6", "127.0.0.1", port, (2,), "another-prefill")]))
     seen = TransferResults()
 
     def both_ended() -> bool:
-        step = etcd_decode.results(set())
+        step = decode.results(set())
         seen.finished_recving |= step.finished_recving
         seen.failed_recving |= step.failed_recving
         return seen.finished_recving == {"d-1", "d-2"}
