@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from transfer import KVLayout, available_backends, create_engine  # noqa: E402
+from transfer import KVLayout, available_backends, create_transfer_engine  # noqa: E402
 from transfer.memcopy import NATIVE  # noqa: E402
 from worker.model.bench_model import BENCH_CONFIG  # noqa: E402
 
@@ -121,7 +121,7 @@ class RawTcp:
 
 def _peer(backend: str, layout: dict[str, Any], conn: Connection) -> None:
     torch.set_num_threads(1)
-    engine = create_engine(backend)
+    engine = create_transfer_engine(backend)
     pool = engine.allocate_region(KVLayout.from_dict(layout))
     conn.send(engine.descriptor())
     while (ids := conn.recv()) is not None:  # block ids whose bytes the bench checks
@@ -142,7 +142,7 @@ class EngineSession:
         self._conn, theirs = mp.Pipe()
         self._proc = mp.get_context("spawn").Process(target=_peer, args=(backend, layout.to_dict(), theirs))
         self._proc.start()
-        self._engine = create_engine(backend)
+        self._engine = create_transfer_engine(backend)
         self._pool = self._engine.allocate_region(layout)
         self._pool.view(-1).view(torch.uint8)[::4093] = 7  # a pattern the peer must end up with
         self._peer = self._engine.connect(self._conn.recv())

@@ -1,6 +1,6 @@
 """transfer: moves KV blocks between registered memory regions, asynchronously.
 
-    engine = create_engine("auto")
+    engine = create_transfer_engine("auto")
     pool = engine.allocate_region(layout)          # the worker's KV pool tensor
     peer = engine.connect(peer_descriptor)         # descriptor() of the other side, as JSON
     token = engine.queue_transfer_with_token(peer, src_block_ids, dst_block_ids)
@@ -18,12 +18,12 @@ from transfer.blocks import Run, plan_runs
 from transfer.engine import DEFAULT_TIMEOUT, TransferEngine
 from transfer.errors import (BackendUnavailable, InvalidBlocks, LayoutMismatch, PeerLost,
                              RegionNotRegistered, TransferError, TransferTimeout)
-from transfer.factory import available_backends, create_engine
+from transfer.factory import available_backends, create_transfer_engine
 from transfer.layout import KVLayout
 from transfer.token import CompletionToken
 
 __all__ = [
-    "KVLayout", "CompletionToken", "TransferEngine", "create_engine", "available_backends",
+    "KVLayout", "CompletionToken", "TransferEngine", "create_transfer_engine", "available_backends",
     "DEFAULT_TIMEOUT", "Backend", "Link", "Run", "plan_runs",
     "TransferError", "LayoutMismatch", "InvalidBlocks", "TransferTimeout", "PeerLost",
     "RegionNotRegistered", "BackendUnavailable",

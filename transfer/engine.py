@@ -34,8 +34,8 @@ class TransferEngine:
     in order on that peer's thread; different peers run in parallel.
     """
 
-    def __init__(self, backends: Sequence[Backend], shm_pool: bool, engine_id: str) -> None:
-        self.engine_id = engine_id
+    def __init__(self, backends: Sequence[Backend], shm_pool: bool, transfer_id: str) -> None:
+        self.transfer_id = transfer_id
         self.backends = list(backends)
         self._shm_pool = shm_pool
         self._lock = threading.RLock()
@@ -53,7 +53,7 @@ class TransferEngine:
         name = None
         if self._shm_pool:
             reap_stale_segments()   # pools of killed workers would otherwise fill /dev/shm
-            name = f"{SHM_PREFIX}{self.engine_id}-{uuid.uuid4().hex[:6]}"
+            name = f"{SHM_PREFIX}{self.transfer_id}-{uuid.uuid4().hex[:6]}"
         with self._lock:
             self._check_open()
             self._check_unregistered()
@@ -107,7 +107,7 @@ class TransferEngine:
             if self._region is None:
                 raise RegionNotRegistered("register or allocate a region before describing it")
             transports = {b.name: d for b in self.backends if (d := b.describe()) is not None}
-            return {"engine_id": self.engine_id, "backend": self.backend, "host_id": host_identity(),
+            return {"transfer_id": self.transfer_id, "backend": self.backend, "host_id": host_identity(),
                     "pid": os.getpid(), "layout": self._region.layout.to_dict(), "transports": transports}
 
     def connect(self, descriptor: dict[str, Any]) -> str:
@@ -122,7 +122,7 @@ class TransferEngine:
                 raise RegionNotRegistered("register or allocate a region before connecting")
             layout = KVLayout.from_dict(descriptor.get("layout", {}))
             self._region.layout.check_compatible(layout)
-            peer_id = str(descriptor.get("engine_id", ""))
+            peer_id = str(descriptor.get("transfer_id", ""))
             if peer_id in self._peers:
                 return peer_id
             backend = next((b for b in self.backends if b.reaches(descriptor)), None)
@@ -197,7 +197,7 @@ class TransferEngine:
         self.close()
 
 
-def new_engine_id() -> str:
+def new_transfer_id() -> str:
     return f"{uuid.uuid4().hex[:12]}-{os.getpid()}"
 
 

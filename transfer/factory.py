@@ -5,36 +5,36 @@ import importlib.util
 from typing import Any, Callable
 
 from transfer.backend import Backend
-from transfer.engine import TransferEngine, new_engine_id
+from transfer.engine import TransferEngine, new_transfer_id
 
 BACKENDS = ("auto", "shm", "tcp", "nixl", "neuron")
 
 
-def _shm(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+def _shm(host: str, transfer_id: str, **opts: Any) -> list[Backend]:
     from transfer.shm import ShmBackend
     return [ShmBackend()]
 
 
-def _tcp(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+def _tcp(host: str, transfer_id: str, **opts: Any) -> list[Backend]:
     from transfer.tcp import TcpBackend
-    return [TcpBackend(host, engine_id=engine_id, **opts)]
+    return [TcpBackend(host, transfer_id=transfer_id, **opts)]
 
 
-def _nixl(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+def _nixl(host: str, transfer_id: str, **opts: Any) -> list[Backend]:
     from transfer.nixl import NixlBackend
-    return [NixlBackend(engine_id, **opts)]
+    return [NixlBackend(transfer_id, **opts)]
 
 
-def _neuron(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+def _neuron(host: str, transfer_id: str, **opts: Any) -> list[Backend]:
     from transfer.neuron import NeuronBackend
-    return [NeuronBackend(engine_id, host, **opts)]
+    return [NeuronBackend(transfer_id, host, **opts)]
 
 
-def _auto(host: str, engine_id: str, **opts: Any) -> list[Backend]:
+def _auto(host: str, transfer_id: str, **opts: Any) -> list[Backend]:
     # Each peer gets the first transport that reaches it: shm on the same host, else tcp.
     if _neuron_available():
-        return _neuron(host, engine_id, **opts)
-    return _shm(host, engine_id) + _tcp(host, engine_id, **opts)
+        return _neuron(host, transfer_id, **opts)
+    return _shm(host, transfer_id) + _tcp(host, transfer_id, **opts)
 
 
 _FACTORIES: dict[str, Callable[..., list[Backend]]] = {
@@ -55,7 +55,7 @@ def available_backends() -> list[str]:
     return [name for name in BACKENDS if optional.get(name, True)]
 
 
-def create_engine(backend: str = "auto", host: str = "127.0.0.1", **opts: Any) -> TransferEngine:
+def create_transfer_engine(backend: str = "auto", host: str = "127.0.0.1", **opts: Any) -> TransferEngine:
     """A TransferEngine using `backend`; `host` is where tcp listens and is reached.
 
     Raises BackendUnavailable for a backend this machine cannot run, ValueError for an
@@ -64,6 +64,6 @@ def create_engine(backend: str = "auto", host: str = "127.0.0.1", **opts: Any) -
     factory = _FACTORIES.get(backend)
     if factory is None:
         raise ValueError(f"unknown transfer backend {backend!r}; expected one of {BACKENDS}")
-    engine_id = new_engine_id()
-    backends = factory(host, engine_id, **opts)
-    return TransferEngine(backends, shm_pool=any(b.name == "shm" for b in backends), engine_id=engine_id)
+    transfer_id = new_transfer_id()
+    backends = factory(host, transfer_id, **opts)
+    return TransferEngine(backends, shm_pool=any(b.name == "shm" for b in backends), transfer_id=transfer_id)

@@ -70,7 +70,7 @@ class NeuronBackend(Backend):
 
     name = "neuron"
 
-    def __init__(self, engine_id: str, host: str, core: int = 0) -> None:
+    def __init__(self, transfer_id: str, host: str, core: int = 0) -> None:
         self._torch = _load_runtime()
         self._host = host
         self._core = core

@@ -85,10 +85,10 @@ class NixlBackend(Backend):
 
     name = "nixl"
 
-    def __init__(self, engine_id: str, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, transfer_id: str, backends: Sequence[str] = ("UCX",)) -> None:
         api = _load_nixl()
         try:
-            self.agent = api.nixl_agent(engine_id, api.nixl_agent_config(backends=list(backends)))
+            self.agent = api.nixl_agent(transfer_id, api.nixl_agent_config(backends=list(backends)))
         except Exception as exc:  # noqa: BLE001 - the native layer raises plain errors
             raise BackendUnavailable(f"cannot start a NIXL agent: {exc}") from exc
         if not set(backends) <= set(self.agent.backends):

@@ -77,9 +77,9 @@ class TcpBackend(Backend):
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 frame_timeout: float = 60.0, engine_id: str = "") -> None:
+                 frame_timeout: float = 60.0, transfer_id: str = "") -> None:
         self._region: Region | None = None
-        self._engine_id = engine_id
+        self._transfer_id = transfer_id
         self._frame_timeout = frame_timeout
         self._listener = socket.create_server((host, port), backlog=64)
         self._address = (advertise_host or (socket.gethostname() if host in ("", "0.0.0.0") else host),
@@ -103,7 +103,7 @@ class TcpBackend(Backend):
     def connect(self, descriptor: dict[str, Any], peer_layout: KVLayout, deadline: float) -> Link:
         info = descriptor["transports"]["tcp"]
         # The listener checks it serves this engine: a restarted peer on the same port does not.
-        hello = {"engine_id": descriptor.get("engine_id")}
+        hello = {"transfer_id": descriptor.get("transfer_id")}
         return TcpLink((info["host"], int(info["port"])), hello, deadline)
 
     def close(self) -> None:
@@ -159,8 +159,8 @@ class TcpBackend(Backend):
     def _serve_hello(self, conn: socket.socket, body: bytes, deadline: float) -> None:
         hello = wire.decode_hello(body)
         error: TransferError | None = None
-        if hello.get("engine_id") != self._engine_id:
-            error = PeerLost(f"this listener serves engine {self._engine_id}, not {hello.get('engine_id')}")
+        if hello.get("transfer_id") != self._transfer_id:
+            error = PeerLost(f"this listener serves engine {self._transfer_id}, not {hello.get('transfer_id')}")
         send_bytes(conn, wire.encode_reply(wire.OP_HELLO, 0, error), deadline)
         if error is not None:
             raise error

@@ -23,7 +23,7 @@ class NeuronConnectorConfig:
     kv_host: str = "127.0.0.1"
     kv_port: int = DEFAULT_KV_PORT       # prefill's ROUTER; 0 = a free port
     kv_transport: str = "auto"
-    engine_id: str = ""                  # "" = the transfer engine's unique id
+    engine_id: str = ""                  # signal-plane id; "" = the transfer engine's transfer_id
     etcd: str = ""                       # host:port; "" = static (no registration)
     etcd_ttl: int = 10
     http_host: str = ""                  # registered address; "" = kv_host

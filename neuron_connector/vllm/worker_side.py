@@ -16,7 +16,7 @@ from neuron_connector.send_buffer import SendBuffer
 from neuron_connector.vllm.config import NeuronConnectorConfig
 from neuron_connector.vllm.plan import StepOrders
 from neuron_connector.vllm.pool import distinct_layers, kv_layout, rebind
-from transfer import KVLayout, create_engine
+from transfer import KVLayout, create_transfer_engine
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ class WorkerSide:
         layers = distinct_layers(kv_caches)
         self.layout = kv_layout(layers)
         try:
-            self._transfer = create_engine(cfg.kv_transport, host=cfg.kv_host)
+            self._transfer = create_transfer_engine(cfg.kv_transport, host=cfg.kv_host)
             rebind(layers, self._transfer.allocate_region(self.layout))
-            engine_id = cfg.engine_id or self._transfer.engine_id
+            engine_id = cfg.engine_id or self._transfer.transfer_id
             if cfg.role == "prefill":
                 self.send = SendBuffer(self._transfer, self.layout, engine_id, cfg.kv_host, cfg.kv_port,
                                        on_release=self._released.put, abort_timeout=cfg.abort_timeout,

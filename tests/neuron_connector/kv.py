@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from neuron_connector import PullState, PullStatus, RecvBuffer
-from transfer import KVLayout, create_engine
+from transfer import KVLayout, create_transfer_engine
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
 
@@ -18,7 +18,7 @@ def layout(**changes: int | str) -> KVLayout:
 
 def engine_with_pool(backend: str, kv_layout: KVLayout = LAYOUT, seed: int | None = None):
     """A real transfer engine and its registered pool: zeros, or seeded random values."""
-    engine = create_engine(backend, host="127.0.0.1")
+    engine = create_transfer_engine(backend, host="127.0.0.1")
     pool = engine.allocate_region(kv_layout)
     if seed is not None:
         pool.copy_(seeded(kv_layout, seed))

@@ -13,7 +13,7 @@ from neuron_connector.errors import EngineMismatch
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
-from transfer import create_engine
+from transfer import create_transfer_engine
 
 
 def _pull(pair: Pair, rid: str, dst: list[int], deadline_s: float | None = None) -> None:
@@ -205,7 +205,7 @@ def test_one_decode_pulls_from_two_prefills_on_demand(shm_pair: Pair) -> None:
 
 
 def test_engine_without_a_pool_is_a_handshake_error() -> None:
-    engine = create_engine("tcp")
+    engine = create_transfer_engine("tcp")
     recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8202")
     recv.start()
     try:

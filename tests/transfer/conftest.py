@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.transfer.peer_proc import PeerProcess
-from transfer import KVLayout, TransferEngine, available_backends, create_engine
+from transfer import KVLayout, TransferEngine, available_backends, create_transfer_engine
 
 # Small enough for a fast suite, big enough for many chunk ranges per run.
 LAYOUT = KVLayout(num_layers=3, num_blocks=96, block_size=16, num_kv_heads=2, head_dim=32, dtype="bfloat16")
@@ -30,7 +30,7 @@ def make_engine() -> Iterator[Callable[..., TransferEngine]]:
 
     def make(backend: str = "shm", layout: KVLayout = LAYOUT, seed: int | None = None) -> TransferEngine:
         from tests.transfer.peer_proc import fill
-        engine = create_engine(backend)
+        engine = create_transfer_engine(backend)
         engines.append(engine)
         pool = engine.allocate_region(layout)
         if seed is not None:

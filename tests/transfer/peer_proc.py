@@ -44,9 +44,9 @@ def _handle(engine: Any, pool: torch.Tensor, cmd: str, args: tuple) -> Any:
 
 
 def peer_main(conn: Connection, backend: str, layout: dict[str, Any], seed: int) -> None:
-    from transfer import KVLayout, create_engine
+    from transfer import KVLayout, create_transfer_engine
     torch.set_num_threads(1)
-    engine = create_engine(backend)
+    engine = create_transfer_engine(backend)
     pool = engine.allocate_region(KVLayout.from_dict(layout))
     fill(pool, seed)
     conn.send(("ready", os.getpid()))
@@ -65,8 +65,8 @@ def peer_main(conn: Connection, backend: str, layout: dict[str, Any], seed: int)
 
 
 def _allocate_and_return(layout: dict[str, Any]) -> None:
-    from transfer import KVLayout, create_engine
-    create_engine("shm").allocate_region(KVLayout.from_dict(layout))
+    from transfer import KVLayout, create_transfer_engine
+    create_transfer_engine("shm").allocate_region(KVLayout.from_dict(layout))
 
 
 def exit_without_close(layout: dict[str, Any]) -> Any:

@@ -10,7 +10,7 @@ import torch
 from tests.transfer.conftest import LAYOUT, PROCESS_BACKENDS, shm_segments
 from tests.transfer.peer_proc import block_bytes
 from transfer import (BackendUnavailable, CompletionToken, InvalidBlocks, KVLayout, LayoutMismatch,
-                      PeerLost, TransferError, available_backends, create_engine)
+                      PeerLost, TransferError, available_backends, create_transfer_engine)
 
 
 @pytest.mark.parametrize("field, value", [("block_size", 32), ("dtype", "float16"),
@@ -98,12 +98,12 @@ def test_auto_uses_shm_on_the_same_host_and_tcp_for_tcp_only_peers(make_engine) 
     tcp_peer = engine.connect(tcp_only.descriptor())
     assert engine.peer_backend(tcp_peer) == "tcp"
     engine.queue_transfer_with_token(tcp_peer, [1], [2]).wait(10)
-    foreign = {**same_host.descriptor(), "host_id": "elsewhere/boot", "engine_id": "x-1"}
+    foreign = {**same_host.descriptor(), "host_id": "elsewhere/boot", "transfer_id": "x-1"}
     assert engine.peer_backend(engine.connect(foreign)) == "tcp"
 
 
 def test_register_existing_tensor(make_engine) -> None:
-    engine = create_engine("tcp")
+    engine = create_transfer_engine("tcp")
     try:
         pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
         engine.register_region(pool, LAYOUT)
@@ -123,7 +123,7 @@ def test_register_existing_tensor(make_engine) -> None:
 
 
 def test_shm_shares_only_its_own_pools() -> None:
-    engine = create_engine("shm")
+    engine = create_transfer_engine("shm")
     try:
         with pytest.raises(TransferError, match="allocate_region"):
             engine.register_region(torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype), LAYOUT)
@@ -132,7 +132,7 @@ def test_shm_shares_only_its_own_pools() -> None:
 
 
 def test_close_is_idempotent_and_frees_everything() -> None:
-    engine, other = create_engine("auto"), create_engine("auto")
+    engine, other = create_transfer_engine("auto"), create_transfer_engine("auto")
     engine.allocate_region(LAYOUT)
     other.allocate_region(LAYOUT)
     peer = engine.connect(other.descriptor())
@@ -141,7 +141,7 @@ def test_close_is_idempotent_and_frees_everything() -> None:
     for _ in range(2):
         engine.close()
         other.close()
-    assert not any(e.engine_id in name for e in (engine, other) for name in shm_segments())
+    assert not any(e.transfer_id in name for e in (engine, other) for name in shm_segments())
     with pytest.raises(PeerLost):
         engine.queue_transfer_with_token(peer, [1], [1]).wait(1)
     with pytest.raises(TransferError, match="closed"):
@@ -159,10 +159,10 @@ def test_disconnected_peer_fails_new_transfers(make_engine) -> None:
 def test_backend_selection() -> None:
     assert {"auto", "shm", "tcp"} <= set(available_backends())
     with pytest.raises(ValueError, match="unknown transfer backend"):
-        create_engine("rdma")
+        create_transfer_engine("rdma")
     if "neuron" not in available_backends():
         with pytest.raises(BackendUnavailable, match="torch-neuronx"):
-            create_engine("neuron")
+            create_transfer_engine("neuron")
 
 
 def test_a_token_serves_one_transfer(make_engine) -> None:
@@ -177,7 +177,7 @@ def test_a_token_serves_one_transfer(make_engine) -> None:
 
 def test_tcp_listener_serves_only_its_engine_and_survives_garbage(make_engine) -> None:
     engine, other = make_engine("tcp", seed=6), make_engine("tcp")
-    impostor = {**other.descriptor(), "engine_id": "restarted-1"}
+    impostor = {**other.descriptor(), "transfer_id": "restarted-1"}
     with pytest.raises(PeerLost, match="serves engine"):
         engine.queue_transfer_with_token(engine.connect(impostor), [1], [1]).wait(10)
     info = other.descriptor()["transports"]["tcp"]

@@ -184,8 +184,8 @@ def test_connecting_to_a_dead_unreaped_owner_is_peer_lost(make_engine) -> None:
 
 _OWNER = f"""
 import json, time
-from transfer import KVLayout, create_engine
-engine = create_engine("shm")
+from transfer import KVLayout, create_transfer_engine
+engine = create_transfer_engine("shm")
 engine.allocate_region(KVLayout.from_dict({LAYOUT.to_dict()!r}))
 print(json.dumps(engine.descriptor()), flush=True)
 time.sleep(600)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.transfer.conftest import LAYOUT, OUR_PIDS, PROCESS_BACKENDS
 from tests.transfer.peer_proc import PeerProcess, block_bytes, fill
-from transfer import TransferEngine, create_engine
+from transfer import TransferEngine, create_transfer_engine
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Setup:
 def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     """Our engine and two peer processes on one backend, shared by this module's tests."""
     backend = request.param
-    engine = create_engine(backend)
+    engine = create_transfer_engine(backend)
     fill(engine.allocate_region(LAYOUT), seed=7)
     peers: list[PeerProcess] = []
     try:

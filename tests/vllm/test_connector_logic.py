@@ -7,7 +7,7 @@ import torch
 from neuron_connector.vllm import NeuronConnectorConfig
 from neuron_connector.vllm.plan import Publish, Pull, SchedulerPlan, blocks_to_pull, prompt_blocks
 from neuron_connector.vllm.pool import distinct_layers, kv_layout, rebind
-from transfer import KVLayout, create_engine
+from transfer import KVLayout, create_transfer_engine
 
 DECODE_PARAMS = {"role": "decode", "request_id": "u1", "remote_host": "10.0.0.5", "remote_port": 14579}
 
@@ -105,7 +105,7 @@ def test_rebound_layers_write_into_the_registered_pool() -> None:
     caches = vllm_like_caches(2)
     layers = distinct_layers(caches)
     layout = kv_layout(layers)
-    with create_engine("shm") as engine:
+    with create_transfer_engine("shm") as engine:
         pool = engine.allocate_region(layout)
         rebind(layers, pool)
         # Written as vLLM's CPU attention writes: keys, then values, of each head of a block.

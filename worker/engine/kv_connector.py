@@ -19,7 +19,7 @@ import torch
 
 from common.roles import DEFAULT_KV_PORT
 from neuron_connector import ConnectorError, PullState, RecvBuffer, SendBuffer, UnknownRequest
-from transfer import KVLayout, TransferError, create_engine
+from transfer import KVLayout, TransferError, create_transfer_engine
 from worker.errors import KVTransferError, invalid
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class KVConnectorConfig:
     transport: str = "auto"
     kv_host: str = "127.0.0.1"
     kv_port: int = DEFAULT_KV_PORT         # prefill's ROUTER; 0 = a free port
-    engine_id: str = ""                    # "" = the transfer engine's unique id
+    engine_id: str = ""                    # signal-plane id; "" = the transfer engine's transfer_id
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
 
@@ -95,9 +95,9 @@ class KVConnector:
         """The engine's KV pool, registered with the transfer engine; starts the buffer thread."""
         cfg = self.config
         try:
-            self._transfer = create_engine(cfg.transport, host=cfg.kv_host)
+            self._transfer = create_transfer_engine(cfg.transport, host=cfg.kv_host)
             pool = self._transfer.allocate_region(layout)
-            engine_id = cfg.engine_id or self._transfer.engine_id  # unique: a decode DEALER identity
+            engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: a decode DEALER identity
             if self.role == "prefill":
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
                                        on_release=self._on_release, abort_timeout=cfg.abort_timeout,
