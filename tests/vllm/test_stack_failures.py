@@ -68,10 +68,12 @@ def test_layout_mismatch_is_refused_at_handshake(stack: Stack) -> None:
                              "--threads", "1"], name="our-decode")
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", worker, timeout=60)
+        uid = uuid.uuid4().hex   # as the proxy sends it: the leg's request id is X-Request-Id
         payload = {"model": "neuron-di-builtin", "prompt": "hello", "max_tokens": 4,
-                   "kv_transfer_params": {"role": "decode", "request_id": uuid.uuid4().hex,
+                   "kv_transfer_params": {"role": "decode", "request_id": uid,
                                           "remote_host": "127.0.0.1", "remote_port": stack.kv_ports["prefill"]}}
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=payload, timeout=60.0)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=payload, timeout=60.0,
+                              headers={"X-Request-Id": uid})
         assert response.status_code >= 500
         message = response.json()["error"]["message"]
         assert "LKBTHD" in message and "LBHKTD" in message, message
