@@ -1,12 +1,11 @@
 """Client requests: validation (400 before any worker is touched) and the bodies of both legs."""
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX
+from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, SEED_MAX, SEED_MIN, load_object
 from proxy.errors import BadRequest
 from proxy.workers import WorkerRecord
 
@@ -44,11 +43,9 @@ class ClientRequest:
 def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> ClientRequest:
     """Validates a request body; BadRequest names the offending parameter."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        body = load_object(raw)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", "model")
@@ -60,7 +57,7 @@ def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> Client
     options = _optional(body, "stream_options", dict, {})
     include_usage = _optional(options, "include_usage", bool, False)
     max_tokens = _max_tokens(body, endpoint)
-    seed = _optional(body, "seed", int, None)
+    seed = _seed(body)
     if disaggregated:
         if _optional(body, "n", int, 1) != 1 or _optional(body, "best_of", int, 1) != 1:
             raise BadRequest("only one choice per request (n=1) is supported by the disaggregated proxy", "n")
@@ -77,6 +74,14 @@ def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise BadRequest(f"'{name}' must be of type {kind.__name__}", name)
     return value
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    """The client's seed, checked here: both legs get it, and a worker cannot take one beyond int64."""
+    seed = _optional(body, "seed", int, None)
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise BadRequest("'seed' must be an int in [-2**63, 2**63)", "seed")
+    return seed
 
 
 def _max_tokens(body: dict[str, Any], endpoint: Endpoint) -> int | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -159,6 +160,24 @@ def test_nixl_leg_bodies_are_vllms_handoff() -> None:
     assert decode_body(request, 11, handoff) == {
         "model": "m", "prompt": "hi", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
         "seed": 11, "kv_transfer_params": handoff}
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"seed": 2**63}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
+    ({"seed": -2**63 - 1}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
+])
+def test_request_validation_names_the_parameter(body: dict, param: str, message: str) -> None:
+    with pytest.raises(BadRequest, match=re.escape(message)) as failure:
+        _request(**body)
+    assert failure.value.param == param
+
+
+def test_seeds_are_int64_and_bodies_nest_at_most_64_levels() -> None:
+    assert _request(seed=-2**63).seed == -2**63 and _request(seed=2**63 - 1).seed == 2**63 - 1
+    deep = b'{"model": "m", "prompt": "x", "extra": ' + b"[" * 64 + b"]" * 64 + b"}"
+    with pytest.raises(BadRequest, match="request body is nested more than 64 levels deep"):
+        parse_request(COMPLETIONS, deep, disaggregated=True)
+    assert parse_request(COMPLETIONS, deep.replace(b"[", b"", 1).replace(b"]", b"", 1), disaggregated=True)
 
 
 def test_both_legs_seed_is_the_clients_or_one_drawn_per_request() -> None:

@@ -55,6 +55,17 @@ def test_a_seed_that_is_not_an_int_is_400(pair: Pair, seed: Any) -> None:
     assert (len(pair.prefill.state()["legs"]), len(pair.decode.state()["legs"])) == before
 
 
+@pytest.mark.parametrize("seed", [2**63, -2**63 - 1, 2**100])
+def test_a_seed_outside_int64_is_400_naming_seed(pair: Pair, seed: int) -> None:
+    before = len(pair.prefill.state()["legs"]), len(pair.decode.state()["legs"])
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", timeout=10,
+                       json={"model": "fake-model", "prompt": "x", "max_tokens": 4, "seed": seed})
+    assert reply.status_code == 400
+    assert reply.json()["error"] == {"message": "'seed' must be an int in [-2**63, 2**63)",
+                                     "type": "invalid_request_error", "param": "seed", "code": 400}
+    assert (len(pair.prefill.state()["legs"]), len(pair.decode.state()["legs"])) == before
+
+
 def _first_token_counters(pair: Pair, protocol: str) -> tuple[float, float]:
     metrics = httpx.get(f"{pair.proxy.url}/metrics", timeout=10).text
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()

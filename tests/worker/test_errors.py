@@ -18,6 +18,8 @@ from worker import (EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"seed": "7"}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
     ({"stop": [""]}, "stop"),
     ({"stop": [3]}, "stop"),
     ({"ignore_eos": "yes"}, "ignore_eos"),

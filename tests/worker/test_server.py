@@ -184,6 +184,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature", "`temperature` must be of type number"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop", "`stop` must be a string or a list of strings"),
     ("completions", {"prompt": "hi", "n": 2}, "n", "only n=1 is supported"),
+    ("completions", {"prompt": "hi", "seed": 2**100}, "seed", "seed must be an int in [-2**63, 2**63)"),
+    ("completions", b"[" * 100_000 + b"]" * 100_000, None, "request body is nested more than 64 levels deep"),
     ("completions", {"prompt": "hi", "model": "gpt-17"}, "model", "The model `gpt-17` does not exist."),
     ("completions", {"prompt": [1, -4]}, None, "prompt token ids must be ints in [0, "),
     ("chat/completions", {"messages": []}, "messages", "`messages` must be a non-empty list"),

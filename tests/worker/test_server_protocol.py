@@ -99,3 +99,29 @@ def test_stream_chunks_are_shaped_like_openai() -> None:
     assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
     assert json.loads(event[6:])["choices"] == [{"index": 0, "text": "x", "logprobs": None,
                                                  "finish_reason": "stop"}]
+
+
+@pytest.mark.parametrize("seed", [2**63, -2**63 - 1, 2**100])
+def test_a_seed_outside_int64_is_refused_naming_seed(seed: int) -> None:
+    req = parse_request("completion", {"prompt": "x", "seed": seed}, MODEL)
+    with pytest.raises(InvalidRequestError, match=r"seed must be an int in \[-2\*\*63, 2\*\*63\)") as info:
+        build_params(req, 2, 100)
+    assert info.value.param == "seed"  # type: ignore[attr-defined]
+
+
+def test_the_int64_bounds_are_seeds() -> None:
+    for seed in (-2**63, 2**63 - 1):
+        assert build_params(parse_request("completion", {"prompt": "x", "seed": seed}, MODEL), 2, 100).seed == seed
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
+                                 b'{"prompt": "x", "extra": ' + b"[" * 500 + b"]" * 500 + b"}"],
+                         ids=["beyond-the-recursion-limit", "within-it"])
+def test_a_deeply_nested_body_is_invalid(raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError, match="request body is nested more than 64 levels deep"):
+        parse_body(raw)
+
+
+def test_a_body_nested_64_levels_deep_is_accepted() -> None:
+    raw = b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}"
+    assert parse_body(raw)["a"] == json.loads(raw)["a"]
