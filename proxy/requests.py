@@ -59,8 +59,9 @@ def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> Client
     max_tokens = _max_tokens(body, endpoint)
     seed = _seed(body)
     if disaggregated:
-        if _optional(body, "n", int, 1) != 1 or _optional(body, "best_of", int, 1) != 1:
-            raise BadRequest("only one choice per request (n=1) is supported by the disaggregated proxy", "n")
+        for name in ("n", "best_of"):
+            if _optional(body, name, int, 1) != 1:
+                raise BadRequest("only one choice per request (n=1) is supported by the disaggregated proxy", name)
         if _optional(body, "echo", bool, False):
             raise BadRequest("'echo' is not supported by the disaggregated proxy", "echo")
     return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage and stream, seed)

@@ -126,6 +126,7 @@ BAD_BODIES: list[tuple[str, bytes]] = [
     ("max_tokens bool", json.dumps({"model": "m", "prompt": "x", "max_tokens": True}).encode()),
     ("stream not bool", json.dumps({"model": "m", "prompt": "x", "stream": "yes"}).encode()),
     ("n above one", json.dumps({"model": "m", "prompt": "x", "n": 2}).encode()),
+    ("best_of above one", json.dumps({"model": "m", "prompt": "x", "best_of": 3}).encode()),
     ("seed above int64", json.dumps({"model": "m", "prompt": "x", "seed": 2**100}).encode()),
     ("nested beyond the recursion limit", b"[" * 100_000 + b"]" * 100_000),
     ("nested 500 levels in an unknown key",

@@ -163,6 +163,7 @@ def test_nixl_leg_bodies_are_vllms_handoff() -> None:
 
 
 @pytest.mark.parametrize("body,param,message", [
+    ({"best_of": 3}, "best_of", "only one choice per request"),
     ({"seed": 2**63}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
     ({"seed": -2**63 - 1}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
 ])

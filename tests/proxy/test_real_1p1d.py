@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -104,6 +105,15 @@ def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
             await client.close()
         return [a.choices[0].text for a in answers]
     assert asyncio.run(run(proxy.url)) == asyncio.run(run(both.url))
+
+
+def test_unsupported_parameter_is_the_workers_400_through_the_proxy(stack) -> None:
+    proxy = stack[0]
+    reply = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
+                       json={"model": "neuron-di-builtin", "prompt": PROMPT, "presence_penalty": 0.5, **SAMPLING})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "presence_penalty"
+    assert reply.json()["error"]["message"].startswith("`presence_penalty` is not supported by this server")
 
 
 def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from common.openai_wire import sse_event
 from worker.errors import InvalidRequestError, QueueFullError, WorkerError
+from worker.sampling_params import SamplingParams
 from worker.server.protocol import ResponseShape, build_params, error_for, parse_body, parse_request, usage
 
 MODEL = "m"
@@ -125,3 +126,60 @@ def test_a_deeply_nested_body_is_invalid(raw: bytes) -> None:
 def test_a_body_nested_64_levels_deep_is_accepted() -> None:
     raw = b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}"
     assert parse_body(raw)["a"] == json.loads(raw)["a"]
+
+
+# vLLM's parameters this server does not implement, each set to a value that asks for something.
+UNSUPPORTED = [
+    ("best_of", 3), ("use_beam_search", True), ("length_penalty", 0.5), ("presence_penalty", 0.5),
+    ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("min_p", 0.1), ("min_tokens", 4),
+    ("logit_bias", {"5": 10}), ("logprobs", 0), ("logprobs", True), ("top_logprobs", 2), ("prompt_logprobs", 0),
+    ("echo", True), ("suffix", "}"), ("stop_token_ids", [3]), ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("add_special_tokens", False),
+    ("truncate_prompt_tokens", 5), ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("priority", 1),
+    ("guided_regex", "a+"), ("guided_json", {"type": "object"}), ("guided_choice", ["a"]),
+    ("guided_grammar", "root ::= x"), ("structured_outputs", {"regex": "a"}),
+    ("response_format", {"type": "json_object"}),
+    ("logits_processors", ["p"]), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
+    ("prompt_embeds", "AAAA"), ("vllm_xargs", {"k": 1}), ("tools", [{"type": "function"}]),
+    ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
+    ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
+    ("chat_template_kwargs", {"k": 1}), ("documents", [{"text": "d"}]), ("modalities", ["audio"]),
+]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("name,value", UNSUPPORTED)
+def test_unsupported_parameters_are_refused_unless_at_their_default(kind: str, name: str, value: object) -> None:
+    base = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "x"}]}
+    if kind == "chat" and name == "add_special_tokens":
+        value = True  # chat's default is false: the template has the special tokens
+    with pytest.raises(InvalidRequestError, match=f"`{name}` is not supported by this server") as info:
+        parse_request(kind, {**base, name: value}, MODEL)  # type: ignore[arg-type]
+    assert info.value.param == name  # type: ignore[attr-defined]
+
+
+def test_stream_options_asking_for_continuous_usage_are_refused() -> None:
+    body = {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with pytest.raises(InvalidRequestError, match="`stream_options.continuous_usage_stats` is not supported") as info:
+        parse_request("completion", body, MODEL)
+    assert info.value.param == "stream_options.continuous_usage_stats"  # type: ignore[attr-defined]
+
+
+DEFAULTS = {
+    "best_of": 1, "use_beam_search": False, "length_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "logit_bias": {}, "logprobs": False,
+    "top_logprobs": 0, "prompt_logprobs": None, "echo": False, "suffix": "", "stop_token_ids": [],
+    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "add_special_tokens": True, "priority": 0, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+    "modalities": ["text"], "stream_options": {"continuous_usage_stats": False},
+    # No effect on what is generated: accepted, as vLLM does.
+    "user": "alice", "metadata": {"k": "v"}, "store": False, "cache_salt": "s", "parallel_tool_calls": True,
+}
+
+
+def test_parameters_at_their_default_or_without_effect_are_accepted() -> None:
+    params = build_params(parse_request("completion", {"prompt": "x", **DEFAULTS}, MODEL), 2, 100)
+    assert params == SamplingParams(max_tokens=16)
+    chat = {"messages": [{"role": "user", "content": "x"}], **DEFAULTS, "add_special_tokens": False,
+            "tool_choice": "auto", "add_generation_prompt": True, "continue_final_message": False}
+    assert build_params(parse_request("chat", chat, MODEL), 2, 100) == SamplingParams(max_tokens=98)

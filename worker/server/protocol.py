@@ -4,6 +4,7 @@ Nothing here touches sockets, the event loop or the engine, so every rule is tes
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -16,8 +17,25 @@ from worker.sampling_params import SamplingParams
 
 Kind = Literal["completion", "chat"]
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-# Accepted when off (null/false/empty), refused when asked for, rather than silently ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "response_format")
+# vLLM's request parameters this server does not implement, each with the values that ask for
+# nothing (vLLM's defaults; null too): any other value is refused rather than silently ignored.
+# Parameters that do not change what is generated (user, metadata, store, cache_salt, ...) and
+# keys vLLM does not know either are accepted and ignored, as vLLM does.
+_EMPTY = ("", [], {})
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
+    "logit_bias": _EMPTY, "bad_words": _EMPTY, "stop_token_ids": _EMPTY, "logits_processors": _EMPTY,
+    "allowed_token_ids": (), "logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,),
+    "suffix": _EMPTY, "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "truncate_prompt_tokens": (), "prompt_embeds": (), "priority": (0,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "response_format": ({"type": "text"},), "vllm_xargs": _EMPTY, "tools": _EMPTY, "tool_choice": ("none", "auto"),
+    "functions": _EMPTY, "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": _EMPTY, "documents": _EMPTY,
+}
 
 
 @dataclass(frozen=True)
@@ -48,15 +66,16 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     model = _opt(body, "model", str)
     if model is not None and model != model_name:
         raise invalid(f"The model `{model}` does not exist.", "model")
-    for name in _UNSUPPORTED:
-        if body.get(name):
-            raise invalid(f"`{name}` is not supported by this server", name)
+    # Completions add BOS to a text prompt; a chat template writes its own special tokens.
+    for name, neutral in {**_UNSUPPORTED, "add_special_tokens": (kind == "completion",)}.items():
+        _refuse_unless(body, name, neutral)
     n = _opt(body, "n", int)
     if n is not None and n != 1:
         raise invalid("only n=1 is supported", "n")
     stream = bool(_opt(body, "stream", bool))
     options = _opt(body, "stream_options", dict) or {}
     include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage")
+    _refuse_unless(options, "continuous_usage_stats", (False,), "stream_options.continuous_usage_stats")
     limit = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _opt(body, limit, int)
@@ -100,6 +119,15 @@ def _opt(body: Mapping[str, Any], key: str, kind: type, param: str | None = None
     if not ok:
         raise invalid(f"`{param or key}` must be of type {_TYPE_NAMES[kind]}", param or key)
     return value
+
+
+def _refuse_unless(body: Mapping[str, Any], key: str, neutral: tuple[Any, ...], param: str | None = None) -> None:
+    """Refuses body[key] unless it is null or one of the `neutral` values (true is not 1 here)."""
+    value = body.get(key)
+    if value is None or any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in neutral):
+        return
+    accepted = " or ".join(json.dumps(ok) for ok in (*neutral, None))
+    raise invalid(f"`{param or key}` is not supported by this server (accepted: {accepted})", param or key)
 
 
 _TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
