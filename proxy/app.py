@@ -155,5 +155,5 @@ async def _models(state: ProxyState) -> Response:
 
 
 def _error_response(exc: ProxyError) -> Response:
-    status, body = to_http(exc)
-    return Response(body, status, content_type=_JSON)
+    status, body, headers = to_http(exc)
+    return Response(body, status, headers=headers, content_type=_JSON)

@@ -5,14 +5,20 @@
     ├── BadRequest               the client's request is invalid (400)
     ├── NoWorkers                no healthy worker of a role (and kv_protocol) right now (503)
     └── UpstreamError            a worker failed one leg of a request
-        ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502)
+        ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502; a
+        │                        failed KV transfer keeps its type, and a 503 its status and Retry-After)
         ├── UpstreamTimeout      connecting to or reading from the worker timed out (504)
         ├── UpstreamUnavailable  the worker refused the connection or dropped it mid-answer (502)
         └── UpstreamProtocol     the worker's answer is not the JSON / SSE it should be (502)
 """
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from common.openai_wire import error_body, json_bytes
+
+KV_TRANSFER_ERROR = "kv_transfer_error"  # a worker's error type: decode could not pull the prompt's KV
 
 
 class ProxyError(Exception):
@@ -47,10 +53,23 @@ class UpstreamError(ProxyError):
 
 
 class UpstreamStatus(UpstreamError):
-    def __init__(self, status: int, body: bytes, role: str = "", worker: str = "") -> None:
+    """`retry_after`: the worker's Retry-After header, if it sent one."""
+
+    def __init__(self, status: int, body: bytes, role: str = "", worker: str = "",
+                 retry_after: str | None = None) -> None:
         super().__init__(f"answered HTTP {status}", role, worker)
         self.status = status
         self.body = body
+        self.retry_after = retry_after
+
+    @property
+    def error(self) -> dict[str, Any]:
+        """The worker's OpenAI error object; empty if the body is not one."""
+        try:
+            error = json.loads(self.body).get("error")
+        except (ValueError, AttributeError):
+            return {}
+        return error if isinstance(error, dict) else {}
 
 
 class UpstreamTimeout(UpstreamError):
@@ -65,11 +84,13 @@ class UpstreamProtocol(UpstreamError):
     pass
 
 
-def to_http(exc: ProxyError) -> tuple[int, bytes]:
-    """Maps an error to (HTTP status, JSON body); the only place statuses are decided."""
+def to_http(exc: ProxyError) -> tuple[int, bytes, dict[str, str]]:
+    """Maps an error to (HTTP status, JSON body, headers); the only place statuses are decided."""
     if isinstance(exc, UpstreamStatus) and 400 <= exc.status < 500:
         # The worker judged the request itself: the client gets the worker's own answer.
-        return exc.status, exc.body or json_bytes(error_body(exc.status, str(exc), "invalid_request_error"))
+        return exc.status, exc.body or json_bytes(error_body(exc.status, str(exc), "invalid_request_error")), {}
+    if isinstance(exc, UpstreamStatus) and exc.error.get("type") == KV_TRANSFER_ERROR:
+        return _kv_transfer_error(exc)
     if isinstance(exc, BadRequest):
         status, err_type, param = 400, "invalid_request_error", exc.param
     elif isinstance(exc, NoWorkers):
@@ -80,4 +101,13 @@ def to_http(exc: ProxyError) -> tuple[int, bytes]:
         status, err_type, param = 502, "upstream_error", None
     else:
         status, err_type, param = 500, "internal_error", None
-    return status, json_bytes(error_body(status, str(exc), err_type, param))
+    return status, json_bytes(error_body(status, str(exc), err_type, param)), {}
+
+
+def _kv_transfer_error(exc: UpstreamStatus) -> tuple[int, bytes, dict[str, str]]:
+    """Decode could not pull the prompt's KV: the client learns that (the worker's message names the prefill
+    peer and why), and, as the worker said with its 503 and Retry-After, whether sending it again may work."""
+    status = 503 if exc.status == 503 else 502
+    message = f"{exc.role} worker {exc.worker}: {exc.error.get('message')}"
+    headers = {"Retry-After": exc.retry_after} if exc.retry_after else {}
+    return status, json_bytes(error_body(status, message, KV_TRANSFER_ERROR)), headers

@@ -159,7 +159,7 @@ class Forwarder:
         with self._leg(worker):
             reply = await self._clients(worker).post(path, body, headers)
             if reply.status != 200:
-                raise UpstreamStatus(reply.status, reply.body, worker.role, worker.address)
+                raise UpstreamStatus(reply.status, reply.body, worker.role, worker.address, reply.retry_after)
             return reply.body
 
     def _open_stream(self, worker: WorkerRecord, path: str, body: dict[str, Any],
@@ -175,7 +175,8 @@ class Forwarder:
             with self._leg(worker):
                 async with self._clients(worker).stream(path, body, headers) as reply:
                     if reply.status != 200:
-                        raise UpstreamStatus(reply.status, await reply.read(), worker.role, worker.address)
+                        raise UpstreamStatus(reply.status, await reply.read(), worker.role, worker.address,
+                                             reply.retry_after)
                     decoder = SSEDecoder()
                     async for chunk in reply.chunks():
                         for data in decoder.feed(chunk):
@@ -316,7 +317,7 @@ def _json(body: bytes, worker: WorkerRecord) -> dict[str, Any]:
 
 def _error_event(exc: ProxyError) -> bytes:
     """After streaming has started the status is sent: the error goes in an SSE event."""
-    status, body = to_http(exc)
+    status, body, _ = to_http(exc)  # no headers: they are sent already
     try:
         payload = json.loads(body)
     except ValueError:  # a worker's own error body need not be JSON

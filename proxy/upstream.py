@@ -31,6 +31,7 @@ class Timeouts:
 class Reply:
     status: int
     body: bytes
+    retry_after: str | None = None  # the Retry-After header of an error answer
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -38,6 +39,7 @@ class Reply:
 
 class StreamReply(Protocol):
     status: int
+    retry_after: str | None
 
     async def read(self) -> bytes: ...
 
@@ -82,6 +84,7 @@ class _AiohttpStream:
         self._response = response
         self._worker = worker
         self.status = response.status
+        self.retry_after = response.headers.get("Retry-After")
 
     async def read(self) -> bytes:
         with translated(self._worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
@@ -106,7 +109,7 @@ class AiohttpUpstream:
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:
         with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
             async with self._session.post(path, data=json_bytes(payload), headers=json_headers(headers)) as response:
-                return Reply(response.status, await response.read())
+                return Reply(response.status, await response.read(), response.headers.get("Retry-After"))
 
     @asynccontextmanager
     async def stream(self, path: str, payload: dict[str, Any],

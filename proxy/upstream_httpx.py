@@ -19,6 +19,7 @@ class _HttpxStream:
         self._response = response
         self._worker = worker
         self.status = response.status_code
+        self.retry_after = response.headers.get("Retry-After")
 
     async def read(self) -> bytes:
         with translated(self._worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
@@ -43,7 +44,7 @@ class HttpxUpstream:
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:
         with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
             response = await self._client.post(path, content=json_bytes(payload), headers=json_headers(headers))
-            return Reply(response.status_code, response.content)
+            return Reply(response.status_code, response.content, response.headers.get("Retry-After"))
 
     @asynccontextmanager
     async def stream(self, path: str, payload: dict[str, Any],

@@ -26,7 +26,11 @@ class ModelLoadError(WorkerError):
 
 
 class KVTransferError(WorkerError):
-    pass
+    """`retryable`: sending the request again may succeed (the prefill peer was slow, unreachable or restarted)."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def invalid(message: str, param: str | None = None) -> InvalidRequestError:

@@ -37,11 +37,14 @@ def post(url: str, body: dict, uid: str, **kw) -> httpx.Response:
     return httpx.post(url, json=body, headers={"X-Request-Id": uid}, timeout=60.0, **kw)
 
 
-def assert_transfer_error(response: httpx.Response, uid: str) -> None:
-    assert response.status_code == 500, response.text
+def assert_transfer_error(response: httpx.Response, uid: str, peer: str) -> None:
+    """A failed pull is a KV transfer error naming the prefill peer, which a retry may get past."""
+    assert response.status_code == 503, response.text
     error = response.json()["error"]
-    assert error["type"] == "server_error"
+    assert error["type"] == "kv_transfer_error" and error["code"] == 503
     assert f"KV transfer of request {uid!r} from the prefill worker failed" in error["message"], error
+    assert f"prefill peer {peer} " in error["message"], error
+    assert response.headers["Retry-After"] == "1"
 
 
 def test_prefill_never_answers_fails_decode_after_its_deadline(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
@@ -51,22 +54,22 @@ def test_prefill_never_answers_fails_decode_after_its_deadline(short_pair: tuple
     start = time.monotonic()
     response = post(f"{decode.url}/v1/completions", decode_body(BODY, uid, prefill), uid)
     assert time.monotonic() - start >= PULL_TIMEOUT_S
-    assert_transfer_error(response, uid)
+    assert_transfer_error(response, uid, f"127.0.0.1:{prefill.kv_port}")
 
 
 def test_unknown_request_id_fails_streaming_decode_with_http_error(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
     response = post(f"{decode.url}/v1/completions", {**decode_body(BODY, uid, prefill), "stream": True}, uid)
-    assert_transfer_error(response, uid)
+    assert_transfer_error(response, uid, f"127.0.0.1:{prefill.kv_port}")
 
 
 def test_dead_prefill_peer_fails_decode_after_its_deadline(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:
     prefill, decode = short_pair
     uid = uuid.uuid4().hex
     body = decode_body(BODY, uid, prefill)
-    body["kv_transfer_params"]["remote_port"] = free_port()  # nobody listens there
-    assert_transfer_error(post(f"{decode.url}/v1/completions", body, uid), uid)
+    body["kv_transfer_params"]["remote_port"] = port = free_port()  # nobody listens there
+    assert_transfer_error(post(f"{decode.url}/v1/completions", body, uid), uid, f"127.0.0.1:{port}")
 
 
 def test_decode_never_pulls_prefill_frees_blocks_after_abort_timeout(short_pair: tuple[WorkerProcess, WorkerProcess]) -> None:

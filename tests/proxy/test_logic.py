@@ -255,7 +255,18 @@ def test_errors_map_to_statuses_in_one_place() -> None:
     assert to_http(UpstreamTimeout("slow"))[0] == 504
     assert to_http(UpstreamUnavailable("gone"))[0] == 502
     assert to_http(UpstreamStatus(500, b"oops"))[0] == 502
-    assert to_http(UpstreamStatus(404, b'{"x": 1}')) == (404, b'{"x": 1}')
+    assert to_http(UpstreamStatus(404, b'{"x": 1}')) == (404, b'{"x": 1}', {})
+
+
+def test_a_failed_kv_transfer_is_passed_on_as_one() -> None:
+    message = "KV transfer of request 'r' from the prefill worker failed: prefill peer 10.0.0.1:14579 timed out"
+    body = json.dumps({"error": {"message": message, "type": "kv_transfer_error", "param": None, "code": 503}})
+    status, answer, headers = to_http(UpstreamStatus(503, body.encode(), "decode", "10.0.0.2:8200", retry_after="1"))
+    assert (status, headers) == (503, {"Retry-After": "1"})
+    assert json.loads(answer) == {"error": {"message": f"decode worker 10.0.0.2:8200: {message}",
+                                            "type": "kv_transfer_error", "param": None, "code": 503}}
+    status, answer, headers = to_http(UpstreamStatus(500, body.encode(), "decode", "10.0.0.2:8200"))
+    assert (status, json.loads(answer)["error"]["type"], headers) == (502, "kv_transfer_error", {})
 
 
 def test_config_static_1p1d_and_xpyd() -> None:

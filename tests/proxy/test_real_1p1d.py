@@ -5,12 +5,14 @@ Every answer must equal the one a single worker of role `both` gives to the same
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
+from tests.helpers import free_port
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, start_proxy
 
@@ -131,6 +133,36 @@ def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> N
         assert failure.value.status_code >= 500
         assert failure.value.body["message"]  # an OpenAI-style error body, not a bare status
         decode.wait_blocks_free()
+    finally:
+        proxy.process.stop()
+        decode.stop()
+        prefill.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_failed_kv_transfer_is_a_kv_transfer_error_naming_the_prefill_peer(stream: bool) -> None:
+    prefill = WorkerProcess("prefill", "shm", ["--kv-abort-timeout", "2"])
+    decode = WorkerProcess("decode", "shm", ["--kv-pull-timeout", "2"])
+    wrong_kv_port = free_port()  # the proxy sends decode there: nobody listens, its pull fails
+    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                         "--prefill-kv-port", str(wrong_kv_port),
+                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
+    try:
+        reply = httpx.post(f"{proxy.url}/v1/completions", timeout=60,
+                           json={"model": "neuron-di-builtin", "prompt": PROMPT, "stream": stream, **SAMPLING})
+        if stream:  # prefill's token went out first: the failure is the stream's last event
+            events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+        else:
+            assert reply.status_code == 503, reply.text
+            assert reply.headers["Retry-After"] == "1"
+            error = reply.json()["error"]
+        assert error["type"] == "kv_transfer_error" and error["code"] == 503
+        assert error["message"].startswith(f"decode worker 127.0.0.1:{decode.port}: KV transfer of request ")
+        assert f"prefill peer 127.0.0.1:{wrong_kv_port} " in error["message"]
+        decode.wait_blocks_free()
+        prefill.wait_blocks_free()
     finally:
         proxy.process.stop()
         decode.stop()

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from common.openai_wire import sse_event
-from worker.errors import InvalidRequestError, QueueFullError, WorkerError
+from worker.errors import InvalidRequestError, KVTransferError, QueueFullError, WorkerError
 from worker.sampling_params import SamplingParams
 from worker.server.protocol import ResponseShape, build_params, error_for, parse_body, parse_request, usage
 
@@ -82,9 +82,17 @@ def test_body_must_be_a_json_object() -> None:
 
 def test_error_statuses_and_bodies() -> None:
     assert error_for(QueueFullError("the waiting queue is full")) == (503, {"error": {
-        "message": "the waiting queue is full", "type": "server_overloaded", "param": None, "code": 503}})
+        "message": "the waiting queue is full", "type": "server_overloaded", "param": None, "code": 503}}, {})
     assert error_for(WorkerError("engine step failed: boom"))[0] == 500
     assert error_for(RuntimeError())[1]["error"]["message"] == "RuntimeError"
+
+
+def test_a_failed_kv_transfer_says_so_and_whether_a_retry_may_succeed() -> None:
+    message = "KV transfer of request 'r' from the prefill worker failed: prefill peer 10.0.0.1:14579 timed out"
+    assert error_for(KVTransferError(message, retryable=True)) == (503, {"error": {
+        "message": message, "type": "kv_transfer_error", "param": None, "code": 503}}, {"Retry-After": "1"})
+    status, body, headers = error_for(KVTransferError("prefill peer 10.0.0.1:14579 refused our KV layout"))
+    assert (status, body["error"]["type"], headers) == (500, "kv_transfer_error", {})
 
 
 def test_stream_chunks_are_shaped_like_openai() -> None:

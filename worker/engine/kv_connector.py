@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from common.roles import DEFAULT_KV_PORT
-from neuron_connector import ConnectorError, PullState, RecvBuffer, SendBuffer, UnknownRequest
+from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, ProtocolError, PullState, RecvBuffer,
+                              SendBuffer, UnknownRequest)
 from transfer import KVLayout, TransferError, create_transfer_engine
 from worker.errors import KVTransferError, invalid
 
@@ -166,7 +167,8 @@ class KVConnector:
                 results.done.append((request_id, status.output_token))
             elif status.state is PullState.FAILED:
                 results.failed.append((request_id, KVTransferError(
-                    f"KV transfer of request {request_id!r} from the prefill worker failed: {status.message}")))
+                    f"KV transfer of request {request_id!r} from the prefill worker failed: {status.message}",
+                    retryable=_retryable(status.error))))
         return results
 
     def cancel(self, request_id: str) -> bool:
@@ -184,6 +186,12 @@ class KVConnector:
             except Exception:  # noqa: BLE001 - shutting down: log and go on releasing the rest
                 logger.exception("closing the transfer engine failed")
             self._transfer = None
+
+
+def _retryable(error: ConnectorError | None) -> bool:
+    """Whether the request sent again may succeed: not when the peer refuses our layout or breaks the protocol
+    (every retry would fail alike), yes when it was slow, unreachable, restarted or forgot the request."""
+    return isinstance(error, EngineMismatch) or not isinstance(error, (HandshakeError, ProtocolError))
 
 
 def _drain(ids: queue.SimpleQueue[str]) -> list[str]:

@@ -110,11 +110,13 @@ class _Worker:
     # ---- errors: every status comes from protocol.error_for ----------------------------------
 
     async def error(self, exc: Exception) -> Response:
-        status, body = error_for(exc)
+        status, body, headers = error_for(exc)
         if status >= 500:
             logger.error("request %s failed", g.get("request_id"), exc_info=exc)
         self._count(str(status))
-        return _json(body, status)
+        response = _json(body, status)
+        response.headers.update(headers)
+        return response
 
     @contextlib.asynccontextmanager
     async def _disconnect_counted(self) -> AsyncIterator[None]:
@@ -192,7 +194,7 @@ class _Worker:
                         yield sse_event(shape.chunk(out.text_delta, out.finish_reason, first, req.include_usage))
                         first = False
             except Exception as exc:  # headers are sent: the error travels as an event (as vLLM does)
-                status, body = error_for(exc)
+                status, body, _ = error_for(exc)  # no headers: they are sent already
                 logger.error("stream %s failed", shape.request_id, exc_info=exc)
                 self._count(str(status))
                 yield sse_event(body)

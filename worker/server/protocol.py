@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping
 from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, error_body, load_object
-from worker.errors import InvalidRequestError, QueueFullError, invalid
+from worker.errors import InvalidRequestError, KVTransferError, QueueFullError, invalid
 from worker.sampling_params import SamplingParams
 
 Kind = Literal["completion", "chat"]
@@ -249,19 +249,26 @@ def models_body(model_name: str, max_model_len: int, created: int) -> dict[str, 
 # ---- errors: the one place where worker errors become HTTP statuses ---------------------------
 
 
-def error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and body for any error raised while serving a request."""
+def error_for(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The HTTP status, body and headers for any error raised while serving a request."""
     if isinstance(exc, HTTPException):  # routing and framework errors: 404, 405, 413, ...
         status = exc.code or 500
         err_type = _HTTP_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-        return status, error_body(status, exc.description or exc.name, err_type)
+        return status, error_body(status, exc.description or exc.name, err_type), {}
+    headers: dict[str, str] = {}
     if isinstance(exc, InvalidRequestError):
         status, err_type = 400, "invalid_request_error"
     elif isinstance(exc, QueueFullError):
         status, err_type = 503, "server_overloaded"
+    elif isinstance(exc, KVTransferError):  # its message names the prefill peer and what went wrong
+        status, err_type = (503 if exc.retryable else 500), "kv_transfer_error"
+        if exc.retryable:  # e.g. the prefill peer was slow or restarted; through the proxy maybe another one
+            headers["Retry-After"] = RETRY_AFTER
     else:
         status, err_type = 500, "server_error"
-    return status, error_body(status, str(exc) or type(exc).__name__, err_type, getattr(exc, "param", None))
+    body = error_body(status, str(exc) or type(exc).__name__, err_type, getattr(exc, "param", None))
+    return status, body, headers
 
 
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "method_not_allowed"}
+RETRY_AFTER = "1"  # seconds: a retry gets a fresh prefill leg at once
