@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 from typing import Sequence
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from proxy import ConfigError, create_app, parse_args
+from proxy import ConfigError, ProxyConfig, create_app, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,8 +31,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     hyper.keep_alive_timeout = 75  # longer than clients' idle pool timeouts, so we never drop a reused socket
     hyper.keep_alive_max_requests = 1_000_000  # hypercorn's 1000 would make pooled clients reconnect
     hyper.accesslog = None
-    asyncio.run(serve(create_app(config), hyper))
+    # Connections are cut only after the streams ended at the grace's end have sent their error events.
+    hyper.graceful_timeout = config.shutdown_grace + 5
+    asyncio.run(_serve(config, hyper))
     return 0
+
+
+async def _serve(config: ProxyConfig, hyper: Config) -> None:
+    """Serves until SIGTERM/SIGINT; then streams get `config.shutdown_grace` seconds before they end with an error."""
+    app = create_app(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        loop.call_later(config.shutdown_grace, app.config["PROXY_STATE"].forwarder.end_streams)
+
+    await serve(app, hyper, shutdown_trigger=shutdown_trigger)
 
 
 if __name__ == "__main__":

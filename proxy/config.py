@@ -24,6 +24,7 @@ class ProxyConfig:
     health_interval: float = 2.0
     health_timeout: float = 2.0
     http_client: str = "aiohttp"
+    shutdown_grace: float = 5.0  # seconds streams may run on after SIGTERM before they end with an error
 
     @property
     def colocated(self) -> bool:
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between worker health checks")
     p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health check may take")
     p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds streams may run on after SIGTERM; then they end with an error event (default 5)")
     return p
 
 
@@ -65,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     for name in ("connect_timeout", "read_timeout", "health_interval", "health_timeout"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if args.shutdown_grace < 0:
+        raise ConfigError("--shutdown-grace must be at least 0")
     workers = _static_workers(args)
     etcd = _host_port(args.etcd, "--etcd") if args.etcd else None
     if etcd and workers:
@@ -77,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     return ProxyConfig(host=args.host, port=args.port, mode=args.mode, workers=workers, etcd=etcd,
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
-                       http_client=args.http_client)
+                       http_client=args.http_client, shutdown_grace=args.shutdown_grace)
 
 
 def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:

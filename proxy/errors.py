@@ -4,6 +4,7 @@
     ├── ConfigError              bad command line or configuration; the proxy does not start
     ├── BadRequest               the client's request is invalid (400)
     ├── NoWorkers                no healthy worker of a role (and kv_protocol) right now (503)
+    ├── ShuttingDown             the proxy is shutting down; a stream still open ends with it (503)
     └── UpstreamError            a worker failed one leg of a request
         ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502; a
         │                        failed KV transfer keeps its type, and a 503 its status and Retry-After)
@@ -41,6 +42,10 @@ class NoWorkers(ProxyError):
         super().__init__(f"no healthy {role} worker{driven} is available")
         self.role = role
         self.kv_protocol = kv_protocol
+
+
+class ShuttingDown(ProxyError):
+    pass
 
 
 class UpstreamError(ProxyError):
@@ -93,7 +98,7 @@ def to_http(exc: ProxyError) -> tuple[int, bytes, dict[str, str]]:
         return _kv_transfer_error(exc)
     if isinstance(exc, BadRequest):
         status, err_type, param = 400, "invalid_request_error", exc.param
-    elif isinstance(exc, NoWorkers):
+    elif isinstance(exc, (NoWorkers, ShuttingDown)):
         status, err_type, param = 503, "service_unavailable", None
     elif isinstance(exc, UpstreamTimeout):
         status, err_type, param = 504, "upstream_timeout", None

@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
-from proxy.errors import (ProxyError, UpstreamError, UpstreamProtocol, UpstreamStatus, UpstreamUnavailable,
-                          to_http)
+from proxy.errors import (ProxyError, ShuttingDown, UpstreamError, UpstreamProtocol, UpstreamStatus,
+                          UpstreamUnavailable, to_http)
 from proxy.metrics import Metrics
 from proxy.requests import (ClientRequest, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
                             nixl_prefill_params, prefill_body)
@@ -65,6 +65,15 @@ class Forwarder:
         self._clients = clients
         self._metrics = metrics
         self._colocated = colocated
+        self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
+        self._closing = False
+
+    def end_streams(self) -> None:
+        """Shutdown: every streamed leg still open is dropped, and its client's stream ends with an error
+        event saying why (rather than a cut connection)."""
+        self._closing = True
+        for task in list(self._pumps):
+            task.cancel()
 
     async def handle(self, request: ClientRequest) -> Answer:
         if self._colocated:
@@ -166,7 +175,10 @@ class Forwarder:
                      headers: dict[str, str]) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
         # Bounded, so that a slow client slows the worker's stream down instead of filling our memory.
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_QUEUE_EVENTS)
-        return queue, _spawn(self._pump(worker, path, body, headers, queue))
+        task = _spawn(self._pump(worker, path, body, headers, queue))
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
+        return queue, task
 
     async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any],
                     headers: dict[str, str], queue: asyncio.Queue[Any]) -> None:
@@ -188,6 +200,10 @@ class Forwarder:
             await queue.put(_END)
         except UpstreamError as exc:
             await queue.put(exc)
+            raise
+        except asyncio.CancelledError:
+            if self._closing:  # end_streams, not a client gone: the client's stream ends saying so
+                await queue.put(ShuttingDown("the proxy is shutting down"))
             raise
 
     @contextmanager

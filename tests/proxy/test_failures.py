@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import uuid
 from typing import Any, Callable
 
@@ -200,3 +202,26 @@ def test_refused_connection_is_502_and_takes_the_worker_out(servers: Callable[[S
     _cancelled_and_idle(decode, body["user"])
     after = httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30)
     assert after.status_code == 503
+
+
+def test_sigterm_mid_stream_ends_the_stream_with_an_error_event_and_drops_the_decode_leg(
+        servers: Callable[[Server], Server]) -> None:
+    prefill = servers(start_fake_worker("prefill"))
+    decode = servers(start_fake_worker("decode"))
+    proxy = servers(start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                                 "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
+                                 "--shutdown-grace", "0"]))
+    body = _body({"decode": {"delay": 1.0}}, stream=True, max_tokens=30)
+    events: list[Any] = []
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=30) as reply:
+        for line in reply.iter_lines():  # a cut connection raises here
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]")
+                if len(events) == 1:
+                    os.kill(proxy.process.pid, signal.SIGTERM)
+    assert proxy.process.proc.wait(timeout=30) == 0
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "the proxy is shutting down", "type": "service_unavailable",
+                                    "param": None, "code": 503}}
+    assert all("choices" in event for event in events[:-2])
+    _cancelled_and_idle(decode, body["user"])

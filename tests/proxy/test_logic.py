@@ -304,6 +304,7 @@ def test_config_kv_protocol_drives_every_static_worker() -> None:
     (["--mode", "colocated", "--prefill", "a:1"], "takes --worker"),
     (["--worker", "a:1"], "is for --mode colocated"),
     (["--etcd", "e:1", "--read-timeout", "0"], "must be positive"),
+    (["--etcd", "e:1", "--shutdown-grace", "-1"], "--shutdown-grace must be at least 0"),
     (["--prefill", "a:1", "--prefill", "a:1", "--decode", "b:2"], "given twice"),
     (["--etcd", "e:1", "--kv-protocol", "nixl"], "etcd records carry their own"),
     (["--mode", "colocated", "--worker", "w:1", "--kv-protocol", "nixl"], "is for static prefill/decode"),

@@ -84,6 +84,11 @@ class _Worker:
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
 
+    def shutdown_started(self, grace: float) -> None:
+        """The server stopped accepting: requests get `grace` seconds to finish. Then the engine stops and
+        fails the rest, so each still answers, with an error (a stream's last event), before its connection closes."""
+        asyncio.get_running_loop().call_later(grace, self.async_engine.close_soon)
+
     async def shutdown(self) -> None:
         await self.async_engine.stop()
 

@@ -151,12 +151,16 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
-    async def stop(self, timeout: float = 30.0) -> None:
-        """Stops the thread; requests still in flight fail with WorkerError."""
-        if self._thread is None:
-            return
+    def close_soon(self) -> None:
+        """Asks the thread to stop, without waiting for it; requests still in flight fail with WorkerError."""
         self._stopping.set()
         self._inbox.put(_Stop())
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Stops the thread and joins it; requests still in flight fail with WorkerError."""
+        if self._thread is None:
+            return
+        self.close_soon()
         thread, self._thread = self._thread, None
         await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
         if thread.is_alive():

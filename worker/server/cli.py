@@ -16,6 +16,8 @@ from worker.config import EngineConfig
 
 logger = logging.getLogger("worker")
 TRANSPORTS = ("auto", "shm", "tcp", "nixl", "neuron")
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+LAST_ANSWERS_S = 5.0  # after the grace: time for the engine to stop and the ended requests to answer
 
 
 def _positive(text: str) -> int:
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=_port, default=8100, help="HTTP port (default 8100)")
     server.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads")
+    server.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                        help="seconds requests may run on after SIGTERM; then they end with an error "
+                             f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     engine.add_argument("--served-model-name", default=None,
@@ -78,6 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
         parser.error("--kv-abort-timeout and --kv-pull-timeout must be positive")
+    if args.shutdown_grace < 0:
+        parser.error(f"--shutdown-grace must be at least 0, got {args.shutdown_grace:g}")
     try:
         config = EngineConfig(model=args.model, served_model_name=args.served_model_name,
                               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -88,18 +95,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     return args, config
 
 
-def hypercorn_config(host: str, port: int) -> HypercornConfig:
+def hypercorn_config(host: str, port: int, shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.startup_timeout = 600  # loading a real model can take minutes
-    config.graceful_timeout = 5
+    # Connections are cut only after the requests ended at the grace's end have sent their errors.
+    config.graceful_timeout = shutdown_grace + LAST_ANSWERS_S
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # into our logging setup, printed once
     return config
 
 
 async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
-    """Serves until SIGTERM/SIGINT, then drains: hypercorn stops accepting, the engine thread is joined."""
+    """Serves until SIGTERM/SIGINT, then drains: hypercorn stops accepting, requests get --shutdown-grace
+    seconds to finish, those left end with an error, the engine thread is joined."""
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
     stop = asyncio.Event()
@@ -109,8 +118,13 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config))
     if args.etcd is not None:
         _register_on_start(app, args, engine_config)
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        app.extensions["neuron_di_worker"].shutdown_started(args.shutdown_grace)
+
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
-    await serve(app, hypercorn_config(args.host, args.port), shutdown_trigger=stop.wait)
+    await serve(app, hypercorn_config(args.host, args.port, args.shutdown_grace), shutdown_trigger=shutdown_trigger)
 
 
 def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:
