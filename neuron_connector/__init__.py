@@ -17,7 +17,9 @@ reads back and watches (`proxy.discovery.EtcdDiscovery`).
                       peer_engine_id=p_engine_id)          # optional: EngineMismatch if another answers
     recv.poll(request_id)        # PENDING | DONE(output_token) | FAILED(error), never blocks;
                                  # on_finished(request_id) says when it is no longer PENDING
-    recv.cancel(request_id)      # True: blocks free now; False: poll until FAILED first
+    recv.cancel(request_id)      # True: blocks free now; False: poll until FAILED first;
+                                 # either way the prefill peer is told to release the request
+    recv.release(request_id, p_host, p_kv_port)   # a request never pulled is gone: same
 """
 from __future__ import annotations
 

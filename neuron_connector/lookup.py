@@ -1,9 +1,12 @@
 """The prefill side's lookup table, sans I/O: which finished requests hold which blocks.
 
 Every published request ends in exactly one release (its blocks go back to the engine):
-after its transfer completes or fails, when the engine discards it, or when nobody pulled
-it within `abort_timeout`. A finished request leaves a tombstone for `abort_timeout` so a
-repeated lookup (a lost reply, a reconnecting peer) gets the same final answer.
+after its transfer completes or fails, when the engine discards it, when its decode peer
+releases it (its request is gone there), or when nobody pulled it within `abort_timeout`.
+A finished request leaves a tombstone for `abort_timeout` so a repeated lookup (a lost
+reply, a reconnecting peer) gets the same final answer; a request discarded or released
+before it was published leaves one too, so its lookup fails at once and, if released, its
+publish frees the blocks at once.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ class _Entry:
     published_at: float
     peer: bytes | None = None          # set once a transfer started
     dst: tuple[int, ...] = ()
-    discarded: bool = False
+    ended: str | None = None           # discarded or released mid-transfer: the error it ends with
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class _Tombstone:
     peer: bytes | None
     reply: LookupReply
     expires_at: float
+    released: bool = False             # released by its decode peer before it was published
 
 
 @dataclass
@@ -69,29 +73,43 @@ class LookupTable:
     _tombstones: dict[str, _Tombstone] = field(default_factory=dict)
     _releases: list[str] = field(default_factory=list)
 
-    def publish(self, request_id: str, block_ids: list[int], output_token: int, now: float) -> None:
+    def publish(self, request_id: str, block_ids: list[int], output_token: int, now: float) -> bool:
+        """Holds the blocks for a lookup; False: released at once, its decode peer gave it up already."""
         if self.known(request_id):
             raise DuplicateRequest(f"request {request_id!r} was already published")
         self._entries[request_id] = _Entry(tuple(block_ids), output_token, now)
+        tomb = self._tombstones.get(request_id)
+        if tomb is None:
+            return True
+        self._finish(request_id, None, tomb.reply.error, now)
+        return False
 
     def known(self, request_id: str) -> bool:
-        """Whether `request_id` is published or remembered; publishing it again would be refused."""
-        return request_id in self._entries or request_id in self._tombstones
+        """Whether `request_id` is published or remembered; publishing it again would be refused.
+
+        An id only its decode peer released is not: the prefill leg may still come, and its
+        publish then frees the blocks at once.
+        """
+        tomb = self._tombstones.get(request_id)
+        return request_id in self._entries or (tomb is not None and not tomb.released)
 
     def discard(self, request_id: str, now: float) -> None:
         """The engine aborted the request: release now, or once its running transfer ends."""
+        self._end(request_id, f"request {request_id!r} was aborted on the prefill side", now, released=False)
+
+    def release(self, request_id: str, peer: bytes, now: float) -> bool:
+        """Decode peer `peer` dropped the request: release now, once the transfer into its
+        blocks ended, or (not published yet) as soon as it is published.
+
+        A request being pulled is bound to its puller: another peer's release is refused
+        (False). One nobody pulls yet has no peer to check against; its id is the request's
+        own, which only its decode leg knows.
+        """
         entry = self._entries.get(request_id)
-        if entry is not None and entry.peer is not None:
-            entry.discarded = True
-            return
-        if entry is not None:
-            self._finish(request_id, None, f"request {request_id!r} was aborted on the prefill side", now)
-        elif request_id not in self._tombstones:
-            # Aborted before it was published: a later lookup fails at once instead of at the
-            # peer's deadline. Nothing to release.
-            error = f"request {request_id!r} was aborted on the prefill side"
-            self._tombstones[request_id] = _Tombstone(None, LookupReply(request_id, False, error=error),
-                                                      now + self.abort_timeout)
+        if entry is not None and entry.peer not in (None, peer):
+            return False
+        self._end(request_id, f"request {request_id!r} was released by its decode peer", now, released=True)
+        return True
 
     def lookup(self, request_id: str, peer: bytes, dst: tuple[int, ...]) -> Decision:
         def refuse(why: str) -> Answer:
@@ -118,9 +136,7 @@ class LookupTable:
         if entry is None or entry.peer is None:
             return None
         peer = entry.peer
-        if entry.discarded and error is None:
-            error = f"request {request_id!r} was aborted on the prefill side"
-        return peer, self._finish(request_id, peer, error, now)
+        return peer, self._finish(request_id, peer, error or entry.ended, now)
 
     def expire(self, now: float) -> None:
         """Releases requests nobody pulled within abort_timeout; forgets old tombstones."""
@@ -144,6 +160,19 @@ class LookupTable:
 
     def pending(self) -> int:
         return len(self._entries)
+
+    def _end(self, request_id: str, error: str, now: float, released: bool) -> None:
+        """Ends a request the engine or its peer dropped: at once, after its running transfer,
+        or, not published yet, by a tombstone (a later lookup fails at once, not at the peer's
+        deadline)."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.peer is not None:
+            entry.ended = entry.ended or error
+        elif entry is not None:
+            self._finish(request_id, None, error, now)
+        elif request_id not in self._tombstones:
+            self._tombstones[request_id] = _Tombstone(None, LookupReply(request_id, False, error=error),
+                                                      now + self.abort_timeout, released)
 
     def _finish(self, request_id: str, peer: bytes | None, error: str | None, now: float) -> LookupReply:
         entry = self._entries.pop(request_id)

@@ -9,6 +9,7 @@ out-of-order replies), or `"status": "error"` for an `ErrorReply`.
     Handshake                                   HandshakeReply (engine id, transfer descriptor)
     KVMapInit (D's layout + descriptor)         KVMapReply (agreed layout) | ErrorReply
     LookupAll (request id, D's block ids)       LookupReply | ErrorReply
+    Release (request id: D's request is gone)   no reply
 """
 from __future__ import annotations
 
@@ -121,6 +122,22 @@ class LookupAll:
 
 
 @dataclass(frozen=True, slots=True)
+class Release:
+    """D's request ended before (or while) it pulled: P may free the blocks now, or as soon as it
+    publishes them, instead of holding them until its abort timeout. Not answered."""
+
+    TYPE: ClassVar[str] = "release"
+    request_id: str
+
+    def to_bytes(self) -> bytes:
+        return _dump({"type": self.TYPE, "request_id": self.request_id})
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Release:
+        return cls(request_id=_request_id(obj))
+
+
+@dataclass(frozen=True, slots=True)
 class HandshakeReply:
     """P's identity: `timestamp` is when its signal plane started, so a restart shows."""
 
@@ -206,10 +223,10 @@ class ErrorReply:
                    reply_to=_get(obj, "type", str, None), request_id=_get(obj, "request_id", str, None))
 
 
-Request = Union[Handshake, KVMapInit, LookupAll]
+Request = Union[Handshake, KVMapInit, LookupAll, Release]
 Reply = Union[HandshakeReply, KVMapReply, LookupReply, ErrorReply]
 
-_REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll)}
+_REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll, Release)}
 _REPLIES: dict[str, Any] = {c.TYPE: c for c in (HandshakeReply, KVMapReply, LookupReply)}
 
 

@@ -7,6 +7,10 @@ only failed (timeout or cancel) once the peer answered or `grace` seconds passed
 the deadline: FAILED always means our blocks are safe to reuse. Every pull that turns
 terminal is recorded for `take_finished`, so the owner can announce it.
 
+A pull cancelled before it ended, or timed out while the peer kept answering "not yet",
+queues a `release` for its peer (`take_releases`): the prefill frees the request's blocks
+then, not at its abort timeout. `release` queues one for a request that never had a pull.
+
 A pull may name the prefill engine it expects. A peer whose handshake names another
 engine fails it; a pull that began after the handshake first asks for a new one, since the
 peer may have restarted as the engine the pull names since.
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, EngineMismatch, PeerUnavailable, ProtocolError, PullTimeout,
     UnknownRequest)
-from neuron_connector.protocol import LookupAll, LookupReply
+from neuron_connector.protocol import LookupAll, LookupReply, Release
 
 
 class PullState(enum.Enum):
@@ -72,6 +76,7 @@ class PullTracker:
         self._engines: dict[str, str] = {}        # peer -> the engine its latest handshake named
         self._stale: set[str] = set()             # peers to handshake with again
         self._finished: dict[str, None] = {}      # ids turned terminal, not yet taken (in order)
+        self._releases: list[tuple[str, str]] = []  # (peer, request id) to tell that peer
 
     def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float,
             engine_id: str | None = None) -> None:
@@ -147,9 +152,11 @@ class PullTracker:
                 pull.sent_at, pull.next_send_at = None, 0.0
 
     def fail_peer(self, peer: str, error: ConnectorError) -> None:
+        """The peer is unreachable or refused us: its pulls fail, and it is told nothing more."""
         for pull in self._pulls.values():
             if pull.peer == peer and pull.result is PENDING:
                 self._end(pull, PullStatus(PullState.FAILED, error=error))
+        self._releases = [(p, rid) for p, rid in self._releases if p != peer]
 
     def expire(self, now: float, ready_peers: set[str]) -> None:
         for pull in self._pulls.values():
@@ -161,13 +168,19 @@ class PullTracker:
                 self._end(pull, PullStatus(PullState.FAILED, error=UnknownRequest(
                     f"pull of {pull.request_id!r} was cancelled")))
             elif now >= pull.deadline:
-                self._end(pull, PullStatus(PullState.FAILED, error=self._timeout_error(pull, ready_peers)))
+                error = self._timeout_error(pull, ready_peers)
+                if isinstance(error, PullTimeout):  # the peer is there and may publish it yet
+                    self.release(pull.request_id, pull.peer)
+                self._end(pull, PullStatus(PullState.FAILED, error=error))
 
     def cancel(self, request_id: str) -> bool:
-        """True if our blocks are free at once; False: poll until FAILED before reusing them."""
+        """True if our blocks are free at once; False: poll until FAILED before reusing them.
+        A pull not ended yet tells its peer to release the request."""
         pull = self._pulls.get(request_id)
         if pull is None:
             return True
+        if pull.result is PENDING and not pull.cancelled:
+            self.release(request_id, pull.peer)
         if pull.sent_at is None or pull.result is not PENDING:
             self._forget(request_id)
             return True
@@ -182,6 +195,16 @@ class PullTracker:
         if pull.result is not PENDING:
             self._forget(request_id)
         return pull.result
+
+    def release(self, request_id: str, peer: str) -> None:
+        """Queues telling `peer` that our request `request_id` is gone."""
+        self._releases.append((peer, request_id))
+
+    def take_releases(self, reachable: set[str]) -> list[tuple[str, Release]]:
+        """(peer, release) pairs to send now to the `reachable` peers; the rest wait."""
+        out = [(peer, Release(rid)) for peer, rid in self._releases if peer in reachable]
+        self._releases = [(peer, rid) for peer, rid in self._releases if peer not in reachable]
+        return out
 
     def take_finished(self) -> list[str]:
         """Ids of the pulls that turned DONE or FAILED since the last call, each once; a pull

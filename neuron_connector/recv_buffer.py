@@ -30,7 +30,9 @@ class RecvBuffer:
     `on_finished(request_id)` is called from the buffer's thread, once, when a pull turns
     DONE or FAILED, so the caller knows which id to `poll` without polling every pull (if
     `poll` reported it meanwhile, polling it again raises UnknownRequest; a pull `cancel`
-    forgot is not named).
+    forgot is not named). A request that ends here before its pull did (`cancel`, a
+    timeout, or `release` for one never pulled) is released on its peer, which then frees
+    the request's blocks at once instead of at its abort timeout.
 
     `max_backoff` bounds the wait between "not finished yet" and the next lookup (it is the
     worst extra latency after the prefill finishes); an unanswered lookup is resent after
@@ -98,10 +100,24 @@ class RecvBuffer:
             return self._pulls.poll(request_id)
 
     def cancel(self, request_id: str) -> bool:
-        """Stops a pull. True: our blocks are free now. False: the peer may be writing into
-        them; `poll` reports FAILED once they are safe to reuse."""
+        """Stops a pull, and tells its peer to release the request unless the pull had ended.
+        True: our blocks are free now. False: the peer may be writing into them; `poll`
+        reports FAILED once they are safe to reuse."""
         with self._lock:
-            return self._pulls.cancel(request_id)
+            free = self._pulls.cancel(request_id)
+        self._service.wake()
+        return free
+
+    def release(self, request_id: str, peer_host: str, peer_kv_port: int) -> None:
+        """Tells the peer that a request we never pulled is gone (say, aborted while it waited
+        for blocks), so it frees the request's blocks now or when it publishes them, not at
+        its abort timeout. For a request with a pull, `cancel` does this."""
+        if not self._service.serving:
+            raise ConnectorError("RecvBuffer is not running (call start())")
+        address = self.maybe_setup_buffer(peer_host, peer_kv_port)
+        with self._lock:
+            self._pulls.release(request_id, address)
+        self._service.wake()
 
     def close(self) -> None:
         """Stops the thread and closes every DEALER; idempotent."""
@@ -169,6 +185,8 @@ class RecvBuffer:
             outgoing = [(a, m) for a, link in self._links.items()
                         if a in self.connection_dict and (m := link.due(now)) is not None]
             outgoing += lookups
+            # A release needs no handshake: the peer only checks which DEALER sent it.
+            outgoing += [(a, m.to_bytes()) for a, m in self._pulls.take_releases(set(self.connection_dict))]
         for address, payload in outgoing:
             self.connection_dict[address].send(payload)
 

@@ -12,7 +12,7 @@ from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.protocol import (
     BAD_REQUEST, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, ErrorReply, Handshake, HandshakeReply,
-    KVMapInit, KVMapReply, LookupAll, LookupReply, decode_request, request_fields)
+    KVMapInit, KVMapReply, LookupAll, LookupReply, Release, decode_request, request_fields)
 from transfer import CompletionToken, KVLayout, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
 
@@ -34,6 +34,7 @@ class SendStats:
     transfers_ok: int = 0
     transfers_failed: int = 0
     released: int = 0
+    peer_releases: int = 0     # `release` messages from decode peers (refused ones included)
     bad_messages: int = 0
 
 
@@ -42,7 +43,8 @@ class SendBuffer:
 
     The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all`
     then queues the push of its blocks; `on_release(request_id)` is called from this
-    buffer's thread once the blocks may be freed (pulled, failed, discarded or expired), and
+    buffer's thread once the blocks may be freed (pulled, failed, discarded, released by the
+    decode peer whose request is gone, or expired), and
     `on_transfer(seconds, num_blocks)` once for every push that completed.
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it
     still waits, so a peer that gave up never has its blocks written afterwards.
@@ -78,7 +80,8 @@ class SendBuffer:
         self._service.start(self._serve, f"kv-send-{self.port}")
 
     def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
-        """Prefill finished: the blocks stay pinned until pulled or `abort_timeout` passes.
+        """Prefill finished: the blocks stay pinned until pulled, released by the decode peer
+        (at once if it did so before) or `abort_timeout` passes.
 
         Raises DuplicateRequest for an id already published (the first entry stays),
         ConnectorError when the buffer is not serving, ValueError for bad block ids.
@@ -88,7 +91,9 @@ class SendBuffer:
         if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
         with self._lock:
-            self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
+            held = self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
+        if not held:
+            self._service.wake()  # its decode peer released it already: free the blocks now
 
     def knows(self, request_id: str) -> bool:
         """Whether `publish(request_id, ...)` would be refused as a duplicate."""
@@ -172,6 +177,9 @@ class SendBuffer:
             return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor()).to_bytes()
         if isinstance(message, KVMapInit):
             return self._kv_map_init(identity, message).to_bytes()
+        if isinstance(message, Release):
+            self._release(identity, message.request_id)
+            return None
         reply = self._lookup(identity, message)
         return None if reply is None else reply.to_bytes()
 
@@ -204,6 +212,14 @@ class SendBuffer:
             return None
         timeout = min(self.transfer_timeout, message.timeout_s or self.transfer_timeout)
         return self._start(rid, peer, decision, timeout)
+
+    def _release(self, identity: bytes, rid: str) -> None:
+        """A decode peer's request is gone; the release itself goes out at the end of this loop turn."""
+        self.stats.peer_releases += 1
+        with self._lock:
+            accepted = self._table.release(rid, identity, time.monotonic())
+        if not accepted:
+            log.warning("%r released request %s, which another decode peer is pulling: ignored", identity, rid)
 
     def _start(self, rid: str, peer: Any, start: Start, timeout: float) -> LookupReply | None:
         token = CompletionToken()

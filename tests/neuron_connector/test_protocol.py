@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from neuron_connector.errors import ProtocolError
 from neuron_connector.protocol import (
     HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
-    LookupReply, decode_reply, decode_request, request_fields)
+    LookupReply, Release, decode_reply, decode_request, request_fields)
 
 LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, "head_dim": 8,
           "dtype": "float32"}
@@ -20,6 +20,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     KVMapInit(LAYOUT, {"engine_id": "d0", "transports": {"tcp": {"port": 1}}}),
     LookupAll("req-1", (3, 0, 7)),
     LookupAll("req-1", (3,), timeout_s=2.5),
+    Release("req-1"),
 ])
 def test_requests_round_trip(message: object) -> None:
     assert decode_request(message.to_bytes()) == message  # type: ignore[attr-defined]
@@ -47,6 +48,7 @@ def test_wire_format_matches_the_design() -> None:
         "block_ids_in_peer_device": [1, 2]}
     assert json.loads(LookupReply("r", False).to_bytes()) == {
         "type": "lookup_all", "request_id": "r", "success": False}
+    assert json.loads(Release("r").to_bytes()) == {"type": "release", "request_id": "r"}
     hello = json.loads(HandshakeReply(1.0, "p0", {}).to_bytes())
     assert hello["status"] == "ok" and hello["timestamp"] == 1.0 and hello["engine_id"] == "p0"
     assert json.loads(ErrorReply("boom").to_bytes())["status"] == "error"
@@ -67,6 +69,9 @@ def test_wire_format_matches_the_design() -> None:
     (b'{"type": "kv_map_init", "kv_map": [], "transfer": {}}', "'kv_map' must be"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "timeout_s": 0}',
      "'timeout_s' must be positive"),
+    (b'{"type": "release"}', "lacks field 'request_id'"),
+    (b'{"type": "release", "request_id": ""}', "must not be empty"),
+    (b'{"type": "release", "request_id": ["r"]}', "must be"),
 ])
 def test_bad_requests_raise_protocol_error(data: bytes, fragment: str) -> None:
     with pytest.raises(ProtocolError, match=fragment.replace("(", r"\(")):
@@ -97,13 +102,18 @@ def test_lookup_round_trips_for_any_id_and_blocks(rid: str, block_ids: tuple, ti
     assert decode_request(message.to_bytes()) == message
 
 
+@given(ids)
+def test_release_round_trips_for_any_id(rid: str) -> None:
+    assert decode_request(Release(rid).to_bytes()) == Release(rid)
+
+
 @given(ids, st.booleans(), st.integers(min_value=-2**40, max_value=2**40), blocks)
 def test_lookup_reply_round_trips(rid: str, success: bool, token: int, block_ids: tuple) -> None:
     message = LookupReply(rid, True, token, block_ids) if success else LookupReply(rid, False, error=rid)
     assert decode_reply(message.to_bytes()) == message
 
 
-@given(st.binary(max_size=200) | st.from_regex(rb'\{"type": ?"(lookup_all|kv_map_init|handshake)".{0,60}\}'))
+@given(st.binary(max_size=200) | st.from_regex(rb'\{"type": ?"(lookup_all|kv_map_init|handshake|release)".{0,60}\}'))
 def test_arbitrary_bytes_decode_or_raise_protocol_error_only(data: bytes) -> None:
     for decode in (decode_request, decode_reply):
         try:

@@ -68,9 +68,10 @@ def test_unknown_id_fails_after_deadline(shm_pair: Pair) -> None:
 def test_never_published_fails_and_late_publish_is_released(shm_pair: Pair) -> None:
     _pull(shm_pair, "late", [2], deadline_s=0.3)
     assert isinstance(wait_terminal(shm_pair.recv, "late", timeout=10).error, PullTimeout)
+    wait_until(lambda: shm_pair.send.stats.peer_releases == 1, timeout=5, what="the decode side's release")
     shm_pair.send.publish("late", [4], output_token=1)
-    # Nobody pulls any more: abort_timeout (1 s here) gives the blocks back.
-    wait_until(lambda: shm_pair.releases() == ["late"], timeout=10, what="release by abort_timeout")
+    # Nobody pulls any more, and the decode side said so: freed at once, not at abort_timeout (1 s).
+    wait_until(lambda: shm_pair.releases() == ["late"], timeout=0.5, what="release at publish")
     assert shm_pair.send.pending() == 0
 
 
@@ -161,8 +162,36 @@ def test_cancel_waits_for_an_outstanding_lookup(shm_pair: Pair) -> None:
         assert status.state is PullState.FAILED and "cancelled" in status.message
     # No lookup goes out for a cancelled pull: publishing it later is never pulled.
     shm_pair.send.publish("c1", [1], output_token=1)
-    wait_until(lambda: shm_pair.releases() == ["c1"], timeout=10, what="release by abort_timeout")
+    wait_until(lambda: shm_pair.releases() == ["c1"], timeout=10, what="release")
     assert shm_pair.send.stats.transfers_ok == 0
+
+
+def test_a_cancelled_pull_has_its_peer_free_the_request_when_published(pair: Pair) -> None:
+    """The decode request went away while prefill still computed: prefill must not hold the
+    blocks for its abort timeout (60 s here)."""
+    _pull(pair, "gone", [1], deadline_s=30)
+    wait_until(lambda: pair.send.stats.not_ready >= 1, timeout=10, what="a lookup")
+    if not pair.recv.cancel("gone"):
+        assert wait_terminal(pair.recv, "gone", timeout=10).state is PullState.FAILED
+    wait_until(lambda: pair.send.stats.peer_releases == 1, timeout=5, what="the release")
+    pair.send.publish("gone", [2, 3], output_token=1)
+    wait_until(lambda: pair.releases() == ["gone"], timeout=1, what="release at publish")
+    assert pair.send.pending() == 0 and pair.send.stats.transfers_ok == 0
+
+
+def test_release_frees_a_request_never_pulled_published_or_not(pair: Pair) -> None:
+    pair.send.publish("held", [1], output_token=1)
+    pair.recv.release("held", "127.0.0.1", pair.send.port)
+    pair.recv.release("early", "127.0.0.1", pair.send.port)
+    wait_until(lambda: pair.releases() == ["held"], timeout=1, what="release of a published request")
+    wait_until(lambda: pair.send.stats.peer_releases == 2, timeout=5, what="both releases")
+    pair.send.publish("early", [2], output_token=1)
+    wait_until(lambda: pair.releases() == ["held", "early"], timeout=1, what="release at publish")
+    # A pull after the release fails at once, and nothing is written into our blocks.
+    _pull(pair, "held", [3], deadline_s=30)
+    status = wait_terminal(pair.recv, "held", timeout=5)
+    assert status.state is PullState.FAILED and "released by its decode peer" in status.message
+    assert not pair.d_pool.any() and pair.send.pending() == 0
 
 
 def test_no_prefill_listening_fails_with_peer_unavailable(shm_pair: Pair) -> None:

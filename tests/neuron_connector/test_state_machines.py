@@ -9,7 +9,7 @@ from neuron_connector.errors import (
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
-    LAYOUT_MISMATCH, ErrorReply, HandshakeReply, KVMapReply, LookupAll, LookupReply, decode_request)
+    LAYOUT_MISMATCH, ErrorReply, HandshakeReply, KVMapReply, LookupAll, LookupReply, Release, decode_request)
 from neuron_connector.pulls import PullState, PullTracker
 
 D1, D2 = b"127.0.0.1:8200", b"127.0.0.1:8201"
@@ -73,6 +73,56 @@ class TestLookupTable:
         assert table.lookup("r", D1, (9,)) == Start((6,), (9,))
         table.publish("s", [7], 5, now=0)
         assert table.lookup("s", D1, ()) == Start((), ())
+
+    def test_release_of_an_unpulled_request_frees_it_at_once(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [1, 2], 5, now=0)
+        assert table.release("r", D1, now=1) is True
+        assert table.take_releases() == ["r"] and table.pending() == 0
+        # Any later lookup fails at once; a repeated release frees nothing twice.
+        assert "released by its decode peer" in table.lookup("r", D2, (3,)).reply.error  # type: ignore[union-attr]
+        assert table.release("r", D1, now=2) is True and table.take_releases() == []
+
+    def test_release_before_publish_frees_the_blocks_at_publish(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        assert table.release("r", D1, now=0) is True
+        assert table.take_releases() == [] and not table.known("r")   # its prefill leg may still come
+        assert "released" in table.lookup("r", D1, (3,)).reply.error  # type: ignore[union-attr]
+        assert table.publish("r", [1, 2], 5, now=1) is False
+        assert table.take_releases() == ["r"] and table.pending() == 0
+        assert table.known("r")                                       # published once: not again
+        with pytest.raises(DuplicateRequest):
+            table.publish("r", [3], 5, now=1)
+        # Remembered for abort_timeout only, as any tombstone.
+        table.release("s", D1, now=0)
+        table.expire(now=10)
+        assert table.publish("s", [4], 5, now=10) is True and table.pending() == 1
+
+    def test_release_by_the_puller_waits_for_the_running_transfer(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [1], 5, now=0)
+        table.lookup("r", D1, (3,))
+        assert table.release("r", D1, now=1) is True
+        assert table.take_releases() == []                  # the push may still write into D1's blocks
+        peer, reply = table.transfer_done("r", None, now=2)
+        assert peer == D1 and not reply.success and "released by its decode peer" in reply.error  # type: ignore[operator]
+        assert table.take_releases() == ["r"]
+
+    def test_release_by_another_peer_is_refused_while_one_pulls(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [1], 5, now=0)
+        table.lookup("r", D1, (3,))
+        assert table.release("r", D2, now=1) is False
+        assert table.transfer_done("r", None, now=2) == (D1, LookupReply("r", True, 5, (3,)))
+        assert table.take_releases() == ["r"]
+        assert table.release("r", D2, now=3) is True and table.take_releases() == []   # over already
+
+    def test_discard_before_publish_is_not_a_release(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.discard("r", now=0)
+        assert table.known("r")                             # the engine's id: refused, not freed later
+        with pytest.raises(DuplicateRequest):
+            table.publish("r", [1], 5, now=1)
 
     def test_release_all_on_shutdown(self) -> None:
         table = LookupTable(abort_timeout=10)
@@ -138,6 +188,35 @@ class TestPullTracker:
         assert pulls.poll("asked").state is PullState.PENDING
         pulls.on_reply(LookupReply("asked", True, 1, (2,)), 1)
         assert "cancelled" in pulls.poll("asked").message  # type: ignore[operator]
+
+    def test_cancel_releases_a_pull_that_had_not_ended(self) -> None:
+        pulls = PullTracker()
+        for rid in ("asked", "done"):
+            pulls.add(rid, "p", [1], deadline=10, now=0)
+        pulls.due(0, {"p"})
+        pulls.add("quiet", "p", [1], deadline=10, now=0)   # no lookup sent yet
+        pulls.on_reply(LookupReply("done", True, 1, (1,)), 1)
+        assert pulls.cancel("quiet") is True and pulls.cancel("asked") is False
+        assert pulls.cancel("asked") is False and pulls.cancel("done") is True
+        assert pulls.take_releases(set()) == []             # no channel to p yet: they wait
+        assert pulls.take_releases({"p"}) == [("p", Release("quiet")), ("p", Release("asked"))]
+        assert pulls.take_releases({"p"}) == []
+
+    def test_a_timed_out_pull_releases_only_on_a_peer_that_answered(self) -> None:
+        pulls = PullTracker(resend_after=100)
+        pulls.add("slow", "p", [1], deadline=1, now=0)
+        pulls.add("unready", "q", [2], deadline=1, now=0)
+        pulls.due(0, {"p"})
+        pulls.on_reply(LookupReply("slow", False), 0.1)     # "not finished yet": it may publish later
+        pulls.expire(1, {"p"})
+        assert pulls.take_releases({"p", "q"}) == [("p", Release("slow"))]
+
+    def test_release_without_a_pull_and_a_failed_peer_drops_its_releases(self) -> None:
+        pulls = PullTracker()
+        pulls.release("waited", "p")
+        pulls.release("other", "q")
+        pulls.fail_peer("q", PeerUnavailable("gone"))
+        assert pulls.take_releases({"p", "q"}) == [("p", Release("waited"))]
 
     def test_terminal_error_and_duplicates(self) -> None:
         pulls = PullTracker()
