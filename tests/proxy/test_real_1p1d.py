@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, start_proxy
 
 PROMPT = "def fibonacci(n):\n    "
 MESSAGES = [{"role": "user", "content": "Write a for loop over a list."}]
 SAMPLING = {"max_tokens": 12, "temperature": 0.0}
+BUSY = 4  # requests keeping a decode engine busy
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +118,32 @@ def test_unsupported_parameter_is_the_workers_400_through_the_proxy(stack) -> No
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "presence_penalty"
     assert reply.json()["error"]["message"].startswith("`presence_penalty` is not supported by this server")
+
+
+def test_out_of_vocabulary_prompt_is_400_and_decode_logs_no_unretrieved_future() -> None:
+    prefill, decode = WorkerProcess("prefill", "shm"), WorkerProcess("decode", "shm", ["--shutdown-grace", "0"])
+    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                         "--prefill-kv-port", str(prefill.kv_port),
+                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
+    busy = {"prompt": list(range(5, 200)), "max_tokens": 1500, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(BUSY) as pool:
+            # A busy decode engine admits between steps: the proxy, answered by prefill's 400 first,
+            # drops the decode leg before decode refused the prompt itself.
+            for _ in range(BUSY):
+                pool.submit(httpx.post, f"{decode.url}/v1/completions", json=busy, timeout=300)
+            wait_until(lambda: decode.metric("neuron_di_requests_running") == BUSY, what="decode busy")
+            for _ in range(20):
+                reply = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
+                                   json={"model": "neuron-di-builtin", "prompt": [100_000, 5], **SAMPLING})
+                assert reply.status_code == 400
+                assert reply.json()["error"]["message"].startswith("prompt token ids must be ints in [0, ")
+            decode.stop()  # ends the busy requests; a future left unread is reported at exit at the latest
+    finally:
+        proxy.process.stop()
+        decode.stop()
+        prefill.stop()
+    assert "Future exception was never retrieved" not in decode.proc.output()
 
 
 def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> None:

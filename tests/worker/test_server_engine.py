@@ -126,3 +126,38 @@ def test_stop_ends_in_flight_streams_with_an_error_and_joins_the_thread() -> Non
 
     asyncio.run(run())
     assert not any(t.name == "engine-stop-test" for t in threading.enumerate())
+
+
+def test_a_refusal_the_cancelled_caller_never_read_is_not_logged_as_never_retrieved() -> None:
+    entered, gate = threading.Event(), threading.Event()
+
+    class GatedEngine(LLMEngine):
+        """The real engine, except that admitting request "gated" waits for `gate`."""
+
+        def add_request(self, request_id: str, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            if request_id == "gated":
+                entered.set()
+                gate.wait(timeout=30)
+            super().add_request(request_id, *args, **kwargs)
+
+    async def run() -> list[str]:
+        reported: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context["message"]))
+        engine = AsyncEngine(lambda: GatedEngine(EngineConfig()))
+        await engine.start()
+        try:
+            caller = asyncio.ensure_future(engine.generate("gated", [10**6], SamplingParams()))  # not in the vocabulary
+            await poll(entered.is_set)
+            caller.cancel()  # the client left (as the proxy's cancelled decode leg does) before the refusal
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            gate.set()
+            # Commands and their answers keep their order: once a later request is admitted, the refusal came.
+            async for _ in await engine.generate("after", [5], SamplingParams(max_tokens=1)):
+                pass
+            gc.collect()  # an unread exception is reported when its future is collected
+        finally:
+            await engine.stop()
+        return reported
+
+    assert asyncio.run(run()) == []

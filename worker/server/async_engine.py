@@ -66,7 +66,7 @@ def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *ar
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile; its abort command follows the add
+    if future.done():  # the caller stopped waiting (cancelled it); a cancelled caller's abort follows the add
         return
     if error is None:
         future.set_result(None)
@@ -183,6 +183,12 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # it may have been admitted after all
             raise
+        finally:
+            # Nobody awaits the answer any more. Cancelled, the future drops a later one (_settle skips
+            # it); one already there is marked read. Else an error the caller missed by being cancelled
+            # (e.g. an invalid prompt) would be logged as "Future exception was never retrieved".
+            if not admitted.cancel():
+                admitted.exception()
         return RequestStream(self, request_id, sink)
 
     async def _admission(self, admitted: asyncio.Future[None]) -> None:
