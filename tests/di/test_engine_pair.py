@@ -106,3 +106,28 @@ def test_an_id_still_published_is_refused(engines) -> None:
     with pytest.raises(InvalidRequestError, match="already in use"):
         prefill.add_request(rid, [70] * 20, SamplingParams(max_tokens=1), {"role": "prefill"})
     wait_all_free(prefill, decode)
+
+
+@pytest.mark.parametrize("stage", ["waiting", "pulling"])
+def test_decode_abort_has_prefill_free_the_blocks_when_it_publishes(engines, stage: str) -> None:
+    """The decode leg is gone before prefill finished: prefill frees at its publish, not after
+    its abort timeout (60 s)."""
+    prefill, decode, _ = engines
+    rid, prompt = f"dropped-{stage}-{time.monotonic_ns()}", [66] * 40
+    decode.add_request(rid, prompt, SamplingParams(max_tokens=4), {
+        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port})
+    if stage == "pulling":
+        decode.step()                                   # admitted: its pull is asking prefill
+        assert decode.stats().num_transferring == 1
+    decode.abort_request(rid)
+    deadline = time.monotonic() + 10
+    while decode.has_unfinished_requests():             # a cancelled pull may end a moment later
+        assert time.monotonic() < deadline
+        decode.step()
+    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), {"role": "prefill"})
+    assert [o.finished for o in prefill.step() if o.request_id == rid] == [True]
+    published = time.monotonic()
+    while prefill.stats().num_blocks_used:
+        assert time.monotonic() - published < 1.0, "prefill held the blocks of a request decode dropped"
+        prefill.step()
+        time.sleep(0.005)

@@ -39,10 +39,14 @@ class DecodeSide(DisaggregatedRole):
         return outputs
 
     def abort(self, request: Request) -> None:
-        """A pull the peer may still be writing keeps its blocks until it reports failed."""
-        if request.request_id in self.parts.scheduler.transferring and not self.kv.cancel(request.request_id):
-            request.finish_reason = "abort"   # live, cancelling: _pulled frees it
-            return
+        """A pull the peer may still be writing keeps its blocks until it reports failed. The prefill
+        worker is told the request is gone (by the cancel, or without a pull if none started yet)."""
+        if request.request_id in self.parts.scheduler.transferring:
+            if not self.kv.cancel(request.request_id):
+                request.finish_reason = "abort"   # live, cancelling: _pulled frees it
+                return
+        elif request.remote_kv and request.pull_target is not None:   # still waiting for blocks to pull into
+            self.kv.release(request.request_id, request.pull_target)
         super().abort(request)
 
     def has_work(self) -> bool:

@@ -172,8 +172,19 @@ class KVConnector:
         return results
 
     def cancel(self, request_id: str) -> bool:
-        """Stops a pull; True if its blocks may be freed now, else take_finished() reports it failed later."""
+        """Stops a pull; True if its blocks may be freed now, else take_finished() reports it failed later.
+        Either way the prefill worker is told to free the request's blocks."""
         return self.recv is None or self.recv.cancel(request_id)
+
+    def release(self, request_id: str, target: PullTarget) -> None:
+        """A request that never started its pull is gone: its prefill worker may free the blocks now."""
+        if self.recv is None:
+            return
+        try:
+            self.recv.release(request_id, target.host, target.port)
+        except ConnectorError:  # the signal plane is down: the prefill's abort timeout frees them
+            logger.warning("could not tell prefill %s:%s to release %s", target.host, target.port, request_id,
+                           exc_info=True)
 
     def close(self) -> None:
         for buffer in (self.send, self.recv):
