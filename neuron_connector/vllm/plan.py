@@ -1,7 +1,7 @@
-"""The scheduler side's bookkeeping, sans vLLM: what the worker side must publish, discard or pull.
+"""The scheduler side's bookkeeping, sans vLLM: what the worker side must publish, discard, pull or release.
 
-vLLM's scheduler calls the connector's hooks; they turn into `Publish`, `Pull` and discard
-orders, handed to the worker side once per step as `StepOrders` (inside vLLM's connector
+vLLM's scheduler calls the connector's hooks; they turn into `Publish`, `Pull`, `Release` and
+discard orders, handed to the worker side once per step as `StepOrders` (inside vLLM's connector
 metadata). Block ids are vLLM's; request ids pair vLLM's own id with the proxy's `uid`,
 the id both legs share on the signal plane.
 """
@@ -37,6 +37,15 @@ class Pull:
     engine_id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Decode: a request ended without pulling: the prefill peer at host:port may free `uid`'s blocks."""
+
+    uid: str
+    host: str
+    port: int
+
+
 @dataclass(slots=True)
 class StepOrders:
     """Everything the scheduler side decided since the last step."""
@@ -44,6 +53,7 @@ class StepOrders:
     publish: list[Publish] = field(default_factory=list)
     discard: list[str] = field(default_factory=list)     # uids ended before they could be published
     pull: list[Pull] = field(default_factory=list)
+    release: list[Release] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +147,15 @@ class SchedulerPlan:
 
         `first_token` is the token prefill sampled when the request ended at its one-token
         limit, None when it ended otherwise (stop, abort, error): the peer is told at once.
+        A decode leg that ended before its pull was ordered (say, aborted while it waited)
+        has its prefill peer told to free the blocks; one that pulled is the worker side's.
         """
         leg = self.leg(request_id, params)
+        pulled = request_id in self._pulled
         self._legs.pop(request_id, None)
         self._pulled.discard(request_id)
+        if self.role == "decode" and leg is not None and not pulled:
+            self._orders.release.append(Release(leg.uid, leg.host, leg.port))
         if self.role != "prefill" or leg is None:
             return False
         blocks = prompt_blocks(block_ids, num_prompt_tokens, self.block_size)

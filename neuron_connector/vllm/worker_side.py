@@ -111,6 +111,13 @@ class WorkerSide:
                                        peer_engine_id=pull.engine_id)
             except (ConnectorError, ValueError) as exc:
                 pending.start_error = f"the pull could not start: {exc}"   # reported by results()
+        for release in orders.release:
+            assert self.recv is not None
+            try:
+                self.recv.release(release.uid, release.host, release.port)
+            except ConnectorError as exc:   # the prefill peer's abort timeout frees the blocks then
+                log.warning("could not tell prefill %s:%s to release %s: %s", release.host, release.port,
+                            release.uid, exc)
 
     def results(self, finished_req_ids: set[str]) -> TransferResults:
         results = TransferResults()
@@ -141,7 +148,7 @@ class WorkerSide:
         for uid, pull in list(self._pulls.items()):
             if pull.request_id in finished_req_ids and not pull.aborted:
                 pull.aborted = True       # the request ended (client gone) while its KV was coming
-                if self.recv.cancel(uid):
+                if self.recv.cancel(uid):  # which also tells the prefill peer to free the blocks
                     del self._pulls[uid]
                     results.finished_recving.add(pull.request_id)
                     continue

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from neuron_connector.vllm import NeuronConnectorConfig
-from neuron_connector.vllm.plan import Publish, Pull, SchedulerPlan, blocks_to_pull, prompt_blocks
+from neuron_connector.vllm.plan import Publish, Pull, Release, SchedulerPlan, blocks_to_pull, prompt_blocks
 from neuron_connector.vllm.pool import distinct_layers, kv_layout, rebind
 from transfer import KVLayout, create_transfer_engine
 
@@ -49,7 +49,19 @@ def test_decode_pulls_each_request_once() -> None:
     # Preempted and admitted again: computed locally, never pulled a second time.
     assert plan.matched_tokens("r1", DECODE_PARAMS, 300, 0) == 0
     assert plan.finished("r1", DECODE_PARAMS, [5, 6, 7], 300, None) is False
-    assert plan.take_orders().pull == []
+    orders = plan.take_orders()
+    assert orders.pull == [] and orders.release == []     # the worker side's cancel tells prefill
+
+
+def test_decode_leg_ended_before_its_pull_releases_it_on_prefill() -> None:
+    """Aborted while it waited for blocks: its prefill peer must not hold the KV for nobody."""
+    plan = SchedulerPlan("decode", block_size=128)
+    assert plan.matched_tokens("r1", DECODE_PARAMS, 300, 0) == 300
+    assert plan.finished("r1", DECODE_PARAMS, [], 300, None) is False
+    assert plan.take_orders().release == [Release("u1", "10.0.0.5", 14579)]
+    # A request served without DI has no prefill peer to tell.
+    assert plan.finished("r2", None, [], 300, None) is False
+    assert plan.take_orders().release == []
 
 
 def test_decode_pull_names_the_prefill_engine_the_proxy_named() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from neuron_connector.vllm import NeuronConnectorConfig
-from neuron_connector.vllm.plan import Publish, Pull, StepOrders
+from neuron_connector.vllm.plan import Publish, Pull, Release, StepOrders
 from neuron_connector.vllm.worker_side import TransferResults, WorkerSide
 from tests.helpers import free_port, wait_until
 from tests.vllm.test_connector_logic import vllm_like_caches
@@ -73,6 +73,26 @@ def test_an_aborted_pull_gives_its_blocks_back(sides) -> None:
     assert decode.results(set()).finished_recving == set()     # still waiting for prefill
     got = collect(decode, {"d-req"}, "finished_recving", timeout=5)
     assert got.finished_recving == {"d-req"} and decode.pending() == 0
+
+
+def test_an_aborted_pull_has_prefill_free_the_request_when_it_publishes(sides) -> None:
+    """The decode request went away while prefill still computed: prefill frees at once, not
+    at its abort timeout (30 s here)."""
+    prefill, decode, _, _ = sides
+    decode.apply(StepOrders(pull=[Pull("d-req", "uid7", "127.0.0.1", prefill.send.port, (3,))]))
+    collect(decode, {"d-req"}, "finished_recving", timeout=5)
+    wait_until(lambda: prefill.send.stats.peer_releases == 1, timeout=5, what="the decode side's release")
+    prefill.apply(StepOrders(publish=[Publish("p-req", "uid7", (5, 6), output_token=9)]))
+    assert collect(prefill, {"p-req"}, "finished_sending", timeout=1).finished_sending == {"p-req"}
+    assert prefill.send.pending() == 0 and prefill.pending() == 0
+
+
+def test_a_decode_leg_that_never_pulled_releases_the_prefill_blocks(sides) -> None:
+    prefill, decode, _, _ = sides
+    prefill.apply(StepOrders(publish=[Publish("p-req", "uid8", (5, 6), output_token=9)]))
+    decode.apply(StepOrders(release=[Release("uid8", "127.0.0.1", prefill.send.port)]))
+    assert collect(prefill, {"p-req"}, "finished_sending", timeout=1).finished_sending == {"p-req"}
+    assert prefill.send.pending() == 0 and decode.pending() == 0
 
 
 def test_a_dead_prefill_peer_fails_the_pull_by_its_deadline(sides) -> None:
