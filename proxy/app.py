@@ -6,10 +6,11 @@ import contextlib
 import time
 from typing import Any
 
-from quart import Quart, Response, request
+from quart import Quart, Response
 from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import error_body, json_bytes
+from common.request_body import request_body
 from common.roles import DISAGGREGATED_ROLES, ROLES
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, health_loop
@@ -108,7 +109,7 @@ async def _forward(state: ProxyState, endpoint: Endpoint) -> Response:
     """The one forwarder behind both generation routes."""
     started = time.perf_counter()
     try:
-        client_request = parse_request(endpoint, await request.get_data(), not state.config.colocated)
+        client_request = parse_request(endpoint, await request_body(), not state.config.colocated)
         answer = await state.forwarder.handle(client_request)
     except ProxyError as exc:
         response = _error_response(exc)

@@ -26,6 +26,7 @@ from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
 from worker.server.metrics import RequestTimer, ServerMetrics
 from common.openai_wire import DONE_EVENT, error_body, sse_event
+from common.request_body import request_body
 from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, error_for, models_body,
                                     parse_body, parse_request, usage)
 
@@ -140,7 +141,7 @@ class _Worker:
 
     async def _serve(self, kind: Kind) -> Response:
         assert self.metrics is not None
-        req = parse_request(kind, parse_body(await request.get_data()), self.model_name)
+        req = parse_request(kind, parse_body(await request_body()), self.model_name)
         prompt_ids = self._prompt_ids(req)
         params = build_params(req, len(prompt_ids), self.max_model_len)
         stream = await self.async_engine.generate(g.request_id, prompt_ids, params, req.kv_transfer_params)
