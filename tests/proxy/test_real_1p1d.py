@@ -5,15 +5,18 @@ Every answer must equal the one a single worker of role `both` gives to the same
 from __future__ import annotations
 
 import asyncio
-import json
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers import free_port, wait_until
+from tests.di.workers import worker_pair
+from tests.helpers import wait_until
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, start_proxy
 
@@ -121,12 +124,9 @@ def test_unsupported_parameter_is_the_workers_400_through_the_proxy(stack) -> No
 
 
 def test_out_of_vocabulary_prompt_is_400_and_decode_logs_no_unretrieved_future() -> None:
-    prefill, decode = WorkerProcess("prefill", "shm"), WorkerProcess("decode", "shm", ["--shutdown-grace", "0"])
-    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
-                         "--prefill-kv-port", str(prefill.kv_port),
-                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
     busy = {"prompt": list(range(5, 200)), "max_tokens": 1500, "ignore_eos": True}
-    try:
+    with worker_pair("shm", decode_extra=["--shutdown-grace", "0"]) as (prefill, decode), \
+            proxy_for(prefill, decode) as proxy:
         with ThreadPoolExecutor(BUSY) as pool:
             # A busy decode engine admits between steps: the proxy, answered by prefill's 400 first,
             # drops the decode leg before decode refused the prompt itself.
@@ -139,10 +139,6 @@ def test_out_of_vocabulary_prompt_is_400_and_decode_logs_no_unretrieved_future()
                 assert reply.status_code == 400
                 assert reply.json()["error"]["message"].startswith("prompt token ids must be ints in [0, ")
             decode.stop()  # ends the busy requests; a future left unread is reported at exit at the latest
-    finally:
-        proxy.process.stop()
-        decode.stop()
-        prefill.stop()
     assert "Future exception was never retrieved" not in decode.proc.output()
 
 
@@ -169,29 +165,32 @@ def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> N
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_failed_kv_transfer_is_a_kv_transfer_error_naming_the_prefill_peer(stream: bool) -> None:
-    prefill = WorkerProcess("prefill", "shm", ["--kv-abort-timeout", "2"])
-    decode = WorkerProcess("decode", "shm", ["--kv-pull-timeout", "2"])
-    wrong_kv_port = free_port()  # the proxy sends decode there: nobody listens, its pull fails
-    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
-                         "--prefill-kv-port", str(wrong_kv_port),
-                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
-    try:
-        reply = httpx.post(f"{proxy.url}/v1/completions", timeout=60,
-                           json={"model": "neuron-di-builtin", "prompt": PROMPT, "stream": stream, **SAMPLING})
-        if stream:  # prefill's token went out first: the failure is the stream's last event
-            events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            error = json.loads(events[-2])["error"]
-        else:
-            assert reply.status_code == 503, reply.text
-            assert reply.headers["Retry-After"] == "1"
-            error = reply.json()["error"]
+    body = {"model": "neuron-di-builtin", "prompt": PROMPT, "stream": stream, **SAMPLING}
+    with worker_pair("shm", ["--kv-abort-timeout", "2"], ["--kv-pull-timeout", "2"]) as (prefill, decode), \
+            proxy_for(prefill, decode) as proxy:
+        assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60).status_code == 200  # linked
+        os.kill(prefill.proc.pid, signal.SIGSTOP)  # hung: it answers neither its leg nor decode's pull
+        try:
+            reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+        finally:
+            os.kill(prefill.proc.pid, signal.SIGCONT)
+        assert reply.status_code == 503, reply.text  # decode failed before any token: a status, even streamed
+        assert reply.headers["Retry-After"] == "1"
+        error = reply.json()["error"]
         assert error["type"] == "kv_transfer_error" and error["code"] == 503
         assert error["message"].startswith(f"decode worker 127.0.0.1:{decode.port}: KV transfer of request ")
-        assert f"prefill peer 127.0.0.1:{wrong_kv_port} " in error["message"]
+        assert f"prefill peer 127.0.0.1:{prefill.kv_port} " in error["message"]
         decode.wait_blocks_free()
         prefill.wait_blocks_free()
+
+
+@contextmanager
+def proxy_for(prefill: WorkerProcess, decode: WorkerProcess) -> Iterator[Server]:
+    """A proxy in front of one prefill and one decode worker, always stopped."""
+    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                         "--prefill-kv-port", str(prefill.kv_port),
+                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
+    try:
+        yield proxy
     finally:
         proxy.process.stop()
-        decode.stop()
-        prefill.stop()
