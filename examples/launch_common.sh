@@ -55,6 +55,10 @@ check_children() {
 
 http_ok() { curl -sf --max-time 2 "$1"; }
 
+# wait_proxy_ready PORT: waits until the proxy on PORT answers GET /ready with 200, i.e. has a healthy
+# worker of every role it needs (its /health answers 200 as soon as the proxy itself runs).
+wait_proxy_ready() { wait_for proxy http_ok "http://127.0.0.1:$1/ready"; }
+
 stop_all() {
   local i pid deadline
   for ((i = ${#CHILD_PIDS[@]} - 1; i >= 0; i--)); do

@@ -82,7 +82,9 @@ for ((i = 0; i < NUM_DECODE; i++)); do
 done
 start proxy "$PYTHON" proxy_server.py --host 127.0.0.1 --port "$PROXY_PORT" --etcd "$ETCD"
 
-# Ready when the proxy has discovered every worker in etcd and health-checked it.
+# Ready when GET /ready says so (a healthy worker of each role) and the proxy has discovered every
+# worker in etcd and health-checked it.
+wait_proxy_ready "$PROXY_PORT"
 workers_healthy() {
   curl -sf --max-time 2 "http://127.0.0.1:$PROXY_PORT/health" | "$PYTHON" -c '
 import json, sys

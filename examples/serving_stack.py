@@ -189,7 +189,8 @@ def _wait_workers(stack: Stack, ports: Sequence[int], options: StackOptions) -> 
 
 
 def start_proxy(stack: Stack, backends: list[str], options: StackOptions) -> None:
+    """Starts the proxy and waits until it is ready: a healthy worker of every role behind it."""
     port = free_port()
     stack.start("proxy", proxy_args(port, backends))
     stack.url = f"http://127.0.0.1:{port}"
-    wait_healthy(f"{stack.url}/health", stack.processes, options.startup_timeout_s)
+    wait_healthy(f"{stack.url}/ready", stack.processes, options.startup_timeout_s)

@@ -13,7 +13,7 @@ from common.openai_wire import error_body, json_bytes
 from common.request_body import request_body
 from common.roles import DISAGGREGATED_ROLES, ROLES
 from proxy.config import ProxyConfig
-from proxy.discovery import EtcdDiscovery, health_loop
+from proxy.discovery import EtcdDiscovery, HealthChecks
 from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
 from proxy.forward import Forwarder, JSONAnswer
 from proxy.metrics import Metrics
@@ -33,6 +33,7 @@ class ProxyState:
         self.metrics = Metrics()
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
+        self.health = HealthChecks(self.pool, self.client, config.health_timeout)
         self._clients: dict[str, Upstream] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -45,8 +46,9 @@ class ProxyState:
         return client
 
     async def start(self) -> None:
-        checks = health_loop(self.pool, self.client, self.config.health_interval, self.config.health_timeout)
-        self._tasks.append(asyncio.create_task(checks))
+        # One round before serving: the first answers (and /ready) already know which workers are up.
+        await self.health.round()
+        self._tasks.append(asyncio.create_task(self.health.run(self.config.health_interval)))
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run()))
 
@@ -92,6 +94,10 @@ def create_app(config: ProxyConfig) -> Quart:
     async def health() -> Response:
         return _json_response(_health(state), 200)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        return _ready(state)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), 200, content_type="text/plain; version=0.0.4")
@@ -125,10 +131,28 @@ async def _forward(state: ProxyState, endpoint: Endpoint) -> Response:
 
 
 def _health(state: ProxyState) -> dict[str, Any]:
+    """Liveness: 200 while the proxy runs, with the known and healthy workers of each role."""
+    return {"status": "ok", "workers": _worker_counts(state)}
+
+
+def _ready(state: ProxyState) -> Response:
+    """Readiness: 200 once every role the proxy needs has a healthy worker; else 503 naming the roles that
+    have none."""
+    missing = [role for role in _needed_roles(state) if not state.pool.healthy(role)]
+    if not missing:
+        return _json_response({"status": "ready", "workers": _worker_counts(state)}, 200)
+    reasons = [f"no healthy {role} worker" for role in missing]
+    return _json_response(error_body(503, "not ready: " + "; ".join(reasons), "service_unavailable"), 503)
+
+
+def _worker_counts(state: ProxyState) -> dict[str, dict[str, int]]:
     known = state.pool.all()
-    workers = {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
-               for role in ROLES}
-    return {"status": "ok", "workers": workers}
+    return {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
+            for role in ROLES}
+
+
+def _needed_roles(state: ProxyState) -> tuple[str, ...]:
+    return ("both",) if state.config.colocated else DISAGGREGATED_ROLES
 
 
 def _json_response(body: dict[str, Any], status: int) -> Response:
@@ -137,7 +161,7 @@ def _json_response(body: dict[str, Any], status: int) -> Response:
 
 async def _models(state: ProxyState) -> Response:
     """The union of the models the healthy workers serve."""
-    roles = ("both",) if state.config.colocated else DISAGGREGATED_ROLES
+    roles = _needed_roles(state)
     workers = [w for role in roles for w in state.pool.healthy(role)]
     if not workers:
         return _error_response(NoWorkers(" or ".join(roles)))

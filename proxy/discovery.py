@@ -17,23 +17,32 @@ PREFIX = KEY_PREFIX.encode()
 _FIRST_BACKOFF = 0.2
 
 
-async def health_loop(pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], interval: float,
-                      timeout: float) -> None:
-    """Every `interval` s, GET /health on every known worker; only 200 within `timeout` keeps it in rotation."""
-    while True:
-        workers = pool.all()
-        results = await asyncio.gather(*(_healthy(clients(w), timeout) for w in workers))
-        for worker, ok in zip(workers, results):
-            if pool.mark(worker.key, ok):
+class HealthChecks:
+    """GET /health on every known worker: only 200 within `timeout` keeps it in rotation."""
+
+    def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], timeout: float) -> None:
+        self._pool = pool
+        self._clients = clients
+        self._timeout = timeout
+
+    async def run(self, interval: float) -> None:
+        """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.round()
+
+    async def round(self) -> None:
+        workers = self._pool.all()
+        answers = await asyncio.gather(*(self._healthy(w) for w in workers))
+        for worker, ok in zip(workers, answers):
+            if self._pool.mark(worker.key, ok):
                 log.warning("worker %s %s", worker.address, "is healthy again" if ok else "failed its health check")
-        await asyncio.sleep(interval)
 
-
-async def _healthy(client: Upstream, timeout: float) -> bool:
-    try:
-        return (await client.get("/health", timeout)).status == 200
-    except UpstreamError:
-        return False
+    async def _healthy(self, worker: WorkerRecord) -> bool:
+        try:
+            return (await self._clients(worker).get("/health", self._timeout)).status == 200
+        except UpstreamError:
+            return False
 
 
 class EtcdDiscovery:

@@ -139,6 +139,7 @@ def _serve_one_and_interrupt(launcher: Launcher, proxy_port: int, ports: list[in
     url = f"http://127.0.0.1:{proxy_port}"
     wait_until(lambda: launcher.proc.poll() is not None or ready(), timeout=300)
     assert launcher.proc.poll() is None, launcher.output()
+    assert httpx.get(f"{url}/ready", timeout=10).status_code == 200  # it says it serves once the proxy is ready
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
         "model": model, "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
