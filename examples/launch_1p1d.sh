@@ -52,9 +52,9 @@ start decode "$PYTHON" -m worker --role decode --host 127.0.0.1 --port "$DECODE_
   --kv-transport "$KV_TRANSPORT" "${MODEL_ARGS[@]}"
 wait_for prefill http_ok "http://127.0.0.1:$PREFILL_PORT/health"
 wait_for decode http_ok "http://127.0.0.1:$DECODE_PORT/health"
+# No --prefill-kv-port: the proxy reads the prefill worker's KV port from its GET /health answer.
 start proxy "$PYTHON" proxy_server.py --host 127.0.0.1 --port "$PROXY_PORT" \
-  --prefill-ip 127.0.0.1 --prefill-port "$PREFILL_PORT" --prefill-kv-port "$KV_PORT" \
-  --decode-ip 127.0.0.1 --decode-port "$DECODE_PORT"
+  --prefill-ip 127.0.0.1 --prefill-port "$PREFILL_PORT" --decode-ip 127.0.0.1 --decode-port "$DECODE_PORT"
 wait_proxy_ready "$PROXY_PORT"
 echo "1P1D serving on http://127.0.0.1:$PROXY_PORT/v1 (prefill :$PREFILL_PORT, decode :$DECODE_PORT)"
 serve_forever

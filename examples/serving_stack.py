@@ -152,9 +152,9 @@ def start_di(options: StackOptions) -> Stack:
         stack.worker_urls = {"prefill worker": f"http://127.0.0.1:{prefill_port}",
                              "decode worker": f"http://127.0.0.1:{decode_port}"}
         _wait_workers(stack, [prefill_port, decode_port], options)
+        # No --prefill-kv-port: the proxy reads the prefill worker's from its GET /health answer.
         start_proxy(stack, ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill_port),
-                             "--prefill-kv-port", str(kv_port), "--decode-ip", "127.0.0.1",
-                             "--decode-port", str(decode_port)], options)
+                             "--decode-ip", "127.0.0.1", "--decode-port", str(decode_port)], options)
 
     return started(build)
 

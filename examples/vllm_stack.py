@@ -110,6 +110,7 @@ def start_neuron_1p1d(options: VllmOptions, etcd: str | None = None) -> Stack:
                      neuron_kv_config("decode", options, etcd=etcd, http_port=decode))
         stack.kv_ports["prefill"] = kv_port
         wait_servers(stack, options)
+        # `vllm serve` shows no record on GET /health (our worker does): the proxy needs the KV port.
         _proxy(stack, options, ["--etcd", etcd] if etcd else [
             "--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill), "--prefill-kv-port", str(kv_port),
             "--decode-ip", "127.0.0.1", "--decode-port", str(decode)])

@@ -36,10 +36,11 @@ class WorkerRecord:
     """One worker: where its HTTP API and its KV signal plane listen, and how it is driven.
 
     The workers register it in etcd and the proxy reads it back (or builds it from its command
-    line for static workers, where the KV host defaults to the HTTP host). `engine_id` is the
-    id the worker's signal plane shows in its handshake: a worker registers it; a static one
-    has "" (unknown, so nobody checks it). `kv_protocol` is one of KV_PROTOCOLS. Bad fields
-    raise ValueError.
+    line for static workers, where the KV host defaults to the HTTP host, and completes it from
+    the record our worker shows in its GET /health answer). `engine_id` is the id the worker's
+    signal plane shows in its handshake: a worker registers it; a static one that shows no
+    record has "" (unknown, so nobody checks it). `kv_protocol` is one of KV_PROTOCOLS. Bad
+    fields raise ValueError.
     """
 
     role: str
@@ -75,20 +76,32 @@ class WorkerRecord:
         return f"http://{self.host}:{self.http_port}"
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as a JSON object: the value in etcd, and `worker` in a worker's GET /health answer."""
+        return asdict(self)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> WorkerRecord:
         """Parses a record; RegistrationError when it is not one (missing optional fields default)."""
         try:
             obj = json.loads(data)
+        except ValueError as exc:
+            raise RegistrationError(f"malformed worker record {data!r}: {exc}") from exc
+        return cls.from_dict(obj)
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> WorkerRecord:
+        """The record a JSON object holds; RegistrationError when it holds none."""
+        try:
             return cls(role=obj["role"], host=obj["host"], http_port=int(obj["http_port"]),
                        kv_host=obj.get("kv_host") or "", kv_port=int(obj.get("kv_port", DEFAULT_KV_PORT)),
                        engine_id=obj.get("engine_id") or "", model=str(obj.get("model") or ""),
                        transfer=dict(obj.get("transfer") or {}),
                        kv_protocol=obj.get("kv_protocol", "neuron"))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise RegistrationError(f"malformed worker record {data!r}: {exc}") from exc
+            raise RegistrationError(f"malformed worker record {obj!r}: {exc}") from exc
 
 
 def _client(endpoint: str) -> aetcd.Client:

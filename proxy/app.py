@@ -33,7 +33,7 @@ class ProxyState:
         self.metrics = Metrics()
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
-        self.health = HealthChecks(self.pool, self.client, config.health_timeout)
+        self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -46,7 +46,8 @@ class ProxyState:
         return client
 
     async def start(self) -> None:
-        # One round before serving: the first answers (and /ready) already know which workers are up.
+        # One round before serving: the first answers (and /ready) already know which workers are up, and
+        # a static worker's KV port is the one it shows, not the command line's default.
         await self.health.round()
         self._tasks.append(asyncio.create_task(self.health.run(self.config.health_interval)))
         if self.discovery is not None:
@@ -137,11 +138,12 @@ def _health(state: ProxyState) -> dict[str, Any]:
 
 def _ready(state: ProxyState) -> Response:
     """Readiness: 200 once every role the proxy needs has a healthy worker; else 503 naming the roles that
-    have none."""
+    have none, and the static workers kept out of rotation because they contradict the command line."""
     missing = [role for role in _needed_roles(state) if not state.pool.healthy(role)]
     if not missing:
         return _json_response({"status": "ready", "workers": _worker_counts(state)}, 200)
-    reasons = [f"no healthy {role} worker" for role in missing]
+    problems = [problem for _, problem in sorted(state.health.problems.items())]
+    reasons = [f"no healthy {role} worker" for role in missing] + problems
     return _json_response(error_body(503, "not ready: " + "; ".join(reasons), "service_unavailable"), 503)
 
 

@@ -13,12 +13,17 @@ from proxy.workers import KV_PROTOCOLS, WorkerRecord, static_worker
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    """Everything the proxy app needs; `etcd` is (host, port) for dynamic discovery."""
+    """Everything the proxy app needs; `etcd` is (host, port) for dynamic discovery.
+
+    `kv_ports_given`: the keys of the static prefill workers whose KV port the command line names
+    (the others' is what the worker reports on GET /health, else DEFAULT_KV_PORT).
+    """
 
     host: str = "0.0.0.0"
     port: int = 8000
     mode: str = "di"
     workers: tuple[WorkerRecord, ...] = ()
+    kv_ports_given: frozenset[str] = frozenset()
     etcd: tuple[str, int] | None = None
     timeouts: Timeouts = Timeouts()
     health_interval: float = 2.0
@@ -38,12 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("di", "colocated"), default="di")
     p.add_argument("--prefill-ip", help="static 1P1D: prefill worker host")
     p.add_argument("--prefill-port", type=int, help="static 1P1D: prefill worker HTTP port")
-    p.add_argument("--prefill-kv-port", type=int, default=DEFAULT_KV_PORT,
-                   help="static 1P1D: prefill signal port")
+    p.add_argument("--prefill-kv-port", type=int,
+                   help="static 1P1D: prefill signal port (default: the one the worker reports on GET /health, "
+                        f"else {DEFAULT_KV_PORT}); one the worker contradicts keeps it out of rotation")
     p.add_argument("--decode-ip", help="static 1P1D: decode worker host")
     p.add_argument("--decode-port", type=int, help="static 1P1D: decode worker HTTP port")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:KV_PORT]",
-                   help="static xPyD prefill worker (repeat)")
+                   help="static xPyD prefill worker (repeat); KV_PORT as for --prefill-kv-port")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
                    help="static xPyD decode worker (repeat)")
     p.add_argument("--kv-protocol", choices=KV_PROTOCOLS, default="neuron",
@@ -70,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if args.shutdown_grace < 0:
         raise ConfigError("--shutdown-grace must be at least 0")
-    workers = _static_workers(args)
+    workers, kv_ports_given = _static_workers(args)
     etcd = _host_port(args.etcd, "--etcd") if args.etcd else None
     if etcd and workers:
         raise ConfigError("give either static workers or --etcd, not both")
@@ -79,47 +85,60 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     if not etcd and not workers:
         need = "--worker" if args.mode == "colocated" else "--prefill-ip/--prefill-port/--decode-ip/--decode-port"
         raise ConfigError(f"no workers: give {need}, or --etcd HOST:PORT")
-    return ProxyConfig(host=args.host, port=args.port, mode=args.mode, workers=workers, etcd=etcd,
+    return ProxyConfig(host=args.host, port=args.port, mode=args.mode, workers=workers,
+                       kv_ports_given=kv_ports_given, etcd=etcd,
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        http_client=args.http_client, shutdown_grace=args.shutdown_grace)
 
 
-def _static_workers(args: argparse.Namespace) -> tuple[WorkerRecord, ...]:
+def _static_workers(args: argparse.Namespace) -> tuple[tuple[WorkerRecord, ...], frozenset[str]]:
+    """The command line's workers, and the keys of the prefill workers whose KV port it names."""
     one_p_one_d = [args.prefill_ip, args.prefill_port, args.decode_ip, args.decode_port]
     di_given = any(v is not None for v in one_p_one_d) or args.prefill or args.decode
     if args.mode == "colocated":
         if di_given:
             raise ConfigError("--mode colocated takes --worker, not prefill/decode workers")
-        return tuple(static_worker("both", *_host_port(w, "--worker")) for w in args.worker)
+        return tuple(static_worker("both", *_host_port(w, "--worker")) for w in args.worker), frozenset()
     if args.worker:
         raise ConfigError("--worker is for --mode colocated; use --prefill/--decode in di mode")
     workers: list[WorkerRecord] = []
+    kv_ports_given: set[str] = set()
     protocol = args.kv_protocol
     if any(v is not None for v in one_p_one_d):
         if any(v is None for v in one_p_one_d):
             raise ConfigError("static 1P1D needs all of --prefill-ip --prefill-port --decode-ip --decode-port")
-        _check_port("--prefill-kv-port", args.prefill_kv_port)
-        workers.append(_worker("prefill", args.prefill_ip, args.prefill_port, "--prefill-port", protocol,
-                               args.prefill_kv_port))
+        if args.prefill_kv_port is not None:
+            _check_port("--prefill-kv-port", args.prefill_kv_port)
+        workers.append(_prefill(args.prefill_ip, args.prefill_port, "--prefill-port", protocol,
+                                args.prefill_kv_port, kv_ports_given))
         workers.append(_worker("decode", args.decode_ip, args.decode_port, "--decode-port", protocol))
     for spec in args.prefill:
         host, port, *kv = _split(spec, "--prefill", 3)
-        workers.append(_worker("prefill", host, _port(port, "--prefill"), "--prefill", protocol,
-                               _port(kv[0], "--prefill") if kv else DEFAULT_KV_PORT))
+        workers.append(_prefill(host, _port(port, "--prefill"), "--prefill", protocol,
+                                _port(kv[0], "--prefill") if kv else None, kv_ports_given))
     for spec in args.decode:
         workers.append(static_worker("decode", *_host_port(spec, "--decode"), kv_protocol=protocol))
     if workers and {w.role for w in workers} != set(DISAGGREGATED_ROLES):
         raise ConfigError("di mode needs at least one prefill and one decode worker")
     if len({w.key for w in workers}) != len(workers):
         raise ConfigError("the same worker is given twice")
-    return tuple(workers)
+    return tuple(workers), frozenset(kv_ports_given)
 
 
 def _worker(role: str, host: str, port: int, flag: str, kv_protocol: str,
             kv_port: int = DEFAULT_KV_PORT) -> WorkerRecord:
     _check_port(flag, port)
     return static_worker(role, host, port, kv_port, kv_protocol)
+
+
+def _prefill(host: str, port: int, flag: str, kv_protocol: str, kv_port: int | None,
+             kv_ports_given: set[str]) -> WorkerRecord:
+    """A static prefill worker; its key joins `kv_ports_given` if the command line names its KV port."""
+    worker = _worker("prefill", host, port, flag, kv_protocol, DEFAULT_KV_PORT if kv_port is None else kv_port)
+    if kv_port is not None:
+        kv_ports_given.add(worker.key)
+    return worker
 
 
 def _split(spec: str, flag: str, max_parts: int) -> list[str]:

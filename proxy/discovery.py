@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 import aetcd
 
 from neuron_connector.registry import KEY_PREFIX, RegistrationError
 from proxy.errors import UpstreamError
 from proxy.upstream import Upstream
-from proxy.workers import WorkerPool, WorkerRecord
+from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shown_record
 
 log = logging.getLogger("proxy.discovery")
 PREFIX = KEY_PREFIX.encode()
@@ -18,12 +18,22 @@ _FIRST_BACKOFF = 0.2
 
 
 class HealthChecks:
-    """GET /health on every known worker: only 200 within `timeout` keeps it in rotation."""
+    """GET /health on every known worker: only 200 within `timeout` keeps it in rotation.
 
-    def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], timeout: float) -> None:
+    A worker given on the command line (`static`) that shows its own record in that answer (our
+    `python -m worker` does) must also agree with the command line (see workers.contradiction):
+    one that does not stays out of rotation, and `problems` says why. One that agrees is used as
+    it shows itself (workers.completed): its signal plane's address and engine id come from it.
+    """
+
+    def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], timeout: float,
+                 static: Iterable[WorkerRecord] = (), kv_ports_given: Iterable[str] = ()) -> None:
         self._pool = pool
         self._clients = clients
         self._timeout = timeout
+        self._static = {w.key: w for w in static}
+        self._kv_ports_given = frozenset(kv_ports_given)
+        self.problems: dict[str, str] = {}  # static worker key -> how it contradicts the command line
 
     async def run(self, interval: float) -> None:
         """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
@@ -33,16 +43,38 @@ class HealthChecks:
 
     async def round(self) -> None:
         workers = self._pool.all()
-        answers = await asyncio.gather(*(self._healthy(w) for w in workers))
-        for worker, ok in zip(workers, answers):
-            if self._pool.mark(worker.key, ok):
-                log.warning("worker %s %s", worker.address, "is healthy again" if ok else "failed its health check")
+        answers = await asyncio.gather(*(self._health(w) for w in workers))
+        for worker, answer in zip(workers, answers):
+            record = None if answer is None else self._checked(worker, answer)
+            if self._pool.mark(worker.key, record is not None):
+                log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
+            if record is not None and record != worker:
+                log.info("worker %s: signal plane %s:%d, engine id %r (as the worker shows itself)",
+                         worker.address, record.kv_host, record.kv_port, record.engine_id)
+                self._pool.add(record)
 
-    async def _healthy(self, worker: WorkerRecord) -> bool:
+    async def _health(self, worker: WorkerRecord) -> bytes | None:
+        """The body of the worker's 200 answer to GET /health; None for any other outcome."""
         try:
-            return (await self._clients(worker).get("/health", self._timeout)).status == 200
+            reply = await self._clients(worker).get("/health", self._timeout)
         except UpstreamError:
-            return False
+            return None
+        return reply.body if reply.status == 200 else None
+
+    def _checked(self, worker: WorkerRecord, health: bytes) -> WorkerRecord | None:
+        """The record to use for a worker that answered `health`; None if it contradicts the command line."""
+        given = self._static.get(worker.key)
+        if given is None:
+            return worker  # discovered in etcd: the record is the worker's own already
+        shown = shown_record(health)
+        problem = None if shown is None else contradiction(given, shown, given.key in self._kv_ports_given)
+        if problem is None:
+            self.problems.pop(worker.key, None)
+            return given if shown is None else completed(given, shown)
+        if self.problems.get(worker.key) != problem:
+            log.error("%s; it stays out of rotation", problem)
+        self.problems[worker.key] = problem
+        return None
 
 
 class EtcdDiscovery:

@@ -1,13 +1,17 @@
 """Typed worker records, the pool of known workers, and the pure round-robin pick."""
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 from common.roles import DEFAULT_KV_PORT, ROLES
-from neuron_connector.registry import KV_PROTOCOLS, WorkerRecord
+from neuron_connector.registry import KV_PROTOCOLS, RegistrationError, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "pick", "static_worker"]
+__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "pick", "shown_record",
+           "static_worker"]
+_WILDCARD_HOSTS = ("0.0.0.0", "::")  # a signal plane bound to every address: reach it at the worker's HTTP host
 
 
 def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_KV_PORT,
@@ -17,6 +21,37 @@ def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_K
         return WorkerRecord(role, host, http_port, kv_port=kv_port, kv_protocol=kv_protocol)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def shown_record(health: bytes) -> WorkerRecord | None:
+    """The record a worker shows under `worker` in its GET /health answer; None if it shows none
+    (vLLM's `vllm serve` answers with an empty body)."""
+    try:
+        return WorkerRecord.from_dict(json.loads(health)["worker"])
+    except (ValueError, TypeError, KeyError, RegistrationError):
+        return None
+
+
+def contradiction(given: WorkerRecord, shown: WorkerRecord, kv_port_given: bool) -> str | None:
+    """How the record a static worker shows contradicts the one the command line gives (`given`,
+    whose KV port counts only if `kv_port_given`), or None if it does not."""
+    where = f"{given.role} worker {given.address}"
+    if shown.role != given.role:
+        return f"{where}: the worker there is a {shown.role} worker"
+    if shown.kv_protocol != given.kv_protocol:
+        return f"{where}: driven with kv_protocol {given.kv_protocol!r}, but the worker speaks {shown.kv_protocol!r}"
+    if kv_port_given and shown.kv_port != given.kv_port:
+        return (f"{where}: the command line gives KV port {given.kv_port}, but the worker's signal plane "
+                f"listens on port {shown.kv_port}")
+    return None
+
+
+def completed(given: WorkerRecord, shown: WorkerRecord) -> WorkerRecord:
+    """A static worker as the proxy reaches it (`given`), with the signal plane, engine id and model it shows:
+    decode legs then name its real KV port and carry its engine id, which the decode side checks."""
+    kv_host = given.kv_host if shown.kv_host in _WILDCARD_HOSTS else shown.kv_host
+    return replace(given, kv_host=kv_host, kv_port=shown.kv_port, engine_id=shown.engine_id, model=shown.model,
+                   transfer=shown.transfer)
 
 
 def pick(candidates: Sequence[WorkerRecord], turn: int) -> WorkerRecord:

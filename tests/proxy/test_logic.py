@@ -16,6 +16,7 @@ from proxy import (CHAT, COMPLETIONS, KV_PROTOCOLS, BadRequest, ConfigError, NoW
 from proxy.requests import (SEED_RANGE, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
                             nixl_prefill_params, prefill_body)
 from proxy.stitch import first_token_repeated, prefill_answer
+from proxy.workers import completed, contradiction, shown_record
 
 STREAM = (b"data: {\"a\": 1}\n\n: keep-alive comment\n\nevent: message\r\ndata: {\"b\":\r\ndata: 2}\r\n\r\n"
           b"id: 7\rdata: [DONE]\r\r")
@@ -248,6 +249,35 @@ def test_one_worker_record_type_serves_proxy_and_workers() -> None:
         "h", 14579, "", "neuron")
 
 
+def test_a_static_worker_is_completed_from_the_record_it_shows() -> None:
+    given = WorkerRecord("prefill", "10.0.0.1", 8100)
+    record = WorkerRecord("prefill", "0.0.0.0", 8100, kv_host="10.9.0.1", kv_port=7001, engine_id="p-engine",
+                          model="m", transfer={"backend": "tcp"})
+    shown = shown_record(json.dumps({"status": "ok", "worker": record.to_dict()}).encode())
+    assert shown == record and shown_record(b"") is None and shown_record(b'{"status": "ok"}') is None
+    learned = completed(given, record)
+    assert (learned.key, learned.kv_host, learned.kv_port, learned.engine_id) == (
+        given.key, "10.9.0.1", 7001, "p-engine")
+    assert neuron_decode_params("u", learned) == {"role": "decode", "request_id": "u", "remote_host": "10.9.0.1",
+                                                  "remote_port": 7001, "remote_engine_id": "p-engine"}
+    # A signal plane bound to every address is reached at the host the proxy reaches the worker at.
+    assert completed(given, WorkerRecord("prefill", "h", 8100, kv_host="0.0.0.0")).kv_host == "10.0.0.1"
+
+
+def test_what_a_static_worker_shows_must_agree_with_the_command_line() -> None:
+    given = WorkerRecord("prefill", "h", 8100, kv_port=7000)
+    assert contradiction(given, WorkerRecord("prefill", "x", 1, kv_port=7001), kv_port_given=False) is None
+    assert contradiction(given, WorkerRecord("prefill", "x", 1, kv_port=7001), kv_port_given=True) == (
+        "prefill worker h:8100: the command line gives KV port 7000, "
+        "but the worker's signal plane listens on port 7001")
+    assert contradiction(given, WorkerRecord("prefill", "x", 1, kv_port=7000), kv_port_given=True) is None
+    assert contradiction(given, WorkerRecord("decode", "x", 1), kv_port_given=False) == (
+        "prefill worker h:8100: the worker there is a decode worker")
+    nixl = WorkerRecord("decode", "h", 8200, kv_protocol="nixl")
+    assert contradiction(nixl, WorkerRecord("decode", "x", 1), kv_port_given=False) == (
+        "decode worker h:8200: driven with kv_protocol 'nixl', but the worker speaks 'neuron'")
+
+
 def test_errors_map_to_statuses_in_one_place() -> None:
     assert to_http(BadRequest("bad", "prompt"))[0] == 400
     assert json.loads(to_http(BadRequest("bad", "prompt"))[1])["error"]["param"] == "prompt"
@@ -279,6 +309,16 @@ def test_config_static_1p1d_and_xpyd() -> None:
         ("prefill", "a:1", 9), ("prefill", "b:2", 14579), ("decode", "c:3", 14579)]
     assert parse_args(["--etcd", "e:2379"]).etcd == ("e", 2379)
     assert parse_args(["--mode", "colocated", "--worker", "w:1"]).workers[0].role == "both"
+
+
+def test_config_knows_which_prefill_kv_ports_the_command_line_names() -> None:
+    one_p_one_d = ["--prefill-ip", "a", "--prefill-port", "1", "--decode-ip", "b", "--decode-port", "2"]
+    assert parse_args(one_p_one_d).kv_ports_given == frozenset()
+    assert parse_args([*one_p_one_d, "--prefill-kv-port", "9"]).kv_ports_given == {"/workers/prefill/a/1"}
+    config = parse_args(["--prefill", "c:3:9", "--prefill", "d:4", "--decode", "e:5"])
+    assert config.kv_ports_given == {"/workers/prefill/c/3"}
+    with pytest.raises(ConfigError, match="--prefill-kv-port: port 0 is out of range"):
+        parse_args([*one_p_one_d, "--prefill-kv-port", "0"])
 
 
 def test_config_kv_protocol_drives_every_static_worker() -> None:

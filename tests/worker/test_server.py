@@ -119,7 +119,10 @@ def test_metrics_has_the_named_series(worker: WorkerProcess) -> None:
 
 def test_health(worker: WorkerProcess) -> None:
     r = httpx.get(f"{worker.url}/health")
-    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    assert (r.status_code, r.json()) == (200, {"status": "ok", "worker": {  # the record it would register in etcd
+        "role": "both", "host": "127.0.0.1", "http_port": worker.port, "kv_host": "127.0.0.1", "kv_port": 0,
+        "engine_id": f"127.0.0.1:{worker.port}", "model": "neuron-di-builtin", "transfer": {"backend": "auto"},
+        "kv_protocol": "neuron"}})
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(worker: WorkerProcess, model: dict) -> None:

@@ -3,7 +3,8 @@
     POST /v1/completions         one prompt (text or token ids); JSON, or SSE with `"stream": true`
     POST /v1/chat/completions    messages rendered by the model's chat template; JSON or SSE
     GET  /v1/models              the served model
-    GET  /health                 200 while the engine thread runs, else 503
+    GET  /health                 200 while the engine thread runs, else 503; `python -m worker` adds its
+                                 WorkerRecord as `worker` (role, kv_host, kv_port, engine_id, ...)
     GET  /metrics                Prometheus text (worker/server/metrics.py)
 
 `X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
@@ -26,6 +27,7 @@ from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
 from worker.server.metrics import RequestTimer, ServerMetrics
 from common.openai_wire import DONE_EVENT, error_body, sse_event
+from neuron_connector.registry import WorkerRecord
 from common.request_body import request_body
 from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, error_for, models_body,
                                     parse_body, parse_request, usage)
@@ -75,6 +77,7 @@ class _Worker:
         self.model_name = ""
         self.max_model_len = 0
         self.created = int(time.time())
+        self.record: WorkerRecord | None = None  # set by `python -m worker` once the engine runs (cli.py)
 
     async def startup(self) -> None:
         await self.async_engine.start()
@@ -105,9 +108,12 @@ class _Worker:
         return jsonify(models_body(self.model_name, self.max_model_len, self.created))
 
     async def health(self) -> Response:
-        if self.async_engine.is_alive():
-            return jsonify({"status": "ok"})
-        return _json(error_body(503, "the engine is not running", "server_error"), 503)
+        if not self.async_engine.is_alive():
+            return _json(error_body(503, "the engine is not running", "server_error"), 503)
+        body: dict = {"status": "ok"}
+        if self.record is not None:  # a static proxy learns this worker's role and signal plane from it
+            body["worker"] = self.record.to_dict()
+        return jsonify(body)
 
     async def metrics_page(self) -> Response:
         assert self.metrics is not None

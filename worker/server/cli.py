@@ -116,8 +116,7 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config))
-    if args.etcd is not None:
-        _register_on_start(app, args, engine_config)
+    _publish_record(app, args, engine_config)
 
     async def shutdown_trigger() -> None:
         await stop.wait()
@@ -137,7 +136,7 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Cal
             return LLMEngine(engine_config)
         connector = KVConnector(KVConnectorConfig(
             role=engine_config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
-            engine_id=args.engine_id or f"{args.host}:{args.port}", abort_timeout=args.kv_abort_timeout,
+            engine_id=_engine_id(args), abort_timeout=args.kv_abort_timeout,
             pull_timeout=args.kv_pull_timeout))
         try:
             return LLMEngine(engine_config, kv_connector=connector)
@@ -147,19 +146,27 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Cal
     return build
 
 
-def _register_on_start(app: Any, args: argparse.Namespace, engine_config: EngineConfig) -> None:
-    """Registers in etcd once the engine runs (a prefill's kv port is known only then); revokes at exit."""
+def _engine_id(args: argparse.Namespace) -> str:
+    return args.engine_id or f"{args.host}:{args.port}"
+
+
+def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineConfig) -> None:
+    """Once the engine runs (a prefill's kv port is known only then), puts this worker's record in its
+    GET /health answer and, with --etcd, registers it in etcd (revoked at exit)."""
     from neuron_connector import Registration, WorkerRecord
 
+    worker = app.extensions["neuron_di_worker"]
     holder: list[Registration] = []
 
-    async def register() -> None:
-        engine = app.extensions["neuron_di_worker"].async_engine.llm_engine
+    async def publish() -> None:
+        engine = worker.async_engine.llm_engine
         kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
-        record = WorkerRecord(role=engine_config.role, host=args.host, http_port=args.port, kv_host=args.kv_host,
-                              kv_port=kv_port, engine_id=args.engine_id or f"{args.host}:{args.port}",
-                              transfer={"backend": args.kv_transport}, model=engine.model_name)
-        registration = Registration(args.etcd, record, ttl=args.etcd_ttl)
+        worker.record = WorkerRecord(role=engine_config.role, host=args.host, http_port=args.port,
+                                     kv_host=args.kv_host, kv_port=kv_port, engine_id=_engine_id(args),
+                                     transfer={"backend": args.kv_transport}, model=engine.model_name)
+        if args.etcd is None:
+            return
+        registration = Registration(args.etcd, worker.record, ttl=args.etcd_ttl)
         await asyncio.get_running_loop().run_in_executor(None, registration.start)
         holder.append(registration)
 
@@ -167,7 +174,7 @@ def _register_on_start(app: Any, args: argparse.Namespace, engine_config: Engine
         for registration in holder:
             await asyncio.get_running_loop().run_in_executor(None, registration.stop)
 
-    app.before_serving(register)
+    app.before_serving(publish)
     app.after_serving(unregister)
 
 
