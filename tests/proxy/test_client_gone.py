@@ -71,3 +71,20 @@ def test_clients_leaving_early_cancel_both_legs_and_free_every_block(stack) -> N
     tokens = decode.metric("neuron_di_generation_tokens_total")
     time.sleep(0.5)  # an observation window, not a wait: nothing may generate any more
     assert decode.metric("neuron_di_generation_tokens_total") == tokens
+
+
+def test_fifty_clients_closing_before_the_first_byte_leave_no_generated_tokens(stack) -> None:
+    """Nobody reads a byte, so nothing beyond one engine step per request may be generated, and
+    both workers free every block within the target."""
+    proxy, prefill, decode = stack
+    before = decode.metric("neuron_di_generation_tokens_total")
+
+    async def run() -> None:
+        await asyncio.gather(*(send_and_leave(proxy.port, "/v1/completions", {**BODY, "stream": i % 2 == 0})
+                               for i in range(50)))
+    asyncio.run(run())
+    wait_until(lambda: prefill.blocks_used() == decode.blocks_used() == 0, timeout=FREE_WITHIN_S,
+               what="both workers to free every block")
+    generated = decode.metric("neuron_di_generation_tokens_total") - before
+    # One step of a request that was already running when its abort arrived adds one token.
+    assert generated <= 50, f"the decode worker generated {generated} tokens nobody read"
