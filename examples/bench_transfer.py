@@ -4,8 +4,11 @@ Moves the same set of non-contiguous KV blocks (64 MiB, 256 MiB and 1 GiB of 16-
 blocks of the model's layout) from this process into a peer process with each backend,
 and in the same run measures the two ceilings they should approach: a single-thread
 memcpy between two pre-touched buffers (for shm) and one raw TCP stream on loopback
-(for tcp). Prints a table; `--json PATH` writes GB/s per backend and size plus the
-ratios for the largest size; `--quick` runs 64 and 256 MiB only, in under a minute.
+(for tcp). Each backend also runs with the integrity check (`+check`: the sender's CRC-32
+of its source blocks while the push runs, then the receiver's of its destination blocks,
+compared), next to `crc32`, zlib's CRC-32 over one buffer. Prints a table; `--json PATH`
+writes GB/s per backend and size plus the ratios for the largest size; `--quick` runs 64
+and 256 MiB only, in under a minute.
 
     python examples/bench_transfer.py --quick --json bench.json
 """
@@ -21,6 +24,7 @@ import statistics
 import struct
 import sys
 import time
+import zlib
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
@@ -83,6 +87,21 @@ class Memcpy:
         del self._src, self._dst
 
 
+class Crc32:
+    """zlib's CRC-32 over one pre-touched buffer, read in place: the integrity check's cost per byte."""
+
+    name = "crc32"
+
+    def __init__(self, nbytes: int) -> None:
+        self._buf = memoryview(touched(nbytes).numpy())
+
+    def run(self, size: int) -> None:
+        zlib.crc32(self._buf[:size * MIB])
+
+    def close(self) -> None:
+        self._buf.release()
+
+
 def _raw_tcp_receiver(port_out: Connection, nbytes: int) -> None:
     buf = memoryview(touched(nbytes).numpy())
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -124,8 +143,9 @@ def _peer(backend: str, layout: dict[str, Any], conn: Connection) -> None:
     engine = create_transfer_engine(backend)
     pool = engine.allocate_region(KVLayout.from_dict(layout))
     conn.send(engine.descriptor())
-    while (ids := conn.recv()) is not None:  # block ids whose bytes the bench checks
-        conn.send(_bytes(pool, ids))
+    while (ask := conn.recv()) is not None:  # ("bytes" | "checksum", block ids)
+        what, ids = ask
+        conn.send(_bytes(pool, ids) if what == "bytes" else engine.checksum(ids))
     engine.close()
 
 
@@ -147,13 +167,20 @@ class EngineSession:
         self._pool.view(-1).view(torch.uint8)[::4093] = 7  # a pattern the peer must end up with
         self._peer = self._engine.connect(self._conn.recv())
 
-    def run(self, size: int) -> None:
+    def run(self, size: int, checked: bool = False) -> None:
+        """One push; `checked`: as a pull with the integrity check runs it (neuron_connector)."""
         src, dst = self._sets[size]
-        self._engine.queue_transfer_with_token(self._peer, src, dst, timeout=120).wait(130)
+        token = self._engine.queue_transfer_with_token(self._peer, src, dst, timeout=120)
+        sent = self._engine.checksum(src, dst) if checked else None
+        token.wait(130)
+        if checked:
+            self._conn.send(("checksum", dst))
+            if self._conn.recv() != sent:
+                raise SystemExit(f"{self.name}: the destination's checksum differs from the source's")
 
     def check(self, size: int) -> None:
         src, dst = self._sets[size]
-        self._conn.send(dst[:4])
+        self._conn.send(("bytes", dst[:4]))
         if self._conn.recv() != _bytes(self._pool, src[:4]):
             raise SystemExit(f"{self.name}: destination bytes differ from the source")
 
@@ -164,12 +191,28 @@ class EngineSession:
         self._proc.kill()
 
 
+class Checked:
+    """An EngineSession's pushes with the integrity check, reported as `<backend>+check`."""
+
+    warm = True   # its session's warm-up run did the first touches
+
+    def __init__(self, session: EngineSession) -> None:
+        self.name = f"{session.name}+check"
+        self._session = session
+
+    def run(self, size: int) -> None:
+        self._session.run(size, checked=True)
+
+    def close(self) -> None:
+        pass   # the session is closed on its own
+
+
 def measure(sessions: list[Any], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
     """Median GB/s per session and size, the sessions taking turns run by run so that
     load from elsewhere on the machine hits the baseline and the backend alike."""
     rates: dict[str, dict[int, list[float]]] = {s.name: {size: [] for size in sizes} for s in sessions}
     for size in sizes:
-        for session in sessions:
+        for session in [s for s in sessions if not getattr(s, "warm", False)]:
             session.run(size)  # warm-up: connections, first touches
             getattr(session, "check", lambda _: None)(size)
         for _ in range(repeats):
@@ -181,11 +224,13 @@ def measure(sessions: list[Any], sizes: list[int], repeats: int) -> dict[str, di
 
 
 def run_group(makers: list[Callable[[], Any]], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Runs the sessions `makers` make in turns, each EngineSession also with the integrity check."""
     sessions: list[Any] = []
     try:
         for make in makers:
             sessions.append(make())
-        return measure(sessions, sizes, repeats)
+        checked = [Checked(s) for s in sessions if isinstance(s, EngineSession)]
+        return measure(sessions + checked, sizes, repeats)
     finally:
         for session in sessions:
             session.close()
@@ -206,9 +251,9 @@ def block_sets(layout: KVLayout, sizes: list[int], pattern: str) -> dict[int, tu
 
 
 def print_table(results: dict[str, dict[int, float]], sizes: list[int]) -> None:
-    print(f"{'GB/s':<10}" + "".join(f"{f'{s} MiB':>12}" for s in sizes))
+    print(f"{'GB/s':<12}" + "".join(f"{f'{s} MiB':>12}" for s in sizes))
     for name, row in results.items():
-        print(f"{name:<10}" + "".join(f"{row[s]:>12.2f}" for s in sizes))
+        print(f"{name:<12}" + "".join(f"{row[s]:>12.2f}" for s in sizes))
 
 
 def ratio(results: dict[str, dict[int, float]], a: str, b: str, size: int) -> float | None:
@@ -228,7 +273,7 @@ def main() -> None:
     engine = lambda name: (lambda: EngineSession(name, layout, sets))  # noqa: E731
     # Each backend runs in turns with the ceiling it is compared to; one group at a time
     # keeps at most four pools of the largest size in memory.
-    groups = [[lambda: Memcpy(nbytes)] + ([engine("shm")] if "shm" in args.backends else []),
+    groups = [[lambda: Memcpy(nbytes), lambda: Crc32(nbytes)] + ([engine("shm")] if "shm" in args.backends else []),
               [lambda: RawTcp(nbytes)] + ([engine("tcp")] if "tcp" in args.backends else [])]
     groups += [[engine(b)] for b in args.backends if b not in ("shm", "tcp")]
     results: dict[str, dict[int, float]] = {}
@@ -242,7 +287,8 @@ def main() -> None:
     ratios = {"shm_over_memcpy": ratio(results, "shm", "memcpy", top),
               "tcp_over_raw_tcp": ratio(results, "tcp", "raw_tcp", top),
               "shm_over_nixl": ratio(results, "shm", "nixl", top),
-              "tcp_over_nixl": ratio(results, "tcp", "nixl", top)}
+              "tcp_over_nixl": ratio(results, "tcp", "nixl", top),
+              **{f"{b}_check_over_{b}": ratio(results, f"{b}+check", b, top) for b in args.backends}}
     print(f"ratios at {top} MiB: " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
     if args.json:
         args.json.write_text(json.dumps({

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from common.roles import DEFAULT_KV_PORT
 from neuron_connector.errors import (
-    ConnectorError, DuplicateRequest, EngineMismatch, HandshakeError, LayoutMismatch, PeerUnavailable,
-    ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
+    ConnectorError, DuplicateRequest, EngineMismatch, HandshakeError, IntegrityError, LayoutMismatch,
+    PeerUnavailable, ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
 from neuron_connector.pulls import PullState, PullStatus
 from neuron_connector.registry import Registration, WorkerRecord
 
@@ -52,8 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_KV_PORT",
-    "ConnectorError", "DuplicateRequest", "EngineMismatch", "HandshakeError", "LayoutMismatch", "PeerUnavailable",
-    "ProtocolError", "PullTimeout", "RegistrationError", "UnknownRequest",
+    "ConnectorError", "DuplicateRequest", "EngineMismatch", "HandshakeError", "IntegrityError", "LayoutMismatch",
+    "PeerUnavailable", "ProtocolError", "PullTimeout", "RegistrationError", "UnknownRequest",
     "PullState", "PullStatus", "RecvBuffer", "SendBuffer", "SendStats",
     "Registration", "WorkerRecord",
 ]

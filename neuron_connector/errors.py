@@ -8,6 +8,7 @@
     │   └── EngineMismatch  the peer's handshake names another engine than the pull expects
     │                       (e.g. another prefill worker restarted on that address)
     ├── PullTimeout         the prefill peer had no finished request for the id before the deadline
+    ├── IntegrityError      the blocks a pull received do not match the checksum the prefill peer sent
     ├── PeerUnavailable     the prefill peer could not be reached
     ├── RegistrationError   etcd registration failed (etcd unreachable, lease lost)
     ├── UnknownRequest      a request id this side does not know
@@ -37,6 +38,10 @@ class EngineMismatch(HandshakeError):
 
 
 class PullTimeout(ConnectorError):
+    pass
+
+
+class IntegrityError(ConnectorError):
     pass
 
 

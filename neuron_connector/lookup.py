@@ -129,14 +129,15 @@ class LookupTable:
         # Fewer blocks: the peer already holds the prompt's first blocks (its prefix cache).
         return Start(entry.block_ids[len(entry.block_ids) - len(dst):], dst)
 
-    def transfer_done(self, request_id: str, error: str | None,
-                      now: float) -> tuple[bytes, LookupReply] | None:
-        """Ends a started transfer; returns (peer, reply) to send, and queues the release."""
+    def transfer_done(self, request_id: str, error: str | None, now: float,
+                      checksum: int | None = None) -> tuple[bytes, LookupReply] | None:
+        """Ends a started transfer; returns (peer, reply) to send, and queues the release.
+        `checksum`: of the blocks sent, for a lookup that asked for one."""
         entry = self._entries.get(request_id)
         if entry is None or entry.peer is None:
             return None
         peer = entry.peer
-        return peer, self._finish(request_id, peer, error or entry.ended, now)
+        return peer, self._finish(request_id, peer, error or entry.ended, now, checksum)
 
     def expire(self, now: float) -> None:
         """Releases requests nobody pulled within abort_timeout; forgets old tombstones."""
@@ -174,10 +175,11 @@ class LookupTable:
             self._tombstones[request_id] = _Tombstone(None, LookupReply(request_id, False, error=error),
                                                       now + self.abort_timeout, released)
 
-    def _finish(self, request_id: str, peer: bytes | None, error: str | None, now: float) -> LookupReply:
+    def _finish(self, request_id: str, peer: bytes | None, error: str | None, now: float,
+                checksum: int | None = None) -> LookupReply:
         entry = self._entries.pop(request_id)
         if error is None:
-            reply = LookupReply(request_id, True, entry.output_token, entry.dst)
+            reply = LookupReply(request_id, True, entry.output_token, entry.dst, checksum=checksum)
         else:
             reply = LookupReply(request_id, False, error=error)
         self._tombstones[request_id] = _Tombstone(peer, reply, now + self.abort_timeout)

@@ -24,6 +24,10 @@ BAD_REQUEST = "bad_request"
 HANDSHAKE_REQUIRED = "handshake_required"
 LAYOUT_MISMATCH = "layout_mismatch"
 
+# Checksums a LookupAll may ask for (transfer.checksum); the reply carries the value.
+CRC32 = "crc32"
+CHECKSUMS = (CRC32,)
+
 
 def _load(data: bytes) -> dict[str, Any]:
     try:
@@ -97,18 +101,22 @@ class KVMapInit:
 
 @dataclass(frozen=True, slots=True)
 class LookupAll:
-    """`timeout_s`: how long D still waits; P's transfer must not write after that."""
+    """`timeout_s`: how long D still waits; P's transfer must not write after that.
+    `checksum`: the checksum (one of CHECKSUMS) P computes over the blocks it sends."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
     block_ids_in_peer_device: tuple[int, ...]
     timeout_s: float | None = None
+    checksum: str | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
                                "block_ids_in_peer_device": list(self.block_ids_in_peer_device)}
         if self.timeout_s is not None:
             obj["timeout_s"] = self.timeout_s
+        if self.checksum is not None:
+            obj["checksum"] = self.checksum
         return _dump(obj)
 
     @classmethod
@@ -116,9 +124,12 @@ class LookupAll:
         timeout = _get(obj, "timeout_s", (int, float), None)
         if timeout is not None and not timeout > 0:
             raise ProtocolError(f"field 'timeout_s' must be positive, got {timeout}")
+        checksum = _get(obj, "checksum", str, None)
+        if checksum is not None and checksum not in CHECKSUMS:
+            raise ProtocolError(f"field 'checksum' must be one of {list(CHECKSUMS)}, got {checksum!r}")
         return cls(request_id=_request_id(obj),
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
-                   timeout_s=None if timeout is None else float(timeout))
+                   timeout_s=None if timeout is None else float(timeout), checksum=checksum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +184,8 @@ class KVMapReply:
 
 @dataclass(frozen=True, slots=True)
 class LookupReply:
-    """`success=False` without `error`: not finished yet, retry. With `error`: terminal."""
+    """`success=False` without `error`: not finished yet, retry. With `error`: terminal.
+    `checksum`: on success, the value of the checksum the lookup asked for (a uint32 CRC-32)."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
@@ -181,12 +193,15 @@ class LookupReply:
     output_token: int | None = None
     block_ids_in_peer_device: tuple[int, ...] = field(default=())
     error: str | None = None
+    checksum: int | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id, "success": self.success}
         if self.success:
             obj["output_token"] = self.output_token
             obj["block_ids_in_peer_device"] = list(self.block_ids_in_peer_device)
+            if self.checksum is not None:
+                obj["checksum"] = self.checksum
         if self.error is not None:
             obj["error"] = self.error
         return _dump(obj)
@@ -196,8 +211,11 @@ class LookupReply:
         rid, success = _request_id(obj), _get(obj, "success", bool)
         if not success:
             return cls(request_id=rid, success=False, error=_get(obj, "error", str, None))
+        checksum = _get(obj, "checksum", int, None)
+        if checksum is not None and not 0 <= checksum < 2**32:
+            raise ProtocolError(f"field 'checksum' must be a 32-bit unsigned integer, got {checksum}")
         return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int),
-                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"))
+                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum)
 
 
 @dataclass(frozen=True, slots=True)

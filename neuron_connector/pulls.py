@@ -11,6 +11,10 @@ A pull cancelled before it ended, or timed out while the peer kept answering "no
 queues a `release` for its peer (`take_releases`): the prefill frees the request's blocks
 then, not at its abort timeout. `release` queues one for a request that never had a pull.
 
+With `checksum` set, every lookup asks the peer for that checksum of the blocks it sends;
+the owner computes the same over our blocks when the reply comes (`on_reply`), and a pull
+whose two values differ, or whose peer sent none, fails instead of turning DONE.
+
 A pull may name the prefill engine it expects. A peer whose handshake names another
 engine fails it; a pull that began after the handshake first asks for a new one, since the
 peer may have restarted as the engine the pull names since.
@@ -21,8 +25,8 @@ import enum
 from dataclasses import dataclass
 
 from neuron_connector.errors import (
-    ConnectorError, DuplicateRequest, EngineMismatch, PeerUnavailable, ProtocolError, PullTimeout,
-    UnknownRequest)
+    ConnectorError, DuplicateRequest, EngineMismatch, IntegrityError, PeerUnavailable, ProtocolError,
+    PullTimeout, UnknownRequest)
 from neuron_connector.protocol import LookupAll, LookupReply, Release
 
 
@@ -70,6 +74,7 @@ class PullTracker:
     grace: float = 5.0
     first_backoff: float = 0.005
     max_backoff: float = 0.02
+    checksum: str | None = None         # one of protocol.CHECKSUMS: verify every pull with it
 
     def __post_init__(self) -> None:
         self._pulls: dict[str, _Pull] = {}
@@ -101,7 +106,7 @@ class PullTracker:
                 continue
             pull.sent_at = now
             left = max(pull.deadline - now, 0.001)
-            out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3))))
+            out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3), self.checksum)))
         return out
 
     def take_stale_peers(self) -> list[str]:
@@ -123,7 +128,8 @@ class PullTracker:
                     f"pull of {pull.request_id!r}: expected prefill engine {pull.engine_id} at {peer}, "
                     f"found {engine_id}")))
 
-    def on_reply(self, reply: LookupReply, now: float) -> None:
+    def on_reply(self, reply: LookupReply, now: float, local_checksum: int | None = None) -> None:
+        """`local_checksum`: the checksum of our blocks the reply names, when it carries one."""
         pull = self._pulls.get(reply.request_id)
         if pull is None or pull.result is not PENDING or pull.sent_at is None:
             return  # a duplicate answer to a resent lookup
@@ -135,6 +141,13 @@ class PullTracker:
             self._end(pull, PullStatus(PullState.FAILED, error=ProtocolError(
                 f"prefill peer {pull.peer} filled blocks {list(reply.block_ids_in_peer_device)} of "
                 f"{pull.request_id!r}, we offered {list(pull.dst)}")))
+        elif reply.success and self.checksum is not None and reply.checksum is None:
+            self._end(pull, PullStatus(PullState.FAILED, error=ProtocolError(
+                f"prefill peer {pull.peer} sent no {self.checksum} checksum of {pull.request_id!r}")))
+        elif reply.success and self.checksum is not None and reply.checksum != local_checksum:
+            self._end(pull, PullStatus(PullState.FAILED, error=IntegrityError(
+                f"KV blocks of {pull.request_id!r} from prefill peer {pull.peer} are corrupt: {self.checksum} "
+                f"{_hex(local_checksum)} of our blocks {list(pull.dst)}, the peer sent {_hex(reply.checksum)}")))
         elif reply.success:
             self._end(pull, PullStatus(PullState.DONE, output_token=reply.output_token))
         elif reply.error is not None:
@@ -240,3 +253,7 @@ class PullTracker:
                                    "complete the handshake before the deadline")
         return PullTimeout(f"pull of {pull.request_id!r}: prefill peer {pull.peer} did not report the "
                            "request finished before the deadline (unknown id, or prefill never done)")
+
+
+def _hex(checksum: int | None) -> str:
+    return "none" if checksum is None else f"{checksum:#010x}"

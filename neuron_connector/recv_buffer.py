@@ -10,7 +10,7 @@ from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_c
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
-    HANDSHAKE_REQUIRED, ErrorReply, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
+    CRC32, HANDSHAKE_REQUIRED, ErrorReply, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
     decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
 from transfer import KVLayout, TransferError
@@ -38,17 +38,23 @@ class RecvBuffer:
     worst extra latency after the prefill finishes); an unanswered lookup is resent after
     `resend_after`; a pull whose lookup is unanswered at its deadline waits `grace` more
     seconds for the answer, since the peer may be writing into our blocks.
+
+    With `integrity_check`, every lookup asks the peer for a CRC-32 of the blocks it sends,
+    and a pull turns DONE only once the same checksum over our blocks matches; otherwise it
+    fails with IntegrityError (and our blocks are free to reuse, as after any failure).
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, identity: str,
                  default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
-                 max_backoff: float = 0.02, on_finished: Callable[[str], None] | None = None) -> None:
+                 max_backoff: float = 0.02, on_finished: Callable[[str], None] | None = None,
+                 integrity_check: bool = False) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.identity = identity
         self.default_timeout = default_timeout
         self._resend_after = resend_after
-        self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff)
+        self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff,
+                                  checksum=CRC32 if integrity_check else None)
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
         self._on_finished = on_finished
@@ -198,21 +204,34 @@ class RecvBuffer:
             except ProtocolError as exc:
                 log.warning("bad reply from %s: %s", address, exc)
                 continue
+            # Outside the lock: the blocks named are ours until the pull ends, and summing
+            # them takes a while.
+            local_checksum = self._local_checksum(reply)
             with self._lock:
                 try:
-                    answer = self._on_reply(address, reply)
+                    answer = self._on_reply(address, reply, local_checksum)
                 except Exception:  # noqa: BLE001 - one bad reply must not stop every pull
                     log.exception("handling a reply from %s failed", address)
                     answer = None
             if answer is not None:
                 channel.send(answer)
 
-    def _on_reply(self, address: str, reply: Any) -> bytes | None:
+    def _local_checksum(self, reply: Any) -> int | None:
+        """Our checksum of the blocks a successful lookup names, if it carries the peer's."""
+        if not isinstance(reply, LookupReply) or reply.checksum is None or self._pulls.checksum is None:
+            return None
+        try:
+            return self._engine.checksum(reply.block_ids_in_peer_device)
+        except TransferError as exc:   # ids not ours: the pull fails on them (or on the mismatch)
+            log.warning("no checksum of the blocks of %r: %s", reply.request_id, exc)
+            return None
+
+    def _on_reply(self, address: str, reply: Any, local_checksum: int | None = None) -> bytes | None:
         link, now = self._links.get(address), time.monotonic()
         if link is None:
             return None
         if isinstance(reply, LookupReply):
-            self._pulls.on_reply(reply, now)
+            self._pulls.on_reply(reply, now, local_checksum)
         elif isinstance(reply, HandshakeReply):
             return link.on_handshake(reply, now)
         elif isinstance(reply, KVMapReply) or (isinstance(reply, ErrorReply)

@@ -38,6 +38,16 @@ class SendStats:
     bad_messages: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Push:
+    """A queued transfer, and the checksum of its source blocks when the lookup asked for one."""
+
+    token: CompletionToken
+    started: float
+    num_blocks: int
+    checksum: int | None
+
+
 class SendBuffer:
     """The prefill worker's end of the signal plane: a ROUTER served by its own thread.
 
@@ -45,7 +55,8 @@ class SendBuffer:
     then queues the push of its blocks; `on_release(request_id)` is called from this
     buffer's thread once the blocks may be freed (pulled, failed, discarded, released by the
     decode peer whose request is gone, or expired), and
-    `on_transfer(seconds, num_blocks)` once for every push that completed.
+    `on_transfer(seconds, num_blocks)` once for every push that completed. A lookup that
+    asks for a checksum gets one over the source blocks, computed while the push runs.
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it
     still waits, so a peer that gave up never has its blocks written afterwards.
     """
@@ -64,7 +75,7 @@ class SendBuffer:
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
         self._peers: dict[bytes, Any] = {}                       # identity -> transfer peer
-        self._running: dict[str, tuple[CompletionToken, float, int]] = {}  # id -> (token, start, blocks)
+        self._running: dict[str, _Push] = {}                     # request id -> its running push
         self._service = ServiceThread()
         self._context = new_context()
         self._router: RouterChannel | None = None
@@ -144,7 +155,7 @@ class SendBuffer:
     def _poll_interval(self) -> float:
         if not self._running:
             return _IDLE_POLL_S
-        youngest = time.monotonic() - max(start for _, start, _ in self._running.values())
+        youngest = time.monotonic() - max(push.started for push in self._running.values())
         return min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_MIN_S, youngest / 10))
 
     def _drain_router(self) -> None:
@@ -211,7 +222,7 @@ class SendBuffer:
         if isinstance(decision, InProgress):
             return None
         timeout = min(self.transfer_timeout, message.timeout_s or self.transfer_timeout)
-        return self._start(rid, peer, decision, timeout)
+        return self._start(rid, peer, decision, timeout, message.checksum is not None)
 
     def _release(self, identity: bytes, rid: str) -> None:
         """A decode peer's request is gone; the release itself goes out at the end of this loop turn."""
@@ -221,45 +232,55 @@ class SendBuffer:
         if not accepted:
             log.warning("%r released request %s, which another decode peer is pulling: ignored", identity, rid)
 
-    def _start(self, rid: str, peer: Any, start: Start, timeout: float) -> LookupReply | None:
-        token = CompletionToken()
+    def _start(self, rid: str, peer: Any, start: Start, timeout: float, checksum: bool) -> LookupReply | None:
+        token, started = CompletionToken(), time.monotonic()
         try:
             self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token,
                                                    timeout=timeout)
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
-        self._running[rid] = (token, time.monotonic(), len(start.src))
+        # The source blocks stay pinned: summing them while they are copied reads what is sent.
+        self._running[rid] = _Push(token, started, len(start.src),
+                                   self._checksum(rid, start) if checksum else None)
         return None
+
+    def _checksum(self, rid: str, start: Start) -> int | None:
+        try:
+            return self._engine.checksum(start.src, start.dst)
+        except TransferError as exc:   # bad ids: the transfer's token reports them too
+            log.warning("no checksum for the push of %r: %s", rid, exc)
+            return None
 
     def _check_transfers(self) -> None:
         assert self._router is not None
-        for rid, (token, started, num_blocks) in list(self._running.items()):
-            if not token.is_done():
+        for rid, push in list(self._running.items()):
+            if not push.token.is_done():
                 continue
             del self._running[rid]
             try:
-                token.wait(0)
+                push.token.wait(0)
                 error = None
             except TransferError as exc:
                 error = f"transfer of {rid!r} failed: {exc}"
             if error is None and self._on_transfer is not None:
                 try:
-                    self._on_transfer(time.monotonic() - started, num_blocks)
+                    self._on_transfer(time.monotonic() - push.started, push.num_blocks)
                 except Exception:  # noqa: BLE001 - a metrics callback must not kill the signal plane
                     log.exception("on_transfer for %r raised", rid)
-            done = self._transfer_done(rid, error)
+            done = self._transfer_done(rid, error, push.checksum)
             if done is not None and not self._router.send(done[0], done[1].to_bytes()):
                 log.warning("peer %r left before the reply for %s", done[0], rid)
 
-    def _transfer_done(self, rid: str, error: str | None) -> tuple[bytes, LookupReply] | None:
+    def _transfer_done(self, rid: str, error: str | None,
+                       checksum: int | None = None) -> tuple[bytes, LookupReply] | None:
         if error is None:
             self.stats.transfers_ok += 1
         else:
             self.stats.transfers_failed += 1
             log.warning("%s", error)
         with self._lock:
-            return self._table.transfer_done(rid, error, time.monotonic())
+            return self._table.transfer_done(rid, error, time.monotonic(), checksum)
 
     def _release_due(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ import torch
 
 from transfer.backend import Backend
 from transfer.blocks import plan_runs
+from transfer.checksum import blocks_crc32
 from transfer.errors import InvalidBlocks, PeerLost, RegionNotRegistered, TransferError
 from transfer.layout import KVLayout
 from transfer.peer import Job, Peer
@@ -176,6 +177,19 @@ class TransferEngine:
         except TransferError as exc:
             token._finish(exc)
         return token
+
+    def checksum(self, block_ids: Sequence[int], dst_block_ids: Sequence[int] | None = None) -> int:
+        """CRC-32 of our blocks `block_ids` as a push lays them into the peer's `dst_block_ids`
+        (default: the same ids), so a sender's checksum of its source blocks equals the
+        receiver's of its destination blocks when every byte arrived (transfer.checksum).
+
+        Raises RegionNotRegistered without a pool, InvalidBlocks for bad ids.
+        """
+        region = self._region
+        if region is None:
+            raise RegionNotRegistered("no local region is registered")
+        ids = _ints(block_ids)
+        return blocks_crc32(region.flat, region.layout, ids, ids if dst_block_ids is None else _ints(dst_block_ids))
 
     def close(self) -> None:
         """Disconnects every peer, stops transports and frees the region; idempotent."""

@@ -31,6 +31,7 @@ class NeuronConnectorConfig:
     model: str = ""                      # registered model name; "" = vLLM's served model name
     abort_timeout: float = 60.0          # prefill: free published blocks nobody pulled by then
     pull_timeout: float = 30.0           # decode: fail a pull not done by then
+    kv_integrity_check: bool = False     # decode: verify every pull with a checksum the prefill sends
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:
@@ -60,6 +61,7 @@ class NeuronConnectorConfig:
             raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
         for name, value in extra.items():
             kind = type(known[name].default)
-            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            if (isinstance(value, bool) and kind is not bool) or not isinstance(
+                    value, (int, float) if kind is float else kind):
                 raise ValueError(f"kv_connector_extra_config.{name} must be {kind.__name__}, got {value!r}")
         return cls(role=role, **extra)

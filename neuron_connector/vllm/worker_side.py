@@ -71,7 +71,7 @@ class WorkerSide:
                 self.send.start()
             else:
                 self.recv = RecvBuffer(self._transfer, self.layout, identity=engine_id,
-                                       default_timeout=cfg.pull_timeout)
+                                       default_timeout=cfg.pull_timeout, integrity_check=cfg.kv_integrity_check)
                 self.recv.start()
             if cfg.etcd:
                 self._registration = Registration(cfg.etcd, self._record(engine_id), ttl=cfg.etcd_ttl)

@@ -67,14 +67,16 @@ class Pair:
             return list(self.released)
 
 
-def make_pair(backend: str = "shm", abort_timeout: float = 60.0, grace: float = 2.0) -> Pair:
-    p_engine, p_pool = engine_with_pool(backend, seed=1)
+def make_pair(backend: str = "shm", abort_timeout: float = 60.0, grace: float = 2.0,
+              integrity_check: bool = False, p_engine: Any = None) -> Pair:
+    """`p_engine`: the prefill's transfer engine, without a pool yet (default: a real one of `backend`)."""
+    p_engine, p_pool = engine_with_pool(backend, seed=1, engine=p_engine)
     d_engine, d_pool = engine_with_pool(backend)
     pair = Pair(None, None, p_pool, d_pool, [p_engine, d_engine])  # type: ignore[arg-type]
     pair.send = SendBuffer(p_engine, LAYOUT, "prefill-0", "127.0.0.1", 0, pair.on_release,
                            abort_timeout=abort_timeout, on_transfer=pair.on_transfer)
     pair.recv = RecvBuffer(d_engine, LAYOUT, identity="127.0.0.1:8200", default_timeout=10.0,
-                           grace=grace, on_finished=pair.on_finished)
+                           grace=grace, on_finished=pair.on_finished, integrity_check=integrity_check)
     return pair
 
 

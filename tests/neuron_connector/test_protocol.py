@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from neuron_connector.errors import ProtocolError
 from neuron_connector.protocol import (
-    HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
+    CRC32, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
     LookupReply, Release, decode_reply, decode_request, request_fields)
 
 LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, "head_dim": 8,
@@ -20,6 +20,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     KVMapInit(LAYOUT, {"engine_id": "d0", "transports": {"tcp": {"port": 1}}}),
     LookupAll("req-1", (3, 0, 7)),
     LookupAll("req-1", (3,), timeout_s=2.5),
+    LookupAll("req-1", (3,), timeout_s=2.5, checksum=CRC32),
     Release("req-1"),
 ])
 def test_requests_round_trip(message: object) -> None:
@@ -32,6 +33,8 @@ def test_requests_round_trip(message: object) -> None:
     LookupReply("req-1", False),
     LookupReply("req-1", False, error="aborted"),
     LookupReply("req-1", True, 42, (5, 6)),
+    LookupReply("req-1", True, 42, (5, 6), checksum=0),
+    LookupReply("req-1", True, 42, (5, 6), checksum=2**32 - 1),
     ErrorReply("no", HANDSHAKE_REQUIRED, "lookup_all", "req-1"),
     ErrorReply("bad json"),
 ])
@@ -49,6 +52,8 @@ def test_wire_format_matches_the_design() -> None:
     assert json.loads(LookupReply("r", False).to_bytes()) == {
         "type": "lookup_all", "request_id": "r", "success": False}
     assert json.loads(Release("r").to_bytes()) == {"type": "release", "request_id": "r"}
+    assert json.loads(LookupAll("r", (1,), checksum="crc32").to_bytes())["checksum"] == "crc32"
+    assert json.loads(LookupReply("r", True, 9, (1,), checksum=0xDEADBEEF).to_bytes())["checksum"] == 0xDEADBEEF
     hello = json.loads(HandshakeReply(1.0, "p0", {}).to_bytes())
     assert hello["status"] == "ok" and hello["timestamp"] == 1.0 and hello["engine_id"] == "p0"
     assert json.loads(ErrorReply("boom").to_bytes())["status"] == "error"
@@ -69,6 +74,10 @@ def test_wire_format_matches_the_design() -> None:
     (b'{"type": "kv_map_init", "kv_map": [], "transfer": {}}', "'kv_map' must be"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "timeout_s": 0}',
      "'timeout_s' must be positive"),
+    (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "checksum": "md5"}',
+     "'checksum' must be one of \\['crc32'\\], got 'md5'"),
+    (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "checksum": true}',
+     "'checksum' must be"),
     (b'{"type": "release"}', "lacks field 'request_id'"),
     (b'{"type": "release", "request_id": ""}', "must not be empty"),
     (b'{"type": "release", "request_id": ["r"]}', "must be"),
@@ -84,6 +93,15 @@ def test_bad_replies_raise_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="output_token"):
         decode_reply(b'{"type": "lookup_all", "request_id": "r", "success": true, "output_token": true,'
                      b' "block_ids_in_peer_device": []}')
+
+
+@pytest.mark.parametrize("checksum, fragment", [
+    ("-1", "32-bit unsigned"), (str(2**32), "32-bit unsigned"), ('"abc"', "must be"), ("true", "got a bool"),
+    ("1.5", "must be")])
+def test_bad_reply_checksums_raise_protocol_error(checksum: str, fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        decode_reply(b'{"type": "lookup_all", "request_id": "r", "success": true, "output_token": 1,'
+                     b' "block_ids_in_peer_device": [], "checksum": ' + checksum.encode() + b"}")
 
 
 def test_request_fields_reads_what_it_can() -> None:

@@ -16,6 +16,8 @@ def test_config_from_vllm_settings() -> None:
     config = NeuronConnectorConfig.from_vllm("kv_consumer", {"kv_transport": "tcp", "pull_timeout": 5})
     assert (config.role, config.kv_transport, config.pull_timeout) == ("decode", "tcp", 5)
     assert NeuronConnectorConfig.from_vllm("kv_producer", None).role == "prefill"
+    assert NeuronConnectorConfig.from_vllm("kv_consumer", None).kv_integrity_check is False
+    assert NeuronConnectorConfig.from_vllm("kv_consumer", {"kv_integrity_check": True}).kv_integrity_check is True
 
 
 @pytest.mark.parametrize("kv_role, extra, message", [
@@ -24,6 +26,8 @@ def test_config_from_vllm_settings() -> None:
     ("kv_producer", {"kv_port": "1"}, "kv_port must be int"),
     ("kv_producer", {"kv_port": True}, "kv_port must be int"),
     ("kv_producer", {"kv_transport": "rdma"}, "kv_transport must be one of"),
+    ("kv_consumer", {"kv_integrity_check": "yes"}, "kv_integrity_check must be bool"),
+    ("kv_consumer", {"kv_integrity_check": 1}, "kv_integrity_check must be bool"),
     ("kv_producer", {"etcd": "127.0.0.1:2379"}, "http_port .* is required with etcd"),
     ("kv_consumer", {"pull_timeout": 0}, "pull_timeout must be positive"),
 ])

@@ -2,6 +2,7 @@
 ZMQ and shared memory, driven with the orders vLLM's scheduler side would send."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator
 
 import pytest
@@ -14,11 +15,11 @@ from tests.helpers import free_port, wait_until
 from tests.vllm.test_connector_logic import vllm_like_caches
 
 
-@pytest.fixture
-def sides() -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
+@contextmanager
+def worker_sides(integrity_check: bool = False) -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
     kv_port = free_port()
     prefill = WorkerSide(NeuronConnectorConfig("prefill", kv_port=kv_port, abort_timeout=30), "m")
-    decode = WorkerSide(NeuronConnectorConfig("decode", pull_timeout=3), "m")
+    decode = WorkerSide(NeuronConnectorConfig("decode", pull_timeout=3, kv_integrity_check=integrity_check), "m")
     p_caches, d_caches = vllm_like_caches(3, blocks=8), vllm_like_caches(3, blocks=8)
     try:
         prefill.register(p_caches)
@@ -27,6 +28,18 @@ def sides() -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.fixture
+def sides() -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
+    with worker_sides() as four:
+        yield four
+
+
+@pytest.fixture
+def checked_sides() -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
+    with worker_sides(integrity_check=True) as four:
+        yield four
 
 
 def collect(side: WorkerSide, finished: set[str], want: str, timeout: float = 10) -> TransferResults:
@@ -39,6 +52,18 @@ def collect(side: WorkerSide, finished: set[str], want: str, timeout: float = 10
         return bool(getattr(seen, want))
     wait_until(done, timeout=timeout, what=want)
     return seen
+
+
+def test_a_checked_pull_of_vllm_blocks_lands_every_layer(checked_sides) -> None:
+    prefill, decode, p_caches, d_caches = checked_sides
+    for tensor in p_caches.values():
+        tensor.copy_(torch.randn_like(tensor))
+    prefill.apply(StepOrders(publish=[Publish("p-req", "uid1", (2, 7, 3), output_token=9)]))
+    decode.apply(StepOrders(pull=[Pull("d-req", "uid1", "127.0.0.1", prefill.send.port, (6, 0, 1))]))
+    got = collect(decode, set(), "finished_recving")
+    assert got.finished_recving == {"d-req"} and not got.failed_recving
+    for name in p_caches:
+        assert torch.equal(d_caches[name][[6, 0, 1]], p_caches[name][[2, 7, 3]])
 
 
 def test_pull_lands_every_layer_and_prefill_reports_sent_after_vllm_finished_it(sides) -> None:

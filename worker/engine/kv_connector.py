@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from common.roles import DEFAULT_KV_PORT
-from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, ProtocolError, PullState, RecvBuffer,
-                              SendBuffer, UnknownRequest)
+from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, IntegrityError, ProtocolError,
+                              PullState, RecvBuffer, SendBuffer, UnknownRequest)
 from transfer import KVLayout, TransferError, create_transfer_engine
 from worker.errors import KVTransferError, invalid
 
@@ -37,6 +37,7 @@ class KVConnectorConfig:
     engine_id: str = ""                    # signal-plane id; "" = the transfer engine's transfer_id
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
+    integrity_check: bool = False          # decode: verify every pull with a checksum the prefill sends
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,8 @@ class KVConnector:
         self.wake: Callable[[], None] = lambda: None   # set by the engine's driver thread
         # Prefill: called from the SendBuffer thread with (seconds, blocks, bytes) per completed push.
         self.on_transfer: Callable[[float, int, int], None] = lambda seconds, blocks, nbytes: None
+        # Decode with integrity_check: called from take_finished with the outcome of each verified pull.
+        self.on_integrity_check: Callable[[bool], None] = lambda ok: None
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._transfer: Any = None
@@ -108,7 +111,8 @@ class KVConnector:
                 self.send.start()
             else:
                 self.recv = RecvBuffer(self._transfer, layout, identity=engine_id,
-                                       default_timeout=cfg.pull_timeout, on_finished=self._on_finished)
+                                       default_timeout=cfg.pull_timeout, on_finished=self._on_finished,
+                                       integrity_check=cfg.integrity_check)
                 self.recv.start()
         except (TransferError, ConnectorError) as exc:
             self.close()
@@ -165,7 +169,11 @@ class KVConnector:
             if status.state is PullState.DONE:
                 assert status.output_token is not None
                 results.done.append((request_id, status.output_token))
+                if self.config.integrity_check:
+                    self.on_integrity_check(True)
             elif status.state is PullState.FAILED:
+                if isinstance(status.error, IntegrityError):
+                    self.on_integrity_check(False)
                 results.failed.append((request_id, KVTransferError(
                     f"KV transfer of request {request_id!r} from the prefill worker failed: {status.message}",
                     retryable=_retryable(status.error))))

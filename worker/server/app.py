@@ -87,6 +87,7 @@ class _Worker:
         self.metrics = ServerMetrics(self.model_name)
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
+            engine.kv_connector.on_integrity_check = self.metrics.integrity_checked
 
     def shutdown_started(self, grace: float) -> None:
         """The server stopped accepting: requests get `grace` seconds to finish. Then the engine stops and

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill: free KV blocks not pulled within this many seconds (default 60)")
     kv.add_argument("--kv-pull-timeout", type=float, default=30.0,
                     help="decode: fail a request whose KV has not arrived within this many seconds (default 30)")
+    kv.add_argument("--kv-integrity-check", action="store_true",
+                    help="decode: ask the prefill worker for a CRC-32 of the KV blocks it sends and fail the "
+                         "request (kv_transfer_error) when the blocks received do not match")
     kv.add_argument("--etcd", default=None, help="host:port of etcd to register this worker in (optional)")
     kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
     return parser
@@ -137,7 +140,7 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Cal
         connector = KVConnector(KVConnectorConfig(
             role=engine_config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
             engine_id=_engine_id(args), abort_timeout=args.kv_abort_timeout,
-            pull_timeout=args.kv_pull_timeout))
+            pull_timeout=args.kv_pull_timeout, integrity_check=args.kv_integrity_check))
         try:
             return LLMEngine(engine_config, kv_connector=connector)
         except BaseException:

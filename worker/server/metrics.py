@@ -44,9 +44,17 @@ class ServerMetrics:
                                        registry=self.registry)
         self.transfer_bytes = Counter("neuron_di_kv_transfer_bytes", "Prefill: KV bytes pushed.", labels,
                                       registry=self.registry)
+        self.integrity_checks = Counter(
+            "neuron_di_kv_integrity_checks", "Decode: KV pulls whose checksum was verified (--kv-integrity-check).",
+            labels, registry=self.registry)
+        self.integrity_failures = Counter(
+            "neuron_di_kv_integrity_failures", "Decode: KV pulls failed because their checksum did not match.",
+            labels, registry=self.registry)
         self.requests = Counter("neuron_di_requests", "Requests answered, by finish reason or error status.",
                                 [*labels, "outcome"], registry=self.registry)
         self.model_name = model_name
+        for counter in (self.integrity_checks, self.integrity_failures):
+            counter.labels(model_name)    # shown as 0 before the first pull
 
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.labels(self.model_name).set(stats.num_running)
@@ -60,6 +68,12 @@ class ServerMetrics:
         self.transfer_seconds.labels(self.model_name).observe(seconds)
         self.transfer_blocks.labels(self.model_name).inc(num_blocks)
         self.transfer_bytes.labels(self.model_name).inc(num_bytes)
+
+    def integrity_checked(self, ok: bool) -> None:
+        """Counts one pull whose checksum was compared, and a mismatch."""
+        self.integrity_checks.labels(self.model_name).inc()
+        if not ok:
+            self.integrity_failures.labels(self.model_name).inc()
 
     def request_done(self, outcome: str) -> None:
         """Counts a finished request: a finish reason ("stop", "length", "abort") or an HTTP status."""
