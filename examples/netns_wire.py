@@ -6,7 +6,7 @@ Ethernet frames between them, with a fixed delay, random loss, or a cut (every f
 It creates both TAP devices, prints "ready", and serves until its standard input closes (so
 it never outlives the process that started it). Each line on standard input sets the link:
 `{"delay_ms": 20, "loss_pct": 1.5, "up": true}` (fields left out keep their value); each is
-answered with "ok" or "error: ...". This is netem's delay and loss done in user space, for
+answered with "ok" or "error: ...". It also ends when a TAP device is deleted. This is netem's delay and loss done in user space, for
 kernels built without sch_netem; the hosts see an ordinary Ethernet link either way.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Wire:
         self._queue: collections.deque[tuple[float, int, bytes]] = collections.deque()
 
     def serve(self, control: int) -> None:
-        """Runs until `control` (a line-based command fd) reaches end of file."""
+        """Runs until `control` (a line-based command fd) reaches end of file or a device is deleted."""
         pending = b""
         while True:
             timeout = max(0.0, self._queue[0][0] - time.monotonic()) if self._queue else None
@@ -84,8 +84,8 @@ class Wire:
                     line, pending = pending.split(b"\n", 1)
                     self._command(line)
             for fd in ready:
-                if fd in self._peer:
-                    self._take(fd)
+                if fd in self._peer and not self._take(fd):
+                    return
             self._release()
 
     def _command(self, line: bytes) -> None:
@@ -96,12 +96,15 @@ class Wire:
             answer = f"error: {exc}"
         print(answer, flush=True)
 
-    def _take(self, fd: int) -> None:
+    def _take(self, fd: int) -> bool:
+        """Queues the frames waiting on `fd`; False once its device is gone (its namespace was deleted)."""
         while True:
             try:
                 frame = os.read(fd, _MAX_FRAME)
             except BlockingIOError:
-                return
+                return True
+            except OSError:
+                return False
             if not self.state.up or self._rng.random() * 100 < self.state.loss_pct:
                 continue
             self._queue.append((time.monotonic() + self.state.delay_ms / 1000, self._peer[fd], frame))

@@ -74,8 +74,8 @@ class Process:
     def __init__(self, name: str, args: Sequence[str], core: int | None = None,
                  env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
         self.name = name
-        prefix = f"neuron-di-{name}-".replace(" ", "-")
-        self.log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
+        log_name = f"neuron-di-{name}-".replace(" ", "-")
+        self.log = tempfile.NamedTemporaryFile(prefix=log_name, suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1", **(env or {})}
         # Pinned in the child before exec, so no thread of it ever runs on another core.
