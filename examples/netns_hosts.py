@@ -6,11 +6,11 @@
         hosts.link.set(delay_ms=20, loss_pct=1)     # the cable between a and b only
         hosts.link.set(up=False)                    # cut it; up=True restores it
 
-Layout (every name carries the creating process's pid, so parallel runs never meet):
+Layout (every name carries the creating process's pid and a serial, so parallel runs never meet):
 
-    host a (netns ndi-PID-a)  data 10.77.D.1 ── cable (examples/netns_wire.py) ── data 10.77.D.2  host b
+    host a (netns ndi-PID-Na)  data 10.77.D.1 ── cable (examples/netns_wire.py) ── data 10.77.D.2  host b
              mgmt 10.77.M.1 ─┐                                                  ┌─ mgmt 10.77.M.2
-                             └──── bridge in netns ndi-PID-lan ─────────────────┘
+                             └──── bridge in netns ndi-PID-Nlan ─────────────────┘
                                           │
                            this process: 10.77.M.254 (the one interface added to its namespace)
 
@@ -26,6 +26,7 @@ namespaces of runs that were killed are reaped on the next start.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from serving_stack import ROOT
 NS_PREFIX = "ndi-"
 _SUBNETS = range(16, 240)   # third octet of the 10.77.x.0/24 networks we may use
 _CMD_TIMEOUT_S = 20.0
+_SERIALS = itertools.count()
 
 
 class NetnsUnavailable(RuntimeError):
@@ -67,7 +69,7 @@ def check_available() -> None:
     if os.geteuid() != 0:
         raise NetnsUnavailable("network namespaces need root (this process is not)")
     if shutil.which("ip") is None:
-        raise NetnsUnavailable("iproute2's `ip` is not installed (scripts/bootstrap.sh --netns installs it)")
+        raise NetnsUnavailable("iproute2's `ip` is not installed (scripts/bootstrap.sh --etcd installs it)")
     if not os.path.exists("/dev/net/tun"):
         raise NetnsUnavailable("/dev/net/tun is missing: the cable between hosts needs TAP devices")
     probe = f"{NS_PREFIX}{os.getpid()}-probe"
@@ -82,7 +84,7 @@ def reap_stale_namespaces() -> list[str]:
     reaped = []
     for line in ip("netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        match = re.fullmatch(rf"{NS_PREFIX}(\d+)-\w+", name)
+        match = re.fullmatch(rf"{NS_PREFIX}(\d+)-\d+[a-z]+", name)
         if match and not os.path.exists(f"/proc/{match.group(1)}"):
             ip("netns", "del", name, check=False)
             reaped.append(name)
@@ -170,8 +172,9 @@ class TwoHosts:
     def __init__(self, mtu: int = 9000) -> None:
         self._mtu = mtu
         self._exit = ExitStack()
-        self._tag = f"{NS_PREFIX}{os.getpid()}"
-        self._root_if = f"nd{os.getpid()}r"
+        serial = next(_SERIALS)  # several TwoHosts of one process get names of their own
+        self._tag = f"{NS_PREFIX}{os.getpid()}-{serial}"
+        self._if = f"nd{os.getpid()}{serial}"
 
     def __enter__(self) -> TwoHosts:
         check_available()
@@ -192,12 +195,13 @@ class TwoHosts:
         ip("-n", lan, "link", "add", "br0", "type", "bridge")
         ip("-n", lan, "link", "set", "br0", "up")
         # The only interface in our own namespace; deleting its peer namespace deletes it too.
-        ip("link", "add", self._root_if, "type", "veth", "peer", "name", "lan-root", "netns", lan)
-        self._exit.callback(ip, "link", "del", self._root_if, check=False)
+        root_if = f"{self._if}r"
+        ip("link", "add", root_if, "type", "veth", "peer", "name", "lan-root", "netns", lan)
+        self._exit.callback(ip, "link", "del", root_if, check=False)
         self._join_lan(lan, "lan-root")
-        ip("addr", "add", f"10.77.{mgmt}.254/24", "dev", self._root_if)
-        ip("link", "set", self._root_if, "up")
-        taps = {"a": f"nd{os.getpid()}a", "b": f"nd{os.getpid()}b"}
+        ip("addr", "add", f"10.77.{mgmt}.254/24", "dev", root_if)
+        ip("link", "set", root_if, "up")
+        taps = {"a": f"{self._if}a", "b": f"{self._if}b"}
         self.link = Cable(taps["a"], taps["b"])
         self._exit.callback(self.link.close)
         hosts = {}
@@ -215,7 +219,7 @@ class TwoHosts:
         self.a, self.b = hosts["a"], hosts["b"]
 
     def _netns(self, name: str) -> str:
-        netns = f"{self._tag}-{name}"
+        netns = f"{self._tag}{name}"
         ip("netns", "add", netns)
         self._exit.callback(ip, "netns", "del", netns, check=False)
         ip("-n", netns, "link", "set", "lo", "up")

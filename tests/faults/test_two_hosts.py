@@ -21,11 +21,13 @@ from netns_hosts import NetnsUnavailable, TwoHosts, check_available  # noqa: E40
 from serving_load import LoadSpec  # noqa: E402
 from serving_stack import StackOptions  # noqa: E402
 
-PULL_TIMEOUT_S = 5.0
+# Short, so a cut ends requests soon; long enough that prefills queued behind each other under the
+# loads below never run past it.
+PULL_TIMEOUT_S = 10.0
 OPTIONS = StackOptions(kv_transport="auto")
 DI_FLAGS = ["--kv-pull-timeout", f"{PULL_TIMEOUT_S:g}", "--kv-abort-timeout", f"{2 * PULL_TIMEOUT_S:g}"]
 # Past the pull deadline, the proxy's answer and some queueing: a request still unanswered then hangs.
-REQUEST_DEADLINE_S = 6 * PULL_TIMEOUT_S
+REQUEST_DEADLINE_S = 4 * PULL_TIMEOUT_S
 
 
 def namespaces_or_skip() -> None:
@@ -89,7 +91,7 @@ def test_a_cut_while_kv_moves_fails_clearly_frees_blocks_and_recovers(two_hosts:
 @pytest.mark.parametrize("fault", [LinkFault("delay", delay_ms=20), LinkFault("loss", loss_pct=2),
                                    LinkFault("delay+loss", delay_ms=20, loss_pct=2)], ids=lambda f: f.name)
 def test_delay_and_loss_under_load(two_hosts: TwoHostStack, fault: LinkFault) -> None:
-    assert_all_exact(run_fault(two_hosts, fault, load(24, (50, 1200), seed=10, concurrency=8)))
+    assert_all_exact(run_fault(two_hosts, fault, load(24, (50, 800), seed=10, concurrency=4)))
 
 
 @pytest.mark.slow
