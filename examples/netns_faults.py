@@ -1,5 +1,7 @@
 """A 1P1D stack across two network-namespace hosts, and faults on the cable between them.
 
+    sudo python examples/netns_faults.py --requests 24 --concurrency 8 --delay-ms 20 --loss-pct 1.5
+
 Host a runs the prefill worker; host b the decode worker and the proxy (beside decode, so a
 decode leg's error reaches the proxy even while the cable is cut); a `both` worker in this
 process's namespace gives the reference answers. Workers use `--kv-transport auto`, which
@@ -27,8 +29,11 @@ namespaces cannot be made (not root, no iproute2).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import re
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -36,11 +41,13 @@ from typing import Any, Sequence
 
 import httpx
 
+from common.roles import DEFAULT_KV_PORT
 from netns_hosts import Host, TwoHosts
 from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests
 from serving_stack import Stack, StackOptions, free_port, proxy_args, started, wait_healthy, worker_args
 
-PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8100, 8200, 8000
+# Every host has its own ports, so both use the defaults, as separate machines would.
+PREFILL_PORT, DECODE_PORT, PROXY_PORT, KV_PORT = 8100, 8200, 8000, DEFAULT_KV_PORT
 BLOCKS_USED = re.compile(r"^neuron_di_kv_blocks_used(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
 TRANSFERRING = re.compile(r"^neuron_di_requests_transferring(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
 
@@ -99,7 +106,7 @@ def start_two_host_di(hosts: TwoHosts, options: StackOptions, extra: Sequence[st
     reference_port = free_port()
 
     def build(stack: Stack) -> None:
-        stack.start("prefill worker", worker_on(a, "prefill", PREFILL_PORT, options, extra, kv_port=14579),
+        stack.start("prefill worker", worker_on(a, "prefill", PREFILL_PORT, options, extra, kv_port=KV_PORT),
                     prefix=a.prefix)
         stack.start("decode worker", worker_on(b, "decode", DECODE_PORT, options, extra), prefix=b.prefix)
         stack.start("reference worker", worker_args("both", reference_port, options))
@@ -265,3 +272,24 @@ def run_link_faults(spec: LoadSpec, faults: Sequence[LinkFault], pull_timeout_s:
         two = start_two_host_di(hosts, options, extra)
         with two.stack:
             return [run_fault(two, fault, spec) for fault in faults]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=24, help="requests per fault (default 24)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
+    parser.add_argument("--input-len", type=int, nargs=2, default=(50, 1200), metavar=("MIN", "MAX"))
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="delay of the delay+loss fault (default 20)")
+    parser.add_argument("--loss-pct", type=float, default=1.5, help="loss of the delay+loss fault (default 1.5)")
+    parser.add_argument("--pull-timeout", type=float, default=10.0, help="the workers' --kv-pull-timeout")
+    args = parser.parse_args(argv)
+    spec = LoadSpec(num_prompts=args.requests, input_len=tuple(args.input_len), output_len=(4, 16),
+                    max_concurrency=args.concurrency, request_timeout_s=4 * args.pull_timeout)
+    faults = [LinkFault("delay+loss", delay_ms=args.delay_ms, loss_pct=args.loss_pct), LinkFault("cut", cut=True)]
+    for counts in run_link_faults(spec, faults, args.pull_timeout):
+        print(json.dumps(counts.as_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

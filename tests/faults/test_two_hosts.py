@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Iterator
 
+import httpx
 import pytest
 
 from tests.helpers import ROOT
@@ -67,6 +68,9 @@ def assert_all_exact(counts: FaultCounts) -> None:
 def test_auto_moves_kv_over_tcp_between_hosts_and_serves_exactly(two_hosts: TwoHostStack) -> None:
     counts = run_fault(two_hosts, LinkFault("none"), load(4, (20, 200), seed=1))
     assert_all_exact(counts)
+    # Listening on 0.0.0.0, the prefill worker shows the proxy its cable address (--advertise-host).
+    record = httpx.get(f"{two_hosts.worker_urls['prefill worker']}/health", timeout=10).json()["worker"]
+    assert (record["host"], record["kv_host"]) == (two_hosts.hosts.a.address,) * 2
     prefill_log = next(p for p in two_hosts.stack.processes if p.name == "prefill worker").tail(100_000)
     assert "KV blocks go over tcp" in prefill_log
     assert "KV blocks go over shm" not in prefill_log
