@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -80,14 +81,21 @@ def check_available() -> None:
 
 
 def reap_stale_namespaces() -> list[str]:
-    """Deletes our namespaces whose creating process is gone (a run killed before it cleaned up)."""
+    """Deletes our namespaces whose creating process is gone (a run killed before it cleaned up),
+    killing the processes that run was running in them."""
     reaped = []
     for line in ip("netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         match = re.fullmatch(rf"{NS_PREFIX}(\d+)-\d+[a-z]+", name)
-        if match and not os.path.exists(f"/proc/{match.group(1)}"):
-            ip("netns", "del", name, check=False)
-            reaped.append(name)
+        if not match or os.path.exists(f"/proc/{match.group(1)}"):
+            continue
+        for pid in ip("netns", "pids", name, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        ip("netns", "del", name, check=False)
+        reaped.append(name)
     return reaped
 
 

@@ -19,7 +19,7 @@ from tests.helpers import ROOT, wait_until
 
 sys.path.insert(0, str(ROOT / "examples"))
 
-from netns_hosts import Host, NetnsUnavailable, TwoHosts, check_available, ip  # noqa: E402
+from netns_hosts import Host, NetnsUnavailable, TwoHosts, check_available, ip, reap_stale_namespaces  # noqa: E402
 from netns_wire import LinkState, Wire  # noqa: E402
 
 
@@ -125,3 +125,21 @@ def test_hosts_reach_each_other_over_the_cable_and_are_gone_afterwards() -> None
             assert ours() != (set(), set())
             raise RuntimeError("the body failed")
     assert ours() == (set(), set())
+
+
+def test_namespaces_of_a_killed_run_are_reaped_with_their_processes() -> None:
+    namespaces_or_skip()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"ndi-{dead.pid}-0a"
+    ip("netns", "add", stale)
+    left = subprocess.Popen(["ip", "netns", "exec", stale, sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        wait_until(lambda: ip("netns", "pids", stale).stdout.split() == [str(left.pid)], timeout=30)
+        assert stale in reap_stale_namespaces()
+        assert left.wait(timeout=10) == -9
+        assert stale not in ip("netns", "list").stdout
+    finally:
+        left.kill()
+        left.wait(timeout=10)
+        ip("netns", "del", stale, check=False)

@@ -87,6 +87,7 @@ def test_a_cut_while_kv_moves_fails_clearly_frees_blocks_and_recovers(two_hosts:
     assert counts.sent == 4
     assert counts.hung == counts.wrong == 0, counts.errors
     assert counts.clear_error >= 1, counts
+    assert any("kv_transfer_error" in error for error in counts.errors), counts.errors
     assert counts.blocks_leaked == 0
     assert counts.recover_s is not None
 
