@@ -8,18 +8,19 @@
 
 Layout (every name carries the creating process's pid and a serial, so parallel runs never meet):
 
-    host a (netns ndi-PID-Na)  data 10.77.D.1 ── cable (examples/netns_wire.py) ── data 10.77.D.2  host b
-             mgmt 10.77.M.1 ─┐                                                  ┌─ mgmt 10.77.M.2
-                             └──── bridge in netns ndi-PID-Nlan ─────────────────┘
-                                          │
-                           this process: 10.77.M.254 (the one interface added to its namespace)
+    host a (netns ndi-PID-Na)                                       host b (netns ndi-PID-Nb)
+      data 10.77.D.1 ──── cable (examples/netns_wire.py) ──── data 10.77.D.2
+      mgmt 10.77.M.1 ─┐                                  ┌─ mgmt 10.77.M.2
+                      └─── bridge in netns ndi-PID-Nlan ─┘
+                                      │
+                 this process: 10.77.M.254 (the one interface added to its namespace)
 
 Processes on the hosts advertise their data address, so everything between a and b (HTTP
 legs, the KV signal plane, KV blocks) crosses the cable and suffers its faults. The
 management LAN lets this process, the test client, reach every host whatever the cable's
 state: servers there listen on 0.0.0.0, and `host.mgmt_url(port)` is how to reach them.
-The cable is a user-space frame copier (the kernel here has no sch_netem), with netem's
-fixed delay and random loss. Leaving the context stops the cable and deletes the namespaces
+The cable is a user-space frame copier rather than tc netem, which many kernels (ours
+included) are built without; it gives netem's fixed delay and random loss. Leaving the context stops the cable and deletes the namespaces
 and the interface it created (run processes on the hosts inside it and stop them first);
 namespaces of runs that were killed are reaped on the next start.
 """

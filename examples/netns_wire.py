@@ -6,8 +6,9 @@ Ethernet frames between them, with a fixed delay, random loss, or a cut (every f
 It creates both TAP devices, prints "ready", and serves until its standard input closes (so
 it never outlives the process that started it). Each line on standard input sets the link:
 `{"delay_ms": 20, "loss_pct": 1.5, "up": true}` (fields left out keep their value); each is
-answered with "ok" or "error: ...". It also ends when a TAP device is deleted. This is netem's delay and loss done in user space, for
-kernels built without sch_netem; the hosts see an ordinary Ethernet link either way.
+answered with "ok" or "error: ...". It also ends when a TAP device is deleted. This is
+netem's delay and loss done in user space, for kernels built without sch_netem; the hosts see
+an ordinary Ethernet link either way.
 """
 from __future__ import annotations
 

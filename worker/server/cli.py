@@ -164,9 +164,10 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
     async def publish() -> None:
         engine = worker.async_engine.llm_engine
         kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
-        worker.record = WorkerRecord(role=engine_config.role, host=args.advertise_host or args.host, http_port=args.port,
-                                     kv_host=args.kv_host, kv_port=kv_port, engine_id=_engine_id(args),
-                                     transfer={"backend": args.kv_transport}, model=engine.model_name)
+        worker.record = WorkerRecord(role=engine_config.role, host=args.advertise_host or args.host,
+                                     http_port=args.port, kv_host=args.kv_host, kv_port=kv_port,
+                                     engine_id=_engine_id(args), transfer={"backend": args.kv_transport},
+                                     model=engine.model_name)
         if args.etcd is None:
             return
         registration = Registration(args.etcd, worker.record, ttl=args.etcd_ttl)
