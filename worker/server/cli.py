@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--role", choices=ROLES, default="both",
                         help="both: prefill and decode here; prefill/decode: one side of disaggregated serving")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--advertise-host", default=None,
+                        help="address others reach this worker at, registered in etcd and shown in GET /health "
+                             "(default: --host; give one when --host is 0.0.0.0)")
     server.add_argument("--port", type=_port, default=8100, help="HTTP port (default 8100)")
     server.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads")
     server.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
@@ -164,9 +167,10 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
     async def publish() -> None:
         engine = worker.async_engine.llm_engine
         kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
-        worker.record = WorkerRecord(role=engine_config.role, host=args.host, http_port=args.port,
-                                     kv_host=args.kv_host, kv_port=kv_port, engine_id=_engine_id(args),
-                                     transfer={"backend": args.kv_transport}, model=engine.model_name)
+        worker.record = WorkerRecord(role=engine_config.role, host=args.advertise_host or args.host,
+                                     http_port=args.port, kv_host=args.kv_host, kv_port=kv_port,
+                                     engine_id=_engine_id(args), transfer={"backend": args.kv_transport},
+                                     model=engine.model_name)
         if args.etcd is None:
             return
         registration = Registration(args.etcd, worker.record, ttl=args.etcd_ttl)
