@@ -31,6 +31,7 @@ class NeuronConnectorConfig:
     model: str = ""                      # registered model name; "" = vLLM's served model name
     abort_timeout: float = 60.0          # prefill: free published blocks nobody pulled by then
     pull_timeout: float = 30.0           # decode: fail a pull not done by then
+    kv_secret_file: str = ""             # the shared KV secret (mode 600); "" = $NEURON_DI_KV_SECRET_FILE or none
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:
