@@ -209,24 +209,29 @@ class SendBuffer:
 
     def _handshake(self, identity: bytes, message: Handshake) -> HandshakeReply | ErrorReply:
         """Opens the connection's session, unless another live session holds the engine id."""
+        self._drop_gone_sessions(but=identity)
         holder = self._sessions.holder(message.engine_id, identity)
-        if holder is not None and self._alive(holder):
+        if holder is not None:
             self.stats.engine_id_conflicts += 1
             log.warning("refused connection %s as decode engine %r: another live connection (%s) holds that id",
                         identity.hex(), message.engine_id, holder.hex())
             return ErrorReply(f"prefill {self.engine_id} refused engine id {message.engine_id!r}: another live "
                               "decode worker holds it; give each decode worker a unique --engine-id",
                               ENGINE_ID_IN_USE, Handshake.TYPE)
-        if holder is not None:
-            self._sessions.drop(holder)    # that decode worker reconnected or is gone
         session = self._sessions.open(identity, message.engine_id, message.nonce)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
                               authenticated=self._secret is not None)
 
-    def _alive(self, identity: bytes) -> bool:
-        """A send to a routing id whose connection is gone fails at once; a full queue is alive."""
+    def _drop_gone_sessions(self, but: bytes) -> None:
+        """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
+        or vanished), so their engine ids are free again. With ROUTER_MANDATORY a send to such a
+        routing id fails at once, while a full queue means the peer is alive; handshakes are rare,
+        so probing every session then is cheap, and the table never outgrows the live sessions."""
         assert self._router is not None
-        return self._router.send(identity, Probe().to_bytes()) is not Delivery.PEER_GONE
+        probe = Probe().to_bytes()
+        for identity in self._sessions.routing_ids():
+            if identity != but and self._router.send(identity, probe) is Delivery.PEER_GONE:
+                self._sessions.drop(identity)
 
     def _kv_map_init(self, identity: bytes, message: KVMapInit) -> KVMapReply | ErrorReply:
         session = self._sessions.get(identity)

@@ -4,8 +4,8 @@ The ROUTER gives every connection its own routing id; a Handshake on it opens a 
 bound to the decode engine id it names, and the session is established once its
 kv_map_init was accepted (with a KV secret: once its proof checked out). Lookups and
 releases count only from established sessions. An engine id is bound to one session at a
-time: the owner asks `holder` before `open`, and refuses the newcomer while the holder's
-connection is alive (or drops the holder when it is gone).
+time: the owner drops the sessions whose connection is gone, then asks `holder` before
+`open` and refuses the newcomer while another session holds its id.
 """
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ class SessionTable:
         if session is not None and self._bound.get(session.engine_id) == routing_id:
             del self._bound[session.engine_id]
         return session
+
+    def routing_ids(self) -> list[bytes]:
+        return list(self._sessions)
 
     def routing_id_of(self, engine_id: str) -> bytes | None:
         return self._bound.get(engine_id)

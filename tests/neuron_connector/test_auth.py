@@ -170,3 +170,17 @@ def test_a_second_live_decode_with_the_same_engine_id_is_refused(make_pair) -> N
     finally:
         twin.close()
         twin_engine.close()
+
+
+def test_sessions_of_connections_that_left_are_forgotten(make_pair, raw_dealer) -> None:
+    pair = make_pair(None, None)
+    pull_exactly(pair, "first", [1], [1], 10)
+    for i in range(5):
+        gone = raw_dealer(pair.send.port)
+        assert ask(gone, Handshake(f"gone-{i}", new_nonce()).to_bytes())["status"] == "ok"
+        gone.close()
+    newcomer = raw_dealer(pair.send.port)
+    # Each handshake forgets the sessions whose connection is gone: the decode peer's and its own stay.
+    wait_until(lambda: ask(newcomer, Handshake("newcomer", new_nonce()).to_bytes())["status"] == "ok"
+               and len(pair.send._sessions) == 2, timeout=10, what="the gone sessions forgotten")
+    pull_exactly(pair, "still", [2], [2], 11)
