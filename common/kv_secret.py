@@ -12,6 +12,7 @@ import hmac
 import os
 import secrets
 import stat
+from typing import Any
 
 SECRET_FILE_ENV = "NEURON_DI_KV_SECRET_FILE"
 _NONCE_BYTES = 16
@@ -61,10 +62,15 @@ def verify(secret: bytes, label: bytes, claimed: object, *parts: str) -> bool:
     return isinstance(claimed, str) and hmac.compare_digest(claimed.encode(), proof(secret, label, *parts).encode())
 
 
-def describe_plane(where: str, host: str, secret: bytes | None) -> str:
-    """One start-up line: where the KV plane listens, who can reach it, whether it is authenticated."""
+def describe_plane(host: str, signal_port: int | None, transports: dict[str, Any], secret: bytes | None) -> str:
+    """One start-up line: where the KV plane listens (the signal plane's port on a prefill worker, the
+    transports of a transfer descriptor), who can reach it, and whether it is authenticated."""
+    where = [f"signal plane {host}:{signal_port}"] if signal_port is not None else []
+    where += [f"{name} {info['host']}:{info['port']}" for name, info in transports.items()
+              if isinstance(info, dict) and "host" in info and "port" in info]
+    where += ["shm segment (this host's user only, mode 0600)" for name in transports if name == "shm"]
     reach = ("loopback: reachable only from this host" if host in ("127.0.0.1", "::1", "localhost")
              else "reachable from other hosts")
     auth = ("authenticated with the shared KV secret (HMAC; not encrypted)" if secret is not None
             else f"NOT authenticated (no --kv-secret-file or {SECRET_FILE_ENV})")
-    return f"KV plane listens on {where} ({reach}); {auth}"
+    return f"KV plane listens on {', '.join(where) or 'no socket'} ({reach}); {auth}"

@@ -83,7 +83,8 @@ class WorkerSide:
             raise
         log.info("NeuronConnector %s: %s pool %s over %s%s", cfg.role, engine_id, self.layout.describe(),
                  self._transfer.backend, f", signal plane on port {self.send.port}" if self.send else "")
-        log.info("%s", describe_plane(f"{cfg.kv_host} ({self._transfer.backend})", cfg.kv_host, secret))
+        log.info("%s", describe_plane(cfg.kv_host, self.send.port if self.send else None,
+                                      self._transfer.descriptor()["transports"], secret))
 
     def _record(self, engine_id: str) -> WorkerRecord:
         cfg = self.config

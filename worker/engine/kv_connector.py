@@ -115,17 +115,9 @@ class KVConnector:
         except (TransferError, ConnectorError) as exc:
             self.close()
             raise KVTransferError(f"KV connector ({cfg.transport}) failed to start: {exc}") from exc
-        logger.info("%s", describe_plane(self._where(), cfg.kv_host, cfg.secret))
+        logger.info("%s", describe_plane(cfg.kv_host, self.send.port if self.send is not None else None,
+                                         self._transfer.descriptor()["transports"], cfg.secret))
         return pool
-
-    def _where(self) -> str:
-        """The KV plane's listening sockets: the signal plane (prefill) and the transports' listeners."""
-        where = [f"signal plane {self.config.kv_host}:{self.send.port}"] if self.send is not None else []
-        transports = self._transfer.descriptor().get("transports", {})
-        where += [f"{name} {info['host']}:{info['port']}" for name, info in transports.items()
-                  if "host" in info and "port" in info]
-        where += ["shm segment (this host's user only, mode 0600)" for name in transports if name == "shm"]
-        return ", ".join(where) or "no socket"
 
     # ---- prefill ------------------------------------------------------------------------------
 
