@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 from typing import Any, Iterator
 
 import httpx
@@ -14,6 +16,7 @@ import zmq
 from common.kv_secret import new_nonce
 from neuron_connector.protocol import Handshake, LookupAll, Release
 from tests.di.workers import disaggregated, worker_pair
+from tests.helpers import wait_until
 from tests.worker_process import WorkerProcess
 
 SHARED_ID = "decode-shared"
@@ -95,3 +98,22 @@ def test_an_intruder_posing_as_a_live_decode_worker_changes_nothing(workers, bot
     assert [r.json()["choices"] if r.status_code == 200 else r.text for r in got] == want
     for worker in (prefill, victim):
         worker.wait_blocks_free()
+
+
+def test_a_frozen_decode_worker_loses_its_engine_id_within_seconds(workers, both_worker: WorkerProcess) -> None:
+    """A peer that stops answering (its host gone, here its process stopped) misses the signal plane's
+    heartbeats: the prefill worker drops its connection, and the id is free for another decode worker."""
+    prefill, frozen, second = workers
+    request = bodies(1, seed=3)
+    want = answers(both_worker, request)[0]
+    assert asyncio.run(through(prefill, [frozen], request))[0].json()["choices"] == want
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    try:
+        def second_served() -> bool:
+            response = asyncio.run(through(prefill, [second], request))[0]
+            return response.status_code == 200 and response.json()["choices"] == want
+        wait_until(second_served, timeout=30, interval=0.5, what="the second decode worker to take the id")
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    for worker in workers:
+        worker.wait_blocks_free(timeout=ABORT_TIMEOUT_S + 20)
