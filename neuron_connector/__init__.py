@@ -5,13 +5,16 @@ Prefill workers serve KV lookups with a `SendBuffer`; decode workers pull with a
 reads back and watches (`proxy.discovery.EtcdDiscovery`).
 
     # prefill
-    send = SendBuffer(engine, layout, engine_id, "0.0.0.0", kv_port, on_release=free_blocks)
+    # secret: bytes from common.kv_secret.resolve_secret, or None (unauthenticated)
+    send = SendBuffer(engine, layout, engine_id, "127.0.0.1", kv_port, on_release=free_blocks,
+                      secret=secret)
     send.start()
     send.publish(request_id, block_ids, first_token)       # prefill done; blocks stay pinned
     send.discard(request_id)                               # aborted
 
     # decode
-    recv = RecvBuffer(engine, layout, identity=f"{host}:{http_port}", on_finished=wake_engine)
+    recv = RecvBuffer(engine, layout, engine_id=unique_id, on_finished=wake_engine,
+                      secret=secret)   # one live session per engine id on each prefill peer
     recv.start()
     recv.request_pull(request_id, p_host, p_kv_port, dst_block_ids,
                       peer_engine_id=p_engine_id)          # optional: EngineMismatch if another answers
@@ -28,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from common.roles import DEFAULT_KV_PORT
 from neuron_connector.errors import (
-    ConnectorError, DuplicateRequest, EngineMismatch, HandshakeError, IntegrityError, LayoutMismatch,
-    PeerUnavailable, ProtocolError, PullTimeout, RegistrationError, UnknownRequest)
+    ConnectorError, DuplicateRequest, EngineIdInUse, EngineMismatch, HandshakeError, IntegrityError,
+    LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout, RegistrationError, Unauthorized, UnknownRequest)
 from neuron_connector.pulls import PullState, PullStatus
 from neuron_connector.registry import Registration, WorkerRecord
 
@@ -52,8 +55,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_KV_PORT",
-    "ConnectorError", "DuplicateRequest", "EngineMismatch", "HandshakeError", "IntegrityError", "LayoutMismatch",
-    "PeerUnavailable", "ProtocolError", "PullTimeout", "RegistrationError", "UnknownRequest",
+    "ConnectorError", "DuplicateRequest", "EngineIdInUse", "EngineMismatch", "HandshakeError", "IntegrityError",
+    "LayoutMismatch", "PeerUnavailable", "ProtocolError", "PullTimeout", "RegistrationError", "Unauthorized",
+    "UnknownRequest",
     "PullState", "PullStatus", "RecvBuffer", "SendBuffer", "SendStats",
     "Registration", "WorkerRecord",
 ]

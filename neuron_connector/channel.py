@@ -2,11 +2,16 @@
 
 A channel belongs to exactly one thread (ZMQ sockets are not thread-safe); other threads
 reach that thread through a `Waker` (a pipe the poller also watches) plus shared state.
-Sends never block: a reply to a peer that is gone or whose queue is full is dropped and
-reported as `False`, so a slow or dead peer cannot stall the serving loop.
+Sends never block: a reply to a peer that is gone or whose queue is full is dropped, so a
+slow or dead peer cannot stall the serving loop; the ROUTER says which of the two it was.
+
+Sessions: a DEALER chooses no routing id; the ROUTER assigns one per connection, so a
+reconnect is a new session and no peer can claim another's. Heartbeats drop a connection
+whose peer vanished (its host gone) within seconds.
 """
 from __future__ import annotations
 
+import enum
 import os
 import threading
 from typing import Callable, Union
@@ -19,6 +24,16 @@ from neuron_connector.errors import PeerUnavailable
 HIGH_WATER_MARK = 1024
 _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 3000
+
+
+class Delivery(enum.Enum):
+    """What became of a ROUTER send."""
+
+    SENT = "sent"
+    QUEUE_FULL = "queue_full"     # the peer is connected but slow: it is alive
+    PEER_GONE = "peer_gone"       # no connection has this routing id (any more)
 
 
 class Waker:
@@ -96,18 +111,20 @@ def _configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
     sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
 
 
 class RouterChannel:
-    """P's ROUTER: bound at `host:port` (0 picks a free port), addressed by peer identity."""
+    """P's ROUTER: bound at `host:port` (0 picks a free port), addressed by the routing id it
+    assigned to each connection."""
 
     def __init__(self, context: zmq.Context, host: str, port: int) -> None:
         self.socket = context.socket(zmq.ROUTER)
         _configure(self.socket)
-        # Without MANDATORY a ROUTER silently drops replies to unknown or full peers.
+        # Without MANDATORY a ROUTER silently drops replies to unknown or full peers. No
+        # ROUTER_HANDOVER: a connection announcing a routing id already in use is refused.
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A decode worker that reconnects (same identity) takes over its old slot.
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             if port == 0:
                 self.port = self.socket.bind_to_random_port(f"tcp://{host}")
@@ -128,25 +145,26 @@ class RouterChannel:
             return b"", b""
         return frames[0], frames[1]
 
-    def send(self, identity: bytes, payload: bytes) -> bool:
+    def send(self, identity: bytes, payload: bytes) -> Delivery:
         try:
             self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
-            return True
-        except (zmq.Again, zmq.ZMQError):
-            return False  # EHOSTUNREACH (peer gone) or queue full: the peer retries
+            return Delivery.SENT
+        except zmq.Again:
+            return Delivery.QUEUE_FULL
+        except zmq.ZMQError:
+            return Delivery.PEER_GONE   # EHOSTUNREACH: no connection has that routing id
 
     def close(self) -> None:
         self.socket.close(linger=0)
 
 
 class DealerChannel:
-    """D's DEALER to one prefill peer, with identity `"{host}:{http_port}"` of this D."""
+    """D's DEALER to one prefill peer; the peer's ROUTER assigns its routing id."""
 
-    def __init__(self, context: zmq.Context, identity: str, host: str, port: int) -> None:
+    def __init__(self, context: zmq.Context, host: str, port: int) -> None:
         self.address = f"{host}:{port}"
         self.socket = context.socket(zmq.DEALER)
         _configure(self.socket)
-        self.socket.setsockopt(zmq.IDENTITY, identity.encode())
         self.socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
         try:

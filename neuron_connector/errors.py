@@ -5,8 +5,10 @@
     ├── HandshakeError      the prefill peer refused or never answered the handshake
     │   ├── LayoutMismatch  the two KV layouts cannot exchange blocks (the prefill side's
     │   │                   transfer.LayoutMismatch, carried back over the signal plane)
-    │   └── EngineMismatch  the peer's handshake names another engine than the pull expects
-    │                       (e.g. another prefill worker restarted on that address)
+    │   ├── EngineMismatch  the peer's handshake names another engine than the pull expects
+    │   │                   (e.g. another prefill worker restarted on that address)
+    │   ├── Unauthorized    a side could not prove the shared KV secret, or only one side has one
+    │   └── EngineIdInUse   another live decode session holds our engine id on that prefill peer
     ├── PullTimeout         the prefill peer had no finished request for the id before the deadline
     ├── IntegrityError      the blocks a pull received do not match the checksum the prefill peer sent
     ├── PeerUnavailable     the prefill peer could not be reached
@@ -34,6 +36,14 @@ class LayoutMismatch(HandshakeError):
 
 
 class EngineMismatch(HandshakeError):
+    pass
+
+
+class Unauthorized(HandshakeError):
+    pass
+
+
+class EngineIdInUse(HandshakeError):
     pass
 
 

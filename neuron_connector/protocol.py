@@ -6,10 +6,16 @@ Every message is a frozen dataclass that encodes itself with `to_bytes` and deco
 out-of-order replies), or `"status": "error"` for an `ErrorReply`.
 
     D -> P                                      P -> D
-    Handshake                                   HandshakeReply (engine id, transfer descriptor)
-    KVMapInit (D's layout + descriptor)         KVMapReply (agreed layout) | ErrorReply
+    Handshake (D's engine id, client nonce)     HandshakeReply (engine id, transfer descriptor,
+                                                  server nonce) | ErrorReply (engine_id_in_use)
+    KVMapInit (D's layout + descriptor, proof)  KVMapReply (agreed layout, proof) | ErrorReply
     LookupAll (request id, D's block ids)       LookupReply | ErrorReply
     Release (request id: D's request is gone)   no reply
+                                                Probe (is this session's peer still there?)
+
+With a shared KV secret each side proves it holds it: D's proof and P's proof are HMACs
+over both nonces and D's engine id (`DECODE_PROOF`, `PREFILL_PROOF` labels), so neither
+can be replayed into another session.
 """
 from __future__ import annotations
 
@@ -17,12 +23,25 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
+from common.kv_secret import proof as _proof
 from neuron_connector.errors import ProtocolError
 
 # ErrorReply codes.
 BAD_REQUEST = "bad_request"
 HANDSHAKE_REQUIRED = "handshake_required"
 LAYOUT_MISMATCH = "layout_mismatch"
+UNAUTHORIZED = "unauthorized"
+ENGINE_ID_IN_USE = "engine_id_in_use"
+
+# HMAC labels of the two handshake proofs (common.kv_secret.proof).
+DECODE_PROOF = b"neuron-di signal plane: decode proof v1"
+PREFILL_PROOF = b"neuron-di signal plane: prefill proof v1"
+
+
+def handshake_proof(secret: bytes, label: bytes, server_nonce: str, client_nonce: str, engine_id: str) -> str:
+    """A side's proof of the KV secret for one session (compare with common.kv_secret.verify's
+    constant-time check, or `hmac.compare_digest`)."""
+    return _proof(secret, label, server_nonce, client_nonce, engine_id)
 
 # Checksums a LookupAll may ask for (transfer.checksum); the reply carries the value.
 CRC32 = "crc32"
@@ -71,32 +90,47 @@ def _request_id(obj: dict[str, Any]) -> str:
     return rid
 
 
+def _nonempty(obj: dict[str, Any], name: str) -> str:
+    value = _get(obj, name, str)
+    if not value:
+        raise ProtocolError(f"field {name!r} must not be empty")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Handshake:
+    """Opens a session: D's engine id (one live session per id) and a fresh client nonce."""
+
     TYPE: ClassVar[str] = "handshake"
+    engine_id: str
+    nonce: str
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE})
+        return _dump({"type": self.TYPE, "engine_id": self.engine_id, "nonce": self.nonce})
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Handshake:
-        return cls()
+        return cls(engine_id=_nonempty(obj, "engine_id"), nonce=_nonempty(obj, "nonce"))
 
 
 @dataclass(frozen=True, slots=True)
 class KVMapInit:
-    """D's KV layout (`kv_map`, a KVLayout dict) and D's transfer descriptor."""
+    """D's KV layout (`kv_map`, a KVLayout dict), D's transfer descriptor, and with a
+    secret D's proof that it holds it."""
 
     TYPE: ClassVar[str] = "kv_map_init"
     kv_map: dict[str, Any]
     transfer: dict[str, Any]
+    proof: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "kv_map": self.kv_map, "transfer": self.transfer})
+        return _dump(_with_proof({"type": self.TYPE, "kv_map": self.kv_map, "transfer": self.transfer},
+                                 self.proof))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> KVMapInit:
-        return cls(kv_map=_get(obj, "kv_map", dict), transfer=_get(obj, "transfer", dict))
+        return cls(kv_map=_get(obj, "kv_map", dict), transfer=_get(obj, "transfer", dict),
+                   proof=_get(obj, "proof", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,36 +184,58 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class HandshakeReply:
-    """P's identity: `timestamp` is when its signal plane started, so a restart shows."""
+    """P's identity: `timestamp` is when its signal plane started, so a restart shows;
+    `nonce` is this session's server nonce; `authenticated`: P requires the KV secret."""
 
     TYPE: ClassVar[str] = "handshake"
     timestamp: float
     engine_id: str
     transfer: dict[str, Any]
+    nonce: str
+    authenticated: bool = False
 
     def to_bytes(self) -> bytes:
         return _dump({"type": self.TYPE, "status": "ok", "timestamp": self.timestamp,
-                      "engine_id": self.engine_id, "transfer": self.transfer})
+                      "engine_id": self.engine_id, "transfer": self.transfer, "nonce": self.nonce,
+                      "authenticated": self.authenticated})
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> HandshakeReply:
         return cls(timestamp=float(_get(obj, "timestamp", (int, float))),
-                   engine_id=_get(obj, "engine_id", str), transfer=_get(obj, "transfer", dict))
+                   engine_id=_get(obj, "engine_id", str), transfer=_get(obj, "transfer", dict),
+                   nonce=_nonempty(obj, "nonce"), authenticated=_get(obj, "authenticated", bool, False))
 
 
 @dataclass(frozen=True, slots=True)
 class KVMapReply:
-    """The layout both sides agreed on (P's own layout, checked against D's)."""
+    """The layout both sides agreed on (P's own layout, checked against D's), and with a
+    secret P's proof that it holds it."""
 
     TYPE: ClassVar[str] = "kv_map_init"
     kv_map: dict[str, Any]
+    proof: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "status": "ok", "kv_map": self.kv_map})
+        return _dump(_with_proof({"type": self.TYPE, "status": "ok", "kv_map": self.kv_map}, self.proof))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> KVMapReply:
-        return cls(kv_map=_get(obj, "kv_map", dict))
+        return cls(kv_map=_get(obj, "kv_map", dict), proof=_get(obj, "proof", str, None))
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """P asks whether a session's peer is still connected; the sending alone tells (a gone
+    peer's routing id is refused at once), so D ignores it."""
+
+    TYPE: ClassVar[str] = "probe"
+
+    def to_bytes(self) -> bytes:
+        return _dump({"type": self.TYPE, "status": "ok"})
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Probe:
+        return cls()
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +298,14 @@ class ErrorReply:
 
 
 Request = Union[Handshake, KVMapInit, LookupAll, Release]
-Reply = Union[HandshakeReply, KVMapReply, LookupReply, ErrorReply]
+Reply = Union[HandshakeReply, KVMapReply, LookupReply, Probe, ErrorReply]
 
 _REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll, Release)}
-_REPLIES: dict[str, Any] = {c.TYPE: c for c in (HandshakeReply, KVMapReply, LookupReply)}
+_REPLIES: dict[str, Any] = {c.TYPE: c for c in (HandshakeReply, KVMapReply, LookupReply, Probe)}
+
+
+def _with_proof(obj: dict[str, Any], proof: str | None) -> dict[str, Any]:
+    return obj if proof is None else {**obj, "proof": proof}
 
 
 def _decode(data: bytes, table: dict[str, Any], what: str) -> Any:

@@ -10,8 +10,8 @@ from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_c
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
-    CRC32, HANDSHAKE_REQUIRED, ErrorReply, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
-    decode_reply)
+    CRC32, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
+    LookupReply, Probe, decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
 from transfer import KVLayout, TransferError
 
@@ -39,18 +39,23 @@ class RecvBuffer:
     `resend_after`; a pull whose lookup is unanswered at its deadline waits `grace` more
     seconds for the answer, since the peer may be writing into our blocks.
 
+    `engine_id` names this decode engine in every handshake: a prefill peer refuses it
+    (EngineIdInUse) while another live decode worker holds it, so it must be unique. With
+    a `secret`, both sides prove they hold it (Unauthorized otherwise).
+
     With `integrity_check`, every lookup asks the peer for a CRC-32 of the blocks it sends,
     and a pull turns DONE only once the same checksum over our blocks matches; otherwise it
     fails with IntegrityError (and our blocks are free to reuse, as after any failure).
     """
 
-    def __init__(self, transfer_engine: Any, layout: KVLayout, identity: str,
+    def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str,
                  default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
                  max_backoff: float = 0.02, on_finished: Callable[[str], None] | None = None,
-                 integrity_check: bool = False) -> None:
+                 secret: bytes | None = None, integrity_check: bool = False) -> None:
         self._engine = transfer_engine
         self.layout = layout
-        self.identity = identity
+        self.engine_id = engine_id
+        self._secret = secret
         self.default_timeout = default_timeout
         self._resend_after = resend_after
         self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff,
@@ -63,7 +68,7 @@ class RecvBuffer:
         self._context = new_context()
 
     def start(self) -> None:
-        self._service.start(self._serve, f"kv-recv-{self.identity}")
+        self._service.start(self._serve, f"kv-recv-{self.engine_id}")
 
     def maybe_setup_buffer(self, peer_host: str, peer_kv_port: int) -> str:
         """Makes sure a link to the peer exists (created on demand); returns its address."""
@@ -71,8 +76,8 @@ class RecvBuffer:
         with self._lock:
             link = self._links.get(address)
             if link is None or link.state is LinkState.FAILED:
-                self._links[address] = PeerLink(address, self.layout.to_dict(), self._descriptor(),
-                                                resend_after=self._resend_after)
+                self._links[address] = PeerLink(address, self.engine_id, self.layout.to_dict(),
+                                                self._descriptor(), self._secret, self._resend_after)
         self._service.wake()
         return address
 
@@ -172,7 +177,7 @@ class RecvBuffer:
         for address in wanted:
             host, port = address.rsplit(":", 1)
             try:
-                channel = DealerChannel(self._context, self.identity, host, int(port))
+                channel = DealerChannel(self._context, host, int(port))
             except PeerUnavailable as exc:
                 with self._lock:
                     self._links[address].fail(exc)
@@ -191,8 +196,8 @@ class RecvBuffer:
             outgoing = [(a, m) for a, link in self._links.items()
                         if a in self.connection_dict and (m := link.due(now)) is not None]
             outgoing += lookups
-            # A release needs no handshake: the peer only checks which DEALER sent it.
-            outgoing += [(a, m.to_bytes()) for a, m in self._pulls.take_releases(set(self.connection_dict))]
+            # The peer takes a release only from an established (authenticated) session.
+            outgoing += [(a, m.to_bytes()) for a, m in self._pulls.take_releases(ready)]
         for address, payload in outgoing:
             self.connection_dict[address].send(payload)
 
@@ -230,10 +235,19 @@ class RecvBuffer:
         link, now = self._links.get(address), time.monotonic()
         if link is None:
             return None
+        if isinstance(reply, Probe):
+            return None
         if isinstance(reply, LookupReply):
             self._pulls.on_reply(reply, now, local_checksum)
-        elif isinstance(reply, HandshakeReply):
-            return link.on_handshake(reply, now)
+        elif isinstance(reply, ErrorReply) and reply.code == HANDSHAKE_REQUIRED:
+            link.reset()
+            self._pulls.resend_peer(address)
+        elif isinstance(reply, HandshakeReply) or (isinstance(reply, ErrorReply)
+                                                   and reply.reply_to == Handshake.TYPE):
+            answer = link.on_handshake(reply, now)
+            if link.error is not None:
+                self._pulls.fail_peer(address, link.error)
+            return answer
         elif isinstance(reply, KVMapReply) or (isinstance(reply, ErrorReply)
                                                 and reply.reply_to == KVMapInit.TYPE):
             was_ready = link.ready
@@ -242,9 +256,6 @@ class RecvBuffer:
                 self._pulls.fail_peer(address, link.error)
             elif link.ready and not was_ready and link.info is not None:
                 self._pulls.peer_ready(address, link.info.engine_id)
-        elif isinstance(reply, ErrorReply) and reply.code == HANDSHAKE_REQUIRED:
-            link.reset()
-            self._pulls.resend_peer(address)
         elif isinstance(reply, ErrorReply) and reply.reply_to == LookupAll.TYPE and reply.request_id:
             self._pulls.on_reply(LookupReply(reply.request_id, False, error=reply.message), now)
         else:

@@ -7,12 +7,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from neuron_connector.channel import Poller, RouterChannel, ServiceThread, new_context
+from common.kv_secret import verify
+from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.protocol import (
-    BAD_REQUEST, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, ErrorReply, Handshake, HandshakeReply,
-    KVMapInit, KVMapReply, LookupAll, LookupReply, Release, decode_request, request_fields)
+    BAD_REQUEST, DECODE_PROOF, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
+    UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
+    Probe, Release, decode_request, handshake_proof, request_fields)
+from neuron_connector.sessions import Session, SessionTable
 from transfer import CompletionToken, KVLayout, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
 
@@ -36,6 +39,8 @@ class SendStats:
     released: int = 0
     peer_releases: int = 0     # `release` messages from decode peers (refused ones included)
     bad_messages: int = 0
+    unauthorized: int = 0      # kv_map_init without a valid proof; releases before the handshake
+    engine_id_conflicts: int = 0   # handshakes naming the engine id of another live session
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +64,17 @@ class SendBuffer:
     asks for a checksum gets one over the source blocks, computed while the push runs.
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it
     still waits, so a peer that gave up never has its blocks written afterwards.
+
+    Each decode connection is a session (`sessions.SessionTable`) bound to the engine id
+    its handshake names; with a `secret` the session is established only once the peer
+    proved it holds the secret, and this side proves it back.
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
                  transfer_timeout: float = 30.0,
-                 on_transfer: Callable[[float, int], None] | None = None) -> None:
+                 on_transfer: Callable[[float, int], None] | None = None,
+                 secret: bytes | None = None) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.engine_id = engine_id
@@ -74,7 +84,8 @@ class SendBuffer:
         self._table = LookupTable(abort_timeout)
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
-        self._peers: dict[bytes, Any] = {}                       # identity -> transfer peer
+        self._secret = secret
+        self._sessions = SessionTable()                          # only touched by the thread
         self._running: dict[str, _Push] = {}                     # request id -> its running push
         self._service = ServiceThread()
         self._context = new_context()
@@ -174,8 +185,21 @@ class SendBuffer:
                 kind, rid = request_fields(payload)
                 reply = ErrorReply(f"internal error in {self.engine_id}: {exc}", BAD_REQUEST, kind,
                                    rid).to_bytes()
-            if reply is not None and not self._router.send(identity, reply):
-                log.warning("dropped a reply to unreachable peer %r", identity)
+            if reply is not None:
+                self._reply(identity, reply)
+
+    def _reply(self, identity: bytes, reply: bytes) -> None:
+        assert self._router is not None
+        delivery = self._router.send(identity, reply)
+        if delivery is Delivery.PEER_GONE:
+            log.warning("dropped a reply to %s: its connection is gone", self._name(identity))
+            self._sessions.drop(identity)
+        elif delivery is Delivery.QUEUE_FULL:
+            log.warning("dropped a reply to %s: its queue is full", self._name(identity))
+
+    def _name(self, identity: bytes) -> str:
+        session = self._sessions.get(identity)
+        return session.describe() if session is not None else f"connection {identity.hex()}"
 
     def _handle(self, identity: bytes, payload: bytes) -> bytes | None:
         try:
@@ -185,7 +209,7 @@ class SendBuffer:
             kind, rid = request_fields(payload)
             return ErrorReply(str(exc), BAD_REQUEST, kind, rid).to_bytes()
         if isinstance(message, Handshake):
-            return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor()).to_bytes()
+            return self._handshake(identity, message).to_bytes()
         if isinstance(message, KVMapInit):
             return self._kv_map_init(identity, message).to_bytes()
         if isinstance(message, Release):
@@ -194,26 +218,81 @@ class SendBuffer:
         reply = self._lookup(identity, message)
         return None if reply is None else reply.to_bytes()
 
+    def _handshake(self, identity: bytes, message: Handshake) -> HandshakeReply | ErrorReply:
+        """Opens the connection's session, unless another live session holds the engine id."""
+        self._drop_gone_sessions(but=identity)
+        holder = self._sessions.holder(message.engine_id, identity)
+        if holder is not None:
+            self.stats.engine_id_conflicts += 1
+            log.warning("refused connection %s as decode engine %r: another live connection (%s) holds that id",
+                        identity.hex(), message.engine_id, holder.hex())
+            return ErrorReply(f"prefill {self.engine_id} refused engine id {message.engine_id!r}: another live "
+                              "decode worker holds it; give each decode worker a unique --engine-id",
+                              ENGINE_ID_IN_USE, Handshake.TYPE)
+        session = self._sessions.open(identity, message.engine_id, message.nonce)
+        return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
+                              authenticated=self._secret is not None)
+
+    def _drop_gone_sessions(self, but: bytes) -> None:
+        """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
+        or vanished), so their engine ids are free again. With ROUTER_MANDATORY a send to such a
+        routing id fails at once, while a full queue means the peer is alive; handshakes are rare,
+        so probing every session then is cheap, and the table never outgrows the live sessions."""
+        assert self._router is not None
+        probe = Probe().to_bytes()
+        for identity in self._sessions.routing_ids():
+            if identity != but and self._router.send(identity, probe) is Delivery.PEER_GONE:
+                self._sessions.drop(identity)
+
     def _kv_map_init(self, identity: bytes, message: KVMapInit) -> KVMapReply | ErrorReply:
+        session = self._sessions.get(identity)
+        if session is None:
+            return ErrorReply(f"connection {identity.hex()} sent kv_map_init before a handshake",
+                              HANDSHAKE_REQUIRED, KVMapInit.TYPE)
+        refusal = self._check_proof(session, message.proof)
+        if refusal is not None:
+            self.stats.unauthorized += 1
+            log.warning("refused %s: %s", session.describe(), refusal)
+            return ErrorReply(refusal, UNAUTHORIZED, KVMapInit.TYPE)
         try:
             peer_layout = KVLayout.from_dict(message.kv_map)
             self.layout.check_compatible(peer_layout)
-            self._peers[identity] = peer = self._engine.connect(message.transfer)
+            session.transfer_peer = self._engine.connect(message.transfer)
         except TransferError as exc:
             code = LAYOUT_MISMATCH if isinstance(exc, TransferLayoutMismatch) else BAD_REQUEST
             return ErrorReply(f"kv_map_init refused by {self.engine_id}: {exc}", code, KVMapInit.TYPE)
-        log.info("decode peer %s: KV blocks go over %s", identity.decode(errors="replace"),
-                 self._engine.peer_backend(peer))
-        return KVMapReply(self.layout.to_dict())
+        log.info("decode peer %s: KV blocks go over %s", session.engine_id,
+                 self._engine.peer_backend(session.transfer_peer))
+        proof = None if self._secret is None else handshake_proof(
+            self._secret, PREFILL_PROOF, session.server_nonce, session.client_nonce, session.engine_id)
+        return KVMapReply(self.layout.to_dict(), proof)
+
+    def _check_proof(self, session: Session, proof: str | None) -> str | None:
+        """Why the session's proof of the KV secret is refused, or None when it is accepted."""
+        peer = f"decode engine {session.engine_id!r}"
+        if self._secret is None:
+            return None if proof is None else (
+                f"{peer} proves a KV secret, but prefill {self.engine_id} has none (give both --kv-secret-file)")
+        if proof is None:
+            return (f"{peer} sent no proof of the KV secret that prefill {self.engine_id} requires "
+                    "(give it --kv-secret-file)")
+        if not verify(self._secret, DECODE_PROOF, proof, session.server_nonce, session.client_nonce,
+                      session.engine_id):
+            return f"{peer} failed to prove the KV secret of prefill {self.engine_id} (another secret file?)"
+        return None
 
     def _lookup(self, identity: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:
         rid = message.request_id
         self.stats.lookups += 1
-        peer = self._peers.get(identity)
-        if peer is None:
-            # Typically this prefill worker restarted: the peer must handshake again.
-            return ErrorReply(f"{identity.decode(errors='replace')} has not sent kv_map_init",
+        session = self._sessions.established(identity)
+        if session is None:
+            # A new connection (this worker or the peer restarted, or it reconnected), or a peer
+            # that never authenticated: it must complete the handshake first.
+            return ErrorReply(f"connection {identity.hex()} has not completed the handshake",
                               HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
+        assert session.transfer_peer is not None
+        peer = session.transfer_peer
+        identity = session.engine_id.encode()     # the table knows peers by their engine id
         with self._lock:
             decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device)
         if isinstance(decision, NotReady):
@@ -229,10 +308,17 @@ class SendBuffer:
     def _release(self, identity: bytes, rid: str) -> None:
         """A decode peer's request is gone; the release itself goes out at the end of this loop turn."""
         self.stats.peer_releases += 1
+        session = self._sessions.established(identity)
+        if session is None:
+            self.stats.unauthorized += 1
+            log.warning("ignored a release of %s from %s, which has not completed the handshake",
+                        rid, self._name(identity))
+            return
         with self._lock:
-            accepted = self._table.release(rid, identity, time.monotonic())
+            accepted = self._table.release(rid, session.engine_id.encode(), time.monotonic())
         if not accepted:
-            log.warning("%r released request %s, which another decode peer is pulling: ignored", identity, rid)
+            log.warning("%s released request %s, which another decode peer is pulling: ignored",
+                        session.describe(), rid)
 
     def _start(self, rid: str, peer: Any, start: Start, timeout: float, checksum: bool) -> LookupReply | None:
         token, started = CompletionToken(), time.monotonic()
@@ -271,8 +357,13 @@ class SendBuffer:
                 except Exception:  # noqa: BLE001 - a metrics callback must not kill the signal plane
                     log.exception("on_transfer for %r raised", rid)
             done = self._transfer_done(rid, error, push.checksum)
-            if done is not None and not self._router.send(done[0], done[1].to_bytes()):
-                log.warning("peer %r left before the reply for %s", done[0], rid)
+            if done is None:
+                continue
+            identity = self._sessions.routing_id_of(done[0].decode())
+            if identity is None:
+                log.warning("decode engine %r left before the reply for %s", done[0].decode(), rid)
+            else:
+                self._reply(identity, done[1].to_bytes())
 
     def _transfer_done(self, rid: str, error: str | None,
                        checksum: int | None = None) -> tuple[bytes, LookupReply] | None:

@@ -30,6 +30,11 @@ class WorkerProcess:
             self.proc.stop()
             raise
 
+    @property
+    def engine_id(self) -> str:
+        """This worker's signal-plane engine id, as its GET /health shows it."""
+        return httpx.get(f"{self.url}/health", timeout=10.0).json()["worker"]["engine_id"]
+
     def metric(self, name: str) -> int:
         """A gauge of this worker, read from /metrics."""
         text = httpx.get(f"{self.url}/metrics", timeout=10.0).text

@@ -10,6 +10,9 @@ Backends: `shm` (same host, the pool in POSIX shared memory, one memcpy per chun
 `tcp` (one connection per peer, scatter-gather send, receive straight into the pool),
 `nixl` (NIXL/UCX, optional extra), `neuron` (torch-neuronx only) and `auto` (neuron when
 installed, else shm for same-host peers and tcp for the rest).
+
+With a KV secret (`create_transfer_engine(..., secret=...)`) the tcp listener writes only
+for writers that prove it; nixl cannot, so it is refused then.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from transfer.backend import Backend, Link
 from transfer.blocks import Run, plan_runs
 from transfer.engine import DEFAULT_TIMEOUT, TransferEngine
 from transfer.errors import (BackendUnavailable, InvalidBlocks, LayoutMismatch, PeerLost,
-                             RegionNotRegistered, TransferError, TransferTimeout)
+                             RegionNotRegistered, TransferError, TransferTimeout, Unauthorized)
 from transfer.factory import available_backends, create_transfer_engine
 from transfer.layout import KVLayout
 from transfer.token import CompletionToken
@@ -26,5 +29,5 @@ __all__ = [
     "KVLayout", "CompletionToken", "TransferEngine", "create_transfer_engine", "available_backends",
     "DEFAULT_TIMEOUT", "Backend", "Link", "Run", "plan_runs",
     "TransferError", "LayoutMismatch", "InvalidBlocks", "TransferTimeout", "PeerLost",
-    "RegionNotRegistered", "BackendUnavailable",
+    "RegionNotRegistered", "BackendUnavailable", "Unauthorized",
 ]

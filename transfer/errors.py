@@ -6,6 +6,7 @@
     ├── TransferTimeout     the transfer did not complete in time
     ├── PeerLost            the peer closed, died or never answered
     ├── RegionNotRegistered the local or the peer's KV region is not (or no longer) registered
+    ├── Unauthorized        the writer could not prove the shared KV secret to the listener
     └── BackendUnavailable  the backend cannot run on this machine (e.g. no torch-neuronx)
 """
 from __future__ import annotations
@@ -32,6 +33,10 @@ class PeerLost(TransferError):
 
 
 class RegionNotRegistered(TransferError):
+    pass
+
+
+class Unauthorized(TransferError):
     pass
 
 

@@ -7,18 +7,26 @@ destination block ranges followed by the source chunk ranges sent with scatter-g
 sender's token completes only after the bytes landed. One transfer at a time per
 connection, each framed by its header, so any number of queued transfers share the
 connection safely.
+
+The listener writes into its pool, so with a KV secret it authenticates every writer:
+it opens each connection with a random challenge, and only a hello proving the secret
+over that challenge (`wire.HELLO_PROOF`) lets writes through; anything else gets an
+Unauthorized reply, is logged, and the connection is closed before a byte reaches the pool.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import socket
 import threading
 from typing import Any, Sequence
 
+from common.kv_secret import proof, verify
 from transfer.backend import Backend, Link, remaining
 from transfer.blocks import Ranges, Run, byte_ranges, local_ranges
-from transfer.errors import InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, TransferError
+from transfer.errors import (InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, TransferError,
+                             Unauthorized)
 from transfer.layout import KVLayout
 from transfer.region import Region
 from transfer.sockio import (blocking, deadline_in, drain, recv_bytes, recv_ranges, send_bytes, send_ranges,
@@ -35,14 +43,22 @@ def _read_reply(sock: socket.socket, deadline: float) -> wire.Reply:
 
 
 class TcpLink(Link):
-    """One persistent connection to a peer's listener, one framed transfer at a time."""
+    """One persistent connection to a peer's listener, one framed transfer at a time.
 
-    def __init__(self, address: tuple[str, int], hello: dict[str, Any], deadline: float) -> None:
+    The hello names the listener's engine (`transfer_id`: a restarted peer on the same port
+    is not it) and, with a `secret`, proves it over the listener's challenge."""
+
+    def __init__(self, address: tuple[str, int], transfer_id: str, secret: bytes | None,
+                 deadline: float) -> None:
         self._ids = itertools.count(1)
         with translated(f"connect to {address[0]}:{address[1]}"):
             self._sock = blocking(socket.create_connection(address, timeout=remaining(deadline)))
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            challenge = wire.decode_challenge(recv_bytes(self._sock, wire.CHALLENGE_BYTES, deadline))
+            hello: dict[str, Any] = {"transfer_id": transfer_id}
+            if secret is not None:
+                hello["proof"] = proof(secret, wire.HELLO_PROOF, challenge.hex(), transfer_id)
             send_bytes(self._sock, wire.encode_hello(hello), deadline)
             _read_reply(self._sock, deadline).raise_for_status()
         except BaseException:
@@ -72,14 +88,16 @@ class TcpLink(Link):
 
 
 class TcpBackend(Backend):
-    """Listens on `host:port` (0: any free port) and reaches peers that offer tcp."""
+    """Listens on `host:port` (0: any free port) and reaches peers that offer tcp; with a
+    `secret`, writes only for writers that prove it, and proves it to the peers it writes to."""
 
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 frame_timeout: float = 60.0, transfer_id: str = "") -> None:
+                 frame_timeout: float = 60.0, transfer_id: str = "", secret: bytes | None = None) -> None:
         self._region: Region | None = None
         self._transfer_id = transfer_id
+        self._secret = secret
         self._frame_timeout = frame_timeout
         self._listener = socket.create_server((host, port), backlog=64)
         self._address = (advertise_host or (socket.gethostname() if host in ("", "0.0.0.0") else host),
@@ -102,9 +120,8 @@ class TcpBackend(Backend):
 
     def connect(self, descriptor: dict[str, Any], peer_layout: KVLayout, deadline: float) -> Link:
         info = descriptor["transports"]["tcp"]
-        # The listener checks it serves this engine: a restarted peer on the same port does not.
-        hello = {"transfer_id": descriptor.get("transfer_id")}
-        return TcpLink((info["host"], int(info["port"])), hello, deadline)
+        return TcpLink((info["host"], int(info["port"])), str(descriptor.get("transfer_id", "")), self._secret,
+                       deadline)
 
     def close(self) -> None:
         self.unbind()
@@ -137,14 +154,20 @@ class TcpBackend(Backend):
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            challenge = secrets.token_bytes(32)
+            send_bytes(conn, wire.encode_challenge(challenge), deadline_in(self._frame_timeout))
+            trusted = self._secret is None
             while True:
                 # Idle connections wait without limit; once a frame starts it must finish.
                 head = recv_bytes(conn, wire.REQUEST_BYTES, None)
                 op, tid, count, payload = wire.decode_request_head(head)
                 deadline = deadline_in(self._frame_timeout)
                 if op == wire.OP_HELLO:
-                    self._serve_hello(conn, recv_bytes(conn, payload, deadline), deadline)
+                    self._serve_hello(conn, recv_bytes(conn, payload, deadline), challenge, deadline)
+                    trusted = True
                     continue
+                if not trusted:
+                    self._refuse(conn, wire.OP_WRITE, tid, "a write before an authenticated hello", deadline)
                 ranges = wire.decode_ranges(recv_bytes(conn, 16 * count, deadline))
                 self._serve_write(conn, tid, ranges, payload, deadline)
         except TransferError as exc:
@@ -156,14 +179,26 @@ class TcpBackend(Backend):
                 self._conns.discard(conn)
             conn.close()
 
-    def _serve_hello(self, conn: socket.socket, body: bytes, deadline: float) -> None:
+    def _serve_hello(self, conn: socket.socket, body: bytes, challenge: bytes, deadline: float) -> None:
         hello = wire.decode_hello(body)
+        if self._secret is not None and not verify(self._secret, wire.HELLO_PROOF, hello.get("proof"),
+                                                   challenge.hex(), self._transfer_id):
+            why = "no proof of the KV secret" if "proof" not in hello else "a wrong proof of the KV secret"
+            self._refuse(conn, wire.OP_HELLO, 0, f"a hello with {why}", deadline)
         error: TransferError | None = None
         if hello.get("transfer_id") != self._transfer_id:
             error = PeerLost(f"this listener serves engine {self._transfer_id}, not {hello.get('transfer_id')}")
         send_bytes(conn, wire.encode_reply(wire.OP_HELLO, 0, error), deadline)
         if error is not None:
             raise error
+
+    def _refuse(self, conn: socket.socket, op: int, tid: int, what: str, deadline: float) -> None:
+        """Answers Unauthorized and raises it, which closes the connection unread."""
+        peer = _peer_name(conn)
+        log.warning("tcp KV listener refused %s from %s: the writer must prove the KV secret", what, peer)
+        error = Unauthorized(f"KV transfer listener {self._transfer_id} refused {what} from {peer}")
+        send_bytes(conn, wire.encode_reply(op, tid, error), deadline)
+        raise error
 
     def _target(self, ranges: list[tuple[int, int]], payload: int) -> tuple[Region, Ranges]:
         """Our region and its byte ranges for the requested blocks, after checking them."""
@@ -189,3 +224,11 @@ class TcpBackend(Backend):
             return
         recv_ranges(conn, region.address, spans, deadline)
         send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid), deadline)
+
+
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "a peer that left"
+    return f"{host}:{port}"

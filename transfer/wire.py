@@ -4,6 +4,9 @@ Each transfer on a connection is one write request header, its block ranges, and
 payload; the server answers with one reply header and its message. Payload bytes are the
 runs' chunk ranges in `byte_ranges` order, so neither side ever serializes blocks: they are
 sent from and received into pool memory directly.
+
+A connection opens with the server's challenge (random bytes); the writer's hello then
+carries, when a KV secret is set, HMAC(secret, `HELLO_PROOF` | challenge | transfer id).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer.errors import (InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered,
-                             TransferError)
+                             TransferError, Unauthorized)
 
 MAGIC = b"NDKV"
 OP_HELLO, OP_WRITE = 1, 2
@@ -23,10 +26,14 @@ _REQUEST = struct.Struct("!4sBQIQ")   # magic, op, transfer id, number of ranges
 _REPLY = struct.Struct("!4sBQBQI")
 REQUEST_BYTES, REPLY_BYTES = _REQUEST.size, _REPLY.size
 MAX_HELLO_BYTES = 1 << 16
+_CHALLENGE = struct.Struct("!4s32s")  # magic, random bytes
+CHALLENGE_BYTES = _CHALLENGE.size
+HELLO_PROOF = b"neuron-di tcp transfer: writer proof v1"
 
 # Status codes map one-to-one onto the error tree, so the sender re-raises the same type.
 _STATUS: dict[int, type[TransferError]] = {
-    1: InvalidBlocks, 2: RegionNotRegistered, 3: LayoutMismatch, 4: PeerLost, 5: TransferError}
+    1: InvalidBlocks, 2: RegionNotRegistered, 3: LayoutMismatch, 4: PeerLost, 5: TransferError,
+    6: Unauthorized}
 _CODES = {cls: code for code, cls in _STATUS.items()}
 
 
@@ -84,6 +91,17 @@ def decode_reply_head(data: bytes) -> tuple[Reply, int]:
     if magic != MAGIC:
         raise PeerLost(f"bad reply header {data[:8]!r}: not a KV transfer stream")
     return Reply(op, tid, status, ""), msg_len
+
+
+def encode_challenge(challenge: bytes) -> bytes:
+    return _CHALLENGE.pack(MAGIC, challenge)
+
+
+def decode_challenge(data: bytes) -> bytes:
+    magic, challenge = _CHALLENGE.unpack(data)
+    if magic != MAGIC:
+        raise PeerLost(f"bad challenge {data[:8]!r}: not a KV transfer stream")
+    return challenge
 
 
 def encode_hello(fields: dict[str, Any]) -> bytes:

@@ -32,6 +32,7 @@ class NeuronConnectorConfig:
     abort_timeout: float = 60.0          # prefill: free published blocks nobody pulled by then
     pull_timeout: float = 30.0           # decode: fail a pull not done by then
     kv_integrity_check: bool = False     # decode: verify every pull with a checksum the prefill sends
+    kv_secret_file: str = ""             # the shared KV secret (mode 600); "" = $NEURON_DI_KV_SECRET_FILE or none
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.kv_secret import describe_plane, resolve_secret
 from neuron_connector.errors import ConnectorError
 from neuron_connector.pulls import PullState
 from neuron_connector.recv_buffer import RecvBuffer
@@ -61,17 +62,18 @@ class WorkerSide:
         layers = distinct_layers(kv_caches)
         self.layout = kv_layout(layers)
         try:
-            self._transfer = create_transfer_engine(cfg.kv_transport, host=cfg.kv_host)
+            secret = resolve_secret(cfg.kv_secret_file or None)
+            self._transfer = create_transfer_engine(cfg.kv_transport, host=cfg.kv_host, secret=secret)
             rebind(layers, self._transfer.allocate_region(self.layout))
             engine_id = cfg.engine_id or self._transfer.transfer_id
             if cfg.role == "prefill":
                 self.send = SendBuffer(self._transfer, self.layout, engine_id, cfg.kv_host, cfg.kv_port,
                                        on_release=self._released.put, abort_timeout=cfg.abort_timeout,
-                                       transfer_timeout=cfg.pull_timeout)
+                                       transfer_timeout=cfg.pull_timeout, secret=secret)
                 self.send.start()
             else:
-                self.recv = RecvBuffer(self._transfer, self.layout, identity=engine_id,
-                                       default_timeout=cfg.pull_timeout, integrity_check=cfg.kv_integrity_check)
+                self.recv = RecvBuffer(self._transfer, self.layout, engine_id, default_timeout=cfg.pull_timeout,
+                                       secret=secret, integrity_check=cfg.kv_integrity_check)
                 self.recv.start()
             if cfg.etcd:
                 self._registration = Registration(cfg.etcd, self._record(engine_id), ttl=cfg.etcd_ttl)
@@ -81,6 +83,8 @@ class WorkerSide:
             raise
         log.info("NeuronConnector %s: %s pool %s over %s%s", cfg.role, engine_id, self.layout.describe(),
                  self._transfer.backend, f", signal plane on port {self.send.port}" if self.send else "")
+        log.info("%s", describe_plane(cfg.kv_host, self.send.port if self.send else None,
+                                      self._transfer.descriptor()["transports"], secret))
 
     def _record(self, engine_id: str) -> WorkerRecord:
         cfg = self.config

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -22,3 +23,15 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[WorkerProcess, Worker
     """A prefill and a decode worker (separate processes) over one transport."""
     with worker_pair(request.param) as workers:
         yield workers
+
+
+def write_secret(path: Path, secret: str) -> str:
+    """A KV secret file as an operator makes one: private to its user."""
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def kv_secret_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_secret(tmp_path_factory.mktemp("kv-secret") / "secret", "the deployment's KV secret")

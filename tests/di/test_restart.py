@@ -32,9 +32,14 @@ def want(both_worker: WorkerProcess) -> list:
     return httpx.post(f"{both_worker.url}/v1/completions", json=BODY, timeout=60.0).json()["choices"]
 
 
-@pytest.mark.parametrize("victim", ["prefill", "decode"])
-def test_restarted_worker_is_reconnected(victim: str, want: list) -> None:
-    workers = {"prefill": WorkerProcess("prefill", "tcp"), "decode": WorkerProcess("decode", "tcp")}
+@pytest.mark.parametrize("victim, secured", [("prefill", False), ("decode", False), ("decode", True)],
+                         ids=["prefill", "decode", "decode-same-id-and-secret"])
+def test_restarted_worker_is_reconnected(victim: str, secured: bool, want: list, kv_secret_file: str) -> None:
+    # Secured: a decode worker that comes back with its --engine-id gets it again (its old session is gone),
+    # and both sides prove the KV secret anew.
+    extra = ["--kv-secret-file", kv_secret_file] if secured else []
+    workers = {"prefill": WorkerProcess("prefill", "tcp", extra),
+               "decode": WorkerProcess("decode", "tcp", extra + (["--engine-id", "decode-kept"] if secured else []))}
     try:
         assert one_request(workers["prefill"], workers["decode"]) == want
         workers[victim].proc.kill9()

@@ -36,7 +36,7 @@ def decode_body(body: dict[str, Any], uid: str, prefill: WorkerProcess) -> dict[
     """The decode leg exactly as the proxy sends it."""
     return {**body, "kv_transfer_params": {"role": "decode", "request_id": uid, "remote_host": "127.0.0.1",
                                            "remote_port": prefill.kv_port,
-                                           "remote_engine_id": f"127.0.0.1:{prefill.port}"}}
+                                           "remote_engine_id": prefill.engine_id}}
 
 
 async def disaggregated(client: httpx.AsyncClient, prefill: WorkerProcess, decode: WorkerProcess, path: str,

@@ -75,7 +75,7 @@ def make_pair(backend: str = "shm", abort_timeout: float = 60.0, grace: float = 
     pair = Pair(None, None, p_pool, d_pool, [p_engine, d_engine])  # type: ignore[arg-type]
     pair.send = SendBuffer(p_engine, LAYOUT, "prefill-0", "127.0.0.1", 0, pair.on_release,
                            abort_timeout=abort_timeout, on_transfer=pair.on_transfer)
-    pair.recv = RecvBuffer(d_engine, LAYOUT, identity="127.0.0.1:8200", default_timeout=10.0,
+    pair.recv = RecvBuffer(d_engine, LAYOUT, engine_id="127.0.0.1:8200", default_timeout=10.0,
                            grace=grace, on_finished=pair.on_finished, integrity_check=integrity_check)
     return pair
 

@@ -9,15 +9,16 @@ from hypothesis import strategies as st
 from neuron_connector.errors import ProtocolError
 from neuron_connector.protocol import (
     CRC32, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
-    LookupReply, Release, decode_reply, decode_request, request_fields)
+    LookupReply, Probe, Release, decode_reply, decode_request, request_fields)
 
 LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, "head_dim": 8,
           "dtype": "float32"}
 
 
 @pytest.mark.parametrize("message", [
-    Handshake(),
+    Handshake("d0", "n1"),
     KVMapInit(LAYOUT, {"engine_id": "d0", "transports": {"tcp": {"port": 1}}}),
+    KVMapInit(LAYOUT, {}, proof="ab12"),
     LookupAll("req-1", (3, 0, 7)),
     LookupAll("req-1", (3,), timeout_s=2.5),
     LookupAll("req-1", (3,), timeout_s=2.5, checksum=CRC32),
@@ -28,8 +29,11 @@ def test_requests_round_trip(message: object) -> None:
 
 
 @pytest.mark.parametrize("message", [
-    HandshakeReply(1234.5, "p0", {"engine_id": "p0"}),
+    HandshakeReply(1234.5, "p0", {"engine_id": "p0"}, "n2"),
+    HandshakeReply(1234.5, "p0", {}, "n2", authenticated=True),
     KVMapReply(LAYOUT),
+    KVMapReply(LAYOUT, proof="cd34"),
+    Probe(),
     LookupReply("req-1", False),
     LookupReply("req-1", False, error="aborted"),
     LookupReply("req-1", True, 42, (5, 6)),
@@ -43,7 +47,7 @@ def test_replies_round_trip(message: object) -> None:
 
 
 def test_wire_format_matches_the_design() -> None:
-    assert json.loads(Handshake().to_bytes()) == {"type": "handshake"}
+    assert json.loads(Handshake("d0", "n1").to_bytes()) == {"type": "handshake", "engine_id": "d0", "nonce": "n1"}
     assert json.loads(LookupAll("r", (1, 2)).to_bytes()) == {
         "type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [1, 2]}
     assert json.loads(LookupReply("r", True, 9, (1, 2)).to_bytes()) == {
@@ -54,8 +58,10 @@ def test_wire_format_matches_the_design() -> None:
     assert json.loads(Release("r").to_bytes()) == {"type": "release", "request_id": "r"}
     assert json.loads(LookupAll("r", (1,), checksum="crc32").to_bytes())["checksum"] == "crc32"
     assert json.loads(LookupReply("r", True, 9, (1,), checksum=0xDEADBEEF).to_bytes())["checksum"] == 0xDEADBEEF
-    hello = json.loads(HandshakeReply(1.0, "p0", {}).to_bytes())
+    hello = json.loads(HandshakeReply(1.0, "p0", {}, "n2").to_bytes())
     assert hello["status"] == "ok" and hello["timestamp"] == 1.0 and hello["engine_id"] == "p0"
+    assert (hello["nonce"], hello["authenticated"]) == ("n2", False)
+    assert "proof" not in json.loads(KVMapInit(LAYOUT, {}).to_bytes())
     assert json.loads(ErrorReply("boom").to_bytes())["status"] == "error"
 
 
@@ -81,6 +87,10 @@ def test_wire_format_matches_the_design() -> None:
     (b'{"type": "release"}', "lacks field 'request_id'"),
     (b'{"type": "release", "request_id": ""}', "must not be empty"),
     (b'{"type": "release", "request_id": ["r"]}', "must be"),
+    (b'{"type": "handshake"}', "lacks field 'engine_id'"),
+    (b'{"type": "handshake", "engine_id": "", "nonce": "n"}', "'engine_id' must not be empty"),
+    (b'{"type": "handshake", "engine_id": "d", "nonce": 5}', "'nonce' must be"),
+    (b'{"type": "kv_map_init", "kv_map": {}, "transfer": {}, "proof": 1}', "'proof' must be"),
 ])
 def test_bad_requests_raise_protocol_error(data: bytes, fragment: str) -> None:
     with pytest.raises(ProtocolError, match=fragment.replace("(", r"\(")):

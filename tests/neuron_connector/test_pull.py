@@ -235,7 +235,7 @@ def test_one_decode_pulls_from_two_prefills_on_demand(shm_pair: Pair) -> None:
 
 def test_engine_without_a_pool_is_a_handshake_error() -> None:
     engine = create_transfer_engine("tcp")
-    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8202")
+    recv = RecvBuffer(engine, LAYOUT, engine_id="127.0.0.1:8202")
     recv.start()
     try:
         with pytest.raises(HandshakeError, match="cannot describe its KV pool"):
@@ -287,7 +287,7 @@ def test_a_raising_on_finished_is_logged_and_the_thread_goes_on(
         raise RuntimeError("engine callback failed")
 
     engine, pool = engine_with_pool("shm")
-    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8203", on_finished=boom)
+    recv = RecvBuffer(engine, LAYOUT, engine_id="127.0.0.1:8203", on_finished=boom)
     recv.start()
     try:
         for rid, block in (("a", 1), ("b", 2)):

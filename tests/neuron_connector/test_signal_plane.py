@@ -29,7 +29,6 @@ def dealer(prefill: tuple[SendBuffer, Any]) -> Iterator[zmq.Socket]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"127.0.0.1:8299")
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(f"tcp://127.0.0.1:{prefill[0].port}")
     try:
@@ -39,6 +38,9 @@ def dealer(prefill: tuple[SendBuffer, Any]) -> Iterator[zmq.Socket]:
         ctx.term()
 
 
+HELLO = Handshake("raw-decode", "n1").to_bytes()
+
+
 def _ask(sock: zmq.Socket, payload: bytes) -> dict[str, Any]:
     sock.send(payload)
     return json.loads(sock.recv())
@@ -46,9 +48,9 @@ def _ask(sock: zmq.Socket, payload: bytes) -> dict[str, Any]:
 
 def test_handshake_reply_carries_engine_id_and_descriptor(prefill, dealer) -> None:
     send, engine = prefill
-    reply = _ask(dealer, Handshake().to_bytes())
+    reply = _ask(dealer, HELLO)
     assert reply["status"] == "ok" and reply["type"] == "handshake"
-    assert reply["engine_id"] == "prefill-7"
+    assert reply["engine_id"] == "prefill-7" and reply["authenticated"] is False and len(reply["nonce"]) == 32
     assert reply["transfer"] == engine.descriptor()
     assert isinstance(reply["timestamp"], float)
 
@@ -62,19 +64,28 @@ def test_handshake_reply_carries_engine_id_and_descriptor(prefill, dealer) -> No
 def test_bad_messages_get_an_error_and_the_socket_keeps_serving(prefill, dealer, garbage, fragment) -> None:
     reply = _ask(dealer, garbage)
     assert reply["status"] == "error" and fragment in reply["message"]
-    assert _ask(dealer, Handshake().to_bytes())["status"] == "ok"
+    assert _ask(dealer, HELLO)["status"] == "ok"
     assert prefill[0].stats.bad_messages == 1
 
 
 def test_lookup_before_kv_map_init_requires_a_handshake(prefill, dealer) -> None:
     reply = _ask(dealer, LookupAll("r1", (0,)).to_bytes())
-    assert reply == {"status": "error", "code": "handshake_required", "type": "lookup_all",
-                     "request_id": "r1", "message": "127.0.0.1:8299 has not sent kv_map_init"}
+    assert reply["code"] == "handshake_required" and reply["request_id"] == "r1"
+    assert reply["message"].endswith("has not completed the handshake")
+    # A handshake alone does not establish the session: kv_map_init does.
+    assert _ask(dealer, HELLO)["status"] == "ok"
+    assert _ask(dealer, LookupAll("r1", (0,)).to_bytes())["code"] == "handshake_required"
+
+
+def test_kv_map_init_before_a_handshake_requires_one(prefill, dealer) -> None:
+    reply = _ask(dealer, KVMapInit(LAYOUT.to_dict(), {}).to_bytes())
+    assert (reply["code"], reply["type"]) == ("handshake_required", "kv_map_init")
 
 
 def test_kv_map_init_agrees_or_names_the_mismatch(prefill, dealer) -> None:
     d_engine, _ = engine_with_pool("shm")
     try:
+        assert _ask(dealer, HELLO)["status"] == "ok"
         ok = _ask(dealer, KVMapInit(LAYOUT.to_dict(), d_engine.descriptor()).to_bytes())
         assert ok == {"type": "kv_map_init", "status": "ok", "kv_map": LAYOUT.to_dict()}
         # The peer is known now: an unpublished id is "not yet", not an error.
@@ -94,16 +105,14 @@ def test_replies_to_a_vanished_peer_are_dropped_and_serving_goes_on(prefill) -> 
     ctx = zmq.Context()
     try:
         gone = ctx.socket(zmq.DEALER)
-        gone.setsockopt(zmq.IDENTITY, b"127.0.0.1:1")
         gone.connect(f"tcp://127.0.0.1:{send.port}")
-        for _ in range(50):
-            gone.send(Handshake().to_bytes())
+        for i in range(50):
+            gone.send(Handshake("gone", f"n{i}").to_bytes())
         gone.close(linger=-1)     # delivered, then gone before any reply
         fresh = ctx.socket(zmq.DEALER)
-        fresh.setsockopt(zmq.IDENTITY, b"127.0.0.1:2")
         fresh.setsockopt(zmq.RCVTIMEO, 5000)
         fresh.connect(f"tcp://127.0.0.1:{send.port}")
-        assert _ask(fresh, Handshake().to_bytes())["status"] == "ok"
+        assert _ask(fresh, Handshake("fresh", "n-fresh").to_bytes())["status"] == "ok"
         fresh.close(linger=0)
     finally:
         ctx.term()

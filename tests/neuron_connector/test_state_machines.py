@@ -1,15 +1,13 @@
-"""The sans-I/O halves: the prefill lookup table, decode pulls and peer links, driven by hand."""
+"""The sans-I/O halves: the prefill lookup table and decode pulls, driven by hand."""
 from __future__ import annotations
 
 import pytest
 
 from neuron_connector.errors import (
-    DuplicateRequest, EngineMismatch, HandshakeError, LayoutMismatch, PeerUnavailable, ProtocolError,
-    PullTimeout, UnknownRequest)
+    DuplicateRequest, EngineMismatch, HandshakeError, LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout,
+    UnknownRequest)
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
-from neuron_connector.peer_link import LinkState, PeerLink
-from neuron_connector.protocol import (
-    LAYOUT_MISMATCH, ErrorReply, HandshakeReply, KVMapReply, LookupAll, LookupReply, Release, decode_request)
+from neuron_connector.protocol import LookupAll, LookupReply, Release
 from neuron_connector.pulls import PullState, PullTracker
 
 D1, D2 = b"127.0.0.1:8200", b"127.0.0.1:8201"
@@ -311,29 +309,3 @@ class TestPullTracker:
         pulls.peer_ready("p", "P2")
         assert pulls.take_finished() == ["new"]
         assert pulls.poll("new").message == "pull of 'new': expected prefill engine P1 at p, found P2"
-
-
-class TestPeerLink:
-    def _link(self) -> PeerLink:
-        return PeerLink("h:1", {"num_layers": 1}, {"engine_id": "d"}, resend_after=1.0)
-
-    def test_handshake_then_kv_map_then_ready(self) -> None:
-        link = self._link()
-        assert decode_request(link.due(0)).TYPE == "handshake"  # type: ignore[arg-type]
-        assert link.due(0.5) is None and link.due(1.0) is not None    # resent until answered
-        kv_init = link.on_handshake(HandshakeReply(5.0, "p0", {"engine_id": "p0"}), 1.1)
-        assert decode_request(kv_init).TYPE == "kv_map_init"  # type: ignore[arg-type]
-        assert link.on_handshake(HandshakeReply(5.0, "p0", {}), 1.2) is None   # late duplicate
-        link.on_kv_map(KVMapReply({"num_layers": 1}))
-        assert link.ready and link.info is not None and link.info.engine_id == "p0"
-        link.reset()
-        assert link.state is LinkState.NEW and link.due(2) is not None
-
-    @pytest.mark.parametrize("code, kind", [(LAYOUT_MISMATCH, LayoutMismatch), ("bad_request", HandshakeError)])
-    def test_refused_kv_map(self, code: str, kind: type) -> None:
-        link = self._link()
-        link.due(0)
-        link.on_handshake(HandshakeReply(5.0, "p0", {}), 0.1)
-        link.on_kv_map(ErrorReply("head_dim: 16 != 8", code, "kv_map_init"))
-        assert link.state is LinkState.FAILED and type(link.error) is kind
-        assert "h:1" in str(link.error) and "head_dim" in str(link.error)

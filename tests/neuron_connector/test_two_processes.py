@@ -38,7 +38,7 @@ def start_prefill(port: int, *extra: str, backend: str = "shm") -> ManagedProces
 @pytest.fixture(params=["shm", "tcp"])
 def decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
     engine, pool = engine_with_pool(request.param)
-    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8200", default_timeout=20.0)
+    recv = RecvBuffer(engine, LAYOUT, engine_id="127.0.0.1:8200", default_timeout=20.0)
     recv.start()
     try:
         yield recv, pool, request.param
@@ -64,7 +64,7 @@ def test_handshake_and_pull_across_processes(decode) -> None:
 
 def test_layout_mismatch_fails_the_pull() -> None:
     engine, _ = engine_with_pool("shm")
-    recv = RecvBuffer(engine, LAYOUT, identity="127.0.0.1:8201")
+    recv = RecvBuffer(engine, LAYOUT, engine_id="127.0.0.1:8201")
     recv.start()
     port = free_port()
     proc = start_prefill(port, "--head-dim", "16")

@@ -10,7 +10,7 @@ import torch
 from tests.transfer.conftest import LAYOUT, PROCESS_BACKENDS, shm_segments
 from tests.transfer.peer_proc import block_bytes
 from transfer import (BackendUnavailable, CompletionToken, InvalidBlocks, KVLayout, LayoutMismatch,
-                      PeerLost, TransferError, available_backends, create_transfer_engine)
+                      PeerLost, TransferError, available_backends, create_transfer_engine, wire)
 
 
 @pytest.mark.parametrize("field, value", [("block_size", 32), ("dtype", "float16"),
@@ -183,7 +183,8 @@ def test_tcp_listener_serves_only_its_engine_and_survives_garbage(make_engine) -
     info = other.descriptor()["transports"]["tcp"]
     with socket.create_connection((info["host"], info["port"]), timeout=5) as junk:
         junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)
-        try:  # the listener hangs up on a stream that is not ours (unread bytes: a reset)
+        try:  # after its challenge, the listener hangs up on a stream that is not ours (unread bytes: a reset)
+            assert junk.recv(wire.CHALLENGE_BYTES, socket.MSG_WAITALL)[:4] == wire.MAGIC
             assert junk.recv(1) == b""
         except ConnectionResetError:
             pass

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 from typing import Iterator
 
 import httpx
@@ -119,9 +121,11 @@ def test_metrics_has_the_named_series(worker: WorkerProcess) -> None:
 
 def test_health(worker: WorkerProcess) -> None:
     r = httpx.get(f"{worker.url}/health")
+    engine_id = r.json()["worker"]["engine_id"]   # unique per process: hostname:port:random
+    assert re.fullmatch(rf"{re.escape(socket.gethostname())}:{worker.port}:[0-9a-f]{{8}}", engine_id), engine_id
     assert (r.status_code, r.json()) == (200, {"status": "ok", "worker": {  # the record it would register in etcd
         "role": "both", "host": "127.0.0.1", "http_port": worker.port, "kv_host": "127.0.0.1", "kv_port": 0,
-        "engine_id": f"127.0.0.1:{worker.port}", "model": "neuron-di-builtin", "transfer": {"backend": "auto"},
+        "engine_id": engine_id, "model": "neuron-di-builtin", "transfer": {"backend": "auto"},
         "kv_protocol": "neuron"}})
 
 

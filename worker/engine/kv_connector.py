@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from common.kv_secret import describe_plane
 from common.roles import DEFAULT_KV_PORT
 from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, IntegrityError, ProtocolError,
                               PullState, RecvBuffer, SendBuffer, UnknownRequest)
@@ -38,6 +39,7 @@ class KVConnectorConfig:
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
     integrity_check: bool = False          # decode: verify every pull with a checksum the prefill sends
+    secret: bytes | None = field(default=None, repr=False)   # the shared KV secret; None: unauthenticated
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,24 +101,26 @@ class KVConnector:
         """The engine's KV pool, registered with the transfer engine; starts the buffer thread."""
         cfg = self.config
         try:
-            self._transfer = create_transfer_engine(cfg.transport, host=cfg.kv_host)
+            self._transfer = create_transfer_engine(cfg.transport, host=cfg.kv_host, secret=cfg.secret)
             pool = self._transfer.allocate_region(layout)
-            engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: a decode DEALER identity
+            engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: one live session per id
             if self.role == "prefill":
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
                                        on_release=self._on_release, abort_timeout=cfg.abort_timeout,
                                        transfer_timeout=cfg.pull_timeout,
                                        on_transfer=lambda seconds, blocks: self.on_transfer(
-                                           seconds, blocks, blocks * layout.block_bytes))
+                                           seconds, blocks, blocks * layout.block_bytes), secret=cfg.secret)
                 self.send.start()
             else:
-                self.recv = RecvBuffer(self._transfer, layout, identity=engine_id,
-                                       default_timeout=cfg.pull_timeout, on_finished=self._on_finished,
+                self.recv = RecvBuffer(self._transfer, layout, engine_id, default_timeout=cfg.pull_timeout,
+                                       on_finished=self._on_finished, secret=cfg.secret,
                                        integrity_check=cfg.integrity_check)
                 self.recv.start()
         except (TransferError, ConnectorError) as exc:
             self.close()
             raise KVTransferError(f"KV connector ({cfg.transport}) failed to start: {exc}") from exc
+        logger.info("%s", describe_plane(cfg.kv_host, self.send.port if self.send is not None else None,
+                                         self._transfer.descriptor()["transports"], cfg.secret))
         return pool
 
     # ---- prefill ------------------------------------------------------------------------------

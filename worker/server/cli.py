@@ -4,13 +4,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 import signal
+import socket
 import sys
 from typing import Any, Callable, Sequence
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
 from common.roles import DEFAULT_KV_PORT, ROLES
 from worker.config import EngineConfig
 
@@ -68,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-host", default="127.0.0.1", help="address of the KV signal plane (default 127.0.0.1)")
     kv.add_argument("--kv-port", type=int, default=DEFAULT_KV_PORT,
                     help=f"prefill: port of the KV signal plane, 0 = a free one (default {DEFAULT_KV_PORT})")
-    kv.add_argument("--engine-id", default=None, help="this worker's id on the signal plane (default host:port)")
+    kv.add_argument("--engine-id", default=None,
+                    help="this worker's id on the signal plane, unique per worker: a prefill worker refuses a decode "
+                         "worker whose id another live decode worker holds (default hostname:port:random)")
+    kv.add_argument("--kv-secret-file", default=None,
+                    help="file (mode 600) holding the secret shared by every worker of this deployment: the signal "
+                         f"plane and the tcp transport then authenticate peers (default: ${SECRET_FILE_ENV}; "
+                         "neither: unauthenticated)")
     kv.add_argument("--kv-abort-timeout", type=float, default=60.0,
                     help="prefill: free KV blocks not pulled within this many seconds (default 60)")
     kv.add_argument("--kv-pull-timeout", type=float, default=30.0,
@@ -91,6 +100,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         parser.error("--kv-abort-timeout and --kv-pull-timeout must be positive")
     if args.shutdown_grace < 0:
         parser.error(f"--shutdown-grace must be at least 0, got {args.shutdown_grace:g}")
+    try:
+        args.kv_secret = resolve_secret(args.kv_secret_file)
+    except KVSecretError as exc:
+        parser.error(str(exc))
+    args.engine_id = args.engine_id or default_engine_id(args.port)
     try:
         config = EngineConfig(model=args.model, served_model_name=args.served_model_name,
                               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -142,8 +156,8 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Cal
             return LLMEngine(engine_config)
         connector = KVConnector(KVConnectorConfig(
             role=engine_config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
-            engine_id=_engine_id(args), abort_timeout=args.kv_abort_timeout,
-            pull_timeout=args.kv_pull_timeout, integrity_check=args.kv_integrity_check))
+            engine_id=args.engine_id, abort_timeout=args.kv_abort_timeout,
+            pull_timeout=args.kv_pull_timeout, secret=args.kv_secret, integrity_check=args.kv_integrity_check))
         try:
             return LLMEngine(engine_config, kv_connector=connector)
         except BaseException:
@@ -152,8 +166,10 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Cal
     return build
 
 
-def _engine_id(args: argparse.Namespace) -> str:
-    return args.engine_id or f"{args.host}:{args.port}"
+def default_engine_id(port: int) -> str:
+    """Unique per process and host, readable: `hostname:port:` and a random suffix (workers on
+    different hosts often share `--host 0.0.0.0 --port 8200`)."""
+    return f"{socket.gethostname()}:{port}:{secrets.token_hex(4)}"
 
 
 def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineConfig) -> None:
@@ -169,7 +185,7 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
         kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
         worker.record = WorkerRecord(role=engine_config.role, host=args.advertise_host or args.host,
                                      http_port=args.port, kv_host=args.kv_host, kv_port=kv_port,
-                                     engine_id=_engine_id(args), transfer={"backend": args.kv_transport},
+                                     engine_id=args.engine_id, transfer={"backend": args.kv_transport},
                                      model=engine.model_name)
         if args.etcd is None:
             return

@@ -1,0 +1,81 @@
+"""The prefill side's decode sessions, sans I/O: one per signal-plane connection.
+
+The ROUTER gives every connection its own routing id; a Handshake on it opens a session
+bound to the decode engine id it names, and the session is established once its
+kv_map_init was accepted (with a KV secret: once its proof checked out). Lookups and
+releases count only from established sessions. An engine id is bound to one session at a
+time: the owner drops the sessions whose connection is gone, then asks `holder` before
+`open` and refuses the newcomer while another session holds its id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.kv_secret import new_nonce
+
+
+@dataclass
+class Session:
+    """One decode connection: its engine id, both nonces of its handshake, and once
+    established the transfer engine's peer id for its pool."""
+
+    routing_id: bytes
+    engine_id: str
+    client_nonce: str
+    server_nonce: str
+    transfer_peer: str | None = None
+
+    @property
+    def established(self) -> bool:
+        return self.transfer_peer is not None
+
+    def describe(self) -> str:
+        return f"decode engine {self.engine_id!r} (connection {self.routing_id.hex()})"
+
+
+class SessionTable:
+    """Sessions by routing id, and the session each engine id is bound to; not thread-safe."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[bytes, Session] = {}
+        self._bound: dict[str, bytes] = {}
+
+    def get(self, routing_id: bytes) -> Session | None:
+        return self._sessions.get(routing_id)
+
+    def established(self, routing_id: bytes) -> Session | None:
+        session = self._sessions.get(routing_id)
+        return session if session is not None and session.established else None
+
+    def holder(self, engine_id: str, routing_id: bytes) -> bytes | None:
+        """The routing id of another session bound to `engine_id`, if any."""
+        other = self._bound.get(engine_id)
+        return None if other == routing_id else other
+
+    def open(self, routing_id: bytes, engine_id: str, client_nonce: str) -> Session:
+        """(Re)starts the connection's session as `engine_id` with a fresh server nonce; a
+        resent handshake of the same attempt (same client nonce) keeps the one it was given.
+        Call only when `holder(engine_id, routing_id)` is None."""
+        session = self._sessions.get(routing_id)
+        if session is not None and (session.engine_id, session.client_nonce) == (engine_id, client_nonce):
+            return session
+        self.drop(routing_id)
+        session = self._sessions[routing_id] = Session(routing_id, engine_id, client_nonce, new_nonce())
+        self._bound[engine_id] = routing_id
+        return session
+
+    def drop(self, routing_id: bytes) -> Session | None:
+        """Forgets the connection's session (its peer is gone, or it starts anew)."""
+        session = self._sessions.pop(routing_id, None)
+        if session is not None and self._bound.get(session.engine_id) == routing_id:
+            del self._bound[session.engine_id]
+        return session
+
+    def routing_ids(self) -> list[bytes]:
+        return list(self._sessions)
+
+    def routing_id_of(self, engine_id: str) -> bytes | None:
+        return self._bound.get(engine_id)
+
+    def __len__(self) -> int:
+        return len(self._sessions)

@@ -1,0 +1,186 @@
+"""Sessions and the KV secret on real sockets: a prefill SendBuffer, decode RecvBuffers and raw DEALERs."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterator
+
+import pytest
+import torch
+import zmq
+
+from common.kv_secret import new_nonce
+from neuron_connector import EngineIdInUse, PullState, RecvBuffer, SendBuffer, Unauthorized
+from neuron_connector.protocol import Handshake, KVMapInit, LookupAll, Release
+from tests.helpers import wait_until
+from tests.neuron_connector.conftest import Pair, close_pair
+from tests.neuron_connector.kv import LAYOUT, engine_with_pool, seeded, wait_terminal
+
+SECRET, OTHER_SECRET = b"the deployment's secret", b"another deployment's secret"
+
+
+def secured_pair(p_secret: bytes | None, d_secret: bytes | None) -> Pair:
+    p_engine, p_pool = engine_with_pool("tcp", seed=1)
+    d_engine, d_pool = engine_with_pool("tcp")
+    pair = Pair(None, None, p_pool, d_pool, [p_engine, d_engine])  # type: ignore[arg-type]
+    pair.send = SendBuffer(p_engine, LAYOUT, "prefill-0", "127.0.0.1", 0, pair.on_release, secret=p_secret)
+    pair.recv = RecvBuffer(d_engine, LAYOUT, "decode-0", default_timeout=10.0, grace=2.0, secret=d_secret)
+    pair.send.start()
+    pair.recv.start()
+    return pair
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Any]:
+    pairs: list[Pair] = []
+
+    def make(p_secret: bytes | None, d_secret: bytes | None) -> Pair:
+        pairs.append(secured_pair(p_secret, d_secret))
+        return pairs[-1]
+
+    yield make
+    for pair in pairs:
+        close_pair(pair)
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[Any]:
+    ctx = zmq.Context()
+    sockets: list[zmq.Socket] = []
+
+    def connect(port: int, identity: bytes | None = None) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sockets.append(sock)
+        return sock
+
+    yield connect
+    for sock in sockets:
+        sock.close()
+    ctx.term()
+
+
+def ask(sock: zmq.Socket, payload: bytes) -> dict[str, Any]:
+    sock.send(payload)
+    return json.loads(sock.recv())
+
+
+def pull_exactly(pair: Pair, rid: str, src: list[int], dst: list[int], token: int) -> None:
+    pair.send.publish(rid, src, token)
+    pair.recv.request_pull(rid, "127.0.0.1", pair.send.port, dst)
+    status = wait_terminal(pair.recv, rid)
+    assert status.state is PullState.DONE and status.output_token == token, status
+    assert torch.equal(pair.d_pool[:, :, dst], seeded(LAYOUT, 1)[:, :, src])
+
+
+def test_the_same_secret_on_both_sides_pulls(make_pair) -> None:
+    pair = make_pair(SECRET, SECRET)
+    pull_exactly(pair, "a", [3, 4], [5, 6], 42)
+    assert pair.send.stats.unauthorized == 0
+
+
+def test_a_wrong_secret_is_refused_and_logged(make_pair, caplog: pytest.LogCaptureFixture) -> None:
+    pair = make_pair(SECRET, OTHER_SECRET)
+    pair.send.publish("a", [3], 7)
+    with caplog.at_level(logging.WARNING, logger="neuron_connector.send_buffer"):
+        pair.recv.request_pull("a", "127.0.0.1", pair.send.port, [5])
+        status = wait_terminal(pair.recv, "a")
+    assert isinstance(status.error, Unauthorized), status
+    assert status.message.startswith(f"prefill peer 127.0.0.1:{pair.send.port} refused our proof of the KV secret")
+    assert pair.send.stats.unauthorized == 1
+    assert "refused decode engine 'decode-0'" in caplog.text and "failed to prove the KV secret" in caplog.text
+    assert not pair.d_pool[:, :, 5].any()
+
+
+@pytest.mark.parametrize("p_secret, d_secret, fragment", [
+    (SECRET, None, "requires the KV secret, and this decode worker has none (give it --kv-secret-file)"),
+    (None, SECRET, "runs without the KV secret this decode worker has"),
+])
+def test_a_secret_on_one_side_only_fails_the_pull(make_pair, p_secret, d_secret, fragment: str) -> None:
+    pair = make_pair(p_secret, d_secret)
+    pair.send.publish("a", [3], 7)
+    pair.recv.request_pull("a", "127.0.0.1", pair.send.port, [5])
+    status = wait_terminal(pair.recv, "a")
+    assert isinstance(status.error, Unauthorized) and fragment in status.message, status
+    assert f"prefill peer 127.0.0.1:{pair.send.port} (prefill-0)" in status.message
+
+
+def test_an_unauthenticated_dealer_can_neither_look_up_nor_release(make_pair, raw_dealer) -> None:
+    pair = make_pair(SECRET, SECRET)
+    pair.send.publish("held", [3], 7)
+    intruder = raw_dealer(pair.send.port)
+    assert ask(intruder, Handshake("intruder", new_nonce()).to_bytes())["authenticated"] is True
+    d_engine = pair.engines[1]
+    refused = ask(intruder, KVMapInit(LAYOUT.to_dict(), d_engine.descriptor()).to_bytes())
+    assert (refused["code"], refused["type"]) == ("unauthorized", "kv_map_init")
+    assert "decode engine 'intruder' sent no proof of the KV secret" in refused["message"]
+    forged = ask(intruder, KVMapInit(LAYOUT.to_dict(), d_engine.descriptor(), proof="0" * 64).to_bytes())
+    assert forged["code"] == "unauthorized" and "failed to prove" in forged["message"]
+    assert ask(intruder, LookupAll("held", (5,)).to_bytes())["code"] == "handshake_required"
+    intruder.send(Release("held").to_bytes())
+    wait_until(lambda: pair.send.stats.unauthorized == 3, timeout=5, what="the refused release")
+    assert pair.send.pending() == 1 and pair.releases() == []
+    # The rightful decode peer still gets the request, and nothing was written into its blocks before.
+    assert not pair.d_pool[:, :, 5].any()
+    pair.recv.request_pull("held", "127.0.0.1", pair.send.port, [5])
+    assert wait_terminal(pair.recv, "held").output_token == 7
+
+
+def test_an_intruder_cannot_take_over_a_live_decode_session(make_pair, raw_dealer) -> None:
+    pair = make_pair(None, None)
+    pull_exactly(pair, "first", [1], [1], 10)
+    # The intruder picks the victim's engine id both as its ZMQ identity and in its handshake.
+    intruder = raw_dealer(pair.send.port, identity=b"decode-0")
+    refused = ask(intruder, Handshake("decode-0", new_nonce()).to_bytes())
+    assert (refused["code"], refused["type"]) == ("engine_id_in_use", "handshake")
+    assert "refused engine id 'decode-0'" in refused["message"] and "unique --engine-id" in refused["message"]
+    assert ask(intruder, LookupAll("r0", (2,)).to_bytes())["code"] == "handshake_required"
+    intruder.close()
+    assert pair.send.stats.engine_id_conflicts == 1
+    for i in range(20):
+        pull_exactly(pair, f"r{i}", [2 + i % 10], [3 + i % 12], 100 + i)
+
+
+def test_a_second_live_decode_with_the_same_engine_id_is_refused(make_pair) -> None:
+    pair = make_pair(None, None)
+    pull_exactly(pair, "first", [1], [1], 10)
+    twin_engine, twin_pool = engine_with_pool("tcp")
+    twin = RecvBuffer(twin_engine, LAYOUT, "decode-0", default_timeout=10.0)
+    twin.start()
+    try:
+        pair.send.publish("twin", [2], 11)
+        twin.request_pull("twin", "127.0.0.1", pair.send.port, [2])
+        status = wait_terminal(twin, "twin")
+        assert isinstance(status.error, EngineIdInUse), status
+        assert "engine 'decode-0'" in status.message and "give each decode worker a unique --engine-id" in status.message
+        assert not twin_pool.any()
+        pull_exactly(pair, "still-mine", [4], [4], 12)
+        # Once the first holder is gone, the id is free: the twin's next handshake takes it.
+        pair.recv.close()
+
+        def pulled() -> bool:
+            twin.request_pull("twin", "127.0.0.1", pair.send.port, [2])
+            return wait_terminal(twin, "twin").output_token == 11
+        wait_until(pulled, timeout=20, what="the twin's pull once the first holder left")
+        assert torch.equal(twin_pool[:, :, 2], seeded(LAYOUT, 1)[:, :, 2])
+    finally:
+        twin.close()
+        twin_engine.close()
+
+
+def test_sessions_of_connections_that_left_are_forgotten(make_pair, raw_dealer) -> None:
+    pair = make_pair(None, None)
+    pull_exactly(pair, "first", [1], [1], 10)
+    for i in range(5):
+        gone = raw_dealer(pair.send.port)
+        assert ask(gone, Handshake(f"gone-{i}", new_nonce()).to_bytes())["status"] == "ok"
+        gone.close()
+    newcomer = raw_dealer(pair.send.port)
+    # Each handshake forgets the sessions whose connection is gone: the decode peer's and its own stay.
+    wait_until(lambda: ask(newcomer, Handshake("newcomer", new_nonce()).to_bytes())["status"] == "ok"
+               and len(pair.send._sessions) == 2, timeout=10, what="the gone sessions forgotten")
+    pull_exactly(pair, "still", [2], [2], 11)
