@@ -74,13 +74,8 @@ def blocks_used(urls: Sequence[str]) -> int:
     return sum(metric_sum(url, BLOCKS_USED) for url in urls)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("explicit_ids", [
-    pytest.param(True, id="engine-ids-given"),
-    pytest.param(False, id="default-engine-ids", marks=pytest.mark.xfail(
-        strict=True, reason="decode engine ids collide: both decode workers default to the id 0.0.0.0:8200, so at "
-                            "a prefill's ROUTER one takes over the other's connection and the other's pulls fail")),
-])
+@pytest.mark.parametrize("explicit_ids", [pytest.param(True, id="engine-ids-given", marks=pytest.mark.slow),
+                                          pytest.param(False, id="default-engine-ids")])
 def test_2p2d_over_etcd_across_two_hosts_serves_exactly(explicit_ids: bool) -> None:
     try:
         check_available()
