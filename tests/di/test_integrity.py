@@ -47,7 +47,8 @@ def corrupting_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LLMEngine
     """Two engines in this process; the prefill's first push lands with one byte flipped."""
     torch.set_num_threads(1)
     with monkeypatch.context() as patch:
-        patch.setattr(kv_connector_module, "create_transfer_engine", lambda transport, host: corrupting_engine(1))
+        patch.setattr(kv_connector_module, "create_transfer_engine",
+                      lambda transport, host, secret: corrupting_engine(1))
         prefill = LLMEngine(EngineConfig(role="prefill", num_kv_blocks=NUM_BLOCKS),
                             kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port())))
     checks: list[bool] = []
