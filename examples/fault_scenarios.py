@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import httpx
@@ -195,12 +195,13 @@ def malformed(kind: str) -> Scenario:
 
 
 def slow_client(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
-    """Streaming clients that read one event every 50 ms, among ordinary clients."""
+    """Streaming clients that read one event every 50 ms, slower than tokens are made, for 200
+    tokens each, among ordinary clients."""
     result = ScenarioResult(f"slow_client_{faults.topology}", faults.topology)
     size = campaign.size
     slow_size = LoadSize(max(2, size.concurrency // 2), max(2, size.concurrency // 2), size.deadline_s)
-    slow = Load(faults.url, prompts(slow_size.requests, campaign.seed + 5), slow_size, stream=True,
-                read_delay_s=0.05)
+    long = [replace(r, output_len=200) for r in prompts(slow_size.requests, campaign.seed + 5)]
+    slow = Load(faults.url, long, slow_size, stream=True, read_delay_s=0.05)
     normal = Load(faults.url, prompts(size.requests, campaign.seed + 6), size)
 
     async def both() -> None:
