@@ -34,6 +34,7 @@ class ScenarioResult:
     blocks_leaked: dict[str, int] = field(default_factory=dict)  # worker -> blocks still used at the deadline
     recover_s: float | None = None        # restart of the killed process -> the stack serves it again
     up_s: float | None = None             # of which: restart -> the process answers its own health check
+    fault_blocks_free_s: float | None = None  # load under the fault ended -> the live workers at 0 blocks
     recovered: bool | None = None         # False: it did not serve again within its deadline
     abandoned_free_s: float | None = None  # last client gone -> both workers at 0 blocks
 
@@ -73,6 +74,10 @@ def kill_and_restart(kind: str) -> Scenario:
             await asyncio.to_thread(faults.kill, victim)
             return await running
         load = asyncio.run(during())
+        ended = time.monotonic()
+        held = wait_blocks_free(faults, without=victim)
+        if not any(held.values()):
+            result.fault_blocks_free_s = round(time.monotonic() - ended, 2)
         restarted = time.monotonic()
         faults.restart(victim)
         result.up_s = round(time.monotonic() - restarted, 2)
@@ -86,7 +91,7 @@ def kill_and_restart(kind: str) -> Scenario:
         # Only the proxy's own clients may see their connection cut: it is the process that died.
         asyncio.run(result.tally.add_load(load, campaign.reference, cut_is_clear=kind == "proxy"))
         asyncio.run(result.tally.add_load(after, campaign.reference))
-        result.blocks_leaked = wait_blocks_free(faults)
+        result.blocks_leaked = {k: max(v, held.get(k, 0)) for k, v in wait_blocks_free(faults).items()}
         return result
     return run
 
@@ -122,11 +127,12 @@ async def _probe(url: str, request: Any, want: str) -> bool:
     return outcome.verdict == OK and outcome.text == want
 
 
-def wait_blocks_free(faults: FaultStack, timeout_s: float = BLOCKS_FREE_WITHIN_S) -> dict[str, int]:
-    """Blocks in use per live worker, polled until all are 0 or the deadline passes."""
+def wait_blocks_free(faults: FaultStack, timeout_s: float = BLOCKS_FREE_WITHIN_S,
+                     without: str = "") -> dict[str, int]:
+    """Blocks in use per live worker (all but `without`), polled until all are 0 or the deadline passes."""
     deadline = time.monotonic() + timeout_s
     while True:
-        used = {name: blocks_used(url) for name, url in faults.stack.worker_urls.items()}
+        used = {name: blocks_used(url) for name, url in faults.stack.worker_urls.items() if name != without}
         if not any(used.values()) or time.monotonic() > deadline:
             return used
         time.sleep(0.05)
