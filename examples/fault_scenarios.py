@@ -18,10 +18,11 @@ import httpx
 from fault_inputs import malformed_http, malformed_zmq
 from fault_clients import OK, Outcome, call, leave, leave_mid_stream
 from fault_load import Load, LoadSize, Reference, Tally, body, prompts
-from fault_stacks import ABORT_TIMEOUT_S, FaultStack
+from fault_stacks import ABORT_TIMEOUT_S, PULL_HOLD_S, FaultStack
 from soak import blocks_used
 
-BLOCKS_FREE_WITHIN_S = ABORT_TIMEOUT_S + 20.0
+# The longest any block is held on purpose after its request ended, and 10 s more.
+BLOCKS_FREE_WITHIN_S = max(ABORT_TIMEOUT_S, PULL_HOLD_S) + 10.0
 
 
 @dataclass

@@ -21,9 +21,14 @@ from serving_stack import (Stack, StackError, StackOptions, free_port, proxy_arg
 # A decode worker killed mid-request never pulls what its prefill peer holds: the prefill frees it at
 # its abort timeout. Short here, so a leak check waits seconds, not the default minute.
 ABORT_TIMEOUT_S = 10
+# A pull whose lookup is outstanding when it is cancelled (its prefill peer was killed, say) keeps
+# its blocks until its deadline plus the connector's 5 s grace: the peer might still be writing.
+PULL_TIMEOUT_S = 20
+PULL_HOLD_S = PULL_TIMEOUT_S + 5
 ETCD_TTL_S = 2
 FAULT_OPTIONS = StackOptions(kv_transport="tcp",  # a killed shm worker cannot unlink its pool
-                             worker_extra=("--kv-abort-timeout", str(ABORT_TIMEOUT_S)))
+                             worker_extra=("--kv-abort-timeout", str(ABORT_TIMEOUT_S),
+                                           "--kv-pull-timeout", str(PULL_TIMEOUT_S)))
 
 
 @dataclass
