@@ -37,6 +37,7 @@ class StackOptions:
     model: str | None = None
     kv_transport: str = "shm"
     startup_timeout_s: float = 120.0
+    worker_extra: tuple[str, ...] = ()  # more flags for every prefill and decode worker
 
 
 def free_port() -> int:
@@ -55,7 +56,7 @@ def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None
         args += ["--kv-port", str(kv_port)]
     if options.model:
         args += ["--model", options.model]
-    return args
+    return args + list(options.worker_extra if role != "both" else ())
 
 
 def proxy_args(port: int, backends: Sequence[str], host: str = "127.0.0.1") -> list[str]:
@@ -65,22 +66,25 @@ def proxy_args(port: int, backends: Sequence[str], host: str = "127.0.0.1") -> l
 
 
 class Process:
-    """A Python child in its own session, optionally pinned to one core, logging to a temp file.
+    """A child (Python unless `program` says otherwise) in its own session, optionally pinned to
+    one core, logging to a temp file.
 
     `prefix` runs it through a launcher that execs it in turn (e.g. `ip netns exec NAME`), so
-    the child's pid and session are still the Python process's own.
+    the child's pid and session are still the program's own.
     """
 
     def __init__(self, name: str, args: Sequence[str], core: int | None = None,
-                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
-        self.name = name
+                 env: dict[str, str] | None = None, program: str = sys.executable,
+                 prefix: Sequence[str] = ()) -> None:
+        self.name, self.args, self.core, self.env = name, list(args), core, env
+        self.program, self.prefix = program, list(prefix)
         log_name = f"neuron-di-{name}-".replace(" ", "-")
         self.log = tempfile.NamedTemporaryFile(prefix=log_name, suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1", **(env or {})}
         # Pinned in the child before exec, so no thread of it ever runs on another core.
         pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
-        self.proc = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env, stdout=self.log,
+        self.proc = subprocess.Popen([*prefix, program, *args], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
 
     def tail(self, chars: int = 3000) -> str:
@@ -90,7 +94,18 @@ class Process:
         if self.proc.poll() is not None:
             raise StackError(f"the {self.name} exited with status {self.proc.returncode}:\n{self.tail()}")
 
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL to the whole session: no handler runs, nothing is cleaned up."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait(timeout=timeout_s)
+
+    def again(self) -> Process:
+        """The same command started anew (same name, ports, core), its log in a new file."""
+        return Process(self.name, self.args, self.core, self.env, self.program, self.prefix)
+
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.log.closed:
+            return  # stopped already
         if self.proc.poll() is None:
             self._signal(signal.SIGTERM)
             try:
@@ -131,21 +146,33 @@ class Stack:
         self.url = ""
         self.worker_urls: dict[str, str] = {}  # process name -> its HTTP address
         self.kv_ports: dict[str, int] = {}     # prefill process name -> its signal-plane port
-        self.processes: list[Process] = []
-        self._exit = ExitStack()
+        self.processes: list[Process] = []  # in start order; stopped in reverse
 
     def start(self, name: str, args: Sequence[str], core: int | None = None,
-              env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> Process:
-        process = Process(name, args, core, env, prefix)
+              env: dict[str, str] | None = None, program: str = sys.executable,
+              prefix: Sequence[str] = ()) -> Process:
+        process = Process(name, args, core, env, program, prefix)
         self.processes.append(process)
-        self._exit.callback(process.stop)
         return process
+
+    def process(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
+    def restart(self, name: str) -> Process:
+        """Replaces the (stopped or killed) process `name` by the same command started anew."""
+        old = self.process(name)
+        old.stop()
+        new = old.again()
+        self.processes[self.processes.index(old)] = new  # its place in the stop order too
+        return new
 
     def __enter__(self) -> Stack:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._exit.close()
+        with ExitStack() as stops:  # last started, first stopped; one failing stop does not skip the rest
+            for process in self.processes:
+                stops.callback(process.stop)
 
 
 def start_di(options: StackOptions) -> Stack:

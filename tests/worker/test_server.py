@@ -229,6 +229,22 @@ def test_prompt_longer_than_the_context_is_400(worker: WorkerProcess, model: dic
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_megabytes_of_prompt_text_are_refused_before_tokenizing(worker: WorkerProcess, model: dict,
+                                                                path: str) -> None:
+    n, text = model["max_model_len"], "x" * 3_000_000  # tokenizing it would take the server seconds
+    body = {"prompt": text} if path == "completions" else {"messages": [{"role": "user", "content": text}]}
+    r = httpx.post(f"{worker.url}/v1/{path}", json={**body, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400
+    got = r.json()["error"]
+    assert got["param"] == ("prompt" if path == "completions" else "messages")
+    assert got["message"].startswith(f"This model's maximum context length is {n} tokens. However, the prompt "
+                                     f"has "), got
+    assert re.search(r"has (\d+) characters, at least (\d+) tokens\. Please reduce the prompt\.$", got["message"])
+    short = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "x" * (n - 2), "max_tokens": 1}, timeout=60)
+    assert short.status_code == 200  # a text that fits is still tokenized and served
+
+
 def test_unknown_route_and_wrong_method(worker: WorkerProcess) -> None:
     r = httpx.get(f"{worker.url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -32,6 +32,8 @@ class Tokenizer:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         self._template = env.from_string(self.chat_template)
+        # Every token stands for at most this many characters of text (its vocabulary entry's).
+        self._max_token_chars = max(map(len, inner.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -40,6 +42,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.inner.get_vocab_size()
+
+    def min_tokens(self, text: str) -> int:
+        """The fewest tokens `text` can encode to, known without encoding it (which takes seconds
+        for megabytes of text)."""
+        return -(-len(text) // self._max_token_chars)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self.inner.encode(text, add_special_tokens=False).ids

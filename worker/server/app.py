@@ -29,8 +29,8 @@ from worker.server.metrics import RequestTimer, ServerMetrics
 from common.openai_wire import DONE_EVENT, error_body, sse_event
 from neuron_connector.registry import WorkerRecord
 from common.request_body import request_body
-from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, error_for, models_body,
-                                    parse_body, parse_request, usage)
+from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, check_text_fits, error_for,
+                                    models_body, parse_body, parse_request, usage)
 
 logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -169,8 +169,11 @@ class _Worker:
         assert engine is not None
         tokenizer = engine.tokenizer
         if req.kind == "chat":
-            return tokenizer.encode(tokenizer.apply_chat_template(req.messages), add_bos=False)
+            text = tokenizer.apply_chat_template(req.messages)
+            check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
+            return tokenizer.encode(text, add_bos=False)
         if isinstance(req.prompt, str):
+            check_text_fits(req, len(req.prompt), tokenizer.min_tokens(req.prompt), self.max_model_len)
             return tokenizer.encode(req.prompt, add_bos=True)
         assert req.prompt is not None
         return req.prompt  # the engine checks the ids against its vocabulary

@@ -93,6 +93,15 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     )
 
 
+def check_text_fits(request: GenerateRequest, num_chars: int, min_tokens: int, max_model_len: int) -> None:
+    """Refuses a prompt text that cannot fit the context whatever its tokens, before it is tokenized:
+    tokenizing megabytes of text would hold up every other request of the server for seconds."""
+    if min_tokens >= max_model_len:
+        raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, the prompt "
+                      f"has {num_chars} characters, at least {min_tokens} tokens. Please reduce the prompt.",
+                      "messages" if request.kind == "chat" else "prompt")
+
+
 def build_params(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
     """SamplingParams for a tokenized prompt; the prompt plus its output must fit the model's context."""
     room = max_model_len - num_prompt_tokens

@@ -1,0 +1,46 @@
+"""examples/fault_campaign.py: its table and exit status, and (behind --full) its whole default run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fault_campaign
+from fault_load import Tally
+from fault_scenarios import SCENARIOS, ScenarioResult
+from tests.examples.script_runs import script_env
+from tests.helpers import ROOT
+
+
+def test_table_has_a_row_per_scenario_and_lists_every_problem() -> None:
+    clean = ScenarioResult("kill_decode_1p1d", "1p1d", Tally(sent=10, ok=7, clear_error=3), {"decode worker": 0},
+                           recover_s=4.5, recovered=True)
+    leaky = ScenarioResult("client_disconnect_1p1d", "1p1d", Tally(sent=4, ok=3, hung=1, problems=["no answer"]),
+                           {"prefill worker": 2}, abandoned_free_s=0.25)
+    lines = fault_campaign.format_table([clean, leaky]).splitlines()
+    assert lines[0].split()[:3] == ["scenario", "sent", "ok"]
+    assert lines[1].split() == ["kill_decode_1p1d", "10", "7", "3", "0", "0", "0", "0", "4.50", "-"]
+    assert lines[2].split() == ["client_disconnect_1p1d", "4", "3", "0", "1", "0", "0", "2", "-", "0.25"]
+    assert lines[3:] == ["  client_disconnect_1p1d: no answer",
+                         "  client_disconnect_1p1d: prefill worker holds 2 KV blocks after the load stopped"]
+    assert clean.passed and not leaky.passed
+
+
+def test_unknown_scenario_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        fault_campaign.parse_args(["--scenario", "kill_everything"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60 * 60)
+def test_full_campaign_passes_every_check(tmp_path: Path) -> None:
+    out = tmp_path / "campaign.json"
+    done = subprocess.run([sys.executable, "examples/fault_campaign.py", "--json", str(out)], cwd=ROOT,
+                          env=script_env(), capture_output=True, text=True, timeout=55 * 60)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in results] == list(SCENARIOS)
+    assert all(r["passed"] for r in results)
