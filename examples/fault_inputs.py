@@ -13,6 +13,8 @@ import uuid
 import httpx
 import zmq
 
+from neuron_connector.protocol import Handshake
+
 from fault_clients import ERROR, HUNG, OK, UNCLEAR, Outcome, answer
 from fault_stacks import FaultStack
 
@@ -127,14 +129,14 @@ async def malformed_zmq(faults: FaultStack, deadline_s: float) -> list[Outcome]:
 def _zmq_cases(port: int) -> list[Outcome]:
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.IDENTITY, f"stranger-{uuid.uuid4().hex[:8]}".encode())
     dealer.setsockopt(zmq.LINGER, 0)
     try:
         dealer.connect(f"tcp://127.0.0.1:{port}")
         outcomes = [_ask(dealer, frame, want_error=True) for frame in ZMQ_BAD_FRAMES]
         dealer.send_multipart([b"three", b"frames", b"at once"])  # skipped by the ROUTER, no reply
         _raw_garbage(port)
-        outcomes.append(_ask(dealer, b'{"type": "handshake"}', want_error=False))
+        hello = Handshake(engine_id=f"stranger-{uuid.uuid4().hex[:8]}", nonce=uuid.uuid4().hex)
+        outcomes.append(_ask(dealer, hello.to_bytes(), want_error=False))
         return outcomes
     finally:
         dealer.close()
