@@ -102,8 +102,9 @@ class PeerLink:
             return
         hello = self._hello
         if isinstance(reply, ErrorReply):
-            kinds = {LAYOUT_MISMATCH: LayoutMismatch, UNAUTHORIZED: Unauthorized}
-            what = "our proof of the KV secret" if reply.code == UNAUTHORIZED else "our KV layout"
+            kinds = {LAYOUT_MISMATCH: LayoutMismatch, UNAUTHORIZED: Unauthorized, ENGINE_ID_IN_USE: EngineIdInUse}
+            what = {UNAUTHORIZED: "our proof of the KV secret",
+                    ENGINE_ID_IN_USE: f"our engine id {self.engine_id!r}"}.get(reply.code, "our KV layout")
             self.fail(kinds.get(reply.code, HandshakeError)(
                 f"prefill peer {self.address} refused {what}: {reply.message}"))
             return

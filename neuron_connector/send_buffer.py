@@ -221,17 +221,24 @@ class SendBuffer:
     def _handshake(self, identity: bytes, message: Handshake) -> HandshakeReply | ErrorReply:
         """Opens the connection's session, unless another live session holds the engine id."""
         self._drop_gone_sessions(but=identity)
-        holder = self._sessions.holder(message.engine_id, identity)
-        if holder is not None:
-            self.stats.engine_id_conflicts += 1
-            log.warning("refused connection %s as decode engine %r: another live connection (%s) holds that id",
-                        identity.hex(), message.engine_id, holder.hex())
-            return ErrorReply(f"prefill {self.engine_id} refused engine id {message.engine_id!r}: another live "
-                              "decode worker holds it; give each decode worker a unique --engine-id",
-                              ENGINE_ID_IN_USE, Handshake.TYPE)
+        refusal = self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)
+        if refusal is not None:
+            return refusal
         session = self._sessions.open(identity, message.engine_id, message.nonce)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
                               authenticated=self._secret is not None)
+
+    def _engine_id_taken(self, identity: bytes, engine_id: str, reply_to: str) -> ErrorReply | None:
+        """The refusal of connection `identity` as `engine_id` while another live session holds it."""
+        holder = self._sessions.holder(engine_id, identity)
+        if holder is None:
+            return None
+        self.stats.engine_id_conflicts += 1
+        log.warning("refused connection %s as decode engine %r: another live connection (%s) holds that id",
+                    identity.hex(), engine_id, holder.hex())
+        return ErrorReply(f"prefill {self.engine_id} refused engine id {engine_id!r}: another live "
+                          "decode worker holds it; give each decode worker a unique --engine-id",
+                          ENGINE_ID_IN_USE, reply_to)
 
     def _drop_gone_sessions(self, but: bytes) -> None:
         """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
@@ -254,10 +261,14 @@ class SendBuffer:
             self.stats.unauthorized += 1
             log.warning("refused %s: %s", session.describe(), refusal)
             return ErrorReply(refusal, UNAUTHORIZED, KVMapInit.TYPE)
+        # Another connection of the same id may have proved itself since this one's handshake.
+        refusal = self._engine_id_taken(identity, session.engine_id, KVMapInit.TYPE)
+        if refusal is not None:
+            return refusal
         try:
             peer_layout = KVLayout.from_dict(message.kv_map)
             self.layout.check_compatible(peer_layout)
-            session.transfer_peer = self._engine.connect(message.transfer)
+            self._sessions.establish(session, self._engine.connect(message.transfer))
         except TransferError as exc:
             code = LAYOUT_MISMATCH if isinstance(exc, TransferLayoutMismatch) else BAD_REQUEST
             return ErrorReply(f"kv_map_init refused by {self.engine_id}: {exc}", code, KVMapInit.TYPE)

@@ -1,11 +1,12 @@
 """The prefill side's decode sessions, sans I/O: one per signal-plane connection.
 
 The ROUTER gives every connection its own routing id; a Handshake on it opens a session
-bound to the decode engine id it names, and the session is established once its
-kv_map_init was accepted (with a KV secret: once its proof checked out). Lookups and
-releases count only from established sessions. An engine id is bound to one session at a
-time: the owner drops the sessions whose connection is gone, then asks `holder` before
-`open` and refuses the newcomer while another session holds its id.
+naming a decode engine id, and the session is established once its kv_map_init was
+accepted (with a KV secret: once its proof checked out). Lookups and releases count only
+from established sessions. An engine id is bound to one established session at a time, and
+only then: a connection that has proved nothing cannot hold an id against its rightful
+owner. The owner drops the sessions whose connection is gone, then asks `holder` before
+`open` and `establish`, and refuses the newcomer while another session holds its id.
 """
 from __future__ import annotations
 
@@ -54,15 +55,19 @@ class SessionTable:
 
     def open(self, routing_id: bytes, engine_id: str, client_nonce: str) -> Session:
         """(Re)starts the connection's session as `engine_id` with a fresh server nonce; a
-        resent handshake of the same attempt (same client nonce) keeps the one it was given.
-        Call only when `holder(engine_id, routing_id)` is None."""
+        resent handshake of the same attempt (same client nonce) keeps the one it was given."""
         session = self._sessions.get(routing_id)
         if session is not None and (session.engine_id, session.client_nonce) == (engine_id, client_nonce):
             return session
         self.drop(routing_id)
         session = self._sessions[routing_id] = Session(routing_id, engine_id, client_nonce, new_nonce())
-        self._bound[engine_id] = routing_id
         return session
+
+    def establish(self, session: Session, transfer_peer: str) -> None:
+        """The session proved itself: it may pull, and its engine id is bound to it. Call only
+        when `holder(session.engine_id, session.routing_id)` is None."""
+        session.transfer_peer = transfer_peer
+        self._bound[session.engine_id] = session.routing_id
 
     def drop(self, routing_id: bytes) -> Session | None:
         """Forgets the connection's session (its peer is gone, or it starts anew)."""

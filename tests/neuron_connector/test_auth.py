@@ -65,8 +65,11 @@ def raw_dealer() -> Iterator[Any]:
 
 
 def ask(sock: zmq.Socket, payload: bytes) -> dict[str, Any]:
+    """The answer to `payload`, past the liveness probes other peers' handshakes cause."""
     sock.send(payload)
-    return json.loads(sock.recv())
+    while (reply := json.loads(sock.recv())).get("type") == "probe":
+        pass
+    return reply
 
 
 def pull_exactly(pair: Pair, rid: str, src: list[int], dst: list[int], token: int) -> None:
@@ -128,6 +131,22 @@ def test_an_unauthenticated_dealer_can_neither_look_up_nor_release(make_pair, ra
     assert not pair.d_pool[:, :, 5].any()
     pair.recv.request_pull("held", "127.0.0.1", pair.send.port, [5])
     assert wait_terminal(pair.recv, "held").output_token == 7
+
+
+def test_a_handshake_that_proves_nothing_holds_no_engine_id(make_pair, raw_dealer) -> None:
+    # A connection naming the decode worker's id before the decode worker connects, and staying
+    # connected without ever proving the secret, must not lock the rightful worker out.
+    pair = make_pair(SECRET, SECRET)
+    squatter = raw_dealer(pair.send.port)
+    assert ask(squatter, Handshake("decode-0", new_nonce()).to_bytes())["status"] == "ok"
+    pull_exactly(pair, "mine", [1], [1], 10)
+    assert pair.send.stats.engine_id_conflicts == 0
+    # Now the id is bound to the proven session: the squatter's kv_map_init, even with a valid-looking
+    # layout, is refused and the rightful session keeps pulling.
+    d_engine = pair.engines[1]
+    refused = ask(squatter, KVMapInit(LAYOUT.to_dict(), d_engine.descriptor(), proof="0" * 64).to_bytes())
+    assert refused["code"] == "unauthorized", refused   # the proof is checked first
+    pull_exactly(pair, "still-mine", [2], [2], 11)
 
 
 def test_an_intruder_cannot_take_over_a_live_decode_session(make_pair, raw_dealer) -> None:

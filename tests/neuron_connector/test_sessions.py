@@ -75,16 +75,18 @@ class TestPeerLink:
 
 
 class TestSessionTable:
-    def test_an_engine_id_is_bound_to_one_session(self) -> None:
+    def test_an_engine_id_is_bound_to_one_established_session(self) -> None:
         table = SessionTable()
         first = table.open(b"A", "d0", "c1")
-        assert table.holder("d0", b"A") is None and table.holder("d0", b"B") == b"A"
         assert table.open(b"A", "d0", "c1") is first                  # a resent handshake keeps its nonce
-        assert table.open(b"A", "d0", "c2").server_nonce != first.server_nonce
-        assert table.established(b"A") is None
-        table.get(b"A").transfer_peer = "t"  # type: ignore[union-attr]
+        first = table.open(b"A", "d0", "c2")
+        assert first.server_nonce != table.open(b"A", "d0", "c1").server_nonce
+        # Opened but unproven: no session holds the id, so an unproven connection locks nobody out.
+        assert table.established(b"A") is None and table.holder("d0", b"B") is None
+        table.establish(table.get(b"A"), "t")  # type: ignore[arg-type]
         assert table.established(b"A") is not None
+        assert table.holder("d0", b"A") is None and table.holder("d0", b"B") == b"A"
         table.drop(b"A")
         assert table.holder("d0", b"B") is None and table.routing_id_of("d0") is None
-        table.open(b"B", "d0", "c3")
+        table.establish(table.open(b"B", "d0", "c3"), "t")
         assert table.routing_id_of("d0") == b"B" and len(table) == 1
