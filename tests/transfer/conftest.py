@@ -28,9 +28,10 @@ def shm_segments() -> set[str]:
 def make_engine() -> Iterator[Callable[..., TransferEngine]]:
     engines: list[TransferEngine] = []
 
-    def make(backend: str = "shm", layout: KVLayout = LAYOUT, seed: int | None = None) -> TransferEngine:
+    def make(backend: str = "shm", layout: KVLayout = LAYOUT, seed: int | None = None,
+             secret: bytes | None = None) -> TransferEngine:
         from tests.transfer.peer_proc import fill
-        engine = create_transfer_engine(backend)
+        engine = create_transfer_engine(backend, secret=secret)
         engines.append(engine)
         pool = engine.allocate_region(layout)
         if seed is not None:

@@ -5,33 +5,16 @@ import logging
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
 from tests.transfer.conftest import LAYOUT
-from tests.transfer.peer_proc import block_bytes, fill
+from tests.transfer.peer_proc import block_bytes
 from transfer import BackendUnavailable, TransferEngine, Unauthorized, create_transfer_engine, wire
 from transfer.blocks import byte_ranges
 
 SECRET = b"the deployment's secret"
-
-
-@pytest.fixture
-def make_engine() -> Iterator[Callable[..., TransferEngine]]:
-    engines: list[TransferEngine] = []
-
-    def make(backend: str = "tcp", secret: bytes | None = None, seed: int | None = None) -> TransferEngine:
-        engine = create_transfer_engine(backend, secret=secret)
-        engines.append(engine)
-        pool = engine.allocate_region(LAYOUT)
-        if seed is not None:
-            fill(pool, seed)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
 
 
 def pool_of(engine: TransferEngine) -> Any:
@@ -39,7 +22,7 @@ def pool_of(engine: TransferEngine) -> Any:
 
 
 def test_a_writer_with_the_secret_writes(make_engine) -> None:
-    writer, listener = make_engine(secret=SECRET, seed=3), make_engine(secret=SECRET)
+    writer, listener = make_engine("tcp", secret=SECRET, seed=3), make_engine("tcp", secret=SECRET)
     peer = writer.connect(listener.descriptor())
     writer.queue_transfer_with_token(peer, [1, 2], [5, 6]).wait(10)
     assert block_bytes(pool_of(listener), [5, 6]) == block_bytes(pool_of(writer), [1, 2])
@@ -48,7 +31,7 @@ def test_a_writer_with_the_secret_writes(make_engine) -> None:
 @pytest.mark.parametrize("writer_secret, why", [(None, "no proof"), (b"another secret", "a wrong proof")])
 def test_a_writer_without_the_secret_is_refused_and_logged(make_engine, caplog: pytest.LogCaptureFixture,
                                                            writer_secret: bytes | None, why: str) -> None:
-    writer, listener = make_engine(secret=writer_secret, seed=3), make_engine(secret=SECRET, seed=4)
+    writer, listener = make_engine("tcp", secret=writer_secret, seed=3), make_engine("tcp", secret=SECRET, seed=4)
     before = block_bytes(pool_of(listener), list(range(LAYOUT.num_blocks)))
     with caplog.at_level(logging.WARNING, logger="transfer.tcp"):
         with pytest.raises(Unauthorized, match=f"refused a hello with {why} of the KV secret from 127.0.0.1:"):
@@ -58,7 +41,7 @@ def test_a_writer_without_the_secret_is_refused_and_logged(make_engine, caplog: 
 
 
 def test_a_raw_socket_without_the_proof_cannot_write_a_byte(make_engine) -> None:
-    listener = make_engine(secret=SECRET, seed=4)
+    listener = make_engine("tcp", secret=SECRET, seed=4)
     before = block_bytes(pool_of(listener), list(range(LAYOUT.num_blocks)))
     info = listener.descriptor()["transports"]["tcp"]
     payload = byte_ranges(LAYOUT, [0], [2]).nbytes
