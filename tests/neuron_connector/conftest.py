@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -68,15 +69,17 @@ class Pair:
 
 
 def make_pair(backend: str = "shm", abort_timeout: float = 60.0, grace: float = 2.0,
-              integrity_check: bool = False, p_engine: Any = None) -> Pair:
-    """`p_engine`: the prefill's transfer engine, without a pool yet (default: a real one of `backend`)."""
+              integrity_check: bool = False, p_engine: Any = None,
+              p_secret: bytes | None = None, d_secret: bytes | None = None) -> Pair:
+    """Prefill engine "prefill-0" and decode engine "decode-0", not started. `p_engine`: the
+    prefill's transfer engine, without a pool yet (default: a real one of `backend`)."""
     p_engine, p_pool = engine_with_pool(backend, seed=1, engine=p_engine)
     d_engine, d_pool = engine_with_pool(backend)
     pair = Pair(None, None, p_pool, d_pool, [p_engine, d_engine])  # type: ignore[arg-type]
     pair.send = SendBuffer(p_engine, LAYOUT, "prefill-0", "127.0.0.1", 0, pair.on_release,
-                           abort_timeout=abort_timeout, on_transfer=pair.on_transfer)
-    pair.recv = RecvBuffer(d_engine, LAYOUT, engine_id="127.0.0.1:8200", default_timeout=10.0,
-                           grace=grace, on_finished=pair.on_finished, integrity_check=integrity_check)
+                           abort_timeout=abort_timeout, on_transfer=pair.on_transfer, secret=p_secret)
+    pair.recv = RecvBuffer(d_engine, LAYOUT, engine_id="decode-0", default_timeout=10.0, grace=grace,
+                           on_finished=pair.on_finished, integrity_check=integrity_check, secret=d_secret)
     return pair
 
 
@@ -87,23 +90,25 @@ def close_pair(pair: Pair) -> None:
         engine.close()
 
 
+@contextmanager
+def running_pair(backend: str = "shm", **options: Any) -> Iterator[Pair]:
+    """A started `make_pair(backend, **options)`, closed on exit."""
+    pair = make_pair(backend, **options)
+    pair.send.start()
+    pair.recv.start()
+    try:
+        yield pair
+    finally:
+        close_pair(pair)
+
+
 @pytest.fixture(params=["shm", "tcp"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    p = make_pair(request.param)
-    p.send.start()
-    p.recv.start()
-    try:
+    with running_pair(request.param) as p:
         yield p
-    finally:
-        close_pair(p)
 
 
 @pytest.fixture
 def shm_pair() -> Iterator[Pair]:
-    p = make_pair("shm", abort_timeout=1.0)
-    p.send.start()
-    p.recv.start()
-    try:
+    with running_pair("shm", abort_timeout=1.0) as p:
         yield p
-    finally:
-        close_pair(p)

@@ -3,44 +3,29 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterator
+from contextlib import ExitStack
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 import zmq
 
 from common.kv_secret import new_nonce
-from neuron_connector import EngineIdInUse, PullState, RecvBuffer, SendBuffer, Unauthorized
+from neuron_connector import EngineIdInUse, PullState, RecvBuffer, Unauthorized
 from neuron_connector.protocol import Handshake, KVMapInit, LookupAll, Release
 from tests.helpers import wait_until
-from tests.neuron_connector.conftest import Pair, close_pair
+from tests.neuron_connector.conftest import Pair, running_pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, seeded, wait_terminal
 
 SECRET, OTHER_SECRET = b"the deployment's secret", b"another deployment's secret"
 
 
-def secured_pair(p_secret: bytes | None, d_secret: bytes | None) -> Pair:
-    p_engine, p_pool = engine_with_pool("tcp", seed=1)
-    d_engine, d_pool = engine_with_pool("tcp")
-    pair = Pair(None, None, p_pool, d_pool, [p_engine, d_engine])  # type: ignore[arg-type]
-    pair.send = SendBuffer(p_engine, LAYOUT, "prefill-0", "127.0.0.1", 0, pair.on_release, secret=p_secret)
-    pair.recv = RecvBuffer(d_engine, LAYOUT, "decode-0", default_timeout=10.0, grace=2.0, secret=d_secret)
-    pair.send.start()
-    pair.recv.start()
-    return pair
-
-
 @pytest.fixture
-def make_pair() -> Iterator[Any]:
-    pairs: list[Pair] = []
-
-    def make(p_secret: bytes | None, d_secret: bytes | None) -> Pair:
-        pairs.append(secured_pair(p_secret, d_secret))
-        return pairs[-1]
-
-    yield make
-    for pair in pairs:
-        close_pair(pair)
+def make_pair() -> Iterator[Callable[[bytes | None, bytes | None], Pair]]:
+    """Started tcp pairs with the given prefill and decode secrets, closed at the end."""
+    with ExitStack() as pairs:
+        yield lambda p_secret, d_secret: pairs.enter_context(
+            running_pair("tcp", p_secret=p_secret, d_secret=d_secret))
 
 
 @pytest.fixture

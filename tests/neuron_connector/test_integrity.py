@@ -2,7 +2,7 @@
 pushed, the decode compares it with its own over the blocks that landed."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from neuron_connector.lookup import LookupTable, Start
 from neuron_connector.protocol import CRC32, LookupReply
 from neuron_connector.pulls import PullTracker
 from tests.helpers import wait_until
-from tests.neuron_connector.conftest import Pair, close_pair, make_pair
+from tests.neuron_connector.conftest import Pair, running_pair
 from tests.neuron_connector.kv import corrupting_engine, wait_terminal
 
 PEER = "127.0.0.1:14579"
@@ -68,13 +68,8 @@ def test_the_prefill_answers_a_repeated_lookup_with_the_same_checksum() -> None:
 
 @pytest.fixture(params=["shm", "tcp"])
 def checked_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    pair = make_pair(request.param, integrity_check=True)
-    pair.send.start()
-    pair.recv.start()
-    try:
+    with running_pair(request.param, integrity_check=True) as pair:
         yield pair
-    finally:
-        close_pair(pair)
 
 
 def test_a_checked_pull_moves_every_byte_and_turns_done(checked_pair: Pair) -> None:
@@ -87,11 +82,8 @@ def test_a_checked_pull_moves_every_byte_and_turns_done(checked_pair: Pair) -> N
     wait_until(lambda: checked_pair.releases() == ["r1"], timeout=5, what="on_release")
 
 
-def _corrupting_pair(integrity_check: bool) -> Pair:
-    pair = make_pair("shm", integrity_check=integrity_check, p_engine=corrupting_engine(corruptions=1))
-    pair.send.start()
-    pair.recv.start()
-    return pair
+def _corrupting_pair(integrity_check: bool) -> ContextManager[Pair]:
+    return running_pair("shm", integrity_check=integrity_check, p_engine=corrupting_engine(corruptions=1))
 
 
 def _differing_bytes(pair: Pair, src: list[int], dst: list[int]) -> int:
@@ -100,8 +92,7 @@ def _differing_bytes(pair: Pair, src: list[int], dst: list[int]) -> int:
 
 
 def test_a_corrupted_push_fails_the_pull_and_its_blocks_are_free_again() -> None:
-    pair = _corrupting_pair(integrity_check=True)
-    try:
+    with _corrupting_pair(integrity_check=True) as pair:
         src, dst = [2, 3], [10, 11]
         pair.send.publish("bad", src, output_token=5)
         pair.recv.request_pull("bad", "127.0.0.1", pair.send.port, dst)
@@ -119,16 +110,11 @@ def test_a_corrupted_push_fails_the_pull_and_its_blocks_are_free_again() -> None
         pair.recv.request_pull("good", "127.0.0.1", pair.send.port, dst)
         assert wait_terminal(pair.recv, "good").state is PullState.DONE
         assert _differing_bytes(pair, src, dst) == 0
-    finally:
-        close_pair(pair)
 
 
 def test_without_the_check_the_same_corruption_goes_unnoticed() -> None:
-    pair = _corrupting_pair(integrity_check=False)
-    try:
+    with _corrupting_pair(integrity_check=False) as pair:
         pair.send.publish("bad", [2], output_token=5)
         pair.recv.request_pull("bad", "127.0.0.1", pair.send.port, [10])
         assert wait_terminal(pair.recv, "bad").state is PullState.DONE
         assert _differing_bytes(pair, [2], [10]) == 1
-    finally:
-        close_pair(pair)
