@@ -53,8 +53,8 @@ class ServerMetrics:
         self.requests = Counter("neuron_di_requests", "Requests answered, by finish reason or error status.",
                                 [*labels, "outcome"], registry=self.registry)
         self.model_name = model_name
-        for counter in (self.integrity_checks, self.integrity_failures):
-            counter.labels(model_name)    # shown as 0 before the first pull
+        for counter in (self.prompt_tokens, self.generation_tokens, self.integrity_checks, self.integrity_failures):
+            counter.labels(model_name)    # shown as 0 before the first request or pull
 
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.labels(self.model_name).set(stats.num_running)
