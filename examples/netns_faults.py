@@ -85,11 +85,16 @@ def _start_1p1d_across(hosts: TwoHosts, options: StackOptions) -> Stack:
     return started(build)
 
 
-def link_fault(fault: LinkFault, input_len: tuple[int, int] = (10, 800)) -> Scenario:
-    """The campaign's load (prompts of `input_len` tokens) with `fault` on the cable (see the module docstring)."""
+def link_fault(fault: LinkFault, input_len: tuple[int, int] = (10, 800),
+               output_len: tuple[int, int] = (4, 16)) -> Scenario:
+    """The campaign's load (prompts of `input_len` tokens, answers of `output_len`) with `fault` on the
+    cable (see the module docstring). No answer is one token long: such a request goes to the prefill
+    worker alone, and one sent over a kept-alive connection the cut black-holes can wait for the proxy's
+    read timeout (600 s by default)."""
     def run(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
         result = ScenarioResult(f"link_{fault.name}_{faults.topology}", faults.topology)
-        load = Load(faults.url, prompts(campaign.size.requests, campaign.seed + 7, input_len), campaign.size)
+        requests = prompts(campaign.size.requests, campaign.seed + 7, input_len, output_len)
+        load = Load(faults.url, requests, campaign.size)
         try:
             asyncio.run(_under_fault(faults, fault, load))
             result.blocks_leaked = wait_blocks_free(faults)

@@ -46,7 +46,7 @@ def cable_cleared(request: pytest.FixtureRequest) -> Iterator[None]:
 def run(two_hosts: FaultStack, campaign: Campaign, fault: LinkFault, num: int, input_len: tuple[int, int],
         seed: int, concurrency: int | None = None) -> ScenarioResult:
     size = LoadSize(requests=num, concurrency=concurrency or num, deadline_s=REQUEST_DEADLINE_S)
-    return link_fault(fault, input_len)(two_hosts, replace(campaign, size=size, seed=seed))
+    return link_fault(fault, input_len, output_len=(4, 10))(two_hosts, replace(campaign, size=size, seed=seed))
 
 
 def assert_all_exact(result: ScenarioResult) -> None:
