@@ -1,4 +1,5 @@
-"""Fault campaign: real 1P1D and 2P2D stacks under load, one fault at a time, uniform checks.
+"""Fault campaign: real 1P1D and 2P2D stacks, and 1P1D across two hosts, under load, one fault at a
+time, uniform checks.
 
     python examples/fault_campaign.py                    # every scenario, the full load
     python examples/fault_campaign.py --quick            # a small load (a minute or two)
@@ -8,12 +9,17 @@
 Scenarios (examples/fault_scenarios.py): SIGKILL of the prefill worker, a decode worker, the proxy
 or etcd mid-load, each restarted alone (time to recover measured); clients leaving before the first
 byte or mid-stream (time from the last one gone to every KV block free); malformed HTTP and ZMQ
-frames under load; slow streaming readers. Each stack is started once and shared by its scenarios.
+frames under load; slow streaming readers. On two network-namespace hosts joined by a user-space
+cable (examples/netns_faults.py; prefill on one, decode and the proxy on the other, KV over tcp):
+delay with loss on the cable, and a cut while KV moves (time to recover from clearing it). Each
+stack is started once and shared by its scenarios; where namespaces cannot be made (not root),
+the two-host scenarios are reported as skipped, with the reason.
 Every call has a deadline; a call still open then is hung. Every failure must be a clear error
 (OpenAI-style JSON error with its status, or an SSE error event then [DONE]; a cut connection is
 one only for clients of a killed proxy), every success must equal the greedy output of one
 `--role both` worker, and every KV block of every live worker must be free once the load stops.
-Exit status: 0 all of that held; 1 a stack could not be started; 3 some check failed.
+Exit status: 0 all of that held (skipped scenarios aside); 1 a stack could not be started; 3 some
+check failed.
 """
 from __future__ import annotations
 
@@ -25,14 +31,18 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from fault_judge import Campaign, ScenarioResult
 from fault_load import LoadSize, Reference
-from fault_scenarios import SCENARIOS, Campaign, ScenarioResult
+from fault_scenarios import SCENARIOS
 from fault_stacks import FaultStack, start_1p1d, start_2p2d
+from netns_faults import start_two_hosts
+from netns_hosts import NetnsUnavailable
 from serving_stack import StackError
 
 QUICK = LoadSize(requests=8, concurrency=4, deadline_s=120.0)
 FULL = LoadSize(requests=40, concurrency=8, deadline_s=120.0)
-STARTERS: dict[str, Callable[[], FaultStack]] = {"1p1d": start_1p1d, "2p2d": start_2p2d}
+STARTERS: dict[str, Callable[[], FaultStack]] = {"1p1d": start_1p1d, "2p2d": start_2p2d,
+                                                 "two_hosts": start_two_hosts}
 COLUMNS = ("scenario", "sent", "ok", "clear error", "hung", "wrong", "unclear", "blocks leaked", "recover s",
            "abandoned free s")
 
@@ -46,7 +56,12 @@ def run_campaign(names: list[str], size: LoadSize, seed: int = 0) -> list[Scenar
             chosen = [n for n in names if SCENARIOS[n][0] == topology]
             if not chosen:
                 continue
-            with starter() as faults:
+            try:
+                faults = starter()
+            except NetnsUnavailable as exc:
+                results += [ScenarioResult(name, topology, skipped=str(exc)) for name in chosen]
+                continue
+            with faults:
                 for name in chosen:
                     print(f"{name} ...", flush=True)
                     results.append(SCENARIOS[name][1](faults, campaign))
@@ -54,6 +69,8 @@ def run_campaign(names: list[str], size: LoadSize, seed: int = 0) -> list[Scenar
 
 
 def row(result: ScenarioResult) -> list[str]:
+    if result.skipped:
+        return [result.name, "skipped", *["-"] * (len(COLUMNS) - 2)]
     t = result.tally
     optional = ["-" if v is None else f"{v:.2f}" for v in (result.recover_s, result.abandoned_free_s)]
     return [result.name, *(str(v) for v in (t.sent, t.ok, t.clear_error, t.hung, t.wrong, t.unclear)),
@@ -66,6 +83,7 @@ def format_table(results: list[ScenarioResult]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     for result in results:
+        lines += [f"  {result.name}: skipped: {result.skipped}"] if result.skipped else []
         lines += [f"  {result.name}: {problem}" for problem in result.tally.problems]
         lines += [f"  {result.name}: {worker} holds {n} KV blocks after the load stopped"
                   for worker, n in result.blocks_leaked.items() if n]

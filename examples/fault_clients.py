@@ -105,7 +105,10 @@ async def _events(response: httpx.Response, read_delay_s: float) -> Outcome:
 
 
 def _message(parsed: dict[str, Any]) -> str:
-    return str(parsed["error"]["message"])
+    """The error's type (when it names one) and message."""
+    error = parsed["error"]
+    kind = error.get("type")
+    return f"{kind}: {error['message']}" if isinstance(kind, str) and kind else str(error["message"])
 
 
 async def leave(port: int, path: str, body: dict[str, Any], rng: random.Random) -> None:

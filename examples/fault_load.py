@@ -1,8 +1,8 @@
 """Load for a fault campaign: prompts, the reference outputs, concurrent clients, and the tally.
 
-Half the clients stream, half do not; prompts are 10-800 random printable token ids, greedy,
-`ignore_eos`, so every answer that succeeds must equal the reference text exactly: the output of
-one `--role both` worker for the same prompt, asked once per prompt.
+Half the clients stream, half do not; prompts are 10-800 random printable token ids (or as a scenario
+says), greedy, `ignore_eos`, so every answer that succeeds must equal the reference text
+exactly: the output of one `--role both` worker for the same prompt, asked once per prompt.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ class LoadSize:
     deadline_s: float = 120.0
 
 
-def prompts(count: int, seed: int) -> list[SyntheticRequest]:
-    return make_requests(LoadSpec(num_prompts=count, input_len=(10, 800), output_len=(1, 32), seed=seed))
+def prompts(count: int, seed: int, input_len: tuple[int, int] = (10, 800),
+            output_len: tuple[int, int] = (1, 32)) -> list[SyntheticRequest]:
+    return make_requests(LoadSpec(num_prompts=count, input_len=input_len, output_len=output_len, seed=seed))
 
 
 def body(request: SyntheticRequest, stream: bool) -> dict[str, Any]:

@@ -10,55 +10,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import replace
 
 import httpx
 
 from fault_inputs import malformed_http, malformed_zmq
-from fault_clients import OK, Outcome, call, leave, leave_mid_stream
-from fault_load import Load, LoadSize, Reference, Tally, body, prompts
-from fault_stacks import ABORT_TIMEOUT_S, PULL_HOLD_S, FaultStack
-from soak import blocks_used
-
-# The longest any block is held on purpose after its request ended, and 10 s more.
-BLOCKS_FREE_WITHIN_S = max(ABORT_TIMEOUT_S, PULL_HOLD_S) + 10.0
-
-
-@dataclass
-class ScenarioResult:
-    """One scenario's counts (see fault_load.Tally) and measurements."""
-
-    name: str
-    topology: str
-    tally: Tally = field(default_factory=Tally)
-    blocks_leaked: dict[str, int] = field(default_factory=dict)  # worker -> blocks still used at the deadline
-    recover_s: float | None = None        # restart of the killed process -> the stack serves it again
-    up_s: float | None = None             # of which: restart -> the process answers its own health check
-    fault_blocks_free_s: float | None = None  # load under the fault ended -> the live workers at 0 blocks
-    recovered: bool | None = None         # False: it did not serve again within its deadline
-    abandoned_free_s: float | None = None  # last client gone -> both workers at 0 blocks
-
-    @property
-    def passed(self) -> bool:
-        t = self.tally
-        return (t.hung == t.wrong == t.unclear == 0 and not any(self.blocks_leaked.values())
-                and self.recovered is not False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "passed": self.passed}
-
-
-@dataclass(frozen=True, slots=True)
-class Campaign:
-    """What every scenario shares: the load size, the reference outputs, the seed of the prompts."""
-
-    size: LoadSize
-    reference: Reference
-    seed: int = 0
-
-
-Scenario = Callable[[FaultStack, Campaign], ScenarioResult]
+from fault_clients import Outcome, leave, leave_mid_stream
+from fault_judge import Campaign, Scenario, ScenarioResult, record_recovery, wait_blocks_free
+from fault_load import Load, LoadSize, body, prompts
+from fault_stacks import FaultStack
+from netns_faults import LINK_SCENARIOS
 
 
 def kill_and_restart(kind: str) -> Scenario:
@@ -82,12 +43,7 @@ def kill_and_restart(kind: str) -> Scenario:
         restarted = time.monotonic()
         faults.restart(victim)
         result.up_s = round(time.monotonic() - restarted, 2)
-        served = wait_serving(faults, campaign)
-        result.recovered = served is not None
-        if served is None:
-            result.tally.problems.append(f"the stack did not serve again after {victim} was restarted")
-        else:
-            result.recover_s = round(served - restarted, 2)
+        record_recovery(result, faults, campaign, restarted, f"{victim} was restarted")
         after = asyncio.run(Load(faults.url, prompts(size.requests, campaign.seed + 1), size).run())
         # Only the proxy's own clients may see their connection cut: it is the process that died.
         asyncio.run(result.tally.add_load(load, campaign.reference, cut_is_clear=kind == "proxy"))
@@ -95,48 +51,6 @@ def kill_and_restart(kind: str) -> Scenario:
         result.blocks_leaked = {k: max(v, held.get(k, 0)) for k, v in wait_blocks_free(faults).items()}
         return result
     return run
-
-
-def wait_serving(faults: FaultStack, campaign: Campaign, timeout_s: float = 120.0) -> float | None:
-    """When the stack serves again with everything it had: the proxy sees every worker healthy,
-    every worker is registered in etcd (2p2d), and a request gets the reference answer; None if
-    that did not happen within `timeout_s`."""
-    probe = prompts(1, campaign.seed + 2)
-    want = asyncio.run(campaign.reference.texts(probe))[0]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _complete(faults) and asyncio.run(_probe(faults.url, probe[0], want)):
-            return time.monotonic()
-        time.sleep(0.05)
-    return None
-
-
-def _complete(faults: FaultStack) -> bool:
-    expected = {role: len(faults.names(f"{role} worker")) for role in ("prefill", "decode")}
-    try:
-        counts = httpx.get(f"{faults.url}/health", timeout=2.0).json()["workers"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return False
-    if any(counts.get(role) != {"known": n, "healthy": n} for role, n in expected.items()):
-        return False
-    return not faults.etcd or faults.registered() == sum(expected.values())
-
-
-async def _probe(url: str, request: Any, want: str) -> bool:
-    async with httpx.AsyncClient(timeout=30.0) as client:
-        outcome = await call(client, f"{url}/v1/completions", body(request, False), 30.0)
-    return outcome.verdict == OK and outcome.text == want
-
-
-def wait_blocks_free(faults: FaultStack, timeout_s: float = BLOCKS_FREE_WITHIN_S,
-                     without: str = "") -> dict[str, int]:
-    """Blocks in use per live worker (all but `without`), polled until all are 0 or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        used = {name: blocks_used(url) for name, url in faults.stack.worker_urls.items() if name != without}
-        if not any(used.values()) or time.monotonic() > deadline:
-            return used
-        time.sleep(0.05)
 
 
 def client_disconnect(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
@@ -232,4 +146,5 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "kill_decode_2p2d": ("2p2d", kill_and_restart("decode")),
     "kill_proxy_2p2d": ("2p2d", kill_and_restart("proxy")),
     "kill_etcd_2p2d": ("2p2d", kill_and_restart("etcd")),
+    **{name: ("two_hosts", scenario) for name, scenario in LINK_SCENARIOS.items()},
 }

@@ -1,4 +1,5 @@
-"""The stacks a fault campaign breaks: static 1P1D, and 2P2D whose workers register in a real etcd.
+"""The stacks a fault campaign breaks: static 1P1D, and 2P2D whose workers register in a real etcd
+(the two-host 1P1D is examples/netns_faults.py's).
 
 Each is a serving_stack.Stack whose processes can be killed (SIGKILL, mid-load) and restarted
 with the same command line and ports, so the others keep running and the proxy's view of the
@@ -11,12 +12,16 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aetcd
 
 from proxy.discovery import read_workers
 from serving_stack import (Stack, StackError, StackOptions, free_port, proxy_args, started, wait_healthy,
                            worker_args)
+
+if TYPE_CHECKING:
+    from netns_hosts import Cable, TwoHosts
 
 # A decode worker killed mid-request never pulls what its prefill peer holds: the prefill frees it at
 # its abort timeout. Short here, so a leak check waits seconds, not the default minute.
@@ -36,14 +41,21 @@ class FaultStack:
     """A started stack, what its processes are, and how to tell each of them is serving again."""
 
     stack: Stack
-    topology: str                                              # "1p1d" or "2p2d"
+    topology: str                                              # "1p1d", "2p2d" or "two_hosts"
     health_urls: dict[str, str] = field(default_factory=dict)  # process name -> URL answering 200 when up
     etcd: str = ""                                             # host:port of etcd, 2p2d only
     etcd_data: str = ""
+    hosts: TwoHosts | None = None                              # the namespaces it runs in, two_hosts only
 
     @property
     def url(self) -> str:
         return self.stack.url
+
+    @property
+    def link(self) -> Cable:
+        """The cable between the two hosts (two_hosts only)."""
+        assert self.hosts is not None, f"a {self.topology} stack has no cable"
+        return self.hosts.link
 
     def names(self, kind: str) -> list[str]:
         """The processes of one kind ("prefill", "decode", "proxy", "etcd"), in start order."""
@@ -73,6 +85,8 @@ class FaultStack:
         self.stack.__exit__(None, None, None)
         if self.etcd_data:
             shutil.rmtree(self.etcd_data, ignore_errors=True)
+        if self.hosts is not None:
+            self.hosts.__exit__(None, None, None)
 
     def __enter__(self) -> FaultStack:
         return self

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import shlex
 import sys
 import time
@@ -27,12 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from serving_load import LoadError, LoadSpec, fetch_model, make_requests, run_load
 from serving_stack import Stack, StackError, StackOptions, start_di
-
-BLOCKS_USED = re.compile(r"^neuron_di_kv_blocks_used(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
+from worker_metrics import blocks_used, wait_blocks_free
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,26 +51,10 @@ def rss_mb(pid: int) -> float:
     raise ValueError(f"no VmRSS for process {pid}")
 
 
-def blocks_used(worker_url: str) -> int:
-    """The worker's neuron_di_kv_blocks_used gauge, summed over its labels."""
-    text = httpx.get(f"{worker_url}/metrics", timeout=10.0).text
-    return int(sum(float(value) for value in BLOCKS_USED.findall(text)))
-
-
 def sample(stack: Stack, round_no: int, started: float, sent: int, failed: int) -> Sample:
     return Sample(round_no, (time.monotonic() - started) / 60, sent, failed,
                   {p.name: round(rss_mb(p.proc.pid), 1) for p in stack.processes},
                   {name: blocks_used(url) for name, url in stack.worker_urls.items()})
-
-
-def wait_blocks_free(stack: Stack, timeout_s: float = 30.0) -> dict[str, int]:
-    """Blocks in use per worker, polled until all are 0 or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        used = {name: blocks_used(url) for name, url in stack.worker_urls.items()}
-        if not any(used.values()) or time.monotonic() > deadline:
-            return used
-        time.sleep(0.2)
 
 
 def soak(stack: Stack, args: argparse.Namespace) -> list[Sample]:
@@ -153,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with start_di(StackOptions(kv_transport=args.kv_transport)) as stack:
             samples = soak(stack, args)
-            end_blocks = wait_blocks_free(stack)
+            end_blocks = wait_blocks_free(stack.worker_urls, timeout_s=30.0)
     except (StackError, LoadError) as exc:
         print(f"soak: {exc}", file=sys.stderr)
         return 1

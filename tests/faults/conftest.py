@@ -13,7 +13,7 @@ from tests.helpers import ROOT
 sys.path.insert(0, str(ROOT / "examples"))
 
 from fault_load import LoadSize, Reference  # noqa: E402
-from fault_scenarios import Campaign  # noqa: E402
+from fault_judge import Campaign  # noqa: E402
 
 SMALL = LoadSize(requests=6, concurrency=3, deadline_s=90.0)
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import fault_campaign
+from fault_judge import ScenarioResult
 from fault_load import Tally
-from fault_scenarios import SCENARIOS, ScenarioResult
+from fault_scenarios import SCENARIOS
 from tests.examples.script_runs import script_env
 from tests.helpers import ROOT
 
@@ -27,6 +28,21 @@ def test_table_has_a_row_per_scenario_and_lists_every_problem() -> None:
     assert lines[3:] == ["  client_disconnect_1p1d: no answer",
                          "  client_disconnect_1p1d: prefill worker holds 2 KV blocks after the load stopped"]
     assert clean.passed and not leaky.passed
+
+
+def test_skipped_scenario_shows_its_reason_and_does_not_fail() -> None:
+    skipped = ScenarioResult("link_cut_two_hosts", "two_hosts", skipped="network namespaces need root")
+    lines = fault_campaign.format_table([skipped]).splitlines()
+    assert lines[1].split() == ["link_cut_two_hosts", "skipped", *["-"] * (len(fault_campaign.COLUMNS) - 2)]
+    assert lines[2:] == ["  link_cut_two_hosts: skipped: network namespaces need root"]
+    assert skipped.passed
+
+
+def test_link_faults_are_scenarios_of_the_campaign() -> None:
+    args = fault_campaign.parse_args(["--scenario", "link_cut_two_hosts"])
+    assert args.scenario == ["link_cut_two_hosts"]
+    assert {name: topology for name, (topology, _) in SCENARIOS.items() if name.startswith("link_")} == {
+        "link_delay_loss_two_hosts": "two_hosts", "link_cut_two_hosts": "two_hosts"}
 
 
 def test_unknown_scenario_is_refused() -> None:

@@ -7,7 +7,8 @@ from typing import Iterator
 import pytest
 
 from fault_inputs import HTTP_CASES, ZMQ_BAD_FRAMES
-from fault_scenarios import SCENARIOS, Campaign
+from fault_judge import Campaign
+from fault_scenarios import SCENARIOS
 from fault_stacks import ABORT_TIMEOUT_S, FaultStack, start_1p1d
 from tests.faults.checks import assert_clean
 from tests.faults.conftest import SMALL

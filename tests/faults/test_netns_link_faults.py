@@ -1,34 +1,31 @@
-"""run_link_faults, the entry point a fault campaign calls: it builds the two hosts and the stack
-itself, runs a load under each fault, and counts how every request ended."""
+"""The fault campaign's two-host scenarios as the campaign runs them: it builds the two hosts and
+the stack itself, runs its load under each cable fault, and judges every call with the same checks
+as every other scenario (or reports them skipped, with the reason, where namespaces cannot be made)."""
 from __future__ import annotations
-
-import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from fault_campaign import run_campaign
+from fault_load import LoadSize
+from netns_hosts import NetnsUnavailable, check_available
+from tests.faults.checks import assert_clean
 
-sys.path.insert(0, str(ROOT / "examples"))
-
-from netns_faults import LinkFault, run_link_faults  # noqa: E402
-from netns_hosts import NetnsUnavailable, check_available  # noqa: E402
-from serving_load import LoadSpec  # noqa: E402
+LINK_SCENARIOS = ["link_delay_loss_two_hosts", "link_cut_two_hosts"]
 
 
 @pytest.mark.slow
-def test_run_link_faults_counts_every_request_of_every_fault() -> None:
+def test_the_campaign_runs_every_link_fault_on_two_hosts() -> None:
     try:
         check_available()
     except NetnsUnavailable as exc:
-        pytest.skip(f"no network-namespace hosts here: {exc}")
-    spec = LoadSpec(num_prompts=8, input_len=(200, 1500), output_len=(4, 8), max_concurrency=4,
-                    request_timeout_s=40.0)
-    counts = run_link_faults(spec, [LinkFault("delay+loss", delay_ms=20, loss_pct=1), LinkFault("cut", cut=True)],
-                             pull_timeout_s=10.0)
-    assert [c.fault for c in counts] == ["delay+loss", "cut"]
-    for c in counts:
-        assert c.sent == c.ok + c.clear_error + c.hung + c.wrong == spec.num_prompts, c
-        assert c.hung == c.wrong == c.blocks_leaked == 0, c
-        assert c.recover_s is not None
-    assert counts[0].ok == spec.num_prompts, counts[0]
-    assert counts[1].clear_error >= 1, counts[1]
+        results = run_campaign(LINK_SCENARIOS, LoadSize(requests=8, concurrency=4, deadline_s=40.0))
+        assert [r.skipped for r in results] == [str(exc)] * 2
+        return
+    results = run_campaign(LINK_SCENARIOS, LoadSize(requests=8, concurrency=4, deadline_s=40.0))
+    assert [r.name for r in results] == LINK_SCENARIOS
+    for result in results:
+        assert_clean(result)
+        assert result.recover_s is not None
+    delay_loss, cut = results
+    assert delay_loss.tally.ok == delay_loss.tally.sent == 8, delay_loss.tally
+    assert cut.tally.clear_error >= 1, cut.tally

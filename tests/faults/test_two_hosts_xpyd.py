@@ -10,31 +10,25 @@ time, its own host's over shm and the other's over tcp.
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import replace
-from typing import Sequence
 
 import httpx
 import pytest
 
-from tests.helpers import ROOT, EtcdServer, wait_until
-
-sys.path.insert(0, str(ROOT / "examples"))
-
-from netns_faults import (BLOCKS_USED, DECODE_PORT, KV_PORT, PREFILL_PORT, PROXY_PORT,  # noqa: E402
-                          FaultCounts, classify, metric_sum, reference_texts, send_all, worker_on)
-from netns_hosts import NetnsUnavailable, TwoHosts, check_available  # noqa: E402
-from serving_load import LoadSpec, fetch_model, make_requests  # noqa: E402
-from serving_stack import Stack, StackOptions, free_port, proxy_args, started, wait_healthy, worker_args  # noqa: E402
+from fault_load import Load, LoadSize, Reference, Tally
+from netns_faults import DECODE_PORT, KV_PORT, PREFILL_PORT, PROXY_PORT, worker_on
+from netns_hosts import NetnsUnavailable, TwoHosts, check_available
+from serving_load import LoadSpec, make_requests
+from serving_stack import Stack, StackOptions, proxy_args, started, wait_healthy
+from tests.helpers import EtcdServer, wait_until
+from worker_metrics import wait_blocks_free
 
 OPTIONS = StackOptions(kv_transport="auto")
 LOAD = LoadSpec(num_prompts=24, input_len=(20, 400), output_len=(4, 10), seed=5, request_timeout_s=120.0)
 
 
-def start_xpyd(hosts: TwoHosts, etcd: str, explicit_ids: bool) -> tuple[Stack, str]:
-    """The workers, the proxy on a and the reference worker here; returns the stack and the reference's URL."""
-    reference_port = free_port()
-
+def start_xpyd(hosts: TwoHosts, etcd: str, explicit_ids: bool) -> Stack:
+    """The workers, and the proxy on a."""
     def build(stack: Stack) -> None:
         for host in hosts.hosts:
             for role, port in (("prefill", PREFILL_PORT), ("decode", DECODE_PORT)):
@@ -43,15 +37,14 @@ def start_xpyd(hosts: TwoHosts, etcd: str, explicit_ids: bool) -> tuple[Stack, s
                     host, role, port, OPTIONS, ["--etcd", etcd, *ids], kv_port=KV_PORT if role == "prefill" else None),
                     prefix=host.prefix)
                 stack.worker_urls[f"{role} worker {host.name}"] = host.mgmt_url(port)
-        stack.start("reference worker", worker_args("both", reference_port, OPTIONS))
-        for url in [*stack.worker_urls.values(), f"http://127.0.0.1:{reference_port}"]:
+        for url in stack.worker_urls.values():
             wait_healthy(f"{url}/health", stack.processes, OPTIONS.startup_timeout_s)
         stack.start("proxy", proxy_args(PROXY_PORT, ["--etcd", etcd, "--health-interval", "0.5"], host="0.0.0.0"),
                     prefix=hosts.a.prefix)
         stack.url = hosts.a.mgmt_url(PROXY_PORT)
         wait_healthy(f"{stack.url}/ready", stack.processes, OPTIONS.startup_timeout_s)
 
-    return started(build), f"http://127.0.0.1:{reference_port}"
+    return started(build)
 
 
 def all_discovered(proxy_url: str) -> bool:
@@ -59,19 +52,14 @@ def all_discovered(proxy_url: str) -> bool:
     return workers["prefill"]["healthy"] == 2 and workers["decode"]["healthy"] == 2
 
 
-def serve(stack: Stack, reference_url: str) -> FaultCounts:
-    """LOAD sent at once, every third request prefill-only."""
-    model = asyncio.run(fetch_model(reference_url))
+def serve(stack: Stack, reference: Reference) -> Tally:
+    """LOAD sent at once, not streamed, every third request prefill-only."""
     requests = [replace(r, output_len=1) if i % 3 == 2 else r for i, r in enumerate(make_requests(LOAD))]
-    expected = asyncio.run(reference_texts(reference_url, model, requests, LOAD.request_timeout_s))
-    counts = FaultCounts("none")
-    for outcome, text in zip(asyncio.run(send_all(stack.url, model, requests, LOAD)), expected):
-        classify(counts, outcome, text)
-    return counts
-
-
-def blocks_used(urls: Sequence[str]) -> int:
-    return sum(metric_sum(url, BLOCKS_USED) for url in urls)
+    load = Load(stack.url, requests, LoadSize(len(requests), len(requests), LOAD.request_timeout_s), stream=False)
+    tally = Tally()
+    asyncio.run(load.run())
+    asyncio.run(tally.add_load(load, reference))
+    return tally
 
 
 @pytest.mark.parametrize("explicit_ids", [pytest.param(True, id="engine-ids-given", marks=pytest.mark.slow),
@@ -84,15 +72,13 @@ def test_2p2d_over_etcd_across_two_hosts_serves_exactly(explicit_ids: bool) -> N
     with TwoHosts() as hosts:
         etcd = EtcdServer(hosts=(hosts.a.address, hosts.a.mgmt_address), prefix=hosts.a.prefix)
         try:
-            stack, reference_url = start_xpyd(hosts, etcd.endpoint, explicit_ids)
-            with stack:
+            with start_xpyd(hosts, etcd.endpoint, explicit_ids) as stack, Reference(OPTIONS) as reference:
                 wait_until(lambda: all_discovered(stack.url), timeout=60, what="the proxy to see 2P2D healthy")
-                counts = serve(stack, reference_url)
-                assert (counts.ok, counts.sent) == (LOAD.num_prompts, LOAD.num_prompts), counts
+                tally = serve(stack, reference)
+                assert (tally.ok, tally.sent) == (LOAD.num_prompts, LOAD.num_prompts), tally
                 for host in hosts.hosts:
                     log = next(p for p in stack.processes if p.name == f"prefill worker {host.name}").tail(100_000)
                     assert "KV blocks go over shm" in log and "KV blocks go over tcp" in log
-                wait_until(lambda: blocks_used(list(stack.worker_urls.values())) == 0, timeout=30,
-                           what="every worker's KV blocks to be free")
+                assert not any(wait_blocks_free(stack.worker_urls, timeout_s=30).values())
         finally:
             etcd.stop()
