@@ -19,7 +19,10 @@ def stack() -> Iterator[FaultStack]:
         yield faults
 
 
-@pytest.mark.parametrize("kind", ["prefill", "decode", "proxy"])
+# Killing a worker is covered on 1P1D by default; here the default suite keeps the proxy (the
+# discovery path), and the worker kills run with --full.
+@pytest.mark.parametrize("kind", [pytest.param("prefill", marks=pytest.mark.slow),
+                                  pytest.param("decode", marks=pytest.mark.slow), "proxy"])
 def test_kill_mid_load_then_restart_serves_again(stack: FaultStack, campaign: Campaign, kind: str) -> None:
     result = SCENARIOS[f"kill_{kind}_2p2d"][1](stack, campaign)
     assert_clean(result)
