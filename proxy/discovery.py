@@ -15,6 +15,7 @@ from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, sh
 log = logging.getLogger("proxy.discovery")
 PREFIX = KEY_PREFIX.encode()
 _FIRST_BACKOFF = 0.2
+_GONE = "its etcd record is gone"
 
 
 class HealthChecks:
@@ -46,7 +47,8 @@ class HealthChecks:
         answers = await asyncio.gather(*(self._health(w) for w in workers))
         for worker, answer in zip(workers, answers):
             record = None if answer is None else self._checked(worker, answer)
-            if self._pool.mark(worker.key, record is not None):
+            why = "stopped answering its health checks" if answer is None else "contradicts the command line"
+            if self._pool.mark(worker.key, record is not None, why):
                 log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
             if record is not None and record != worker:
                 log.info("worker %s: signal plane %s:%d, engine id %r (as the worker shows itself)",
@@ -104,7 +106,7 @@ class EtcdDiscovery:
     async def _sync_and_watch(self) -> None:
         async with aetcd.Client(self._host, self._port, timeout=5) as client:
             workers, revision = await read_workers(client)
-            self._pool.replace_all(workers)
+            self._pool.replace_all(workers, _GONE)
             self.synced.set()
             self._backoff = _FIRST_BACKOFF
             log.info("etcd: %d workers", len(self._pool.all()))
@@ -117,7 +119,7 @@ class EtcdDiscovery:
         key = event.kv.key.decode(errors="replace")
         if event.kind == aetcd.rtypes.EventKind.DELETE:
             log.info("etcd: worker %s left", key)
-            self._pool.remove(key)
+            self._pool.remove(key, _GONE)
         elif (worker := _record(event.kv.key, event.kv.value)) is not None:
             log.info("etcd: worker %s joined", key)
             self._pool.add(worker)
