@@ -16,6 +16,7 @@ log = logging.getLogger("proxy.discovery")
 PREFIX = KEY_PREFIX.encode()
 _FIRST_BACKOFF = 0.2
 _GONE = "its etcd record is gone"
+LOST_AFTER_FAILED_CHECKS = 3
 
 
 class HealthChecks:
@@ -35,6 +36,7 @@ class HealthChecks:
         self._static = {w.key: w for w in static}
         self._kv_ports_given = frozenset(kv_ports_given)
         self.problems: dict[str, str] = {}  # static worker key -> how it contradicts the command line
+        self._silent_rounds: dict[str, int] = {}  # worker key -> health checks in a row it did not answer
 
     async def run(self, interval: float) -> None:
         """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
@@ -47,13 +49,23 @@ class HealthChecks:
         answers = await asyncio.gather(*(self._health(w) for w in workers))
         for worker, answer in zip(workers, answers):
             record = None if answer is None else self._checked(worker, answer)
-            why = "stopped answering its health checks" if answer is None else "contradicts the command line"
-            if self._pool.mark(worker.key, record is not None, why):
+            if self._pool.mark(worker.key, record is not None):
                 log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
+            self._count_silence(worker, answer is None)
             if record is not None and record != worker:
                 log.info("worker %s: signal plane %s:%d, engine id %r (as the worker shows itself)",
                          worker.address, record.kv_host, record.kv_port, record.engine_id)
                 self._pool.add(record)
+
+    def _count_silence(self, worker: WorkerRecord, silent: bool) -> None:
+        """A worker silent for LOST_AFTER_FAILED_CHECKS rounds in a row is gone: its legs in flight end.
+        One late answer only takes it out of rotation, since a busy worker may answer slowly."""
+        if not silent:
+            self._silent_rounds.pop(worker.key, None)
+            return
+        rounds = self._silent_rounds[worker.key] = self._silent_rounds.get(worker.key, 0) + 1
+        if rounds == LOST_AFTER_FAILED_CHECKS:
+            self._pool.lose(worker.key, f"stopped answering its health checks ({rounds} in a row)")
 
     async def _health(self, worker: WorkerRecord) -> bytes | None:
         """The body of the worker's 200 answer to GET /health; None for any other outcome."""

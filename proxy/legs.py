@@ -34,7 +34,8 @@ class InFlightLegs:
             lost = self._lost.pop(task, None)
             if lost is None:
                 raise  # cancelled for another reason: client gone, other leg failed, shutdown
-            task.uncancel()
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is answered here
+                task.uncancel()
             raise lost from exc
         finally:
             self._lost.pop(task, None)

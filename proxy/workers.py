@@ -64,7 +64,7 @@ class WorkerPool:
 
     Plain synchronous state, touched only from the event loop: discovery and health
     checks update it, request handlers read it. `on_lost(worker, why)` is called when a worker
-    leaves the pool or a health check takes it out of rotation, so its legs in flight can end.
+    leaves the pool or is found gone (`lose`), so its legs in flight can end.
     """
 
     def __init__(self, workers: Iterable[WorkerRecord] = (),
@@ -98,9 +98,8 @@ class WorkerPool:
         for worker in gone:
             self._lost(worker, why)
 
-    def mark(self, key: str, healthy: bool, why: str | None = None) -> bool:
-        """Puts a worker in or out of rotation; True if that changed anything. Taken out with a reason
-        (`why`, from a health check), the worker's legs in flight are ended too."""
+    def mark(self, key: str, healthy: bool) -> bool:
+        """Puts a worker in or out of rotation; True if that changed anything."""
         if key not in self._workers or (key not in self._down) == healthy:
             return False
         if healthy:
@@ -108,9 +107,14 @@ class WorkerPool:
         else:
             self._down.add(key)
         self._healthy = None
-        if not healthy and why is not None:
-            self._lost(self._workers[key], why)
         return True
+
+    def lose(self, key: str, why: str) -> None:
+        """The worker is known but gone (`why`): its legs in flight end; it stays known, out of rotation."""
+        worker = self._workers.get(key)
+        if worker is not None:
+            self.mark(key, healthy=False)
+            self._lost(worker, why)
 
     def _lost(self, worker: WorkerRecord, why: str) -> None:
         if self._on_lost is not None:

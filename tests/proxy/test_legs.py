@@ -15,10 +15,10 @@ A, B = WorkerRecord("prefill", "h", 1), WorkerRecord("decode", "h", 2)
 def test_pool_reports_workers_lost_to_health_checks_and_removal_only() -> None:
     lost: list[tuple[str, str]] = []
     pool = WorkerPool([A, B], on_lost=lambda worker, why: lost.append((worker.key, why)))
-    pool.mark(A.key, healthy=False)  # a dropped connection: other legs may still be answered
+    pool.mark(A.key, healthy=False)  # a dropped connection or one late answer: other legs may still end well
     pool.mark(A.key, healthy=True)
-    pool.mark(A.key, healthy=False, why="stopped answering its health checks")
-    pool.mark(A.key, healthy=False, why="stopped answering its health checks")  # no transition
+    pool.lose(A.key, "stopped answering its health checks")
+    assert pool.healthy("prefill") == []
     pool.remove(B.key, "its etcd record is gone")
     pool.remove(B.key, "its etcd record is gone")  # not known any more
     pool.replace_all([B], "its etcd record is gone")

@@ -13,14 +13,16 @@ from typing import Iterator
 import httpx
 import pytest
 
+from proxy.discovery import LOST_AFTER_FAILED_CHECKS
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.worker_process import WorkerProcess
 
 HEALTH_INTERVAL = 1.0
-# A health round starts within one interval and fails after its timeout (one interval): a few intervals
-# more cover a loaded 2-core machine, and stay far below the read timeout.
-ENDED_WITHIN_S = 6 * HEALTH_INTERVAL
+# A worker is lost after LOST_AFTER_FAILED_CHECKS silent health rounds, each an interval apart and
+# failing after its timeout (one interval): twice that covers a loaded 2-core machine, and stays far
+# below the read timeout.
+ENDED_WITHIN_S = 2 * (LOST_AFTER_FAILED_CHECKS + 1) * 2 * HEALTH_INTERVAL
 BODY = {"model": "neuron-di-builtin", "prompt": "def fibonacci(n):\n    " * 12, "temperature": 0.0}
 PREFILL_ONLY = {**BODY, "max_tokens": 1}
 STREAMED = {**BODY, "max_tokens": 8, "stream": True}
@@ -60,7 +62,8 @@ async def outcome(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int,
 def test_requests_waiting_on_a_frozen_prefill_worker_end_with_a_clear_error(stack) -> None:
     proxy, prefill, decode = stack
     exact = httpx.post(f"{proxy.url}/v1/completions", json={**BODY, "max_tokens": 8}, timeout=60).json()
-    lost = f"prefill worker 127.0.0.1:{prefill.port}: stopped answering its health checks"
+    lost = (f"prefill worker 127.0.0.1:{prefill.port}: stopped answering its health checks "
+            f"({LOST_AFTER_FAILED_CHECKS} in a row)")
 
     async def run() -> tuple[list[tuple[int, str]], float]:
         async with httpx.AsyncClient(timeout=600) as client:
