@@ -88,9 +88,9 @@ def _start_1p1d_across(hosts: TwoHosts, options: StackOptions) -> Stack:
 def link_fault(fault: LinkFault, input_len: tuple[int, int] = (10, 800),
                output_len: tuple[int, int] = (4, 16)) -> Scenario:
     """The campaign's load (prompts of `input_len` tokens, answers of `output_len`) with `fault` on the
-    cable (see the module docstring). No answer is one token long: such a request goes to the prefill
-    worker alone, and one sent over a kept-alive connection the cut black-holes can wait for the proxy's
-    read timeout (600 s by default)."""
+    cable (see the module docstring). No answer is one token long, so every request moves KV across the
+    cable (a one-token answer goes to the prefill worker alone; one caught by a cut ends with the proxy's
+    502 once the prefill worker missed 3 health checks, see tests/proxy/test_worker_lost.py)."""
     def run(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
         result = ScenarioResult(f"link_{fault.name}_{faults.topology}", faults.topology)
         requests = prompts(campaign.size.requests, campaign.seed + 7, input_len, output_len)

@@ -29,7 +29,7 @@ class ProxyState:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.pool = WorkerPool(config.workers)
+        self.pool = WorkerPool(config.workers, on_lost=self._worker_lost)
         self.metrics = Metrics()
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
@@ -44,6 +44,9 @@ class ProxyState:
             client = self._clients[worker.address] = client_class(self.config.http_client)(
                 worker, self.config.timeouts)
         return client
+
+    def _worker_lost(self, worker: WorkerRecord, why: str) -> None:
+        self.forwarder.end_legs(worker, why)
 
     async def start(self) -> None:
         # One round before serving: the first answers (and /ready) already know which workers are up, and

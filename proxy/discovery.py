@@ -15,6 +15,8 @@ from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, sh
 log = logging.getLogger("proxy.discovery")
 PREFIX = KEY_PREFIX.encode()
 _FIRST_BACKOFF = 0.2
+_GONE = "its etcd record is gone"
+LOST_AFTER_FAILED_CHECKS = 3
 
 
 class HealthChecks:
@@ -34,6 +36,7 @@ class HealthChecks:
         self._static = {w.key: w for w in static}
         self._kv_ports_given = frozenset(kv_ports_given)
         self.problems: dict[str, str] = {}  # static worker key -> how it contradicts the command line
+        self._silent_rounds: dict[str, int] = {}  # worker key -> health checks in a row it did not answer
 
     async def run(self, interval: float) -> None:
         """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
@@ -48,10 +51,21 @@ class HealthChecks:
             record = None if answer is None else self._checked(worker, answer)
             if self._pool.mark(worker.key, record is not None):
                 log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
+            self._count_silence(worker, answer is None)
             if record is not None and record != worker:
                 log.info("worker %s: signal plane %s:%d, engine id %r (as the worker shows itself)",
                          worker.address, record.kv_host, record.kv_port, record.engine_id)
                 self._pool.add(record)
+
+    def _count_silence(self, worker: WorkerRecord, silent: bool) -> None:
+        """A worker silent for LOST_AFTER_FAILED_CHECKS rounds in a row is gone: its legs in flight end.
+        One late answer only takes it out of rotation, since a busy worker may answer slowly."""
+        if not silent:
+            self._silent_rounds.pop(worker.key, None)
+            return
+        rounds = self._silent_rounds[worker.key] = self._silent_rounds.get(worker.key, 0) + 1
+        if rounds == LOST_AFTER_FAILED_CHECKS:
+            self._pool.lose(worker.key, f"stopped answering its health checks ({rounds} in a row)")
 
     async def _health(self, worker: WorkerRecord) -> bytes | None:
         """The body of the worker's 200 answer to GET /health; None for any other outcome."""
@@ -104,7 +118,7 @@ class EtcdDiscovery:
     async def _sync_and_watch(self) -> None:
         async with aetcd.Client(self._host, self._port, timeout=5) as client:
             workers, revision = await read_workers(client)
-            self._pool.replace_all(workers)
+            self._pool.replace_all(workers, _GONE)
             self.synced.set()
             self._backoff = _FIRST_BACKOFF
             log.info("etcd: %d workers", len(self._pool.all()))
@@ -117,7 +131,7 @@ class EtcdDiscovery:
         key = event.kv.key.decode(errors="replace")
         if event.kind == aetcd.rtypes.EventKind.DELETE:
             log.info("etcd: worker %s left", key)
-            self._pool.remove(key)
+            self._pool.remove(key, _GONE)
         elif (worker := _record(event.kv.key, event.kv.value)) is not None:
             log.info("etcd: worker %s joined", key)
             self._pool.add(worker)

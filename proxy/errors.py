@@ -10,6 +10,7 @@
         │                        failed KV transfer keeps its type, and a 503 its status and Retry-After)
         ├── UpstreamTimeout      connecting to or reading from the worker timed out (504)
         ├── UpstreamUnavailable  the worker refused the connection or dropped it mid-answer (502)
+        ├── WorkerLost           the worker left the pool or failed its health check mid-answer (502)
         └── UpstreamProtocol     the worker's answer is not the JSON / SSE it should be (502)
 """
 from __future__ import annotations
@@ -86,6 +87,10 @@ class UpstreamUnavailable(UpstreamError):
 
 
 class UpstreamProtocol(UpstreamError):
+    pass
+
+
+class WorkerLost(UpstreamError):
     pass
 
 

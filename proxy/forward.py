@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
 from proxy.errors import (ProxyError, ShuttingDown, UpstreamError, UpstreamProtocol, UpstreamStatus,
                           UpstreamUnavailable, to_http)
+from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.requests import (ClientRequest, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
                             nixl_prefill_params, prefill_body)
@@ -66,7 +67,14 @@ class Forwarder:
         self._metrics = metrics
         self._colocated = colocated
         self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
+        self._legs = InFlightLegs()
         self._closing = False
+
+    def end_legs(self, worker: WorkerRecord, why: str) -> None:
+        """`worker` is gone (`why`): every leg in flight to it fails now with WorkerLost, as a failed leg does,
+        instead of waiting for the read timeout."""
+        if ended := self._legs.end(worker, why):
+            log.warning("%s worker %s: %s; ending its %d legs in flight", worker.role, worker.address, why, ended)
 
     def end_streams(self) -> None:
         """Shutdown: every streamed leg still open is dropped, and its client's stream ends with an error
@@ -211,7 +219,8 @@ class Forwarder:
         """One leg to `worker`: counted in the metrics; a worker that drops us leaves rotation."""
         with self._metrics.leg(worker):
             try:
-                yield
+                with self._legs.leg(worker):
+                    yield
             except UpstreamError as exc:
                 log.warning("%s", exc)
                 if isinstance(exc, UpstreamUnavailable):

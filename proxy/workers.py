@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from common.roles import DEFAULT_KV_PORT, ROLES
 from neuron_connector.registry import KV_PROTOCOLS, RegistrationError, WorkerRecord
@@ -63,10 +63,13 @@ class WorkerPool:
     """The workers the proxy knows, which of them are healthy, and a turn counter per role and protocol.
 
     Plain synchronous state, touched only from the event loop: discovery and health
-    checks update it, request handlers read it.
+    checks update it, request handlers read it. `on_lost(worker, why)` is called when a worker
+    leaves the pool or is found gone (`lose`), so its legs in flight can end.
     """
 
-    def __init__(self, workers: Iterable[WorkerRecord] = ()) -> None:
+    def __init__(self, workers: Iterable[WorkerRecord] = (),
+                 on_lost: Callable[[WorkerRecord, str], None] | None = None) -> None:
+        self._on_lost = on_lost
         self._workers: dict[str, WorkerRecord] = {}
         self._down: set[str] = set()
         self._turns: dict[tuple[str, str | None], int] = {}
@@ -79,16 +82,21 @@ class WorkerPool:
         self._down.discard(worker.key)
         self._healthy = None
 
-    def remove(self, key: str) -> None:
-        self._workers.pop(key, None)
+    def remove(self, key: str, why: str = "left the pool") -> None:
+        worker = self._workers.pop(key, None)
         self._down.discard(key)
         self._healthy = None
+        if worker is not None:
+            self._lost(worker, why)
 
-    def replace_all(self, workers: Iterable[WorkerRecord]) -> None:
+    def replace_all(self, workers: Iterable[WorkerRecord], why: str = "left the pool") -> None:
         fresh = {w.key: w for w in workers}
+        gone = [w for key, w in self._workers.items() if key not in fresh]
         self._down &= fresh.keys()
         self._workers = fresh
         self._healthy = None
+        for worker in gone:
+            self._lost(worker, why)
 
     def mark(self, key: str, healthy: bool) -> bool:
         """Puts a worker in or out of rotation; True if that changed anything."""
@@ -100,6 +108,17 @@ class WorkerPool:
             self._down.add(key)
         self._healthy = None
         return True
+
+    def lose(self, key: str, why: str) -> None:
+        """The worker is known but gone (`why`): its legs in flight end; it stays known, out of rotation."""
+        worker = self._workers.get(key)
+        if worker is not None:
+            self.mark(key, healthy=False)
+            self._lost(worker, why)
+
+    def _lost(self, worker: WorkerRecord, why: str) -> None:
+        if self._on_lost is not None:
+            self._on_lost(worker, why)
 
     def all(self) -> list[WorkerRecord]:
         return sorted(self._workers.values(), key=lambda w: w.key)

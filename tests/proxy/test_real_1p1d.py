@@ -9,7 +9,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import httpx
 import openai
@@ -166,8 +166,9 @@ def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> N
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_failed_kv_transfer_is_a_kv_transfer_error_naming_the_prefill_peer(stream: bool) -> None:
     body = {"model": "neuron-di-builtin", "prompt": PROMPT, "stream": stream, **SAMPLING}
+    # Health checks far apart: decode's pull times out before the proxy finds the frozen prefill worker.
     with worker_pair("shm", ["--kv-abort-timeout", "2"], ["--kv-pull-timeout", "2"]) as (prefill, decode), \
-            proxy_for(prefill, decode) as proxy:
+            proxy_for(prefill, decode, ["--health-interval", "60"]) as proxy:
         assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60).status_code == 200  # linked
         os.kill(prefill.proc.pid, signal.SIGSTOP)  # hung: it answers neither its leg nor decode's pull
         try:
@@ -185,11 +186,11 @@ def test_failed_kv_transfer_is_a_kv_transfer_error_naming_the_prefill_peer(strea
 
 
 @contextmanager
-def proxy_for(prefill: WorkerProcess, decode: WorkerProcess) -> Iterator[Server]:
+def proxy_for(prefill: WorkerProcess, decode: WorkerProcess, extra: Sequence[str] = ()) -> Iterator[Server]:
     """A proxy in front of one prefill and one decode worker, always stopped."""
     proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                          "--prefill-kv-port", str(prefill.kv_port),
-                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
+                         "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port), *extra])
     try:
         yield proxy
     finally:
