@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import httpx
 
@@ -128,6 +128,11 @@ class Tally:
     unclear: int = 0
     problems: list[str] = field(default_factory=list)  # the first few hung, wrong and unclear calls
     errors: list[str] = field(default_factory=list)    # the first few clear errors, for the record
+
+    def add_all(self, outcomes: Iterable[Outcome]) -> None:
+        """Counts calls that have no reference output to match (bad input, clients that left)."""
+        for outcome in outcomes:
+            self.add(outcome)
 
     def add(self, outcome: Outcome, want: str | None = None, cut_is_clear: bool = False) -> None:
         """Counts one call; `want` is the reference text of a completion (None: no output check)."""

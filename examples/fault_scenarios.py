@@ -78,8 +78,7 @@ def client_disconnect(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
 
     load, left = asyncio.run(mixed())
     asyncio.run(result.tally.add_load(load, campaign.reference))
-    for outcome in left:
-        result.tally.add(outcome)
+    result.tally.add_all(left)
     result.blocks_leaked = wait_blocks_free(faults)
 
     async def burst() -> list[Outcome]:
@@ -87,8 +86,7 @@ def client_disconnect(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
             return await abandon(client)
     left = asyncio.run(burst())
     gone = time.monotonic()
-    for outcome in left:
-        result.tally.add(outcome)
+    result.tally.add_all(left)
     leaked = wait_blocks_free(faults)
     result.abandoned_free_s = round(time.monotonic() - gone, 3)
     result.blocks_leaked = {k: max(v, leaked[k]) for k, v in result.blocks_leaked.items()}
@@ -108,8 +106,7 @@ def malformed(kind: str) -> Scenario:
             return load, bad
         load, bad = asyncio.run(under_load())
         asyncio.run(result.tally.add_load(load, campaign.reference))
-        for outcome in bad:
-            result.tally.add(outcome)
+        result.tally.add_all(bad)
         result.blocks_leaked = wait_blocks_free(faults)
         return result
     return run
