@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from scheduler.block_manager import Block, BlockManager, chain_hash
 from scheduler.errors import QueueFull, SchedulerError, WillNeverFit
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import ScheduledChunk, ScheduledStep, Scheduler, SchedulerConfig
 from scheduler.sequence import Sequence, SequenceStatus, blocks_for
 
 __all__ = [
-    "Block", "BlockManager", "QueueFull", "Scheduler", "SchedulerConfig", "SchedulerError",
+    "Block", "BlockManager", "QueueFull", "ScheduledChunk", "ScheduledStep", "Scheduler", "SchedulerConfig", "SchedulerError",
     "Sequence", "SequenceStatus", "WillNeverFit", "blocks_for", "chain_hash",
 ]

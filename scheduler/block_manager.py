@@ -56,32 +56,33 @@ class BlockManager:
         return len(self.free_block_ids) >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Gives `seq` blocks for all its tokens, reusing cached full blocks of its prefix."""
+        """Gives `seq` blocks for all its tokens, reusing cached full blocks of its prefix.
+
+        Its own new blocks join the prefix cache only as their KV is computed (`commit`).
+        """
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         prev_hash: int | None = None
-        cache_miss = False
         for i in range(seq.num_blocks):
-            token_ids = seq.block(i)
-            full = len(token_ids) == self.block_size
-            h = chain_hash(token_ids, prev_hash) if full and self.enable_prefix_caching else None
             # The block holding the last token is always computed: its logits are needed.
-            block_id = self._lookup(h, token_ids) if (i + 1) * self.block_size < len(seq) else None
-            cache_miss = cache_miss or block_id is None
-            if cache_miss:
-                block = self._take_free_block()
-            else:
-                seq.num_cached_tokens += self.block_size
-                block = self._reuse_block(block_id)
-            if h is not None:
-                block.hash, block.token_ids = h, list(token_ids)
-                self.hash_to_block_id[h] = block.block_id
-            seq.block_table.append(block.block_id)
+            if not self.enable_prefix_caching or (i + 1) * self.block_size >= len(seq):
+                break
+            token_ids = seq.block(i)
+            h = chain_hash(token_ids, prev_hash)
+            block_id = self._lookup(h, token_ids)
+            if block_id is None:
+                break
+            seq.block_table.append(self._reuse_block(block_id).block_id)
             prev_hash = h
+        seq.num_hashed_blocks = len(seq.block_table)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
 
     def allocate_fresh(self, seq: Sequence) -> None:
         """Gives `seq` unshared, unhashed blocks for all its tokens: a transfer will write them."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         seq.block_table.extend(self._take_free_block().block_id for _ in range(seq.num_blocks))
+        seq.num_hashed_blocks = seq.num_blocks   # their KV comes from elsewhere: never cached here
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references; blocks nobody references go back to the free list."""
@@ -93,22 +94,33 @@ class BlockManager:
                 self.used_block_ids.remove(block_id)
                 self.free_block_ids.append(block_id)
         seq.block_table.clear()
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_computed_tokens = seq.num_hashed_blocks = 0
 
     def can_append(self, seq: Sequence) -> bool:
         return len(self.free_block_ids) >= blocks_for(len(seq), self.block_size) - len(seq.block_table)
 
     def may_append(self, seq: Sequence) -> None:
-        """Makes room for `seq`'s last token; registers the hash of a block it just filled."""
+        """Makes room for `seq`'s last token."""
         while len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block().block_id)
-        if self.enable_prefix_caching and len(seq) % self.block_size == 0:
-            index = len(seq) // self.block_size - 1
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """Caches `seq`'s full blocks within its first `num_tokens` tokens, whose KV is in the
+        pool by the end of this step (each layer writes a step's KV before any of it is read).
+
+        A block whose predecessor is not cached (KV that arrived by transfer) is never cached.
+        """
+        if not self.enable_prefix_caching:
+            return
+        for index in range(seq.num_hashed_blocks, min(num_tokens, len(seq)) // self.block_size):
             prev = self.blocks[seq.block_table[index - 1]].hash if index > 0 else None
-            if index == 0 or prev is not None:
-                block = self.blocks[seq.block_table[index]]
-                block.hash, block.token_ids = chain_hash(seq.block(index), prev), seq.block(index)
-                self.hash_to_block_id[block.hash] = block.block_id
+            if index > 0 and prev is None:
+                return
+            block = self.blocks[seq.block_table[index]]
+            block.token_ids = seq.block(index)
+            block.hash = chain_hash(block.token_ids, prev)
+            self.hash_to_block_id[block.hash] = block.block_id
+            seq.num_hashed_blocks = index + 1
 
     def _lookup(self, h: int | None, token_ids: list[int]) -> int | None:
         if h is None:

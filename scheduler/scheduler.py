@@ -1,7 +1,10 @@
 """Continuous batching, transfer-aware for the disaggregated roles.
 
-Role "both": new requests prefill while others decode. Role "prefill": one prefill runs at a
-time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
+Role "both": new requests prefill while others decode. With chunked prefill (`enable_chunked_
+prefill`) a step holds at most `max_num_batched_tokens` tokens: every decode first, then the rest
+of the budget to prompt chunks, oldest first, so a long prompt never stalls running streams
+for its whole prefill. Without it a step is either whole prompts or one decode of every
+running request. Role "prefill": one prefill runs at a time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
 its blocks held after it finished, until `release`. Role "decode": a `remote_kv` request
 gets fresh blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
 pull done (`transfer_done`, its first token) or failed (`release`). In every role running +
@@ -27,11 +30,52 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_waiting: int = 256
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = False
     role: str = "both"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"with chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be at least max_num_seqs ({self.max_num_seqs}): every step decodes "
+                             f"every running request")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq` from position `start`; its last one is sampled if it ends `seq`."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens == len(self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledStep:
+    """What one step computes: one-token chunks (decodes) first, then longer chunks."""
+
+    chunks: list[ScheduledChunk]
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.chunks]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a new token this step, in chunk order."""
+        return [c.seq for c in self.chunks if c.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
 
 
 class Scheduler:
@@ -81,35 +125,68 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences to run this step and whether it is a prefill step."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
+    def schedule(self) -> ScheduledStep:
+        """The chunks to compute this step (see the module docstring for the policy)."""
+        if self.config.enable_chunked_prefill:
+            budget, preemptions = self.config.max_num_batched_tokens, self.num_preemptions
+            chunks = self._schedule_running(budget)
+            if self.num_preemptions == preemptions:   # blocks ran short: admit nothing new this step
+                chunks += self._schedule_waiting(budget - sum(c.num_tokens for c in chunks))
+        else:
+            chunks = self._schedule_waiting(self.config.max_num_batched_tokens) or self._schedule_running(None)
+        chunks.sort(key=lambda c: c.num_tokens > 1)   # stable: decodes first, as the runner wants them
+        return ScheduledStep(chunks)
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        num_tokens = 0
+    def _schedule_waiting(self, budget: int) -> list[ScheduledChunk]:
+        """New (or preempted) requests that get blocks now and their first chunk, oldest first."""
+        chunks: list[ScheduledChunk] = []
         if self.config.role == "prefill" and self.running:
-            return scheduled  # one prefill at a time: it starts only when nothing runs
-        candidates = [s for s in self.waiting if not self._needs_pull(s)]
-        for seq in candidates:
-            if self._num_busy() >= self.config.max_num_seqs:
+            return chunks  # one prefill at a time: it starts only when nothing runs
+        chunked = self.config.enable_chunked_prefill
+        for seq in [s for s in self.waiting if not self._needs_pull(s)]:
+            if budget <= 0 or self._num_busy() >= self.config.max_num_seqs:
                 break
-            # A lone request may exceed the token budget: prompts are not chunked.
-            too_many = scheduled and num_tokens + len(seq) > self.config.max_num_batched_tokens
+            # Unchunked, a lone request may exceed the token budget: prompts are not split.
+            too_many = not chunked and chunks and len(seq) > budget
             if too_many or not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)
-            num_tokens += len(seq) - seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)
-            scheduled.append(seq)
+            chunks.append(self._chunk(seq, budget if chunked else seq.num_uncomputed_tokens))
+            budget -= chunks[-1].num_tokens
             if self.config.role == "prefill":
                 break
-        return scheduled
+        return chunks
+
+    def _schedule_running(self, budget: int | None) -> list[ScheduledChunk]:
+        """Running requests, decodes first, within `budget` tokens (None: no limit). A decode
+        that finds no free block preempts the newest request not yet scheduled (or itself)."""
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+            if seq.status is not SequenceStatus.RUNNING or (budget is not None and budget <= 0):
+                continue   # preempted by an earlier one, or no budget left
+            while not self.block_manager.can_append(seq):
+                victims = [s for s in self.running if s is not seq and s.request_id not in scheduled]
+                self._preempt(victims[-1] if victims else seq)
+                if not victims:
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                chunks.append(self._chunk(seq, budget if budget is not None else seq.num_uncomputed_tokens))
+                scheduled.add(seq.request_id)
+                if budget is not None:
+                    budget -= chunks[-1].num_tokens
+        return chunks
+
+    def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
+        """The next chunk of `seq` (at most `budget` tokens); its KV counts as computed from now on."""
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
+        seq.num_computed_tokens += chunk.num_tokens
+        self.block_manager.commit(seq, seq.num_computed_tokens)
+        return chunk
 
     def admit_transfers(self) -> list[Sequence]:
         """Decode: gives waiting `remote_kv` requests fresh blocks and marks them TRANSFERRING.
@@ -152,24 +229,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
 
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        while self.running:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.block_manager.may_append(seq)
-                scheduled.append(seq)
-        self.running.extend(scheduled)
-        return scheduled
-
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

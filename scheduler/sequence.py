@@ -16,8 +16,11 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Tokens so far (prompt then output) and where their KV lives.
 
-    `num_cached_tokens` counts leading tokens whose KV is already in the pool (prefix-cache
-    hits), so a prefill computes only `token_ids[num_cached_tokens:]`.
+    `num_cached_tokens` counts leading tokens whose KV was already in the pool when it got its
+    blocks (prefix-cache hits); `num_computed_tokens` counts leading tokens whose KV is in the
+    pool by the end of the step being scheduled, so the next step computes
+    `token_ids[num_computed_tokens:]` (all of it, or a chunk of a long prompt). A running
+    sequence that sampled its newest token has exactly that one token left to compute.
     """
 
     request_id: str
@@ -30,6 +33,8 @@ class Sequence:
     status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)
     block_table: list[int] = field(default_factory=list, init=False)
     num_cached_tokens: int = field(default=0, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    num_hashed_blocks: int = field(default=0, init=False)   # leading blocks the prefix cache has seen
     finish_reason: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +51,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV a step still has to compute: 1 for a decoding sequence."""
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def max_len(self) -> int:

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 from common.roles import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
+# Tokens per step: with chunked prefill a step takes about as long as this many prompt tokens,
+# the longest a running stream waits for its next token while prompts are being prefilled.
+DEFAULT_CHUNKED_BUDGET = 512
+DEFAULT_UNCHUNKED_BUDGET = 4096   # whole prompts batched together, a lone one may exceed it
+CHUNKED_BY_DEFAULT = ("both", "decode")  # roles whose running streams a long prefill would stall
 
 
 @dataclass(slots=True)
@@ -18,7 +23,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None       # None: as many as fit in kv_cache_bytes
     kv_cache_bytes: int = 256 * 2**20
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int | None = None   # None: DEFAULT_CHUNKED_BUDGET or DEFAULT_UNCHUNKED_BUDGET
+    enable_chunked_prefill: bool | None = None  # None: on for the roles in CHUNKED_BY_DEFAULT
     max_waiting: int = 256                 # bounded waiting queue
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     dtype: str = "float32"
@@ -27,10 +33,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_waiting")
+        positive = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_waiting")
         for name in positive:
             _check_positive_int(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.dtype not in DTYPES:
@@ -39,6 +45,23 @@ class EngineConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.chunked_prefill and self.token_budget < self.max_num_seqs:
+            raise ValueError(f"with chunked prefill max_num_batched_tokens ({self.token_budget}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}): every step decodes every running request")
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether long prompts are prefilled in chunks between decode steps' tokens."""
+        if self.enable_chunked_prefill is None:
+            return self.role in CHUNKED_BY_DEFAULT
+        return self.enable_chunked_prefill
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute (unchunked, one prompt alone may exceed it)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_CHUNKED_BUDGET if self.chunked_prefill else DEFAULT_UNCHUNKED_BUDGET
 
 
 def _check_positive_int(name: str, value: object) -> None:

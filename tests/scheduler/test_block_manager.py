@@ -27,6 +27,7 @@ def test_prefix_blocks_are_shared_and_verified() -> None:
     bm = BlockManager(num_blocks=10, block_size=4)
     a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
     bm.allocate(a)
+    bm.commit(a, len(a))
     b = seq([1, 2, 3, 4, 5, 6, 7, 8, 10, 11], "b")
     bm.allocate(b)
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
@@ -45,10 +46,37 @@ def test_prefix_blocks_are_shared_and_verified() -> None:
 
 def test_last_block_is_always_computed() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
-    bm.allocate(seq([1, 2, 3, 4, 5, 6, 7, 8], "a"))
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8], "a")
+    bm.allocate(a)
+    bm.commit(a, len(a))
     b = seq([1, 2, 3, 4, 5, 6, 7, 8], "b")
     bm.allocate(b)
     assert b.num_cached_tokens == 4  # the block holding the last token is recomputed
+
+
+def test_only_blocks_whose_kv_is_computed_are_shared() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq(list(range(1, 14)), "a")
+    bm.allocate(a)
+    bm.commit(a, 6)                   # a chunk of 6 tokens: only block 0 is whole
+    b = seq(list(range(1, 14)), "b")
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4 and b.block_table[0] == a.block_table[0]
+    assert b.block_table[1] != a.block_table[1]
+    bm.commit(a, 12)
+    c = seq(list(range(1, 14)), "c")
+    bm.allocate(c)
+    assert c.num_cached_tokens == 12 and c.block_table[:3] == a.block_table[:3]
+
+
+def test_blocks_filled_by_a_transfer_are_never_cached() -> None:
+    bm = BlockManager(num_blocks=6, block_size=4)
+    pulled = seq(list(range(1, 10)), "pulled")
+    bm.allocate_fresh(pulled)
+    pulled.token_ids.extend([5, 6, 7])
+    bm.may_append(pulled)
+    bm.commit(pulled, len(pulled))
+    assert not bm.hash_to_block_id
 
 
 def test_may_append_takes_a_block_at_the_boundary_and_registers_full_ones() -> None:
@@ -58,6 +86,7 @@ def test_may_append_takes_a_block_at_the_boundary_and_registers_full_ones() -> N
     a.token_ids.append(4)           # block 1 becomes full with this token
     assert bm.can_append(a)
     bm.may_append(a)
+    bm.commit(a, len(a))
     assert len(a.block_table) == 2 and bm.blocks[a.block_table[1]].hash is not None
     a.token_ids.append(5)
     bm.may_append(a)
@@ -82,12 +111,14 @@ def test_blocks_are_never_double_allocated(ops: list, caching: bool) -> None:
             s = seq(tokens, str(key), block_size=3)
             if bm.can_allocate(s):
                 bm.allocate(s)
+                bm.commit(s, len(s))
                 live[key] = s
         elif op == "grow" and key in live:
             s = live[key]
             s.token_ids.append(tokens[0])
             if bm.can_append(s):
                 bm.may_append(s)
+                bm.commit(s, len(s))
             else:
                 s.token_ids.pop()
         elif op == "free" and key in live:

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import QueueFull, Scheduler, SchedulerConfig, Sequence, SequenceStatus, WillNeverFit
+from scheduler import QueueFull, ScheduledStep, Scheduler, SchedulerConfig, Sequence, SequenceStatus, WillNeverFit
+from tests.scheduler.steps import prefills
 
 EOS = 99
 
@@ -21,15 +22,33 @@ def seq(rid: str, n: int = 5, max_tokens: int = 4, first: int = 1) -> Sequence:
 def test_new_requests_prefill_between_decode_steps() -> None:
     s = make()
     s.add(seq("a"))
-    batch, is_prefill = s.schedule()
+    step = s.schedule()
+    batch, is_prefill = step.seqs, prefills(step)
     assert is_prefill and batch[0].request_id == "a" and batch[0].status is SequenceStatus.RUNNING
     s.postprocess(batch, [7])
     s.add(seq("b"))
-    batch, is_prefill = s.schedule()
+    step = s.schedule()
+    batch, is_prefill = step.seqs, prefills(step)
     assert is_prefill and [x.request_id for x in batch] == ["b"]
     s.postprocess(batch, [7])
-    batch, is_prefill = s.schedule()
+    step = s.schedule()
+    batch, is_prefill = step.seqs, prefills(step)
     assert not is_prefill and [x.request_id for x in batch] == ["a", "b"]
+
+
+def test_chunked_prefill_runs_decodes_first_and_the_prompt_in_chunks() -> None:
+    s = make(num_blocks=32, max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    s.add(seq("a", n=3, max_tokens=10))
+    s.postprocess(s.schedule().sampled, [7])
+    s.add(seq("b", n=20, max_tokens=2, first=50))
+    shapes = []
+    for _ in range(3):
+        step = s.schedule()
+        shapes.append([(c.seq.request_id, c.start, c.num_tokens, c.samples) for c in step.chunks])
+        s.postprocess(step.sampled, [7] * len(step.sampled))
+    assert shapes == [[("a", 3, 1, True), ("b", 0, 7, False)],
+                      [("a", 4, 1, True), ("b", 7, 7, False)],
+                      [("a", 5, 1, True), ("b", 14, 6, True)]]
 
 
 def test_finish_on_eos_and_length() -> None:
@@ -38,10 +57,10 @@ def test_finish_on_eos_and_length() -> None:
     b.ignore_eos = True
     for x in (a, b):
         s.add(x)
-    batch, _ = s.schedule()
+    batch = s.schedule().seqs
     s.postprocess(batch, [EOS, EOS])
     assert a.finish_reason == "stop" and not b.is_finished
-    batch, _ = s.schedule()
+    batch = s.schedule().seqs
     s.postprocess(batch, [5])
     assert b.finish_reason == "length" and s.is_finished()
     assert s.block_manager.num_free_blocks == 16
@@ -60,22 +79,23 @@ def test_batch_limits() -> None:
     s = make(num_blocks=64, max_num_seqs=2, max_num_batched_tokens=12)
     for i in range(4):
         s.add(seq(str(i), n=5))
-    batch, _ = s.schedule()
+    batch = s.schedule().seqs
     assert len(batch) == 2
     s2 = make(num_blocks=64, max_num_batched_tokens=12)
     for i in range(4):
         s2.add(seq(str(i), n=5, first=10 * i))  # distinct prompts: no prefix-cache hits
-    assert len(s2.schedule()[0]) == 2  # 5 + 5 <= 12 < 15
+    assert len(s2.schedule().seqs) == 2  # 5 + 5 <= 12 < 15
 
 
 @settings(max_examples=120, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10)), min_size=1, max_size=12),
        num_blocks=st.integers(8, 20), max_num_seqs=st.integers(1, 6),
        aborts=st.sets(st.integers(0, 11)), abort_step=st.integers(0, 30), caching=st.booleans(),
-       shared_prefix=st.booleans())
+       shared_prefix=st.booleans(), chunk_budget=st.one_of(st.none(), st.integers(6, 14)))
 def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, aborts, abort_step, caching,
-                                        shared_prefix) -> None:
-    s = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=caching)
+                                        shared_prefix, chunk_budget) -> None:
+    chunking = {} if chunk_budget is None else {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk_budget}
+    s = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=caching, **chunking)
     seqs = []
     for i, (n, m) in enumerate(lengths):
         x = seq(str(i), n=n, max_tokens=m, first=1 if shared_prefix else 100 * i)
@@ -91,7 +111,11 @@ def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, abort
             for x in seqs:
                 if int(x.request_id) in aborts:
                     s.finish(x, "abort")
-        batch, is_prefill = s.schedule()
+        decoding = [x for x in s.running if x.num_uncomputed_tokens == 1]
+        computed = {x.request_id: x.num_computed_tokens for x in s.running}
+        step = s.schedule()
+        batch = step.seqs
+        check_chunks(s, step, decoding, computed)
         bm = s.block_manager
         assert len(bm.free_block_ids) + len(bm.used_block_ids) == num_blocks
         assert len(s.running) <= max_num_seqs
@@ -105,10 +129,27 @@ def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, abort
             assert all(count == 1 for count in refs.values())  # never shared, so never doubly given
         for x in batch:
             assert len(x.block_table) == x.num_blocks
-        s.postprocess(batch, [5] * len(batch))
+        s.postprocess(step.sampled, [5] * len(step.sampled))
     assert s.is_finished()
     assert s.block_manager.num_free_blocks == num_blocks and not s.block_manager.used_block_ids
     for x in seqs:
         assert x.finish_reason == ("abort" if x.finish_reason == "abort" else "length")
         if x.finish_reason == "length":
             assert x.num_output_tokens == x.max_tokens
+
+
+def check_chunks(s: Scheduler, step: ScheduledStep, decoding: list[Sequence], computed: dict[str, int]) -> None:
+    """Chunks continue where the last step stopped, sample only at a sequence's end, and (chunked)
+    stay within the budget with every decode that was not preempted scheduled ahead of prompt chunks."""
+    sizes = [c.num_tokens for c in step.chunks]
+    assert sizes == sorted(sizes, key=lambda n: n > 1) and min(sizes, default=1) >= 1
+    for c in step.chunks:
+        assert c.start == computed.get(c.seq.request_id, c.seq.num_cached_tokens)
+        assert c.seq.num_computed_tokens == c.start + c.num_tokens <= len(c.seq)
+        assert c.samples == (c.start + c.num_tokens == len(c.seq))
+    if s.config.enable_chunked_prefill:
+        assert step.num_tokens <= s.config.max_num_batched_tokens
+        scheduled = {id(x) for x in step.seqs}
+        assert all(id(x) in scheduled for x in decoding if x.status is SequenceStatus.RUNNING)
+    else:
+        assert all(c.samples for c in step.chunks)   # whole prompts, whole decodes

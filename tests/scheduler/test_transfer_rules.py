@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from tests.scheduler.steps import prefills
 
 BLOCK = 4
 
@@ -22,7 +23,8 @@ def test_prefill_runs_one_prefill_at_a_time_and_holds_finished_blocks() -> None:
     s = scheduler("prefill")
     for i in range(3):
         s.add(seq(i))
-    seqs, is_prefill = s.schedule()
+    step = s.schedule()
+    seqs, is_prefill = step.seqs, prefills(step)
     assert is_prefill and [x.request_id for x in seqs] == ["r0"]
     s.postprocess(seqs, [7])
     assert seqs[0].status is SequenceStatus.TRANSFERRING and seqs[0].finish_reason == "length"
@@ -36,31 +38,31 @@ def test_prefill_admits_nothing_while_transfers_fill_the_batch() -> None:
     for i in range(3):
         s.add(seq(i))
     for _ in range(2):
-        seqs, _ = s.schedule()
+        seqs = s.schedule().seqs
         s.postprocess(seqs, [7])
     assert len(s.transferring) == 2
-    assert s.schedule() == ([], False)
+    assert not s.schedule()
     s.release(s.transferring["r0"])
-    assert [x.request_id for x in s.schedule()[0]] == ["r2"]
+    assert [x.request_id for x in s.schedule().seqs] == ["r2"]
 
 
 def test_decode_runs_a_request_only_after_its_transfer() -> None:
     s = scheduler("decode")
     s.add(seq(0, max_tokens=3))
-    assert not s.has_runnable() and s.schedule() == ([], False)
+    assert not s.has_runnable() and not s.schedule()
     (pulled,) = s.admit_transfers()
     assert pulled.status is SequenceStatus.TRANSFERRING and len(pulled.block_table) == 2
-    assert s.schedule() == ([], False)
+    assert not s.schedule()
     s.transfer_done(pulled, 9)
     assert pulled.output_token_ids == [9] and pulled.status is SequenceStatus.RUNNING
-    assert s.schedule() == ([pulled], False)
+    assert s.schedule().seqs == [pulled]
 
 
 def test_decode_pulls_into_fresh_blocks_never_cached_ones() -> None:
     s = scheduler("decode")
     local = Sequence("local", list(range(1, 9)), 1, block_size=BLOCK)
     s.add(local)
-    seqs, _ = s.schedule()
+    seqs = s.schedule().seqs
     s.postprocess(seqs, [5])  # finished: its full blocks stay in the prefix cache
     s.add(seq(1, prompt_len=8))
     (pulled,) = s.admit_transfers()
@@ -85,7 +87,8 @@ def test_invariants_hold_over_random_events(role: str, events: list[tuple[str, i
                 live.append(candidate)
         elif event == "step":
             s.admit_transfers()
-            seqs, is_prefill = s.schedule()
+            step = s.schedule()
+            seqs, is_prefill = step.seqs, prefills(step)
             assert not (role == "prefill" and is_prefill and len(seqs) > 1)  # one prefill at a time
             s.postprocess(seqs, [1 + arg] * len(seqs))
         elif s.transferring:

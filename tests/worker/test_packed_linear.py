@@ -122,9 +122,9 @@ def engines(path: Path) -> tuple[LLMEngine, LLMEngine]:
 
 def prefill_logits(engine: LLMEngine) -> torch.Tensor:
     """Logits at every prompt position, from one batched prefill through the paged pool."""
-    seqs, is_prefill = engine.scheduler.schedule()
-    assert is_prefill and len(seqs) == len(PROMPTS)
-    inputs = engine.runner.prepare_prefill(seqs)
+    step = engine.scheduler.schedule()
+    assert [(c.start, c.num_tokens) for c in step.chunks] == [(0, len(p)) for p in PROMPTS]
+    inputs = engine.runner.prepare(step)
     model = engine.runner.model
     with torch.inference_mode():
         return model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.meta))
@@ -146,9 +146,9 @@ def test_packed_decode_logits_equal_unpacked(wide_checkpoint: Path) -> None:
     for _ in range(5):  # crosses block boundaries (block_size 4)
         logits = []
         for engine in made:
-            seqs, is_prefill = engine.scheduler.schedule()
-            assert not is_prefill and len(seqs) == len(PROMPTS)
-            logits.append((seqs, engine.runner.forward(engine.runner.prepare_decode(seqs))))
+            step = engine.scheduler.schedule()
+            assert [c.num_tokens for c in step.chunks] == [1] * len(PROMPTS)
+            logits.append((step.seqs, engine.runner.forward(engine.runner.prepare(step))))
         ours, expected = logits[0][1], logits[1][1]
         assert torch.allclose(ours, expected, atol=1e-5, rtol=0), (ours - expected).abs().max()
         for engine, (seqs, _) in zip(made, logits):

@@ -35,9 +35,9 @@ def prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Te
     """Logits at every prompt position, computed by one batched prefill through the paged pool."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    seqs, is_prefill = engine.scheduler.schedule()
-    assert is_prefill and len(seqs) == len(prompts)
-    inputs = engine.runner.prepare_prefill(seqs)
+    step = engine.scheduler.schedule()
+    assert [(c.start, c.num_tokens) for c in step.chunks] == [(0, len(p)) for p in prompts]
+    inputs = engine.runner.prepare(step)
     with torch.inference_mode():
         hidden = engine.runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = engine.runner.model.compute_logits(hidden)
@@ -83,15 +83,44 @@ def test_decode_logits_through_paged_cache_match_transformers(checkpoint: Path, 
     seqs = list(engine.scheduler.running)
     engine.scheduler.postprocess(seqs, [int(s.token_ids[-1]) % 200 + 30 for s in seqs])
     for _ in range(6):  # crosses block boundaries (block_size 4)
-        seqs, is_prefill = engine.scheduler.schedule()
-        assert not is_prefill and len(seqs) == len(batch)
-        inputs = engine.runner.prepare_decode(seqs)
-        assert (inputs.meta.mask is None) == native  # the native loops stop at each context's end
+        step = engine.scheduler.schedule()
+        seqs = step.seqs
+        assert [c.num_tokens for c in step.chunks] == [1] * len(batch)
+        inputs = engine.runner.prepare(step)
+        assert inputs.meta.decodes is not None and inputs.meta.chunks is None
+        assert (inputs.meta.decodes.mask is None) == native  # the native loops stop at each context's end
         logits = engine.runner.forward(inputs)
         for seq, row in zip(seqs, logits):
             expected = hf_logits(hf, seq.token_ids)[-1]
             assert torch.allclose(row, expected, atol=1e-4, rtol=0), (row - expected).abs().max()
         engine.scheduler.postprocess(seqs, logits.argmax(-1).tolist())
+
+
+@pytest.mark.parametrize("budget", [5, 16], ids=["tiny-chunks", "block-chunks"])
+def test_chunked_steps_logits_match_transformers(checkpoint: Path, budget: int) -> None:
+    """Steps mixing decodes with prompt chunks that start mid-block give transformers' logits at every row."""
+    hf = hf_model(checkpoint)
+    engine = engine_for(checkpoint, enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=4)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    mixed = False
+    while not engine.scheduler.is_finished():
+        step = engine.scheduler.schedule()
+        assert step.num_tokens <= budget
+        mixed = mixed or len({c.num_tokens > 1 for c in step.chunks}) == 2
+        inputs = engine.runner.prepare(step)
+        with torch.inference_mode():
+            logits = engine.runner.model.compute_logits(
+                engine.runner.model(inputs.input_ids, inputs.positions, inputs.meta))
+        rows = logits.split([c.num_tokens for c in step.chunks])
+        for chunk, got in zip(step.chunks, rows):
+            end = chunk.start + chunk.num_tokens
+            expected = hf_logits(hf, chunk.seq.token_ids[:end])[chunk.start:end]
+            assert torch.allclose(got, expected, atol=1e-4, rtol=0), (chunk, (got - expected).abs().max())
+        sampled = step.sampled
+        last = [rows[i][-1] for i, c in enumerate(step.chunks) if c.samples]
+        engine.scheduler.postprocess(sampled, [int(r.argmax()) for r in last])
+    assert mixed  # some step held decodes and a prompt chunk together
 
 
 def test_greedy_generation_matches_transformers_token_for_token(checkpoint: Path) -> None:

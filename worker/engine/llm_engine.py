@@ -69,7 +69,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_pool, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.kv_layout.num_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
+            enable_chunked_prefill=config.chunked_prefill,
             max_waiting=config.max_waiting, enable_prefix_caching=config.enable_prefix_caching,
             role=config.role,
         ), eos_token_ids=self.tokenizer.eos_token_ids)
@@ -152,9 +153,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """The role's hook, then schedule / run / postprocess, then the role's hook."""
         outputs = self.requests.take_aborted() + self.role.before_step()
-        seqs, is_prefill = self.scheduler.schedule()
-        if seqs:
-            token_ids = self.runner.run(seqs, is_prefill)
+        step = self.scheduler.schedule()
+        if step:
+            token_ids = self.runner.run(step)
+            seqs: list[Request] = step.sampled   # type: ignore[assignment]  # it schedules only Requests
             self.scheduler.postprocess(seqs, token_ids)
             outputs.extend(self._output(seq, token_id) for seq, token_id in zip(seqs, token_ids))
             self.role.after_step(seqs)

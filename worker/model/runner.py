@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from worker.model.layers import paged_decode
-from worker.model.layers.attention import AttentionMetadata, build_mask
+from scheduler import ScheduledChunk, ScheduledStep
+from worker.model.layers.attention import AttentionMetadata, SeqGroup, build_mask
 from worker.model.layers.linear import pack_linears
 from worker.model.llama import LlamaForCausalLM
 from worker.engine.request import Request
@@ -17,7 +18,7 @@ from worker.model.sampler import sample
 class StepInputs:
     input_ids: torch.Tensor       # (tokens,)
     positions: torch.Tensor       # (tokens,)
-    last_index: torch.Tensor | None   # rows of the hidden states whose logits are needed
+    last_index: torch.Tensor | None   # rows of the hidden states whose logits are needed; None: all
     meta: AttentionMetadata
 
 
@@ -33,62 +34,74 @@ class ModelRunner:
         self.device = kv_pool.device
 
     @torch.inference_mode()
-    def run(self, seqs: list[Request], is_prefill: bool) -> list[int]:
-        inputs = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        logits = self.forward(inputs)
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    def run(self, step: ScheduledStep) -> list[int]:
+        """The token sampled for each of `step.sampled`, in that order."""
+        logits = self.forward(self.prepare(step))
+        sampled: list[Request] = step.sampled   # type: ignore[assignment]  # the engine schedules Requests
+        return sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits (seqs, vocab) of each sequence's last token."""
+        """Logits (sampled seqs, vocab) of each sampled sequence's last token."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.last_index is not None:
             hidden = hidden[inputs.last_index]
         return self.model.compute_logits(hidden)
 
-    def prepare_prefill(self, seqs: list[Request]) -> StepInputs:
+    def prepare(self, step: ScheduledStep) -> StepInputs:
+        """Flat inputs of a step whose one-token chunks (decodes) come first, as the scheduler orders them."""
+        chunks = step.chunks
+        num_decodes = next((i for i, c in enumerate(chunks) if c.num_tokens > 1), len(chunks))
         input_ids: list[int] = []
         positions: list[int] = []
-        query_lens = [len(s) - s.num_cached_tokens for s in seqs]
-        max_query_len = max(query_lens)
-        query_index: list[int] = []
-        for row, seq in enumerate(seqs):
-            start = seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            query_index.extend(range(row * max_query_len, row * max_query_len + len(seq) - start))
-        last_index = torch.tensor(query_lens).cumsum(0) - 1
-        # Equal-length prompts with nothing cached need no mask, gather or padding (bench, single prompts).
-        fresh = all(s.num_cached_tokens == 0 for s in seqs) and len(set(query_lens)) == 1
-        meta = self._metadata(seqs, positions, query_lens, torch.tensor(query_index, device=self.device),
-                              with_mask=not fresh)
-        return StepInputs(self._tensor(input_ids), self._tensor(positions), last_index.to(self.device), meta)
+        last_rows: list[int] = []
+        for chunk in chunks:
+            end = chunk.start + chunk.num_tokens
+            input_ids.extend(chunk.seq.token_ids[chunk.start:end])
+            positions.extend(range(chunk.start, end))
+            if chunk.samples:
+                last_rows.append(len(positions) - 1)
+        decodes = self._decode_group(chunks[:num_decodes]) if num_decodes else None
+        prompt_chunks = self._chunk_group(chunks[num_decodes:]) if num_decodes < len(chunks) else None
+        meta = AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(self._slots(chunks)),
+                                 decodes=decodes, chunks=prompt_chunks)
+        every_row = len(last_rows) == len(positions)
+        return StepInputs(self._tensor(input_ids), self._tensor(positions),
+                          None if every_row else self._tensor(last_rows), meta)
 
-    def prepare_decode(self, seqs: list[Request]) -> StepInputs:
-        positions = [len(s) - 1 for s in seqs]
-        meta = self._metadata(seqs, positions, [1] * len(seqs), None)
-        return StepInputs(self._tensor([s.token_ids[-1] for s in seqs]), self._tensor(positions), None, meta)
-
-    def _metadata(self, seqs: list[Request], positions: list[int], query_lens: list[int],
-                  query_index: torch.Tensor | None, with_mask: bool = True) -> AttentionMetadata:
+    def _slots(self, chunks: list[ScheduledChunk]) -> list[int]:
         bs = self.block_size
-        slots, row = [], 0
-        for seq, n in zip(seqs, query_lens):
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in positions[row:row + n])
-            row += n
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-        context_lens = [len(s) for s in seqs]
+        slots: list[int] = []
+        for chunk in chunks:
+            table = chunk.seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.start + chunk.num_tokens))
+        return slots
+
+    def _decode_group(self, chunks: list[ScheduledChunk]) -> SeqGroup:
         # The native decode loops stop at each context's end: they need no mask.
-        native_decode = query_index is None and paged_decode.applies(self.kv_pool)
+        return self._group(chunks, with_mask=not paged_decode.applies(self.kv_pool), query_index=None)
+
+    def _chunk_group(self, chunks: list[ScheduledChunk]) -> SeqGroup:
+        query_lens = [c.num_tokens for c in chunks]
+        # Equal-length chunks with nothing before them need no mask, gather or padding (single prompts).
+        if all(c.start == 0 for c in chunks) and len(set(query_lens)) == 1:
+            return self._group(chunks, with_mask=False, query_index=None)
+        max_query_len = max(query_lens)
+        rows = [row * max_query_len + i for row, n in enumerate(query_lens) for i in range(n)]
+        return self._group(chunks, with_mask=True, query_index=self._tensor(rows))
+
+    def _group(self, chunks: list[ScheduledChunk], with_mask: bool, query_index: torch.Tensor | None) -> SeqGroup:
+        tables = [c.seq.block_table for c in chunks]
+        max_blocks = max(len(t) for t in tables)
+        context_lens = [c.start + c.num_tokens for c in chunks]
         mask = None
-        if with_mask and not native_decode:
-            mask = build_mask(torch.tensor(context_lens), torch.tensor(query_lens), max(query_lens), max_blocks * bs,
-                              self.kv_pool.dtype).to(self.device)
-        return AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(slots),
-                                 block_tables=self._tensor(tables), context_lens=self._tensor(context_lens),
-                                 max_context_len=max(context_lens), mask=mask, query_index=query_index)
+        if with_mask:
+            query_lens = [c.num_tokens for c in chunks]
+            mask = build_mask(torch.tensor(context_lens), torch.tensor(query_lens), max(query_lens),
+                              max_blocks * self.block_size, self.kv_pool.dtype).to(self.device)
+        return SeqGroup(block_tables=self._tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
+                        context_lens=self._tensor(context_lens), max_context_len=max(context_lens),
+                        mask=mask, query_index=query_index)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

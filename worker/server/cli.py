@@ -15,7 +15,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
 from common.roles import DEFAULT_KV_PORT, ROLES
-from worker.config import EngineConfig
+from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
 
 logger = logging.getLogger("worker")
 TRANSPORTS = ("auto", "shm", "tcp", "nixl", "neuron")
@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--num-kv-blocks", type=_positive, default=None,
                         help="KV blocks (default: as many as the cache budget holds)")
     engine.add_argument("--max-num-seqs", type=_positive, default=16, help="requests in one running batch (default 16)")
+    engine.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                        help=f"tokens one step computes: with chunked prefill the decodes plus prompt chunks "
+                             f"(default {DEFAULT_CHUNKED_BUDGET}), without it whole prompts batched together, one "
+                             f"alone may exceed it (default {DEFAULT_UNCHUNKED_BUDGET})")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="prefill long prompts in chunks that share each step with the running requests' "
+                             "decodes, so streams never stall for a whole prefill (default: on for roles "
+                             f"{' and '.join(CHUNKED_BY_DEFAULT)}, off for prefill)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of prompt prefixes computed before (default: on)")
     engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
     engine.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
     engine.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default 0)")
@@ -109,6 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         config = EngineConfig(model=args.model, served_model_name=args.served_model_name,
                               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                               max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              enable_chunked_prefill=args.enable_chunked_prefill,
+                              enable_prefix_caching=args.enable_prefix_caching,
                               max_model_len=args.max_model_len, seed=args.seed, role=args.role)
     except ValueError as exc:
         parser.error(str(exc))

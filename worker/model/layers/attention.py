@@ -1,8 +1,9 @@
 """Paged attention over one shared KV pool.
 
 Every step writes the new tokens' K/V into their slots of the pool first, then each sequence
-attends over its whole context gathered through its block table (decode steps on an fp32 CPU
-pool read it through the table in place: see paged_decode). Because every layer writes before
+attends over its whole context gathered through its block table (decodes on an fp32 CPU pool
+read it through the table in place: see paged_decode). A step may mix decodes and prompt
+chunks: each kind runs its own attention over its own rows. Because every layer writes before
 it reads, a sequence may read blocks that another sequence of the same batch is filling in this
 very step (prefix-cache hits on a block computed in the same prefill).
 """
@@ -17,23 +18,38 @@ from worker.model.layers import paged_decode
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    """Per-step tensors shared by all layers; built once per step by the model runner."""
+class SeqGroup:
+    """The sequences of one kind in a step (decodes, or prompt chunks) and what their attention reads."""
 
-    kv_pool: torch.Tensor              # (layers, 2, blocks, block_size, kv_heads, head_dim)
-    slot_mapping: torch.Tensor         # (tokens,) flat slot of each new token
     block_tables: torch.Tensor         # (seqs, max_blocks), padded with block 0 (masked out)
     context_lens: torch.Tensor         # (seqs,) tokens in each context, this step's included
     max_context_len: int               # the longest of them
     mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_blocks * block_size) additive;
-                                       # None: fresh prompts of equal length (plain causal attention),
-                                       # or a decode step on the native path (see _decode_attention)
-    query_index: torch.Tensor | None   # (tokens,) row in the padded (seqs * max_query_len) layout;
-                                       # None when every sequence has exactly one new token
+                                       # None: fresh chunks of equal length (plain causal attention),
+                                       # or decodes on the native path (see _decode_attention)
+    query_index: torch.Tensor | None   # chunks: (tokens,) row in the padded (seqs * max_query_len)
+                                       # layout; None for decodes and for fresh equal-length chunks
 
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step tensors shared by all layers; built once per step by the model runner.
+
+    A step's tokens are its decodes' (one each) first, then its prompt chunks'.
+    """
+
+    kv_pool: torch.Tensor              # (layers, 2, blocks, block_size, kv_heads, head_dim)
+    slot_mapping: torch.Tensor         # (tokens,) flat slot of each new token
+    decodes: SeqGroup | None
+    chunks: SeqGroup | None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decodes is None else self.decodes.num_seqs
 
 
 def build_mask(context_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len: int,
@@ -56,36 +72,47 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    if meta.mask is None and meta.query_index is not None:
-        # Fresh prompts, nothing cached to read: attend over the new tokens themselves.
-        n = meta.num_seqs
+    n = meta.num_decode_tokens
+    parts = []
+    if meta.decodes is not None:
+        parts.append(_decode_attention(meta.kv_pool[layer], q[:n], meta.decodes))
+    if meta.chunks is not None:
+        parts.append(_chunk_attention(meta.kv_pool[layer], q[n:], k[n:], v[n:], meta.chunks))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _chunk_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     group: SeqGroup) -> torch.Tensor:
+    """Prompt chunks: each attends over its context so far (cached prefix, earlier chunks, itself)."""
+    if group.query_index is None:
+        # Fresh chunks of equal length, nothing before them to read: attend over the new tokens themselves.
+        n = group.num_seqs
         return causal_attention(_per_seq(q, n), _per_seq(k, n), _per_seq(v, n)).reshape(q.shape)
-    if meta.query_index is None:
-        return _decode_attention(layer, q, meta)
-    keys, values = _gather(meta.kv_pool[layer], meta.block_tables)
-    num_seqs, max_query_len = meta.num_seqs, meta.mask.shape[2]
+    assert group.mask is not None
+    keys, values = _gather(layer_kv, group.block_tables)
+    num_seqs, max_query_len = group.num_seqs, group.mask.shape[2]
     q_pad = q.new_zeros(num_seqs * max_query_len, *q.shape[1:])
-    q_pad[meta.query_index] = q
+    q_pad[group.query_index] = q
     q_pad = q_pad.view(num_seqs, max_query_len, *q.shape[1:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.mask, enable_gqa=True)
-    return out.transpose(1, 2).reshape(num_seqs * max_query_len, *q.shape[1:])[meta.query_index]
+    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=group.mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(num_seqs * max_query_len, *q.shape[1:])[group.query_index]
 
 
-def _decode_attention(layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, group: SeqGroup) -> torch.Tensor:
     """One new token per sequence: natively from the pool where that applies, else gather + SDPA.
 
     The query heads sharing a KV head become that head's queries (all at the same position,
     so the one mask row fits them all), which skips SDPA's GQA expansion. The native loops
     stop at each context's end and need no mask.
     """
-    num_kv_heads, head_dim = meta.kv_pool.shape[-2:]
+    num_kv_heads, head_dim = layer_kv.shape[-2:]
     q_group = q.view(q.shape[0], num_kv_heads, -1, head_dim)     # (seqs, kv_heads, group, d)
-    if paged_decode.applies(meta.kv_pool):
-        out = paged_decode.decode_attention(q_group, meta.kv_pool[layer], meta.block_tables, meta.context_lens,
-                                            meta.max_context_len)
+    if group.mask is None:
+        out = paged_decode.decode_attention(q_group, layer_kv, group.block_tables, group.context_lens,
+                                            group.max_context_len)
     else:
-        keys, values = _gather(meta.kv_pool[layer], meta.block_tables)
-        out = F.scaled_dot_product_attention(q_group, keys, values, attn_mask=meta.mask)
+        keys, values = _gather(layer_kv, group.block_tables)
+        out = F.scaled_dot_product_attention(q_group, keys, values, attn_mask=group.mask)
     return out.reshape(q.shape)
 
 
