@@ -107,7 +107,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_llama: Path) -> None:
     shared = prompts(1, seed=7)[0] * 2
     first = eng.generate([shared + [65]], GREEDY)[0]
     eng.add_request("again", shared + [65], GREEDY)
-    seqs, _ = eng.scheduler.schedule()
+    seqs = eng.scheduler.schedule().seqs
     assert seqs[0].num_cached_tokens > 0
     eng.abort_request("again")
     assert [o.finish_reason for o in eng.step()] == ["abort"]
