@@ -39,21 +39,15 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
-
 from examples.serving_stack import Stack, StackError, StackOptions, start_di  # noqa: E402
+from examples.vllm_bench_client import (CLIENT, ClientError, ClientLoad, client_metrics, run_client,  # noqa: E402
+                                        served_model)
 from examples.vllm_stack import (VllmOptions, start_colocated_pair, start_neuron_1p1d,  # noqa: E402
                                  start_nixl_1p1d)
 
 SYSTEMS = ("vllm_colocated", "vllm_nixl", "vllm_neuron", "neuron_di")
 # Unset flags take these values; --quick picks the second set.
 DEFAULTS = {"input_len": (512, 128), "output_len": (128, 32), "num_prompts": (40, 16)}
-# Our name -> the key `vllm bench serve` writes in its saved result.
-CLIENT_KEYS = {"request_throughput": "request_throughput", "ttft_mean_ms": "mean_ttft_ms",
-               "ttft_p99_ms": "p99_ttft_ms", "tpot_mean_ms": "mean_tpot_ms", "tpot_p99_ms": "p99_tpot_ms",
-               "itl_p99_ms": "p99_itl_ms", "completed": "completed", "failed": "failed",
-               "total_input_tokens": "total_input_tokens", "total_output_tokens": "total_output_tokens",
-               "duration_s": "duration", "output_throughput": "output_throughput"}
 # Ratio name -> (numerator system, denominator system, metric).
 RATIOS = {"neuron_over_nixl_rps": ("vllm_neuron", "vllm_nixl", "request_throughput"),
           "neuron_over_nixl_ttft_mean": ("vllm_neuron", "vllm_nixl", "ttft_mean_ms"),
@@ -62,10 +56,6 @@ RATIOS = {"neuron_over_nixl_rps": ("vllm_neuron", "vllm_nixl", "request_throughp
 IDLE_CPU = {"neuron_idle_cpu_cores": "vllm_neuron", "nixl_idle_cpu_cores": "vllm_nixl"}
 NO_NIXL = "nixl is not installed here (`import nixl` fails; pip install nixl)"
 SETTLE_S = 2.0  # after the stack is healthy, before the idle window: startup's tail is not idling
-
-
-class ClientError(RuntimeError):
-    """`vllm bench serve` failed, timed out or wrote a result without the keys we read."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,46 +166,10 @@ def idle_cpu_cores(stack: Stack, window_s: float) -> dict[str, float]:
     return {name: (after[name] - before[name]) / wall for name in pids}
 
 
-def served_model(url: str) -> str:
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=30.0).json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-        raise ClientError(f"cannot read the served model name from {url}/v1/models: {exc!r}") from exc
-
-
-def client_args(args: argparse.Namespace, url: str, model: str, result: Path) -> list[str]:
-    """`vllm bench serve`'s command line; the load's flags live here and nowhere else."""
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
-            "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", args.model,
-            "--dataset-name", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-            "--max-concurrency", str(args.max_concurrency), "--num-warmups", str(args.num_warmups),
-            "--ignore-eos", "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl",
-            "--metric-percentiles", "99", "--disable-tqdm", "--save-result",
-            "--result-dir", str(result.parent), "--result-filename", result.name]
-
-
-def run_client(args: argparse.Namespace, url: str, model: str, result: Path) -> dict[str, Any]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    try:
-        done = subprocess.run(client_args(args, url, model, result), capture_output=True, text=True,
-                              timeout=args.client_timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        raise ClientError(f"vllm bench serve did not finish within {args.client_timeout:g} s") from exc
-    if done.returncode != 0 or not result.exists():
-        raise ClientError(f"vllm bench serve exited with status {done.returncode}:\n"
-                          f"{(done.stdout + done.stderr)[-3000:]}")
-    return json.loads(result.read_text())
-
-
-def client_metrics(result: dict[str, Any]) -> dict[str, Any]:
-    """Our metrics from `vllm bench serve`'s saved result, plus its first request error."""
-    missing = sorted(key for key in CLIENT_KEYS.values() if key not in result)
-    if missing:
-        raise ClientError(f"vllm bench serve's result has no {missing}")
-    metrics = {ours: result[theirs] for ours, theirs in CLIENT_KEYS.items()}
-    metrics["first_error"] = next((e for e in result.get("errors", []) if e), None)
-    return metrics
+def client_load(args: argparse.Namespace) -> ClientLoad:
+    return ClientLoad(tokenizer=args.model, input_len=args.input_len, output_len=args.output_len,
+                      num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
+                      num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.client_timeout)
 
 
 def measure(name: str, start: Callable[[], Stack], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -227,7 +181,7 @@ def measure(name: str, start: Callable[[], Stack], args: argparse.Namespace, wor
         model = served_model(stack.url)
         print(f"{name}: up in {startup_s:.0f} s, idle {sum(idle.values()):.3f} cores; loading it ...",
               file=sys.stderr, flush=True)
-        metrics = client_metrics(run_client(args, stack.url, model, workdir / f"{name}.json"))
+        metrics = client_metrics(run_client(client_load(args), stack.url, model, workdir / f"{name}.json"))
     return {**metrics, "idle_cpu_cores": sum(idle.values()), "idle_cpu_cores_by_process": idle,
             "startup_s": startup_s, "served_model": model}
 
@@ -300,8 +254,7 @@ def report(args: argparse.Namespace, systems: dict[str, dict[str, Any]], argv: S
     settings = {key: getattr(args, key) for key in ("input_len", "output_len", "num_prompts", "max_concurrency",
                                                     "num_warmups", "seed", "max_model_len", "idle_window",
                                                     "quick", "systems")}
-    settings.update(cores=list(args.cores), client="vllm bench serve --backend openai --dataset-name random "
-                                                   "--ignore-eos --endpoint /v1/completions")
+    settings.update(cores=list(args.cores), client=CLIENT)
     return {"command": shlex.join(["python", "examples/bench_vllm.py", *argv]), "model": args.model,
             "settings": settings, "systems": systems, "ratios": ratios(systems)}
 

@@ -1,7 +1,8 @@
-"""Starting the two serving stacks the benchmark compares, each worker pinned to its own core.
+"""Starting our serving stacks for the benchmarks, each worker pinned to its own core.
 
 (a) DI 1P1D: a prefill worker on one core, a decode worker on the other, the proxy in DI mode.
 (b) colocated: two `both` workers, one per core, behind the same proxy in round-robin mode.
+(c) one `both` worker alone, no proxy, for comparing the engine with another server.
 The proxy is left unpinned in both, so both stacks get the same cores for the same jobs.
 Every process is started in its own session and stopped (SIGTERM, then SIGKILL) on the way
 out, also when startup fails or the run is interrupted; every wait has a deadline.
@@ -200,6 +201,18 @@ def start_colocated(options: StackOptions) -> Stack:
         _wait_workers(stack, ports, options)
         start_proxy(stack, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]],
                      options)
+
+    return started(build)
+
+
+def start_both(options: StackOptions, extra: Sequence[str] = ()) -> Stack:
+    """One `both` worker on cores[0], no proxy: `url` is the worker's own. `extra` goes on its
+    command line after the default flags (engine settings a user adds)."""
+    def build(stack: Stack) -> None:
+        port = free_port()
+        stack.start("worker", [*worker_args("both", port, options), *extra], options.cores[0])
+        stack.url = stack.worker_urls["worker"] = f"http://127.0.0.1:{port}"
+        _wait_workers(stack, [port], options)
 
     return started(build)
 

@@ -15,7 +15,8 @@ from tests.helpers import wait_until
 # Shaped like what `vllm bench serve --save-result --percentile-metrics ttft,tpot,itl --metric-percentiles 99` writes.
 SAVED = {"duration": 10.0, "completed": 15, "failed": 1, "total_input_tokens": 2048, "total_output_tokens": 480,
          "request_throughput": 1.5, "output_throughput": 48.0, "mean_ttft_ms": 300.0, "median_ttft_ms": 250.0,
-         "p99_ttft_ms": 900.0, "mean_tpot_ms": 40.0, "p99_tpot_ms": 60.0, "mean_itl_ms": 40.0, "p99_itl_ms": 120.0,
+         "p99_ttft_ms": 900.0, "mean_tpot_ms": 40.0, "p99_tpot_ms": 60.0, "mean_itl_ms": 40.0, "median_itl_ms": 35.0,
+         "p99_itl_ms": 120.0,
          "errors": ["", "HTTP 500: boom", ""]}
 
 
@@ -27,7 +28,8 @@ def measured(rps: float, ttft: float, itl: float, idle: float) -> dict:
 def test_client_metrics_read_vllm_bench_serve_keys() -> None:
     metrics = bench_vllm.client_metrics(SAVED)
     assert (metrics["request_throughput"], metrics["ttft_mean_ms"], metrics["ttft_p99_ms"]) == (1.5, 300.0, 900.0)
-    assert (metrics["tpot_mean_ms"], metrics["tpot_p99_ms"], metrics["itl_p99_ms"]) == (40.0, 60.0, 120.0)
+    assert (metrics["tpot_mean_ms"], metrics["tpot_p99_ms"]) == (40.0, 60.0)
+    assert (metrics["itl_p50_ms"], metrics["itl_p99_ms"]) == (35.0, 120.0)
     assert (metrics["completed"], metrics["failed"], metrics["first_error"]) == (15, 1, "HTTP 500: boom")
 
 

@@ -67,6 +67,8 @@ def test_bench_model_is_deterministic_and_cached(tmp_path: Path) -> None:
     assert create_bench_model(tmp_path / "a") == path
     config = ModelConfig.from_dir(path)
     assert (config.hidden_size, config.num_hidden_layers) == (512, 8)
+    # A 2000-token prompt and its answer fit; a copy cached with another context is never picked up.
+    assert config.max_position_embeddings == 4096 and path.name == "bench-llama-24m-ctx4k-seed0"
     eng = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=16))
     params = sum(p.numel() for p in eng.runner.model.parameters())
     assert 20e6 < params < 28e6
