@@ -2,7 +2,7 @@
 
     python examples/bench_sweep.py --json benchmarks/results/sweep.json      # PNG next to it
     python examples/bench_sweep.py --quick --systems di_1p1d,colocated
-    python examples/bench_sweep.py --rates 0.5,1,1.5 --ours-extra "--max-num-seqs 8"
+    python examples/bench_sweep.py --rates 0.5,1,1.5 --ours-extra="--max-num-seqs 8"
 
 Systems, each on the same two cores, one worker or server per core:
   di_1p1d         our prefill worker and decode worker behind our proxy (DI)
@@ -19,7 +19,8 @@ Per rate: TTFT p50/p99, ITL p50/p99, TPOT p99, each request's largest gap (p50/p
 requests), stalls per request (ITLs over 3x the run's median ITL), the mean number of requests
 in flight and SLO attainment (share of requests with TTFT and largest gap within the SLO).
 Per system: goodput, the highest rate at which at least 90% of requests met the SLO, and the
-stalls per request at the rate whose mean in-flight count is closest to 8.
+stalls per request at the rate whose mean running batch is closest to 8, the batch estimated as the
+requests in flight over the engines decoding them (2 for the colocated systems, else 1).
 JSON (`--json`): `config` (every option and the command line), `slo`, `systems` (per system its
 `rates`, `goodput_rps`, `near_batch`, and `skipped` or `stopped_early` when so) and `ratios`
 (DI goodput over each other system's). Exit status: 0 at least one system measured, 1 none,
@@ -49,6 +50,7 @@ from examples.serving_stack import Stack, StackError, StackOptions, start_coloca
 from examples.vllm_stack import VllmOptions, start_colocated_pair, start_neuron_1p1d, start_nixl_1p1d  # noqa: E402
 
 SYSTEMS = ("di_1p1d", "colocated", "vllm_colocated", "vllm_nixl", "vllm_neuron")
+DECODE_ENGINES = {"di_1p1d": 1, "colocated": 2, "vllm_colocated": 2, "vllm_nixl": 1, "vllm_neuron": 1}
 RATIOS = {"di_over_vllm_colocated": "vllm_colocated", "di_over_vllm_nixl": "vllm_nixl",
           "di_over_colocated": "colocated"}  # DI goodput over this system's
 # Unset flags take these values; --quick picks the second.
@@ -81,12 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--stop-attainment", type=float, default=0.5,
                        help="stop a system after two rates in a row below this share")
     judge.add_argument("--stall-factor", type=float, default=3.0, help="a stall: an ITL over this x the median ITL")
-    judge.add_argument("--batch", type=float, default=8.0, help="report stalls at the rate nearest this many in flight")
+    judge.add_argument("--batch", type=float, default=8.0, help="report stalls at the rate whose running batch is nearest this")
     stack = p.add_argument_group("stacks")
     stack.add_argument("--model", help="model directory (default: the ~24M benchmark model)")
     stack.add_argument("--cores", help="two CPU cores, one per worker (default: the first two usable)")
     stack.add_argument("--kv-transport", default="shm", help="our DI workers' KV transport")
-    stack.add_argument("--ours-extra", default="", help="more flags for every one of our workers, e.g. \"--max-num-seqs 8\"")
+    stack.add_argument("--ours-extra", default="", help="more flags for every one of our workers, e.g. --ours-extra=\"--max-num-seqs 8\"")
     stack.add_argument("--max-model-len", type=int, default=2048, help="vLLM servers' context length")
     stack.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a stack to come up")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON, and the PNG next to it")
@@ -171,12 +173,13 @@ def sweep(name: str, stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
             stopped = (f"stopped after {rate:g} req/s: two rates in a row under "
                        f"{args.stop_attainment:.0%} attainment")
             break
-    return system_record(points, args, stopped)
+    return system_record(name, points, args, stopped)
 
 
-def system_record(points: list[dict[str, Any]], args: argparse.Namespace, stopped: str | None) -> dict[str, Any]:
+def system_record(name: str, points: list[dict[str, Any]], args: argparse.Namespace,
+                  stopped: str | None) -> dict[str, Any]:
     record: dict[str, Any] = {"rates": points, "goodput_rps": goodput_rps(points, args.goodput_attainment),
-                              "near_batch": near_batch(points, args.batch)}
+                              "near_batch": near_batch(points, args.batch, DECODE_ENGINES[name])}
     if stopped:
         record["stopped_early"] = stopped
     return record

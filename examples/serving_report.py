@@ -117,7 +117,7 @@ def format_sweep_summary(systems: Mapping[str, Mapping[str, Any]], ratios: Mappi
         goodput = system.get("goodput_rps")
         near = system.get("near_batch")
         near_text = "-" if not near or near["stalls_per_request"] is None else (
-            f"{near['stalls_per_request']:.2f} (rate {near['rate_rps']:g}, in flight {near['mean_in_flight']:.1f})")
+            f"{near['stalls_per_request']:.2f} (rate {near['rate_rps']:g}, batch ~{near['mean_batch']:.1f})")
         note = f"skipped: {system['skipped']}" if system.get("skipped") else system.get("stopped_early") or ""
         lines.append(f"{name:<16}{'-' if goodput is None else f'{goodput:g}':>10}  {near_text:<34}{note}")
     for name, value in ratios.items():

@@ -36,10 +36,13 @@ def should_stop(points: Sequence[Mapping[str, Any]], floor: float, in_a_row: int
     return len(last) == in_a_row and all(p["slo_attainment"] < floor for p in last)
 
 
-def near_batch(points: Sequence[Mapping[str, Any]], batch: float) -> dict[str, Any] | None:
-    """Stalls per request at the rate whose mean in-flight count is closest to `batch`; None without points."""
+def near_batch(points: Sequence[Mapping[str, Any]], batch: float, engines: int = 1) -> dict[str, Any] | None:
+    """Stalls per request at the rate whose running batch is closest to `batch`; None without points.
+
+    The batch is estimated from the client's side: requests in flight shared by the `engines`
+    that decode them (two colocated workers each run about half)."""
     if not points:
         return None
-    best = min(points, key=lambda p: abs(p["mean_in_flight"] - batch))
-    return {"batch_target": batch, "rate_rps": best["rate_rps"], "mean_in_flight": best["mean_in_flight"],
+    best = min(points, key=lambda p: abs(p["mean_in_flight"] / engines - batch))
+    return {"batch_target": batch, "rate_rps": best["rate_rps"], "mean_batch": best["mean_in_flight"] / engines,
             "stalls_per_request": best["stalls_per_request"]}

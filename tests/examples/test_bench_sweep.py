@@ -45,9 +45,12 @@ def test_stop_after_two_rates_in_a_row_under_the_floor() -> None:
 
 def test_near_batch_picks_the_rate_with_the_closest_in_flight_count() -> None:
     points = [point(0.5, 1.0, 2.0, 0.0), point(1.0, 1.0, 6.5, 0.25), point(2.0, 0.7, 10.0, 1.5)]
-    assert near_batch(points, 8) == {"batch_target": 8, "rate_rps": 1.0, "mean_in_flight": 6.5,
+    assert near_batch(points, 8) == {"batch_target": 8, "rate_rps": 1.0, "mean_batch": 6.5,
                                      "stalls_per_request": 0.25}
     assert near_batch(points, 9)["rate_rps"] == 2.0
+    # Two engines share the requests in flight: 10 in flight is a batch of about 5 (6.5: 3.25).
+    assert near_batch(points, 4.5, engines=2) == {"batch_target": 4.5, "rate_rps": 2.0, "mean_batch": 5.0,
+                                                  "stalls_per_request": 1.5}
     assert near_batch([], 8) is None
 
 
@@ -66,7 +69,7 @@ def test_rate_point_from_timestamps() -> None:
 
 
 def test_command_line_defaults_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    args = bench_sweep.parse_args(["--quick", "--systems", "di_1p1d,colocated", "--ours-extra", "--max-num-seqs 8"])
+    args = bench_sweep.parse_args(["--quick", "--systems", "di_1p1d,colocated", "--ours-extra=--max-num-seqs 8"])
     assert args.rates == [0.25, 0.5, 1.0, 2.0] and args.systems == ["di_1p1d", "colocated"]
     assert args.ours_extra == ["--max-num-seqs", "8"]
     assert [s.num_prompts for s in args.specs] == [6, 6, 10, 20]  # at least 6, else about 10 s of arrivals
@@ -98,8 +101,8 @@ def test_report_ratios_tables_and_plot(tmp_path: Path) -> None:
     measured = [rate_point(r, results, 1.0, slo, 3.0) for r in (0.5, 1.0)]
     di_points = [{**p, "slo_attainment": a} for p, a in zip(measured, (1.0, 0.9))]
     colocated = [{**p, "slo_attainment": a} for p, a in zip(measured, (1.0, 0.4))]
-    systems = {"di_1p1d": bench_sweep.system_record(di_points, args, None),
-               "colocated": bench_sweep.system_record(colocated, args, "stopped after 1 req/s"),
+    systems = {"di_1p1d": bench_sweep.system_record("di_1p1d", di_points, args, None),
+               "colocated": bench_sweep.system_record("colocated", colocated, args, "stopped after 1 req/s"),
                "vllm_nixl": bench_sweep.skipped("nixl is not installed here")}
     out = bench_sweep.report(args, systems, argv)
     assert out["slo"] == SLO_ARGS
@@ -113,6 +116,7 @@ def test_report_ratios_tables_and_plot(tmp_path: Path) -> None:
     summary = format_sweep_summary(systems, out["ratios"], bench_sweep.slo_text(out["slo"]))
     assert "largest gap <= 100 ms" in summary and "skipped: nixl is not installed here" in summary
     assert "stopped after 1 req/s" in summary and "di_over_colocated" in summary
+    assert "(rate 0.5, batch ~" in summary  # colocated: two engines share what is in flight
     pytest.importorskip("matplotlib")
     path = tmp_path / "sweep.png"
     assert plot_sweep({n: s["rates"] for n, s in systems.items()}, out["slo"], path) is None
