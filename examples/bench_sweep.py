@@ -148,10 +148,10 @@ def slo_of(args: argparse.Namespace) -> dict[str, float]:
             "attainment_for_goodput": args.goodput_attainment}
 
 
-def starters(args: argparse.Namespace, model: str) -> dict[str, Callable[[], Stack]]:
-    ours = StackOptions(cores=args.core_pair, model=model, kv_transport=args.kv_transport,
+def starters(args: argparse.Namespace) -> dict[str, Callable[[], Stack]]:
+    ours = StackOptions(cores=args.core_pair, model=args.model_dir, kv_transport=args.kv_transport,
                         startup_timeout_s=args.startup_timeout, worker_extra=tuple(args.ours_extra))
-    vllm = VllmOptions(model=model, cores=args.core_pair, max_model_len=args.max_model_len,
+    vllm = VllmOptions(model=args.model_dir, cores=args.core_pair, max_model_len=args.max_model_len,
                        startup_timeout_s=args.startup_timeout)
     return {"di_1p1d": lambda: start_di(ours), "colocated": lambda: start_colocated(ours),
             "vllm_colocated": lambda: start_colocated_pair(vllm), "vllm_nixl": lambda: start_nixl_1p1d(vllm),
@@ -234,9 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from worker.model.bench_model import create_bench_model  # torch: only once the command line is good
 
-    model = str(Path(args.model).resolve()) if args.model else str(create_bench_model())
+    args.model_dir = str(Path(args.model).resolve()) if args.model else str(create_bench_model())
     try:
-        systems = {name: run_system(name, start, args) for name, start in starters(args, model).items()
+        systems = {name: run_system(name, start, args) for name, start in starters(args).items()
                    if name in args.systems}
     except KeyboardInterrupt:  # the stacks are already stopped by now
         print("bench_sweep.py: interrupted", file=sys.stderr)
