@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--input-len-max", type=int, default=1536)
     load.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--warmup", type=int, default=4, help="short unmeasured requests after a stack starts")
+    load.add_argument("--warmup", type=int, default=8, help="unmeasured requests (4 output tokens) after a stack starts")
     load.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one whole request")
     judge = p.add_argument_group("SLO and rules")
     judge.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -119,7 +119,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.input_len_max + args.output_len > args.max_model_len:
         parser.error(f"--input-len-max + --output-len exceeds --max-model-len {args.max_model_len}")
     try:
-        args.specs = [load_spec(args, rate) for rate in args.rates]
+        args.specs = [load_spec(args, i, rate) for i, rate in enumerate(args.rates)]
     except ValueError as exc:
         parser.error(str(exc))
     return args
@@ -136,11 +136,12 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def load_spec(args: argparse.Namespace, rate: float) -> LoadSpec:
-    """The load at one rate: arrivals spanning about --seconds-per-rate, at least --min-prompts."""
+def load_spec(args: argparse.Namespace, index: int, rate: float) -> LoadSpec:
+    """The load at the `index`-th rate: arrivals spanning about --seconds-per-rate, at least --min-prompts.
+    Each rate has prompts of its own (its own seed), so no rate finds the last one's in a prefix cache."""
     num = max(args.min_prompts, math.ceil(rate * args.seconds_per_rate))
     return LoadSpec(num, (args.input_len_min, args.input_len_max), (args.output_len, args.output_len), rate,
-                    seed=args.seed, request_timeout_s=args.request_timeout)
+                    seed=args.seed + 1000 * index, request_timeout_s=args.request_timeout)
 
 
 def slo_of(args: argparse.Namespace) -> dict[str, float]:
@@ -162,7 +163,9 @@ def sweep(name: str, stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     """Warms the stack up, then loads it at each rate in turn until the stop rule holds."""
     model = asyncio.run(fetch_model(stack.url))
     if args.warmup:
-        asyncio.run(warm_up(stack.url, model, args.warmup, args.request_timeout))
+        # Prompts over the whole length range: the first prefill of a new length costs extra.
+        asyncio.run(warm_up(stack.url, model, args.warmup, args.request_timeout,
+                            (args.input_len_min, args.input_len_max)))
     slo, points, stopped = SLO(args.slo_ttft_ms, args.slo_gap_ms), [], None
     for rate, spec in zip(args.rates, args.specs):
         results, duration = asyncio.run(run_load(stack.url, model, spec, make_requests(spec)))

@@ -173,9 +173,10 @@ async def run_load(base_url: str, model: str, spec: LoadSpec,
     return list(results), duration
 
 
-async def warm_up(base_url: str, model: str, count: int, timeout_s: float = 300.0) -> None:
-    """Sends `count` short requests one at a time, unmeasured; a failing one is a LoadError."""
-    spec = LoadSpec(count, (16, 16), (4, 4), max_concurrency=1, seed=12345, request_timeout_s=timeout_s)
+async def warm_up(base_url: str, model: str, count: int, timeout_s: float = 300.0,
+                  input_len: tuple[int, int] = (16, 16)) -> None:
+    """Sends `count` requests of 4 output tokens one at a time, unmeasured; a failing one is a LoadError."""
+    spec = LoadSpec(count, input_len, (4, 4), max_concurrency=1, seed=12345, request_timeout_s=timeout_s)
     results, _ = await run_load(base_url, model, spec, make_requests(spec))
     errors = [r.error for r in results if not r.ok]
     if errors:

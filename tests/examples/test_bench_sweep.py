@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import bench_sweep
+from serving_load import make_requests
 from serving_metrics import SLO, RequestResult
 from serving_report import SWEEP_COLUMNS, format_sweep_summary, format_sweep_system, plot_sweep
 from sweep_rules import goodput_rps, near_batch, rate_point, should_stop
@@ -74,6 +75,9 @@ def test_command_line_defaults_and_errors(capsys: pytest.CaptureFixture[str]) ->
     assert args.ours_extra == ["--max-num-seqs", "8"]
     assert [s.num_prompts for s in args.specs] == [6, 6, 10, 20]  # at least 6, else about 10 s of arrivals
     assert {(s.input_len, s.output_len) for s in args.specs} == {((256, 1536), (128, 128))}
+    prompts = [make_requests(s)[0].prompt_token_ids for s in args.specs]
+    assert len({tuple(p) for p in prompts}) == 4  # each rate its own prompts: no prefix-cache hits across rates
+    assert bench_sweep.parse_args(["--quick"]).specs == args.specs  # the same load for every system
     full = bench_sweep.parse_args(["--rates", "1,2.5", "--seconds-per-rate", "20"])
     assert full.systems == list(bench_sweep.SYSTEMS) and [s.num_prompts for s in full.specs] == [20, 50]
     for bad, message in ((["--rates", "1,0.5"], "rising order"), (["--rates", "1,x"], "expected numbers"),
