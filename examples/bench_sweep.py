@@ -176,6 +176,7 @@ def sweep(name: str, stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
         if should_stop(points, args.stop_attainment) and rate != args.rates[-1]:
             stopped = (f"stopped after {rate:g} req/s: two rates in a row under "
                        f"{args.stop_attainment:.0%} attainment")
+            print(f"{name}: {stopped}", file=sys.stderr, flush=True)
             break
     return system_record(name, points, args, stopped)
 
