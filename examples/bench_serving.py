@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load
+from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load, warm_up
 from serving_metrics import SLO, RequestResult, ratio, summarize
 from serving_report import format_table, plot_distributions
 from serving_stack import StackError, StackOptions, start_colocated, start_di
@@ -38,7 +38,6 @@ from serving_stack import StackError, StackOptions, start_colocated, start_di
 DEFAULTS = {"num_prompts": (64, 12), "request_rate": (4.0, 6.0), "input_len_min": (64, 32),
             "input_len_max": (512, 192), "output_len_min": (16, 8), "output_len_max": (64, 24)}
 RATIOS = {"itl_p99_ratio": ("itl_ms", "p99"), "ttft_p50_ratio": ("ttft_ms", "p50")}  # DI over colocated
-WARMUP_SPEC = dict(input_len=(16, 16), output_len=(4, 4), max_concurrency=1, seed=12345)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,
                              args.max_concurrency, args.seed, args.request_timeout)
-        args.core_pair = _cores(args.cores) if args.compare else None
+        args.core_pair = core_pair(args.cores) if args.compare else None
     except ValueError as exc:
         parser.error(str(exc))
     if args.warmup < 0:
@@ -92,7 +91,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _cores(text: str | None) -> tuple[int, int]:
+def core_pair(text: str | None) -> tuple[int, int]:
+    """Two different usable cores from "A,B" (default: the first two usable); ValueError otherwise."""
     usable = sorted(os.sched_getaffinity(0))
     cores = [int(c) for c in text.split(",")] if text else usable[:2]
     if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= set(usable):
@@ -105,11 +105,7 @@ async def measure(url: str, args: argparse.Namespace,
     """Warms the endpoint up (unmeasured), then runs the load against it."""
     model = args.model_name or await fetch_model(url)
     if args.warmup:
-        spec = LoadSpec(args.warmup, request_timeout_s=args.request_timeout, **WARMUP_SPEC)
-        warm, _ = await run_load(url, model, spec, make_requests(spec))
-        errors = [r.error for r in warm if not r.ok]
-        if errors:
-            raise LoadError(f"warm-up requests to {url} failed: {errors[0]}")
+        await warm_up(url, model, args.warmup, args.request_timeout)
     return await run_load(url, model, args.spec, requests)
 
 
@@ -135,7 +131,7 @@ def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], 
     if "di" in summaries:
         di, colocated = summaries["di"], summaries["colocated"]
         ratios = {name: ratio(di[key][stat], colocated[key][stat]) for name, (key, stat) in RATIOS.items()}
-    config = {k: _plain(v) for k, v in vars(args).items() if k != "spec"}
+    config = {k: json_value(v) for k, v in vars(args).items() if k != "spec"}
     config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
     out: dict[str, Any] = {"config": config, **ratios}
     for name, (results, _) in runs.items():
@@ -178,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if all(s["failed"] == 0 for s in (out[n] for n in runs)) else 3
 
 
-def _plain(value: object) -> object:
+def json_value(value: object) -> object:
     """A config value as strict JSON: paths as strings, an infinite rate as "inf"."""
     if isinstance(value, Path) or (isinstance(value, float) and math.isinf(value)):
         return str(value)

@@ -173,6 +173,16 @@ async def run_load(base_url: str, model: str, spec: LoadSpec,
     return list(results), duration
 
 
+async def warm_up(base_url: str, model: str, count: int, timeout_s: float = 300.0,
+                  input_len: tuple[int, int] = (16, 16)) -> None:
+    """Sends `count` requests of 4 output tokens one at a time, unmeasured; a failing one is a LoadError."""
+    spec = LoadSpec(count, input_len, (4, 4), max_concurrency=1, seed=12345, request_timeout_s=timeout_s)
+    results, _ = await run_load(base_url, model, spec, make_requests(spec))
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        raise LoadError(f"warm-up requests to {base_url} failed: {errors[0]}")
+
+
 async def fetch_model(base_url: str, timeout_s: float = 10.0) -> str:
     """The first model the endpoint serves."""
     url = base_url.rstrip("/") + "/v1/models"

@@ -6,6 +6,8 @@ Definitions (all times in seconds inside, milliseconds in the summary):
 - ITL: the gaps between successive content chunks of one request. A chunk normally carries
   one token; a server may hold back a partial UTF-8 character and send two tokens at once.
 - TPOT: (e2e - TTFT) / (output tokens - 1), for requests with at least two output tokens.
+- Largest gap: a request's longest ITL. A stall: an ITL over a multiple of the run's median ITL.
+- Mean in flight: requests sent and not yet answered, averaged over the run (Little's law).
 - Goodput: requests per second that finished without error, with TTFT <= the TTFT SLO and
   the request's *largest* ITL <= the ITL SLO (one stall is enough to miss it).
 """
@@ -112,3 +114,41 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None
     return numerator / denominator
+
+
+def largest_gap(result: RequestResult) -> float | None:
+    """The request's longest wait between two content chunks; None below two chunks."""
+    itls = result.itls
+    return max(itls) if itls else None
+
+
+def median_itl(results: Sequence[RequestResult]) -> float | None:
+    """The median ITL over every gap of the run's completed requests; None without gaps."""
+    gaps = [gap for r in results if r.ok for gap in r.itls]
+    return float(np.median(gaps)) if gaps else None
+
+
+def stall_count(result: RequestResult, threshold_s: float) -> int:
+    """How many of the request's ITLs exceed `threshold_s`."""
+    return sum(gap > threshold_s for gap in result.itls)
+
+
+def stalls_per_request(results: Sequence[RequestResult], factor: float = 3.0) -> tuple[float | None, float | None]:
+    """(mean stalls per completed request, the stall threshold in s): a stall is an ITL over
+    `factor` times the run's median ITL. (None, None) when the run has no ITL at all."""
+    median = median_itl(results)
+    done = [r for r in results if r.ok]
+    if median is None or not done:
+        return None, None
+    threshold = factor * median
+    return sum(stall_count(r, threshold) for r in done) / len(done), threshold
+
+
+def mean_in_flight(results: Sequence[RequestResult], duration_s: float) -> float:
+    """Requests in flight averaged over the run: their summed time in flight over its duration."""
+    return sum(r.e2e for r in results) / duration_s if duration_s > 0 else 0.0
+
+
+def attainment(results: Sequence[RequestResult], slo: SLO) -> float:
+    """The share of all requests that met the SLO (a failed request missed it)."""
+    return sum(slo.met_by(r) for r in results) / len(results) if results else 0.0

@@ -38,7 +38,7 @@ class StackOptions:
     model: str | None = None
     kv_transport: str = "shm"
     startup_timeout_s: float = 120.0
-    worker_extra: tuple[str, ...] = ()  # more flags for every prefill and decode worker
+    worker_extra: tuple[str, ...] = ()  # more flags for every worker, whatever its role
 
 
 def free_port() -> int:
@@ -57,7 +57,7 @@ def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None
         args += ["--kv-port", str(kv_port)]
     if options.model:
         args += ["--model", options.model]
-    return args + list(options.worker_extra if role != "both" else ())
+    return args + list(options.worker_extra)
 
 
 def proxy_args(port: int, backends: Sequence[str], host: str = "127.0.0.1") -> list[str]:

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from serving_load import LoadSpec, arrival_offsets, completion_body, make_requests
-from serving_metrics import SLO, RequestResult, distribution, ratio, summarize
+from serving_metrics import (SLO, RequestResult, attainment, distribution, largest_gap, mean_in_flight, median_itl,
+                             ratio, stall_count, stalls_per_request, summarize)
 
 
 def result(start: float, chunks: list[float], end: float, tokens: int, error: str | None = None) -> RequestResult:
@@ -52,6 +53,35 @@ def test_summary_counts_throughput_and_goodput() -> None:
     assert s["itl_ms"]["p50"] == pytest.approx(200.0)  # gaps 100 and 300 ms
     assert s["tpot_ms"]["mean"] == pytest.approx(200.0)
     assert s["e2e_ms"]["p50"] == pytest.approx(300.0)
+
+
+def test_largest_gap_and_stalls_per_request() -> None:
+    steady = result(0.0, [0.5, 0.51, 0.52, 0.53, 0.54], 0.54, 5)    # gaps 10 ms
+    stalled = result(0.0, [0.5, 0.51, 0.56, 0.57, 0.65], 0.65, 5)   # gaps 10, 50, 10, 80 ms
+    failed = result(0.0, [0.5, 0.9, 1.9], 2.0, 3, error="stream ended without [DONE]")
+    assert largest_gap(steady) == pytest.approx(0.01) and largest_gap(stalled) == pytest.approx(0.08)
+    assert largest_gap(result(0.0, [0.5], 0.5, 1)) is None
+    assert stall_count(stalled, 0.03) == 2 and stall_count(steady, 0.03) == 0
+    # The failed request's gaps count neither in the median nor as stalls: median of 8 gaps, 6 of 10 ms.
+    assert median_itl([steady, stalled, failed]) == pytest.approx(0.01)
+    per_request, threshold = stalls_per_request([steady, stalled, failed], factor=3.0)
+    assert threshold == pytest.approx(0.03)
+    assert per_request == pytest.approx(1.0)  # 0 + 2 stalls over two completed requests
+    per_request, threshold = stalls_per_request([steady, stalled], factor=6.0)
+    assert (per_request, threshold) == (pytest.approx(0.5), pytest.approx(0.06))  # only the 80 ms gap
+    assert stalls_per_request([result(0.0, [0.5], 0.5, 1)]) == (None, None)
+
+
+def test_mean_in_flight_and_attainment() -> None:
+    # Two requests of 2 s and one of 1 s over a 4 s run: 1.25 in flight on average.
+    results = [result(0.0, [1.0, 1.05], 2.0, 2), result(1.0, [1.5, 1.6], 3.0, 2),
+               result(3.0, [], 4.0, 0, error="HTTP 503: busy")]
+    assert mean_in_flight(results, 4.0) == pytest.approx(1.25)
+    assert mean_in_flight(results, 0.0) == 0.0
+    # The first meets TTFT 1 s / gap 60 ms; the second's gap is 100 ms; the third failed.
+    assert attainment(results, SLO(ttft_ms=1000, itl_ms=60)) == pytest.approx(1 / 3)
+    assert attainment(results, SLO(ttft_ms=1000, itl_ms=100.5)) == pytest.approx(2 / 3)
+    assert attainment([], SLO()) == 0.0
 
 
 def test_ratio() -> None:
