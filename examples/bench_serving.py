@@ -24,11 +24,11 @@ import json
 import math
 import os
 import shlex
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from bench_cli import fill_defaults, interrupted, stop_on_sigterm, write_json
 from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load, warm_up
 from serving_metrics import SLO, RequestResult, ratio, summarize
 from serving_report import format_table, plot_distributions
@@ -74,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name, values in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, values[1] if args.quick else values[0])
+    fill_defaults(args, DEFAULTS)
     try:
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,
@@ -149,25 +147,20 @@ def _request_record(r: RequestResult) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stop_on_sigterm()
     try:
         runs = run(args)
     except (StackError, LoadError) as exc:
         print(f"bench_serving.py: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the stacks are already stopped by now
-        print("bench_serving.py: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return interrupted("bench_serving.py")
     out = report(args, runs, argv)
     print(format_table({name: out[name] for name in runs}, {k: out[k] for k in RATIOS if k in out}))
     for name in runs:
         for error in out[name]["errors"]:
             print(f"{name}: failed: {error}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, allow_nan=False))
-        print(f"wrote {args.json}")
+    write_json(args.json, out)
     if args.plot is not None:
         problem = plot_distributions({name: results for name, (results, _) in runs.items()}, args.plot)
         print(problem or f"wrote {args.plot}")

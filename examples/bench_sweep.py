@@ -33,7 +33,6 @@ import asyncio
 import json
 import math
 import shlex
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -46,6 +45,7 @@ from serving_metrics import SLO, ratio  # noqa: E402
 from serving_report import format_sweep_summary, format_sweep_system, plot_sweep  # noqa: E402
 from sweep_rules import goodput_rps, near_batch, rate_point, should_stop  # noqa: E402
 
+from examples.bench_cli import fill_defaults, interrupted, parse_systems, stop_on_sigterm, write_json  # noqa: E402
 from examples.serving_stack import Stack, StackError, StackOptions, start_colocated, start_di  # noqa: E402
 from examples.vllm_stack import VllmOptions, start_colocated_pair, start_neuron_1p1d, start_nixl_1p1d  # noqa: E402
 
@@ -100,13 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name, values in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, values[1] if args.quick else values[0])
-    args.systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
-    if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown}, choose from {','.join(SYSTEMS)}")
+    fill_defaults(args, DEFAULTS)
+    args.systems = parse_systems(parser, args.systems, SYSTEMS)
     try:
         args.rates = parse_rates(args.rates)
         args.ours_extra = shlex.split(args.ours_extra)
@@ -235,23 +230,19 @@ def print_report(out: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stop_on_sigterm()
     from worker.model.bench_model import create_bench_model  # torch: only once the command line is good
 
     args.model_dir = str(Path(args.model).resolve()) if args.model else str(create_bench_model())
     try:
         systems = {name: run_system(name, start, args) for name, start in starters(args).items()
                    if name in args.systems}
-    except KeyboardInterrupt:  # the stacks are already stopped by now
-        print("bench_sweep.py: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return interrupted("bench_sweep.py")
     out = report(args, systems, argv)
     print_report(out)
+    write_json(args.json, out)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, allow_nan=False))
-        print(f"wrote {args.json}")
         plot = args.json.with_suffix(".png")
         problem = plot_sweep({n: s["rates"] for n, s in systems.items()}, out["slo"], plot)
         print(problem or f"wrote {plot}")

@@ -26,10 +26,8 @@ of nixl), 1 a system could not be measured, 2 bad arguments, 3 some requests fai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.bench_cli import fill_defaults, interrupted, parse_systems, stop_on_sigterm, write_json  # noqa: E402
 from examples.serving_stack import Stack, StackError, StackOptions, start_di  # noqa: E402
 from examples.vllm_bench_client import (CLIENT, ClientError, ClientLoad, client_metrics, run_client,  # noqa: E402
                                         served_model)
@@ -84,13 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name, values in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, values[1] if args.quick else values[0])
-    args.systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
-    if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown}, choose from {','.join(SYSTEMS)}")
+    fill_defaults(args, DEFAULTS)
+    args.systems = parse_systems(parser, args.systems, SYSTEMS)
     try:
         args.cores = tuple(int(c) for c in args.cores.split(","))
     except ValueError:
@@ -268,22 +262,17 @@ def exit_status(systems: dict[str, dict[str, Any]]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stop_on_sigterm()
     try:
         systems = run(args)
-    except KeyboardInterrupt:  # the stacks are already stopped by now
-        print("bench_vllm.py: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return interrupted("bench_vllm.py")
     out = report(args, systems, argv)
     print(format_table(systems, out["ratios"]))
     for name, metrics in systems.items():
         if metrics.get("first_error"):
             print(f"{name}: {metrics['failed']} failed, first: {metrics['first_error']}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, allow_nan=False))
-        print(f"wrote {args.json}")
+    write_json(args.json, out)
     return exit_status(systems)
 
 

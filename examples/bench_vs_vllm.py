@@ -23,11 +23,9 @@ no failed request, 1 a system could not be measured, 2 bad arguments, 3 some req
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.bench_cli import interrupted, stop_on_sigterm, write_json  # noqa: E402
 from examples.bench_vllm import ratio, skipped  # noqa: E402
 from examples.serving_stack import Stack, StackError, StackOptions, start_both  # noqa: E402
 from examples.vllm_bench_client import (CLIENT, ClientError, ClientLoad, client_metrics, run_client,  # noqa: E402
@@ -253,23 +252,18 @@ def exit_status(results: dict[str, dict[str, dict[str, Any]]]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so every started process is stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stop_on_sigterm()
     try:
         results = run(args)
-    except KeyboardInterrupt:  # the servers are already stopped by now
-        print("bench_vs_vllm.py: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return interrupted("bench_vs_vllm.py")
     out = report(args, results, argv)
     print(format_table(results, out["ratios"]))
     for workload, systems in results.items():
         for system, metrics in systems.items():
             if metrics.get("first_error"):
                 print(f"{workload} {system}: {metrics['failed']} failed, first: {metrics['first_error']}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, allow_nan=False))
-        print(f"wrote {args.json}")
+    write_json(args.json, out)
     return exit_status(results)
 
 
