@@ -14,7 +14,8 @@ colocated mode, one after the other, each worker pinned to its own core with one
 thread, runs the same load against each, and reports DI over colocated ratios.
 `--compare-transports` starts the DI stack twice, moving KV over shm and then over tcp, and runs
 the same load against each: by default 200 streamed requests, 8 in flight, prompts of 10-800
-tokens, 1-32 out (`--quick`: 24 requests); it reports tcp over shm ratios.
+tokens, 1-32 out (`--quick`: 24 requests); it reports tcp over shm ratios. `--cores none --threads 2`
+runs the workers as examples/launch_1p1d.sh does on a 2-core host: not pinned, torch's default threads.
 JSON (`--json`): `config` (every option and the command line that reproduces the run), then
 `target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated), or
 `shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm).
@@ -76,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     slo.add_argument("--slo-itl-ms", type=float, default=200.0, help="judged on each request's largest ITL")
     stack = p.add_argument_group("stacks (--compare)")
     stack.add_argument("--model", help="model directory for the workers (default: the built-in model)")
-    stack.add_argument("--cores", help="two CPU cores for the two workers, e.g. 0,1 (default: the first two usable)")
+    stack.add_argument("--cores", help="two CPU cores for the two workers, e.g. 0,1 (default: the first two usable); "
+                                       "none: not pinned")
+    stack.add_argument("--threads", type=int, default=1, help="torch threads of every worker (default 1)")
     stack.add_argument("--kv-transport", default="shm", help="DI KV transport (--compare)")
     stack.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for a stack to come up")
     out = p.add_argument_group("output")
@@ -101,12 +104,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
     if args.plot is None and args.json is not None:
         args.plot = args.json.with_suffix(".png")
     return args
 
 
-def _cores(text: str | None) -> tuple[int, int]:
+def _cores(text: str | None) -> tuple[int | None, int | None]:
+    if text == "none":
+        return None, None
     usable = sorted(os.sched_getaffinity(0))
     cores = [int(c) for c in text.split(",")] if text else usable[:2]
     if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= set(usable):
@@ -131,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]
     requests = make_requests(args.spec)
     if args.target:
         return {"target": asyncio.run(measure(args.target, args, requests))}
-    options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout)
+    options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout, threads=args.threads)
     stacks = [("di", start_di, options), ("colocated", start_colocated, options)]
     if args.compare_transports:
         stacks = [(name, start_di, replace(options, kv_transport=name)) for name in TRANSPORTS]

@@ -217,6 +217,8 @@ def test_transport_comparison_has_its_load_and_tcp_over_shm_ratios() -> None:
     argv = ["--compare-transports", "--quick"]
     args = bench_serving.parse_args(argv)
     assert (args.num_prompts, args.max_concurrency, args.input_len_min, args.input_len_max) == (24, 8, 10, 800)
+    unpinned = bench_serving.parse_args(["--compare-transports", "--cores", "none", "--threads", "2"])
+    assert (unpinned.core_pair, unpinned.threads, unpinned.num_prompts) == ((None, None), 2, 200)
     shm = [RequestResult(4, 2, start=0.0, chunk_times=[0.1, 0.12], end=0.2, output_tokens=2)] * 2
     tcp = [RequestResult(4, 2, start=0.0, chunk_times=[0.12, 0.2], end=0.3, output_tokens=2)] * 2
     out = bench_serving.report(args, {"shm": (shm, 1.0), "tcp": (tcp, 1.0)}, argv)
