@@ -1,8 +1,9 @@
-"""Open-loop serving benchmark: DI 1P1D vs colocated workers on the same cores.
+"""Open-loop serving benchmark: DI 1P1D vs colocated workers on the same cores, or DI over shm vs tcp.
 
     python examples/bench_serving.py --target http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
     python examples/bench_serving.py --compare --json out/serving.json     # PNG next to it
     python examples/bench_serving.py --compare --quick
+    python examples/bench_serving.py --compare-transports --json out/transports.json
 
 Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
 (or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
@@ -11,8 +12,13 @@ and ITL SLO (a request's largest ITL is judged). `--compare` starts (a) a prefil
 a decode worker behind the proxy in DI mode and (b) two `both` workers behind the proxy in
 colocated mode, one after the other, each worker pinned to its own core with one torch
 thread, runs the same load against each, and reports DI over colocated ratios.
+`--compare-transports` starts the DI stack twice, moving KV over shm and then over tcp, and runs
+the same load against each: by default 200 streamed requests, 8 in flight, prompts of 10-800
+tokens, 1-32 out (`--quick`: 24 requests); it reports tcp over shm ratios. `--cores none --threads 2`
+runs the workers as examples/launch_1p1d.sh does on a 2-core host: not pinned, torch's default threads.
 JSON (`--json`): `config` (every option and the command line that reproduces the run), then
-`target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated).
+`target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated), or
+`shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm).
 Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
 arguments, 3 some requests failed (they are counted and their errors listed).
 """
@@ -25,6 +31,7 @@ import math
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +44,13 @@ from serving_stack import StackError, StackOptions, start_colocated, start_di
 # Unset flags take these values; --quick picks the second set (both stacks in well under a minute).
 DEFAULTS = {"num_prompts": (64, 12), "request_rate": (4.0, 6.0), "input_len_min": (64, 32),
             "input_len_max": (512, 192), "output_len_min": (16, 8), "output_len_max": (64, 24)}
+# --compare-transports: a closed loop of 8 clients, the load the serving stack meets in the soak.
+TRANSPORT_DEFAULTS = {"num_prompts": (200, 24), "request_rate": (math.inf, math.inf), "max_concurrency": (8, 8),
+                      "input_len_min": (10, 10), "input_len_max": (800, 800), "output_len_min": (1, 1),
+                      "output_len_max": (32, 32)}
 RATIOS = {"itl_p99_ratio": ("itl_ms", "p99"), "ttft_p50_ratio": ("ttft_ms", "p50")}  # DI over colocated
+TRANSPORT_RATIOS = {"tcp_ttft_p50_ratio": ("ttft_ms", "p50"), "tcp_e2e_p50_ratio": ("e2e_ms", "p50")}  # tcp over shm
+TRANSPORTS = ("shm", "tcp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--target", metavar="URL", help="benchmark an OpenAI endpoint that is already running")
     what.add_argument("--compare", action="store_true", help="start DI 1P1D and colocated stacks and compare them")
+    what.add_argument("--compare-transports", action="store_true",
+                      help="start the DI 1P1D stack over shm, then over tcp, and compare them")
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int)
     load.add_argument("--request-rate", type=float, help="Poisson arrivals per second; inf: all at once")
@@ -61,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     slo.add_argument("--slo-itl-ms", type=float, default=200.0, help="judged on each request's largest ITL")
     stack = p.add_argument_group("stacks (--compare)")
     stack.add_argument("--model", help="model directory for the workers (default: the built-in model)")
-    stack.add_argument("--cores", help="two CPU cores for the two workers, e.g. 0,1 (default: the first two usable)")
-    stack.add_argument("--kv-transport", default="shm", help="DI KV transport")
+    stack.add_argument("--cores", help="two CPU cores for the two workers, e.g. 0,1 (default: the first two usable); "
+                                       "none: not pinned")
+    stack.add_argument("--threads", type=int, default=1, help="torch threads of every worker (default 1)")
+    stack.add_argument("--kv-transport", default="shm", help="DI KV transport (--compare)")
     stack.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for a stack to come up")
     out = p.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
@@ -74,23 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    fill_defaults(args, DEFAULTS)
+    fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {})})
     try:
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,
                              args.max_concurrency, args.seed, args.request_timeout)
-        args.core_pair = core_pair(args.cores) if args.compare else None
+        args.core_pair = core_pair(args.cores) if args.compare or args.compare_transports else None
     except ValueError as exc:
         parser.error(str(exc))
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
     if args.plot is None and args.json is not None:
         args.plot = args.json.with_suffix(".png")
     return args
 
 
-def core_pair(text: str | None) -> tuple[int, int]:
-    """Two different usable cores from "A,B" (default: the first two usable); ValueError otherwise."""
+def core_pair(text: str | None) -> tuple[int | None, int | None]:
+    """Two different usable cores from "A,B" (default: the first two usable), or "none" for
+    unpinned workers; ValueError otherwise."""
+    if text == "none":
+        return None, None
     usable = sorted(os.sched_getaffinity(0))
     cores = [int(c) for c in text.split(",")] if text else usable[:2]
     if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= set(usable):
@@ -111,24 +133,29 @@ def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]
     requests = make_requests(args.spec)
     if args.target:
         return {"target": asyncio.run(measure(args.target, args, requests))}
-    options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout)
+    options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout, threads=args.threads)
+    stacks = [("di", start_di, options), ("colocated", start_colocated, options)]
+    if args.compare_transports:
+        stacks = [(name, start_di, replace(options, kv_transport=name)) for name in TRANSPORTS]
     runs: dict[str, tuple[list[RequestResult], float]] = {}
-    for name, start in (("di", start_di), ("colocated", start_colocated)):
+    for name, start, stack_options in stacks:
         print(f"starting the {name} stack ...", file=sys.stderr, flush=True)
-        with start(options) as stack:
+        with start(stack_options) as stack:
             runs[name] = asyncio.run(measure(stack.url, args, requests))
     return runs
 
 
 def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], float]],
            argv: Sequence[str]) -> dict[str, Any]:
-    """The JSON document: `config`, one summary per run (with its requests), DI-over-colocated ratios."""
+    """The JSON document: `config`, one summary per run (with its requests), DI-over-colocated or
+    tcp-over-shm ratios."""
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
     summaries = {name: summarize(results, duration, slo) for name, (results, duration) in runs.items()}
     ratios = {}
-    if "di" in summaries:
-        di, colocated = summaries["di"], summaries["colocated"]
-        ratios = {name: ratio(di[key][stat], colocated[key][stat]) for name, (key, stat) in RATIOS.items()}
+    for (top, bottom), table in ((("di", "colocated"), RATIOS), (TRANSPORTS[::-1], TRANSPORT_RATIOS)):
+        if top in summaries:
+            ratios.update({name: ratio(summaries[top][key][stat], summaries[bottom][key][stat])
+                           for name, (key, stat) in table.items()})
     config = {k: json_value(v) for k, v in vars(args).items() if k != "spec"}
     config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
     out: dict[str, Any] = {"config": config, **ratios}
@@ -156,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted("bench_serving.py")
     out = report(args, runs, argv)
-    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in RATIOS if k in out}))
+    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in {**RATIOS, **TRANSPORT_RATIOS} if k in out}))
     for name in runs:
         for error in out[name]["errors"]:
             print(f"{name}: failed: {error}")

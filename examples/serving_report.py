@@ -26,7 +26,7 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def format_table(summaries: Mapping[str, Mapping[str, Any]], ratios: Mapping[str, float | None]) -> str:
-    """One column per configuration, then the DI-over-colocated ratios if any."""
+    """One column per configuration, then the ratios between them if any."""
     names = list(summaries)
     columns = [dict(table_rows(s)) for s in summaries.values()]
     labels = [label for label, _ in table_rows(next(iter(summaries.values())))]

@@ -39,6 +39,7 @@ class StackOptions:
     kv_transport: str = "shm"
     startup_timeout_s: float = 120.0
     worker_extra: tuple[str, ...] = ()  # more flags for every worker, whatever its role
+    threads: int = 1                    # torch intra-op threads of every worker
 
 
 def free_port() -> int:
@@ -50,7 +51,7 @@ def free_port() -> int:
 def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None = None,
                 host: str = "127.0.0.1") -> list[str]:
     """The worker command line for one role; the DI flags live here and nowhere else."""
-    args = ["-m", "worker", "--role", role, "--host", host, "--port", str(port), "--threads", "1"]
+    args = ["-m", "worker", "--role", role, "--host", host, "--port", str(port), "--threads", str(options.threads)]
     if role != "both":
         args += ["--kv-transport", options.kv_transport]
     if kv_port is not None:

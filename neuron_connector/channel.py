@@ -43,15 +43,21 @@ class Waker:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         os.set_blocking(self._write_fd, False)
+        # Other threads may wake it at any time, even after close: never write to a reused fd number.
+        self._lock = threading.Lock()
+        self._closed = False
 
     def fileno(self) -> int:
         return self._read_fd
 
     def wake(self) -> None:
-        try:
-            os.write(self._write_fd, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (a wake-up is already pending) or closed during shutdown
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # pipe full: a wake-up is already pending
 
     def drain(self) -> None:
         try:
@@ -61,6 +67,10 @@ class Waker:
             pass
 
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         for fd in (self._read_fd, self._write_fd):
             try:
                 os.close(fd)

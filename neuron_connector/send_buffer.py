@@ -21,10 +21,10 @@ from transfer import LayoutMismatch as TransferLayoutMismatch
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.05      # how often expiry runs when nothing happens
-# Running transfers are checked every tenth of the youngest one's age, within these bounds:
-# a short transfer is noticed within ~0.5 ms, a long one costs few wake-ups.
-_BUSY_POLL_MIN_S, _BUSY_POLL_MAX_S = 0.0005, 0.005
+# How often expiry runs when nothing happens. A push that ends wakes the thread through its
+# token's callback: polling running pushes would take the GIL from the engine thread
+# hundreds of times per push while a slow (tcp, loaded host) transfer runs.
+_IDLE_POLL_S = 0.05
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
 
 
@@ -153,7 +153,7 @@ class SendBuffer:
         poller.register(self._router)
         poller.register(self._service.waker)
         while not self._service.stopping:
-            ready = poller.poll(self._poll_interval())
+            ready = poller.poll(_IDLE_POLL_S)
             if self._service.waker in ready:
                 self._service.waker.drain()
             if self._router in ready:
@@ -162,12 +162,6 @@ class SendBuffer:
             with self._lock:
                 self._table.expire(time.monotonic())
             self._release_due()
-
-    def _poll_interval(self) -> float:
-        if not self._running:
-            return _IDLE_POLL_S
-        youngest = time.monotonic() - max(push.started for push in self._running.values())
-        return min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_MIN_S, youngest / 10))
 
     def _drain_router(self) -> None:
         assert self._router is not None
@@ -342,6 +336,7 @@ class SendBuffer:
         # The source blocks stay pinned: summing them while they are copied reads what is sent.
         self._running[rid] = _Push(token, started, len(start.src),
                                    self._checksum(rid, start) if checksum else None)
+        token.add_done_callback(lambda _: self._service.wake())
         return None
 
     def _checksum(self, rid: str, start: Start) -> int | None:

@@ -16,6 +16,7 @@ import socket
 import struct
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -26,6 +27,14 @@ from transfer.errors import PeerLost, TransferTimeout
 
 # Linux caps one sendmsg/recvmsg at 1024 buffers (IOV_MAX).
 IOV_MAX = 1024
+# Kernel buffers that hold a whole push of a few MB: the sender copies it out in one sendmsg
+# instead of sleeping and waking once per window's worth, and the receiver wakes once per
+# batch. Under load every such wake-up takes a core from the engine's compute threads (a
+# preempted intra-op thread stalls the whole parallel op), so the prefill engine slows with
+# the number of wake-ups, not the bytes. Set only where the host allows that much
+# (net.core.wmem_max / rmem_max); below it the kernel's autotuning grows them further.
+PUSH_BUFFER_BYTES = 4 << 20
+_CORE_MAX = {socket.SO_SNDBUF: "/proc/sys/net/core/wmem_max", socket.SO_RCVBUF: "/proc/sys/net/core/rmem_max"}
 
 
 @contextmanager
@@ -49,6 +58,25 @@ def _arm(sock: socket.socket, option: int, deadline: float | None) -> None:
     micros = 0 if deadline is None else max(1, int(remaining(deadline) * 1e6))
     seconds, micros = divmod(micros, 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, micros))
+
+
+def tune(sock: socket.socket) -> socket.socket:
+    """No Nagle delay on headers and replies; kernel buffers for whole pushes where allowed.
+
+    On a listener, call it before connections arrive: accepted ones inherit the receive
+    buffer, and the window scale they announce is chosen from it during the handshake."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option, path in _CORE_MAX.items():
+        if _sysctl(path) >= PUSH_BUFFER_BYTES:
+            sock.setsockopt(socket.SOL_SOCKET, option, PUSH_BUFFER_BYTES)
+    return sock
+
+
+def _sysctl(path: str) -> int:
+    try:
+        return int(Path(path).read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def blocking(sock: socket.socket) -> socket.socket:

@@ -30,7 +30,7 @@ from transfer.errors import (InvalidBlocks, LayoutMismatch, PeerLost, RegionNotR
 from transfer.layout import KVLayout
 from transfer.region import Region
 from transfer.sockio import (blocking, deadline_in, drain, recv_bytes, recv_ranges, send_bytes, send_ranges,
-                             translated)
+                             translated, tune)
 from transfer import wire
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,8 @@ class TcpLink(Link):
                  deadline: float) -> None:
         self._ids = itertools.count(1)
         with translated(f"connect to {address[0]}:{address[1]}"):
-            self._sock = blocking(socket.create_connection(address, timeout=remaining(deadline)))
+            self._sock = blocking(tune(socket.create_connection(address, timeout=remaining(deadline))))
         try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             challenge = wire.decode_challenge(recv_bytes(self._sock, wire.CHALLENGE_BYTES, deadline))
             hello: dict[str, Any] = {"transfer_id": transfer_id}
             if secret is not None:
@@ -99,7 +98,7 @@ class TcpBackend(Backend):
         self._transfer_id = transfer_id
         self._secret = secret
         self._frame_timeout = frame_timeout
-        self._listener = socket.create_server((host, port), backlog=64)
+        self._listener = tune(socket.create_server((host, port), backlog=64))
         self._address = (advertise_host or (socket.gethostname() if host in ("", "0.0.0.0") else host),
                          self._listener.getsockname()[1])
         self._conns: set[socket.socket] = set()
@@ -147,7 +146,7 @@ class TcpBackend(Backend):
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # listener closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(conn)
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()

@@ -1,10 +1,14 @@
 """Completion tokens: the caller's handle on one queued transfer."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from typing import Callable
 
 from transfer.errors import TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
 
 _PENDING, _RUNNING, _FINISHED = "pending", "running", "finished"
 
@@ -24,6 +28,7 @@ class CompletionToken:
         self._state = _PENDING
         self._error: TransferError | None = None
         self._deadline: float | None = None
+        self._callbacks: list[Callable[[CompletionToken], None]] = []
 
     # -- caller side ------------------------------------------------------------------
     def is_done(self) -> bool:
@@ -36,6 +41,16 @@ class CompletionToken:
         """The typed error of a failed transfer, None while pending or after success."""
         self._expire_if_overdue()
         return self._error
+
+    def add_done_callback(self, callback: Callable[[CompletionToken], None]) -> None:
+        """Calls `callback(token)` once the transfer finishes, from the thread that finishes it
+        (at once if it already has), so a waiter can sleep instead of polling `is_done`. A token
+        that expires while queued reports it when next looked at (`is_done`, `wait`, or its start)."""
+        with self._lock:
+            if self._state != _FINISHED:
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the transfer finishes; raises its error if it failed.
@@ -74,7 +89,7 @@ class CompletionToken:
             if self._state == _FINISHED:
                 return
             self._state, self._error = _FINISHED, error
-        self._event.set()
+        self._done()
 
     def _expire_if_overdue(self) -> None:
         with self._lock:
@@ -82,7 +97,17 @@ class CompletionToken:
                 return
             self._state = _FINISHED
             self._error = TransferTimeout("transfer still queued at its deadline")
+        self._done()
+
+    def _done(self) -> None:
         self._event.set()
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - a waiter's callback must not kill the transfer thread
+                log.exception("a completion callback of %r raised", self)
 
     def __repr__(self) -> str:
         return f"<CompletionToken {self._state} error={self._error!r}>"

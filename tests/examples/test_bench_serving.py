@@ -211,3 +211,32 @@ def test_compare_quick_runs_both_stacks(tmp_path: Path) -> None:
     for name in ("di", "colocated"):
         assert (report[name]["completed"], report[name]["failed"]) == (12, 0)
     assert report["itl_p99_ratio"] == pytest.approx(report["di"]["itl_ms"]["p99"] / report["colocated"]["itl_ms"]["p99"])
+
+
+def test_transport_comparison_has_its_load_and_tcp_over_shm_ratios() -> None:
+    argv = ["--compare-transports", "--quick"]
+    args = bench_serving.parse_args(argv)
+    assert (args.num_prompts, args.max_concurrency, args.input_len_min, args.input_len_max) == (24, 8, 10, 800)
+    unpinned = bench_serving.parse_args(["--compare-transports", "--cores", "none", "--threads", "2"])
+    assert (unpinned.core_pair, unpinned.threads, unpinned.num_prompts) == ((None, None), 2, 200)
+    shm = [RequestResult(4, 2, start=0.0, chunk_times=[0.1, 0.12], end=0.2, output_tokens=2)] * 2
+    tcp = [RequestResult(4, 2, start=0.0, chunk_times=[0.12, 0.2], end=0.3, output_tokens=2)] * 2
+    out = bench_serving.report(args, {"shm": (shm, 1.0), "tcp": (tcp, 1.0)}, argv)
+    assert {"config", "shm", "tcp", "tcp_ttft_p50_ratio", "tcp_e2e_p50_ratio"} <= set(out)
+    assert "ttft_p50_ratio" not in out
+    assert out["tcp_ttft_p50_ratio"] == pytest.approx(1.2)
+    assert out["tcp_e2e_p50_ratio"] == pytest.approx(1.5)
+    json.dumps(out, allow_nan=False)
+
+
+@pytest.mark.slow
+def test_compare_transports_quick_runs_the_di_stack_over_shm_and_tcp(tmp_path: Path) -> None:
+    out = tmp_path / "transports.json"
+    done = run_bench("--compare-transports", "--quick", "--num-prompts", "8", "--input-len-max", "200",
+                     "--model", str(tiny_model_dir(tmp_path)), "--json", str(out), timeout=240)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    for name in ("shm", "tcp"):
+        assert (report[name]["completed"], report[name]["failed"]) == (8, 0)
+    assert report["tcp_e2e_p50_ratio"] == pytest.approx(report["tcp"]["e2e_ms"]["p50"] / report["shm"]["e2e_ms"]["p50"])
+    assert "tcp_ttft_p50_ratio" in done.stdout

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import wait_until
 from tests.transfer.conftest import LAYOUT, PROCESS_BACKENDS, shm_segments
 from tests.transfer.peer_proc import block_bytes
+from transfer.sockio import PUSH_BUFFER_BYTES
 from transfer import (BackendUnavailable, CompletionToken, InvalidBlocks, KVLayout, LayoutMismatch,
                       PeerLost, TransferError, available_backends, create_transfer_engine, wire)
 
@@ -173,6 +176,35 @@ def test_a_token_serves_one_transfer(make_engine) -> None:
     token.wait(10)
     with pytest.raises(ValueError, match="one transfer"):
         engine.queue_transfer_with_token(peer, [1], [1], token)
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_done_callbacks_run_once_when_a_transfer_ends(backend: str, make_engine) -> None:
+    engine, other = make_engine(backend, seed=7), make_engine(backend)
+    peer = engine.connect(other.descriptor())
+    token, calls = CompletionToken(), []
+    token.add_done_callback(lambda t: 1 / 0)   # a failing callback neither stops the others nor the transfer
+    token.add_done_callback(calls.append)
+    engine.queue_transfer_with_token(peer, [1, 2], [3, 4], token).wait(10)
+    wait_until(lambda: calls, timeout=10, what="the callback")   # it runs on the transfer thread, just after
+    assert calls == [token]
+    token.add_done_callback(calls.append)      # already done: called at once
+    assert calls == [token, token]
+    failed, errors = CompletionToken(), []
+    failed.add_done_callback(lambda t: errors.append(t.error))
+    engine.queue_transfer_with_token(peer, [1], [LAYOUT.num_blocks], failed)
+    assert len(errors) == 1 and isinstance(errors[0], InvalidBlocks)
+
+
+def test_tcp_sockets_get_buffers_for_whole_pushes_where_the_host_allows(make_engine) -> None:
+    engine, other = make_engine("tcp", seed=8), make_engine("tcp")
+    peer = engine.connect(other.descriptor())
+    engine.queue_transfer_with_token(peer, [1], [1]).wait(10)
+    link = engine._peer(peer)._link._sock
+    allowed = [int(Path(f"/proc/sys/net/core/{kind}mem_max").read_text()) >= PUSH_BUFFER_BYTES for kind in "wr"]
+    for option, ok in zip((socket.SO_SNDBUF, socket.SO_RCVBUF), allowed):
+        assert (link.getsockopt(socket.SOL_SOCKET, option) >= PUSH_BUFFER_BYTES) is ok
+    assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 def test_tcp_listener_serves_only_its_engine_and_survives_garbage(make_engine) -> None:
