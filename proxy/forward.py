@@ -84,6 +84,17 @@ class Forwarder:
             task.cancel()
 
     async def handle(self, request: ClientRequest) -> Answer:
+        """The answer to `request`; one refused by a draining worker (nothing of it started, nothing sent to
+        the client yet) is sent once more, to other workers."""
+        try:
+            return await self._route(request)
+        except UpstreamStatus as exc:
+            if not exc.draining:
+                raise
+            log.info("%s: it drains; sending the request to another worker", exc)
+            return await self._route(request)
+
+    async def _route(self, request: ClientRequest) -> Answer:
         if self._colocated:
             return await self._single(self._pool.next("both"), request)
         if request.max_tokens == 1:
@@ -223,7 +234,7 @@ class Forwarder:
                     yield
             except UpstreamError as exc:
                 log.warning("%s", exc)
-                if isinstance(exc, UpstreamUnavailable):
+                if isinstance(exc, UpstreamUnavailable) or (isinstance(exc, UpstreamStatus) and exc.draining):
                     self._pool.mark(worker.key, healthy=False)  # until a health check passes again
                 raise
 
