@@ -23,8 +23,6 @@ class WorkerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         args = worker_args(role, self.port, StackOptions(kv_transport=transport),
                            self.kv_port if role != "both" else None)
-        # A stopped test worker drains as briefly as it used to shut down; `extra` may say otherwise.
-        args += ["--drain-timeout", "5"]
         self.proc: ManagedProcess = python_process([*args, *self.extra], name=f"{role}-worker", env=WORKER_ENV)
         try:
             wait_http_ok(f"{self.url}/health", self.proc, timeout=120.0)
