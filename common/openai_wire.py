@@ -12,6 +12,9 @@ SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # `seed` is an int64, as vLLM accepts it
 # How deep a request body may nest. OpenAI bodies need a handful of levels (a tool's JSON schema
 # a few dozen); the bound keeps both parsing and re-encoding far from Python's recursion limit.
 MAX_JSON_DEPTH = 64
+# The error type of a worker's 503 to a request that came while it drains: nothing of it started, so
+# the proxy may send it to another worker.
+WORKER_DRAINING = "worker_draining"
 
 
 def load_object(raw: bytes) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+STACK_DRAIN_TIMEOUT_S = 5  # seconds; see worker_args
 
 
 class StackError(RuntimeError):
@@ -51,7 +52,10 @@ def free_port() -> int:
 def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None = None,
                 host: str = "127.0.0.1") -> list[str]:
     """The worker command line for one role; the DI flags live here and nowhere else."""
-    args = ["-m", "worker", "--role", role, "--host", host, "--port", str(port), "--threads", str(options.threads)]
+    # A stack stops all its processes at once: a worker's drain has nobody to hand its requests to, so it
+    # is kept as short as a plain shutdown's grace (`worker_extra` may say otherwise).
+    args = ["-m", "worker", "--role", role, "--host", host, "--port", str(port), "--threads", str(options.threads),
+            "--drain-timeout", str(STACK_DRAIN_TIMEOUT_S)]
     if role != "both":
         args += ["--kv-transport", options.kv_transport]
     if kv_port is not None:

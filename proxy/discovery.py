@@ -10,7 +10,7 @@ import aetcd
 from neuron_connector.registry import KEY_PREFIX, RegistrationError
 from proxy.errors import UpstreamError
 from proxy.upstream import Upstream
-from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shown_record
+from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shows_draining, shown_record
 
 log = logging.getLogger("proxy.discovery")
 PREFIX = KEY_PREFIX.encode()
@@ -20,7 +20,10 @@ LOST_AFTER_FAILED_CHECKS = 3
 
 
 class HealthChecks:
-    """GET /health on every known worker: only 200 within `timeout` keeps it in rotation.
+    """GET /health on every known worker: only 200 within `timeout`, not draining, keeps it in rotation.
+
+    A retired worker (its etcd record went) stays known while it answers, so that its legs run to
+    their end as it drains; once it stops answering it is removed, and whatever it still had ends.
 
     A worker given on the command line (`static`) that shows its own record in that answer (our
     `python -m worker` does) must also agree with the command line (see workers.contradiction):
@@ -48,7 +51,11 @@ class HealthChecks:
         workers = self._pool.all()
         answers = await asyncio.gather(*(self._health(w) for w in workers))
         for worker, answer in zip(workers, answers):
-            record = None if answer is None else self._checked(worker, answer)
+            if self._pool.retired(worker.key):
+                if answer is None:
+                    self._pool.remove(worker.key, f"{_GONE} and it stopped answering")
+                continue
+            record = None if answer is None or shows_draining(answer) else self._checked(worker, answer)
             if self._pool.mark(worker.key, record is not None):
                 log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
             self._count_silence(worker, answer is None)
@@ -130,8 +137,8 @@ class EtcdDiscovery:
     def _apply(self, event: aetcd.rtypes.Event) -> None:
         key = event.kv.key.decode(errors="replace")
         if event.kind == aetcd.rtypes.EventKind.DELETE:
-            log.info("etcd: worker %s left", key)
-            self._pool.remove(key, _GONE)
+            log.info("etcd: worker %s left; its requests in flight run on", key)
+            self._pool.retire(key)
         elif (worker := _record(event.kv.key, event.kv.value)) is not None:
             log.info("etcd: worker %s joined", key)
             self._pool.add(worker)

@@ -7,7 +7,8 @@
     ├── ShuttingDown             the proxy is shutting down; a stream still open ends with it (503)
     └── UpstreamError            a worker failed one leg of a request
         ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502; a
-        │                        failed KV transfer keeps its type, and a 503 its status and Retry-After)
+        │                        failed KV transfer keeps its type, and a 503 its status and Retry-After;
+        │                        a draining worker's 503 is first retried once on another worker)
         ├── UpstreamTimeout      connecting to or reading from the worker timed out (504)
         ├── UpstreamUnavailable  the worker refused the connection or dropped it mid-answer (502)
         ├── WorkerLost           the worker left the pool or failed its health check mid-answer (502)
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.openai_wire import error_body, json_bytes
+from common.openai_wire import WORKER_DRAINING, error_body, json_bytes
 
 KV_TRANSFER_ERROR = "kv_transfer_error"  # a worker's error type: decode could not pull the prompt's KV
 
@@ -67,6 +68,11 @@ class UpstreamStatus(UpstreamError):
         self.status = status
         self.body = body
         self.retry_after = retry_after
+
+    @property
+    def draining(self) -> bool:
+        """The worker drains and refused the request before starting it: another worker may take it."""
+        return self.status == 503 and self.error.get("type") == WORKER_DRAINING
 
     @property
     def error(self) -> dict[str, Any]:

@@ -84,6 +84,17 @@ class Forwarder:
             task.cancel()
 
     async def handle(self, request: ClientRequest) -> Answer:
+        """The answer to `request`; one a draining worker refused (nothing of it started, nothing sent to the
+        client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode)."""
+        try:
+            return await self._route(request)
+        except UpstreamStatus as exc:
+            if not exc.draining or exc.role == "decode":
+                raise
+            log.info("%s: it drains; sending the request to another worker", exc)
+            return await self._route(request)
+
+    async def _route(self, request: ClientRequest) -> Answer:
         if self._colocated:
             return await self._single(self._pool.next("both"), request)
         if request.max_tokens == 1:
@@ -138,10 +149,25 @@ class Forwarder:
 
     def _start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],
                       headers: dict[str, str]) -> _DecodeLeg:
+        """A decode leg; one a draining worker refuses goes to another decode worker, which pulls the same KV."""
         if request.stream:
-            queue, task = self._open_stream(worker, request.endpoint.path, body, headers)
+            queue, task = self._open_stream(worker, request.endpoint.path, body, headers, elsewhere=True)
             return _DecodeLeg(worker, task, queue)
-        return _DecodeLeg(worker, _spawn(self._call(worker, request.endpoint.path, body, headers)))
+        return _DecodeLeg(worker, _spawn(self._call_elsewhere(worker, request.endpoint.path, body, headers)))
+
+    def _elsewhere(self, worker: WorkerRecord, exc: UpstreamStatus) -> WorkerRecord:
+        """The worker of the same role to send a leg to that the draining `worker` refused; `exc` if none."""
+        if not exc.draining:
+            raise exc
+        log.info("%s: it drains; sending the %s leg to another worker", exc, worker.role)
+        return self._pool.next(worker.role, worker.kv_protocol)  # the draining one left rotation in _leg
+
+    async def _call_elsewhere(self, worker: WorkerRecord, path: str, body: dict[str, Any],
+                              headers: dict[str, str]) -> bytes:
+        try:
+            return await self._call(worker, path, body, headers)
+        except UpstreamStatus as exc:
+            return await self._call(self._elsewhere(worker, exc), path, body, headers)
 
     async def _answer(self, request: ClientRequest, response_id: str, first: dict[str, Any],
                       leg: _DecodeLeg | None, started: float) -> Answer:
@@ -179,40 +205,50 @@ class Forwarder:
                 raise UpstreamStatus(reply.status, reply.body, worker.role, worker.address, reply.retry_after)
             return reply.body
 
-    def _open_stream(self, worker: WorkerRecord, path: str, body: dict[str, Any],
-                     headers: dict[str, str]) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
+    def _open_stream(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
+                     elsewhere: bool = False) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
         # Bounded, so that a slow client slows the worker's stream down instead of filling our memory.
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_QUEUE_EVENTS)
-        task = _spawn(self._pump(worker, path, body, headers, queue))
+        task = _spawn(self._pump(worker, path, body, headers, queue, elsewhere))
         self._pumps.add(task)
         task.add_done_callback(self._pumps.discard)
         return queue, task
 
-    async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any],
-                    headers: dict[str, str], queue: asyncio.Queue[Any]) -> None:
-        """Reads one streamed leg into `queue`: SSE payloads, then _END or the error."""
+    async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
+                    queue: asyncio.Queue[Any], elsewhere: bool = False) -> None:
+        """Reads one streamed leg into `queue`: SSE payloads, then _END or the error. With `elsewhere`, a
+        draining worker's refusal (nothing queued yet) sends the leg to another worker of its role."""
         try:
-            with self._leg(worker):
-                async with self._clients(worker).stream(path, body, headers) as reply:
-                    if reply.status != 200:
-                        raise UpstreamStatus(reply.status, await reply.read(), worker.role, worker.address,
-                                             reply.retry_after)
-                    decoder = SSEDecoder()
-                    async for chunk in reply.chunks():
-                        for data in decoder.feed(chunk):
-                            await queue.put(data)
-                    for data in decoder.end():
-                        await queue.put(data)
-                    if decoder.pending:
-                        raise UpstreamUnavailable("stream cut in the middle of an event", worker.role, worker.address)
+            try:
+                await self._pump_from(worker, path, body, headers, queue)
+            except UpstreamStatus as exc:
+                if not elsewhere:
+                    raise
+                await self._pump_from(self._elsewhere(worker, exc), path, body, headers, queue)
             await queue.put(_END)
-        except UpstreamError as exc:
+        except ProxyError as exc:  # NoWorkers too, when a draining worker's leg has nowhere else to go
             await queue.put(exc)
             raise
         except asyncio.CancelledError:
             if self._closing:  # end_streams, not a client gone: the client's stream ends saying so
                 await queue.put(ShuttingDown("the proxy is shutting down"))
             raise
+
+    async def _pump_from(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
+                         queue: asyncio.Queue[Any]) -> None:
+        with self._leg(worker):
+            async with self._clients(worker).stream(path, body, headers) as reply:
+                if reply.status != 200:
+                    raise UpstreamStatus(reply.status, await reply.read(), worker.role, worker.address,
+                                         reply.retry_after)
+                decoder = SSEDecoder()
+                async for chunk in reply.chunks():
+                    for data in decoder.feed(chunk):
+                        await queue.put(data)
+                for data in decoder.end():
+                    await queue.put(data)
+                if decoder.pending:
+                    raise UpstreamUnavailable("stream cut in the middle of an event", worker.role, worker.address)
 
     @contextmanager
     def _leg(self, worker: WorkerRecord) -> Iterator[None]:
@@ -223,7 +259,7 @@ class Forwarder:
                     yield
             except UpstreamError as exc:
                 log.warning("%s", exc)
-                if isinstance(exc, UpstreamUnavailable):
+                if isinstance(exc, UpstreamUnavailable) or (isinstance(exc, UpstreamStatus) and exc.draining):
                     self._pool.mark(worker.key, healthy=False)  # until a health check passes again
                 raise
 

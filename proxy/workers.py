@@ -9,8 +9,8 @@ from common.roles import DEFAULT_KV_PORT, ROLES
 from neuron_connector.registry import KV_PROTOCOLS, RegistrationError, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "pick", "shown_record",
-           "static_worker"]
+__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "pick", "shows_draining",
+           "shown_record", "static_worker"]
 _WILDCARD_HOSTS = ("0.0.0.0", "::")  # a signal plane bound to every address: reach it at the worker's HTTP host
 
 
@@ -30,6 +30,14 @@ def shown_record(health: bytes) -> WorkerRecord | None:
         return WorkerRecord.from_dict(json.loads(health)["worker"])
     except (ValueError, TypeError, KeyError, RegistrationError):
         return None
+
+
+def shows_draining(health: bytes) -> bool:
+    """Whether a worker's GET /health answer says it drains (it takes no new request)."""
+    try:
+        return json.loads(health).get("draining") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 def contradiction(given: WorkerRecord, shown: WorkerRecord, kv_port_given: bool) -> str | None:
@@ -64,7 +72,9 @@ class WorkerPool:
 
     Plain synchronous state, touched only from the event loop: discovery and health
     checks update it, request handlers read it. `on_lost(worker, why)` is called when a worker
-    leaves the pool or is found gone (`lose`), so its legs in flight can end.
+    leaves the pool or is found gone (`lose`), so its legs in flight can end. A worker that
+    `retire`s (its etcd record went: it drains, or died) is out of rotation at once, but its legs
+    run on until the health checks find it gone.
     """
 
     def __init__(self, workers: Iterable[WorkerRecord] = (),
@@ -72,6 +82,7 @@ class WorkerPool:
         self._on_lost = on_lost
         self._workers: dict[str, WorkerRecord] = {}
         self._down: set[str] = set()
+        self._retired: set[str] = set()
         self._turns: dict[tuple[str, str | None], int] = {}
         self._healthy: dict[str, list[WorkerRecord]] | None = None
         for worker in workers:
@@ -80,11 +91,13 @@ class WorkerPool:
     def add(self, worker: WorkerRecord) -> None:
         self._workers[worker.key] = worker
         self._down.discard(worker.key)
+        self._retired.discard(worker.key)
         self._healthy = None
 
     def remove(self, key: str, why: str = "left the pool") -> None:
         worker = self._workers.pop(key, None)
         self._down.discard(key)
+        self._retired.discard(key)
         self._healthy = None
         if worker is not None:
             self._lost(worker, why)
@@ -93,14 +106,24 @@ class WorkerPool:
         fresh = {w.key: w for w in workers}
         gone = [w for key, w in self._workers.items() if key not in fresh]
         self._down &= fresh.keys()
+        self._retired &= fresh.keys()
         self._workers = fresh
         self._healthy = None
         for worker in gone:
             self._lost(worker, why)
 
+    def retire(self, key: str) -> None:
+        """Out of rotation for good, its legs left running: `retired` until it is removed (or added anew)."""
+        if key in self._workers:
+            self.mark(key, healthy=False)
+            self._retired.add(key)
+
+    def retired(self, key: str) -> bool:
+        return key in self._retired
+
     def mark(self, key: str, healthy: bool) -> bool:
-        """Puts a worker in or out of rotation; True if that changed anything."""
-        if key not in self._workers or (key not in self._down) == healthy:
+        """Puts a worker in or out of rotation (a retired one stays out); True if that changed anything."""
+        if key not in self._workers or (key not in self._down) == healthy or key in self._retired:
             return False
         if healthy:
             self._down.discard(key)

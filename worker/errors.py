@@ -3,6 +3,7 @@
     WorkerError
     ├── InvalidRequestError   bad prompt or sampling params, duplicate id, can never fit
     ├── QueueFullError        the bounded waiting queue is full; retry later
+    ├── DrainingError         the worker is draining: it takes no new request; another worker will
     ├── ModelLoadError        the model directory is missing, malformed or unsupported
     └── KVTransferError       disaggregated serving: the prompt's KV could not be moved
 """
@@ -18,6 +19,10 @@ class InvalidRequestError(WorkerError, ValueError):
 
 
 class QueueFullError(WorkerError):
+    pass
+
+
+class DrainingError(WorkerError):
     pass
 
 

@@ -1,4 +1,5 @@
-"""Which workers the pool reports lost, and how InFlightLegs ends the legs waiting on one (plain asyncio)."""
+"""Which workers the pool reports lost, which the health checks keep out of rotation, and how InFlightLegs
+ends the legs waiting on one (plain asyncio)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +7,10 @@ import asyncio
 import pytest
 
 from proxy import WorkerPool, WorkerRecord
-from proxy.errors import WorkerLost
+from proxy.discovery import HealthChecks
+from proxy.errors import UpstreamUnavailable, WorkerLost
 from proxy.legs import InFlightLegs
+from proxy.upstream import Reply
 
 A, B = WorkerRecord("prefill", "h", 1), WorkerRecord("decode", "h", 2)
 
@@ -44,3 +47,41 @@ def test_ending_a_workers_legs_fails_them_with_worker_lost_and_leaves_others() -
         with pytest.raises(asyncio.CancelledError):
             await to_b
     asyncio.run(run())
+
+
+class _HealthAnswers:
+    """An in-memory twin of a worker's client, for GET /health only: `answers[key]` is the reply, None is silence."""
+
+    def __init__(self, answers: dict[str, Reply | None], worker: WorkerRecord) -> None:
+        self._answers, self._key = answers, worker.key
+
+    async def get(self, path: str, timeout: float) -> Reply:
+        reply = self._answers[self._key]
+        if reply is None:
+            raise UpstreamUnavailable("connection refused")
+        return reply
+
+
+def test_draining_and_retired_workers_leave_rotation_and_keep_their_legs_until_they_stop_answering() -> None:
+    ok, draining = Reply(200, b'{"status":"ok","draining":false}'), Reply(200, b'{"status":"draining","draining":true}')
+    lost: list[tuple[str, str]] = []
+    pool = WorkerPool([A, B], on_lost=lambda worker, why: lost.append((worker.key, why)))
+    answers: dict[str, Reply | None] = {A.key: ok, B.key: draining}
+    checks = HealthChecks(pool, lambda worker: _HealthAnswers(answers, worker), timeout=1.0)  # type: ignore[arg-type]
+
+    asyncio.run(checks.round())
+    assert pool.healthy("decode") == [] and pool.healthy("prefill") == [A] and lost == []
+    answers[B.key] = ok  # a worker that drains no more (e.g. started anew) is back in rotation
+    asyncio.run(checks.round())
+    assert pool.healthy("decode") == [B]
+
+    pool.retire(A.key)  # its etcd record went
+    assert pool.healthy("prefill") == [] and pool.retired(A.key)
+    assert not pool.mark(A.key, healthy=True)
+    asyncio.run(checks.round())  # still answering: it drains, its legs run on
+    assert pool.healthy("prefill") == [] and A in pool.all() and lost == []
+    answers[A.key] = None
+    asyncio.run(checks.round())
+    assert A not in pool.all() and lost == [(A.key, "its etcd record is gone and it stopped answering")]
+    pool.add(A)  # registered anew
+    assert pool.healthy("prefill") == [A] and not pool.retired(A.key)

@@ -32,7 +32,8 @@ def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess, WorkerProcess]]:
 
 def test_the_worker_shows_its_record_on_health(workers) -> None:
     prefill = workers[0]
-    assert httpx.get(f"{prefill.url}/health", timeout=10).json() == {"status": "ok", "worker": {
+    health = httpx.get(f"{prefill.url}/health", timeout=10).json()
+    assert health == {"status": "ok", "draining": False, "worker": {
         "role": "prefill", "host": "127.0.0.1", "http_port": prefill.port, "kv_host": "127.0.0.1",
         "kv_port": prefill.kv_port, "engine_id": prefill.engine_id, "model": "neuron-di-builtin",
         "transfer": {"backend": "shm"}, "kv_protocol": "neuron"}}

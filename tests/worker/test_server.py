@@ -123,7 +123,8 @@ def test_health(worker: WorkerProcess) -> None:
     r = httpx.get(f"{worker.url}/health")
     engine_id = r.json()["worker"]["engine_id"]   # unique per process: hostname:port:random
     assert re.fullmatch(rf"{re.escape(socket.gethostname())}:{worker.port}:[0-9a-f]{{8}}", engine_id), engine_id
-    assert (r.status_code, r.json()) == (200, {"status": "ok", "worker": {  # the record it would register in etcd
+    # `worker`: the record it would register in etcd
+    assert (r.status_code, r.json()) == (200, {"status": "ok", "draining": False, "worker": {
         "role": "both", "host": "127.0.0.1", "http_port": worker.port, "kv_host": "127.0.0.1", "kv_port": 0,
         "engine_id": engine_id, "model": "neuron-di-builtin", "transfer": {"backend": "auto"},
         "kv_protocol": "neuron"}})

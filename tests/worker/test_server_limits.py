@@ -48,7 +48,7 @@ def test_queue_full_is_503_then_the_worker_recovers() -> None:
     (["--port", "70000"], "not a TCP port: 70000"),
     (["--max-num-seqs", "x"], "expected an integer, got 'x'"),
     (["--block-size", "-16"], "must be at least 1, got -16"),
-    (["--shutdown-grace", "-1"], "--shutdown-grace must be at least 0, got -1"),
+    (["--drain-timeout", "-1"], "--drain-timeout must be at least 0, got -1"),
 ])
 def test_bad_command_line_is_rejected_up_front(args: list[str], message: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:

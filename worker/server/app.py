@@ -3,8 +3,10 @@
     POST /v1/completions         one prompt (text or token ids); JSON, or SSE with `"stream": true`
     POST /v1/chat/completions    messages rendered by the model's chat template; JSON or SSE
     GET  /v1/models              the served model
-    GET  /health                 200 while the engine thread runs, else 503; `python -m worker` adds its
-                                 WorkerRecord as `worker` (role, kv_host, kv_port, engine_id, ...)
+    GET  /health                 200 while the engine thread runs, else 503; `draining` says whether it drains
+                                 (then no new request is taken); `python -m worker` adds its WorkerRecord as
+                                 `worker` (role, kv_host, kv_port, engine_id, ...)
+    POST /drain                  starts the drain (worker/server/drain.py), as SIGTERM does; 202
     GET  /metrics                Prometheus text (worker/server/metrics.py)
 
 `X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
@@ -22,9 +24,11 @@ from typing import AsyncIterator, Callable
 from quart import Quart, Response, g, jsonify, make_response, request
 
 from worker.server.async_engine import AsyncEngine, RequestStream
+from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
+from worker.errors import DrainingError
 from worker.server.metrics import RequestTimer, ServerMetrics
 from common.openai_wire import DONE_EVENT, error_body, sse_event
 from neuron_connector.registry import WorkerRecord
@@ -37,13 +41,15 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def create_app(engine_config: EngineConfig, *,
-               engine_factory: Callable[[], LLMEngine] | None = None) -> Quart:
+               engine_factory: Callable[[], LLMEngine] | None = None,
+               drain_timeout: float = DEFAULT_TIMEOUT_S) -> Quart:
     """A Quart app serving one engine; the engine starts in `before_serving` and stops in `after_serving`.
 
     `engine_factory` builds the engine on its thread; the default is `LLMEngine(engine_config)`.
+    A drain, once over, sets the worker's `drain.done`: the server should stop then.
     """
     app = Quart(__name__)
-    worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)))
+    worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout)
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)
     app.before_request(_take_request_id)
@@ -53,6 +59,7 @@ def create_app(engine_config: EngineConfig, *,
     app.add_url_rule("/v1/chat/completions", "chat", worker.chat, methods=["POST"])
     app.add_url_rule("/v1/models", "models", worker.models, methods=["GET"])
     app.add_url_rule("/health", "health", worker.health, methods=["GET"])
+    app.add_url_rule("/drain", "drain", worker.start_drain, methods=["POST"])
     app.add_url_rule("/metrics", "metrics", worker.metrics_page, methods=["GET"])
     app.extensions["neuron_di_worker"] = worker
     return app
@@ -71,8 +78,9 @@ async def _echo_request_id(response: Response) -> Response:
 class _Worker:
     """The app's state and route handlers; one per app, so several apps can share a process."""
 
-    def __init__(self, factory: Callable[[], LLMEngine]) -> None:
+    def __init__(self, factory: Callable[[], LLMEngine], drain_timeout: float) -> None:
         self.async_engine = AsyncEngine(factory)
+        self.drain = Drain(self.async_engine, drain_timeout)
         self.metrics: ServerMetrics | None = None
         self.model_name = ""
         self.max_model_len = 0
@@ -89,11 +97,6 @@ class _Worker:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
             engine.kv_connector.on_integrity_check = self.metrics.integrity_checked
 
-    def shutdown_started(self, grace: float) -> None:
-        """The server stopped accepting: requests get `grace` seconds to finish. Then the engine stops and
-        fails the rest, so each still answers, with an error (a stream's last event), before its connection closes."""
-        asyncio.get_running_loop().call_later(grace, self.async_engine.close_soon)
-
     async def shutdown(self) -> None:
         await self.async_engine.stop()
 
@@ -108,10 +111,15 @@ class _Worker:
     async def models(self) -> Response:
         return jsonify(models_body(self.model_name, self.max_model_len, self.created))
 
+    async def start_drain(self) -> Response:
+        self.drain.start()
+        return _json({"status": "draining"}, 202)
+
     async def health(self) -> Response:
         if not self.async_engine.is_alive():
             return _json(error_body(503, "the engine is not running", "server_error"), 503)
-        body: dict = {"status": "ok"}
+        draining = self.drain.started
+        body: dict = {"status": "draining" if draining else "ok", "draining": draining}
         if self.record is not None:  # a static proxy learns this worker's role and signal plane from it
             body["worker"] = self.record.to_dict()
         return jsonify(body)
@@ -124,7 +132,7 @@ class _Worker:
 
     async def error(self, exc: Exception) -> Response:
         status, body, headers = error_for(exc)
-        if status >= 500:
+        if status >= 500 and not isinstance(exc, DrainingError):  # a drain's refusals are expected
             logger.error("request %s failed", g.get("request_id"), exc_info=exc)
         self._count(str(status))
         response = _json(body, status)
@@ -148,10 +156,11 @@ class _Worker:
 
     async def _serve(self, kind: Kind) -> Response:
         assert self.metrics is not None
-        req = parse_request(kind, parse_body(await request_body()), self.model_name)
-        prompt_ids = self._prompt_ids(req)
-        params = build_params(req, len(prompt_ids), self.max_model_len)
-        stream = await self.async_engine.generate(g.request_id, prompt_ids, params, req.kv_transfer_params)
+        with self.drain.admitting():
+            req = parse_request(kind, parse_body(await request_body()), self.model_name)
+            prompt_ids = self._prompt_ids(req)
+            params = build_params(req, len(prompt_ids), self.max_model_len)
+            stream = await self.async_engine.generate(g.request_id, prompt_ids, params, req.kv_transfer_params)
         timer = self.metrics.timer(len(prompt_ids))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         if not req.stream:

@@ -263,6 +263,7 @@ class AsyncEngine:
             engine.add_request(command.request_id, command.prompt_ids, command.params,
                                command.kv_transfer_params)
             self._sinks[command.request_id] = command.sink
+            self.stats = engine.stats()  # before the caller hears of it: a drain must see it in flight
         except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller
             error = exc
         _deliver(command.sink.loop, _settle, command.admitted, error)

@@ -16,11 +16,11 @@ from hypercorn.config import Config as HypercornConfig
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
 from common.roles import DEFAULT_KV_PORT, ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
+from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
 
 logger = logging.getLogger("worker")
 TRANSPORTS = ("auto", "shm", "tcp", "nixl", "neuron")
-DEFAULT_SHUTDOWN_GRACE_S = 5.0
-LAST_ANSWERS_S = 5.0  # after the grace: time for the engine to stop and the ended requests to answer
+LAST_ANSWERS_S = 5.0  # after the drain: time for the engine to stop and the ended requests to answer
 
 
 def _positive(text: str) -> int:
@@ -52,9 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: --host; give one when --host is 0.0.0.0)")
     server.add_argument("--port", type=_port, default=8100, help="HTTP port (default 8100)")
     server.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads")
-    server.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
-                        help="seconds requests may run on after SIGTERM; then they end with an error "
-                             f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    server.add_argument("--drain-timeout", "--shutdown-grace", dest="drain_timeout", type=float,
+                        default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="seconds a drain (SIGTERM or POST /drain) may take: the worker leaves etcd, refuses "
+                             "new requests (503), finishes those running and, on prefill, serves the KV not yet "
+                             "pulled; then it exits, ending what is left with an error "
+                             f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     engine.add_argument("--served-model-name", default=None,
@@ -108,8 +111,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
         parser.error("--kv-abort-timeout and --kv-pull-timeout must be positive")
-    if args.shutdown_grace < 0:
-        parser.error(f"--shutdown-grace must be at least 0, got {args.shutdown_grace:g}")
+    if args.drain_timeout < 0:
+        parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
     try:
         args.kv_secret = resolve_secret(args.kv_secret_file)
     except KVSecretError as exc:
@@ -128,35 +131,32 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     return args, config
 
 
-def hypercorn_config(host: str, port: int, shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> HypercornConfig:
+def hypercorn_config(host: str, port: int) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.startup_timeout = 600  # loading a real model can take minutes
-    # Connections are cut only after the requests ended at the grace's end have sent their errors.
-    config.graceful_timeout = shutdown_grace + LAST_ANSWERS_S
+    # Hypercorn stops only once the drain is over: connections are cut after the requests it ended
+    # have sent their errors.
+    config.graceful_timeout = LAST_ANSWERS_S
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # into our logging setup, printed once
     return config
 
 
 async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
-    """Serves until SIGTERM/SIGINT, then drains: hypercorn stops accepting, requests get --shutdown-grace
-    seconds to finish, those left end with an error, the engine thread is joined."""
+    """Serves until a drain (SIGTERM, SIGINT or POST /drain, see worker/server/drain.py) is over; then
+    hypercorn stops and the engine thread is joined."""
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
-    stop = asyncio.Event()
+    app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
+                     drain_timeout=args.drain_timeout)
+    drain = app.extensions["neuron_di_worker"].drain
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    app = create_app(engine_config, engine_factory=engine_factory(args, engine_config))
+        loop.add_signal_handler(sig, drain.start)
     _publish_record(app, args, engine_config)
-
-    async def shutdown_trigger() -> None:
-        await stop.wait()
-        app.extensions["neuron_di_worker"].shutdown_started(args.shutdown_grace)
-
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
-    await serve(app, hypercorn_config(args.host, args.port, args.shutdown_grace), shutdown_trigger=shutdown_trigger)
+    await serve(app, hypercorn_config(args.host, args.port), shutdown_trigger=drain.done.wait)
 
 
 def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:
@@ -187,7 +187,7 @@ def default_engine_id(port: int) -> str:
 
 def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineConfig) -> None:
     """Once the engine runs (a prefill's kv port is known only then), puts this worker's record in its
-    GET /health answer and, with --etcd, registers it in etcd (revoked at exit)."""
+    GET /health answer and, with --etcd, registers it in etcd (revoked when a drain starts, or at exit)."""
     from neuron_connector import Registration, WorkerRecord
 
     worker = app.extensions["neuron_di_worker"]
@@ -205,6 +205,7 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
         registration = Registration(args.etcd, worker.record, ttl=args.etcd_ttl)
         await asyncio.get_running_loop().run_in_executor(None, registration.start)
         holder.append(registration)
+        worker.drain.leave = registration.stop  # a drain leaves etcd first
 
     async def unregister() -> None:
         for registration in holder:

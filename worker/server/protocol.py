@@ -11,8 +11,8 @@ from typing import Any, Literal, Mapping
 
 from werkzeug.exceptions import HTTPException
 
-from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, error_body, load_object
-from worker.errors import InvalidRequestError, KVTransferError, QueueFullError, invalid
+from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, WORKER_DRAINING, error_body, load_object
+from worker.errors import DrainingError, InvalidRequestError, KVTransferError, QueueFullError, invalid
 from worker.sampling_params import SamplingParams
 
 Kind = Literal["completion", "chat"]
@@ -269,6 +269,9 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
         status, err_type = 400, "invalid_request_error"
     elif isinstance(exc, QueueFullError):
         status, err_type = 503, "server_overloaded"
+    elif isinstance(exc, DrainingError):
+        status, err_type = 503, WORKER_DRAINING
+        headers["Retry-After"] = RETRY_AFTER
     elif isinstance(exc, KVTransferError):  # its message names the prefill peer and what went wrong
         status, err_type = (503 if exc.retryable else 500), "kv_transfer_error"
         if exc.retryable:  # e.g. the prefill peer was slow or restarted; through the proxy maybe another one

@@ -1,0 +1,78 @@
+"""Drain: how a worker leaves a running fleet without losing a request (SIGTERM or POST /drain).
+
+It leaves the registry at once (the proxy stops picking it), refuses new requests with a
+DrainingError (503, which the proxy retries elsewhere), and waits until the engine holds nothing:
+no request running or queued, and on a prefill worker no KV block set still waiting for its decode
+peer's pull (those end pulled or at --kv-abort-timeout). Past the drain timeout the engine stops,
+and what it still held ends with an error. Either way `done` is then set and the server stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from worker.errors import DrainingError
+
+if TYPE_CHECKING:  # the command line reads DEFAULT_TIMEOUT_S before torch is imported
+    from worker.server.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+DEFAULT_TIMEOUT_S = 60.0
+POLL_S = 0.05
+
+
+class Drain:
+    """One worker's drain; `start()` is idempotent, `done` is set once it is over."""
+
+    def __init__(self, engine: AsyncEngine, timeout: float) -> None:
+        self.engine = engine
+        self.timeout = timeout
+        self.leave: Callable[[], None] | None = None  # blocking; revokes the etcd lease (cli.py sets it)
+        self.started = False
+        self.done = asyncio.Event()
+        self._admitting = 0  # requests between the draining check and their admission by the engine
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        logger.info("draining: leaving the registry, taking no new request, finishing what runs "
+                    "(at most %g s)", self.timeout)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Wraps a new request until the engine admitted it; DrainingError once the drain started."""
+        if self.started:
+            raise DrainingError("this worker is draining and takes no new requests; send the request to "
+                                "another worker")
+        self._admitting += 1
+        try:
+            yield
+        finally:
+            self._admitting -= 1
+
+    def idle(self) -> bool:
+        """Nothing left to finish: no request on its way in, none in the engine, no KV waiting for a pull."""
+        stats = self.engine.stats
+        return self._admitting == 0 and (
+            stats is None or stats.num_running + stats.num_waiting + stats.num_transferring == 0)
+
+    async def _run(self) -> None:
+        try:
+            if self.leave is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.leave)
+            deadline = time.monotonic() + self.timeout
+            while not self.idle() and self.engine.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+            if not self.idle():
+                logger.warning("drain timeout (%g s) reached: ending the requests still in flight", self.timeout)
+                self.engine.close_soon()
+            else:
+                logger.info("drained: nothing left in flight")
+        finally:
+            self.done.set()
