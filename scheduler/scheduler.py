@@ -217,6 +217,7 @@ class Scheduler:
         assert self.transferring.get(seq.request_id) is seq, f"{seq.request_id} is not transferring"
         del self.transferring[seq.request_id]
         seq.remote_kv = False  # from here on it is local: a preemption recomputes it
+        seq.num_computed_tokens = len(seq)   # the prompt's KV is in its blocks: only new tokens run here
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.postprocess([seq], [token_id])

@@ -55,7 +55,8 @@ def test_decode_runs_a_request_only_after_its_transfer() -> None:
     assert not s.schedule()
     s.transfer_done(pulled, 9)
     assert pulled.output_token_ids == [9] and pulled.status is SequenceStatus.RUNNING
-    assert s.schedule().seqs == [pulled]
+    step = s.schedule()
+    assert [(c.seq, c.start, c.num_tokens) for c in step.chunks] == [(pulled, 5, 1)]  # a decode, no prompt recompute
 
 
 def test_decode_pulls_into_fresh_blocks_never_cached_ones() -> None:
