@@ -18,7 +18,7 @@ import pytest
 
 from fault_load import Load, LoadSize, Reference, Tally, prompts
 from tests.helpers import EtcdServer, wait_until
-from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.conftest import Server, proxied_2p2d
 from tests.proxy.registration import registered_workers
 from tests.worker_process import WorkerProcess
 
@@ -31,20 +31,11 @@ def _size(requests: int) -> LoadSize:
 
 @pytest.fixture
 def stack(etcd_server: EtcdServer) -> Iterator[tuple[Server, list[WorkerProcess]]]:
-    workers: list[WorkerProcess] = []
-    proxy: Server | None = None
-    try:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            workers.append(WorkerProcess(role, "shm", ["--etcd", etcd_server.endpoint, "--drain-timeout", "60"]))
-        proxy = start_proxy(["--etcd", etcd_server.endpoint, "--health-interval", "0.5"])
+    flags = ["--etcd", etcd_server.endpoint, "--drain-timeout", "60"]
+    with proxied_2p2d(flags, lambda _: ["--etcd", etcd_server.endpoint, "--health-interval", "0.5"]) as (proxy, workers):
         wait_until(lambda: all(_proxy_workers(proxy)[role]["healthy"] == 2 for role in ("prefill", "decode")),
                    timeout=30, what="the proxy discovering the four workers")
         yield proxy, workers
-    finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in workers:
-            worker.stop()
 
 
 def _proxy_workers(proxy: Server) -> dict[str, dict[str, int]]:

@@ -1,6 +1,7 @@
 """Fixtures: fake workers and the proxy, each a real process on a free loopback port."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -8,6 +9,7 @@ import httpx
 import pytest
 
 from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok
+from tests.worker_process import WorkerProcess
 
 
 @dataclass
@@ -89,3 +91,22 @@ def servers() -> Iterator[Callable[[Server], Server]]:
     yield lambda server: started.append(server) or server
     for server in started:
         server.process.stop()
+
+
+@contextlib.contextmanager
+def proxied_2p2d(worker_flags: Sequence[str],
+                 proxy_flags: Callable[[list[WorkerProcess]], list[str]]) -> Iterator[tuple[Server, list[WorkerProcess]]]:
+    """Two prefill then two decode workers (shm, `worker_flags`) and a proxy started with the flags
+    `proxy_flags` makes from them; every process is stopped on the way out."""
+    workers: list[WorkerProcess] = []
+    proxy: Server | None = None
+    try:
+        for role in ("prefill", "prefill", "decode", "decode"):
+            workers.append(WorkerProcess(role, "shm", list(worker_flags)))
+        proxy = start_proxy(proxy_flags(workers))
+        yield proxy, workers
+    finally:
+        if proxy is not None:
+            proxy.process.stop()
+        for worker in workers:
+            worker.stop()

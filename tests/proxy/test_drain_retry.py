@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers import wait_until
-from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.conftest import Server, proxied_2p2d
 from tests.worker_process import WorkerProcess
 
 BODY = {"model": "neuron-di-builtin", "prompt": "def fibonacci(n):\n    " * 6, "max_tokens": 12, "temperature": 0.0}
@@ -24,21 +24,13 @@ DRAINING = {"error": {"message": "this worker is draining and takes no new reque
 
 @pytest.fixture
 def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
-    workers: list[WorkerProcess] = []
-    proxy: Server | None = None
-    try:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            workers.append(WorkerProcess(role, "shm", ["--drain-timeout", "60"]))
+    def static(workers: list[WorkerProcess]) -> list[str]:
         prefills, decodes = workers[:2], workers[2:]
-        proxy = start_proxy([*(a for p in prefills for a in ("--prefill", f"127.0.0.1:{p.port}:{p.kv_port}")),
-                             *(a for d in decodes for a in ("--decode", f"127.0.0.1:{d.port}")),
-                             "--health-interval", "600"])
-        yield proxy, workers
-    finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in workers:
-            worker.stop()
+        return [*(a for p in prefills for a in ("--prefill", f"127.0.0.1:{p.port}:{p.kv_port}")),
+                *(a for d in decodes for a in ("--decode", f"127.0.0.1:{d.port}")), "--health-interval", "600"]
+
+    with proxied_2p2d(["--drain-timeout", "60"], static) as running:
+        yield running
 
 
 def _text(reply: httpx.Response) -> str:
