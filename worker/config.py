@@ -61,7 +61,9 @@ class EngineConfig:
         """Tokens one step may compute (unchunked, one prompt alone may exceed it)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return DEFAULT_CHUNKED_BUDGET if self.chunked_prefill else DEFAULT_UNCHUNKED_BUDGET
+        if self.chunked_prefill:   # every step decodes every running request
+            return max(DEFAULT_CHUNKED_BUDGET, self.max_num_seqs)
+        return DEFAULT_UNCHUNKED_BUDGET
 
 
 def _check_positive_int(name: str, value: object) -> None:

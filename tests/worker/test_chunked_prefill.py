@@ -72,6 +72,7 @@ def test_budget_below_max_num_seqs_is_refused() -> None:
     with pytest.raises(ValueError, match="must be at least max_num_seqs"):
         EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
     assert EngineConfig(max_num_seqs=16, max_num_batched_tokens=8, enable_chunked_prefill=False).token_budget == 8
+    assert EngineConfig(max_num_seqs=1024).token_budget == 1024   # the default budget grows to fit the decodes
 
 
 def test_cli_flags_set_chunking_and_budget(capsys: pytest.CaptureFixture[str]) -> None:

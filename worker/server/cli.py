@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=_positive, default=16, help="requests in one running batch (default 16)")
     engine.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                         help=f"tokens one step computes: with chunked prefill the decodes plus prompt chunks "
-                             f"(default {DEFAULT_CHUNKED_BUDGET}), without it whole prompts batched together, one "
-                             f"alone may exceed it (default {DEFAULT_UNCHUNKED_BUDGET})")
+                             f"(default {DEFAULT_CHUNKED_BUDGET}, or --max-num-seqs if larger), without it whole "
+                             f"prompts batched together, one alone may exceed it (default {DEFAULT_UNCHUNKED_BUDGET})")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill long prompts in chunks that share each step with the running requests' "
                              "decodes, so streams never stall for a whole prefill (default: on for roles "
