@@ -23,8 +23,8 @@ def run_soak(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess[st
 
 def test_quick_soak_loses_nothing_and_frees_every_block(tmp_path: Path) -> None:
     # A short run's RSS still grows (warm-up), so the memory verdict is not asked of it here.
-    done, report = run_soak("--quick", "--rss-tolerance-mb", "100000", "--json", str(tmp_path / "s.json"),
-                            timeout=240)
+    done, report = run_soak("--quick", "--minutes", "0.1", "--warmup-minutes", "0.05", "--rss-tolerance-mb", "100000",
+                            "--json", str(tmp_path / "s.json"), timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = report["summary"]
     assert summary["sent"] == 8 * summary["rounds"] and summary["failed"] == 0

@@ -42,6 +42,7 @@ def _text(reply: httpx.Response) -> str:
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
 
 
+@pytest.mark.slow  # tests/faults/test_drain_xpyd.py drains under load by default
 def test_requests_refused_by_draining_workers_are_served_by_the_others(stack) -> None:
     proxy, workers = stack
     drained = [workers[0], workers[2]]  # one prefill, one decode worker
