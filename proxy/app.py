@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, AsyncGenerator
 
 from quart import Quart, Response
 from werkzeug.exceptions import HTTPException
@@ -129,9 +129,32 @@ async def _forward(state: ProxyState, endpoint: Endpoint) -> Response:
     if isinstance(answer, JSONAnswer):
         state.metrics.e2e.observe(time.perf_counter() - started)
         return Response(answer.body, 200, content_type=_JSON)
-    response = Response(answer.events, 200, content_type="text/event-stream")
+    response = Response(await _primed(answer.events), 200, content_type="text/event-stream")
     response.timeout = None  # a stream lasts as long as the answer, not Quart's 60 s default
     return response
+
+
+async def _primed(events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """`events` with its first event already taken, so that the generator has started.
+
+    A client that leaves before Quart starts sending the body cancels the send without ever
+    iterating (or closing) the body. A started async generator is still closed when it is
+    dropped (the event loop's finalizer runs its `finally`: legs cancelled, the request
+    abandoned); one never started would not run a line, and its legs would run on unread.
+    """
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        return _replay([], events)
+    return _replay([first], events)
+
+
+async def _replay(head: list[bytes], events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    for event in head:
+        yield event
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield event
 
 
 def _health(state: ProxyState) -> dict[str, Any]:

@@ -16,9 +16,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncGenerator, Awaitable, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
+from proxy.abandon import Abandoner
 from proxy.errors import (ProxyError, ShuttingDown, UpstreamError, UpstreamProtocol, UpstreamStatus,
                           UpstreamUnavailable, to_http)
 from proxy.legs import InFlightLegs
@@ -42,7 +43,7 @@ class JSONAnswer:
 
 @dataclass(frozen=True, slots=True)
 class StreamAnswer:
-    events: AsyncIterator[bytes]
+    events: AsyncGenerator[bytes, None]
 
 
 Answer = JSONAnswer | StreamAnswer
@@ -68,6 +69,7 @@ class Forwarder:
         self._colocated = colocated
         self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
         self._legs = InFlightLegs()
+        self._abandoner = Abandoner(clients)
         self._closing = False
 
     def end_legs(self, worker: WorkerRecord, why: str) -> None:
@@ -119,8 +121,15 @@ class Forwarder:
         decode = self._pool.next("decode", prefill.kv_protocol)  # the two legs must speak one handoff
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
         flow = self._prefill_first if prefill.kv_protocol == "nixl" else self._concurrent
-        first, leg = await flow(request, prefill, decode, uid, seed)
-        return await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started)
+        try:
+            first, leg = await flow(request, prefill, decode, uid, seed)
+            answer = await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started)
+        except BaseException:
+            self._abandoner.abandon(prefill, uid)
+            raise
+        if isinstance(answer, StreamAnswer):
+            return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
+        return answer
 
     async def _concurrent(self, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
                           uid: str, seed: int | None) -> tuple[dict[str, Any], _DecodeLeg]:
@@ -264,7 +273,7 @@ class Forwarder:
                 raise
 
     async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: _DecodeLeg | None,
-                        started: float) -> AsyncIterator[bytes]:
+                        started: float) -> AsyncGenerator[bytes, None]:
         timer = _TokenTimer(self._metrics, started)
         try:
             for event in first:
@@ -291,7 +300,7 @@ class Forwarder:
             timer.done()
 
     async def _relayed(self, first: Any, queue: asyncio.Queue[Any], task: asyncio.Task[None],
-                       started: float) -> AsyncIterator[bytes]:
+                       started: float) -> AsyncGenerator[bytes, None]:
         """A single leg's stream, passed on event by event with one [DONE] at the end."""
         timer = _TokenTimer(self._metrics, started)
         item = first

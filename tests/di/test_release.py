@@ -114,3 +114,37 @@ def test_a_decode_leg_dropped_before_prefill_finished_frees_prefill_when_it_publ
                 if hog is not None:
                     await dropped(hog)
     asyncio.run(run())
+
+
+def test_an_aborted_prefill_leg_whose_decode_leg_never_came_frees_its_blocks_at_once(release_pair) -> None:
+    """The proxy's client left after prefill answered but before the decode leg reached its worker:
+    nobody will pull or release the blocks, so the proxy aborts the id at the prefill worker."""
+    prefill, decode = release_pair
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            legs = Legs(client, prefill, decode)
+            await legs.prefill_leg()
+            assert prefill.blocks_used() == PROMPT_BLOCKS       # held for a pull that will not come
+            reply = await client.post(f"{prefill.url}/abort_request", json={"rid": legs.uid})
+            assert reply.status_code == 200 and reply.json() == {"status": "ok"}
+            await until(lambda: prefill.blocks_used() == 0, FREE_WITHIN_S, "prefill to free the blocks")
+    asyncio.run(run())
+
+
+def test_a_prefill_leg_arriving_after_its_abort_is_refused_and_holds_nothing(release_pair) -> None:
+    prefill, decode = release_pair
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            legs = Legs(client, prefill, decode)
+            reply = await client.post(f"{prefill.url}/abort_request", json={"rid": legs.uid})
+            assert reply.status_code == 200
+            late = await client.post(f"{prefill.url}/v1/completions", json=prefill_body(BODY, legs.uid),
+                                     headers={"X-Request-Id": legs.uid})
+            assert late.status_code == 400, late.text
+            assert legs.uid in late.json()["error"]["message"]
+            assert prefill.blocks_used() == 0
+            bad = await client.post(f"{prefill.url}/abort_request", json={"rid": 7})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
+    asyncio.run(run())

@@ -134,7 +134,8 @@ class KVConnector:
         return self.send is not None and self.send.knows(request_id)
 
     def discard(self, request_id: str) -> None:
-        """Prefill: the request ended before it was published; its decode peer's pull fails at once."""
+        """Prefill: the request is gone: its blocks are released (once a running push ends), its decode
+        peer's lookup fails at once, and a leg with its id that arrives later is refused."""
         if self.send is not None:
             self.send.discard(request_id)
 

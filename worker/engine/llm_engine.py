@@ -143,9 +143,14 @@ class LLMEngine:
                 f"maximum model length {self.max_model_len}")
 
     def abort_request(self, request_id: str) -> None:
-        """Ends a request now and frees its blocks; the next step() reports it once."""
+        """Ends a request now and frees its blocks; the next step() reports it once.
+
+        A request that is done generating, or not here (yet), is left to the role: a prefill
+        worker drops the KV it holds for a pull nobody will make, and refuses a late leg.
+        """
         request = self.requests.generating(request_id)
         if request is None:
+            self.role.abandon(request_id)
             return
         self.role.abort(request)
         self.requests.aborted(request)

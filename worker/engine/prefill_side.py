@@ -40,5 +40,11 @@ class PrefillSide(DisaggregatedRole):
         if request.remote_kv:
             self.kv.discard(request.request_id)  # its decode peer's lookup fails now, not at its deadline
 
+    def abandon(self, request_id: str) -> None:
+        """Its KV, held for a pull, is released (once a running push ends); a leg that arrives
+        later is refused as a known id. The proxy abandons a request whose client left when it
+        cannot know whether the decode leg ever reached its worker."""
+        self.kv.discard(request_id)
+
     def remembers(self, request_id: str) -> bool:
         return self.kv.remembers(request_id)

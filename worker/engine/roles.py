@@ -62,6 +62,9 @@ class EngineRole:
         self.parts.scheduler.finish(request, "abort")
         self.parts.requests.remove(request.request_id)
 
+    def abandon(self, request_id: str) -> None:
+        """The caller of a request that is done generating, or not here (yet), is gone."""
+
     def remembers(self, request_id: str) -> bool:
         """Whether the id is still in use outside the request table."""
         return False

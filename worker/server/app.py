@@ -7,6 +7,9 @@
                                  (then no new request is taken); `python -m worker` adds its WorkerRecord as
                                  `worker` (role, kv_host, kv_port, engine_id, ...)
     POST /drain                  starts the drain (worker/server/drain.py), as SIGTERM does; 202
+    POST /abort_request          `{"rid": id}` ends request `id` (as SGLang's endpoint does): the proxy's
+                                 way to end a disaggregated leg whose client left (on a prefill worker,
+                                 also KV held for a pull, or a leg that has not arrived yet)
     GET  /metrics                Prometheus text (worker/server/metrics.py)
 
 `X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
@@ -28,7 +31,7 @@ from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
-from worker.errors import DrainingError
+from worker.errors import DrainingError, invalid
 from worker.server.metrics import RequestTimer, ServerMetrics
 from common.openai_wire import DONE_EVENT, error_body, sse_event
 from neuron_connector.registry import WorkerRecord
@@ -60,6 +63,7 @@ def create_app(engine_config: EngineConfig, *,
     app.add_url_rule("/v1/models", "models", worker.models, methods=["GET"])
     app.add_url_rule("/health", "health", worker.health, methods=["GET"])
     app.add_url_rule("/drain", "drain", worker.start_drain, methods=["POST"])
+    app.add_url_rule("/abort_request", "abort_request", worker.abort_request, methods=["POST"])
     app.add_url_rule("/metrics", "metrics", worker.metrics_page, methods=["GET"])
     app.extensions["neuron_di_worker"] = worker
     return app
@@ -114,6 +118,13 @@ class _Worker:
     async def start_drain(self) -> Response:
         self.drain.start()
         return _json({"status": "draining"}, 202)
+
+    async def abort_request(self) -> Response:
+        rid = parse_body(await request_body()).get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise invalid("`rid` must be the request's id, a non-empty string", "rid")
+        self.async_engine.abort(rid)
+        return jsonify({"status": "ok"})
 
     async def health(self) -> Response:
         if not self.async_engine.is_alive():

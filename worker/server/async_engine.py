@@ -252,8 +252,9 @@ class AsyncEngine:
         if isinstance(command, _Add):
             self._add(engine, command)
         elif isinstance(command, _Abort):
-            if self._sinks.pop(command.request_id, None) is not None:
-                engine.abort_request(command.request_id)
+            # Also for a request that has ended here: a prefill leg's KV may still be held for a pull.
+            self._sinks.pop(command.request_id, None)
+            engine.abort_request(command.request_id)
         elif isinstance(command, _Stop):
             self._stopping.set()
 
