@@ -74,6 +74,7 @@ def chat(engines: tuple[LLMEngine, LLMEngine, LLMEngine], seed: int, params: Sam
 @pytest.mark.parametrize("sampling, seed", [({"temperature": 0.0}, 1), ({"temperature": 0.9, "seed": 5}, 2),
                                             ({"temperature": 1.0, "top_k": 40, "seed": 6}, 3)])
 def test_a_multiturn_chat_pulls_only_new_blocks_and_equals_both(engines, sampling: dict, seed: int) -> None:
+    assert not engines[0].config.chunked_prefill   # a prefill worker's default: whole prompts
     params = SamplingParams(max_tokens=20, ignore_eos=True, **sampling)
     turns = chat(engines, seed, params, [70, 9, 40, 16])
     moved = skipped = 0
@@ -131,6 +132,7 @@ def test_a_pull_that_ends_early_frees_its_blocks_and_keeps_the_cached_ones(engin
     if how == "prefill_aborts":
         prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), {"role": "prefill"})
         prefill.abort_request(rid)
+        assert [o.finish_reason for o in prefill.step() if o.request_id == rid] == ["abort"]
     decode_leg(decode, prefill, rid, prompt)
     decode.step()                                                # admitted: 4 cached blocks, 2 new ones
     assert decode.stats().num_transferring == 1 and decode.stats().num_blocks_used == 6
