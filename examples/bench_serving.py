@@ -4,6 +4,7 @@
     python examples/bench_serving.py --compare --json out/serving.json     # PNG next to it
     python examples/bench_serving.py --compare --quick
     python examples/bench_serving.py --compare-transports --json out/transports.json
+    python examples/bench_serving.py --workload multiturn --json out/multiturn.json
 
 Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
 (or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
@@ -16,9 +17,17 @@ thread, runs the same load against each, and reports DI over colocated ratios.
 the same load against each: by default 200 streamed requests, 8 in flight, prompts of 10-800
 tokens, 1-32 out (`--quick`: 24 requests); it reports tcp over shm ratios. `--cores none --threads 2`
 runs the workers as examples/launch_1p1d.sh does on a 2-core host: not pinned, torch's default threads.
+`--workload multiturn` sends chats instead (examples/multiturn_load.py: `--conversations` x `--turns`,
+each turn's prompt the previous turn's prompt + answer + new user text, `--max-concurrency`
+conversations at once); alone it starts the DI stack with prefix-aware transfer on, then off
+(`--no-prefix-aware-transfer` on the decode worker), and reports the KV bytes the decode worker
+pulled per request in each and their ratio (examples/prefix_compare.py); with `--target` it only
+runs the chats against that endpoint.
 JSON (`--json`): `config` (every option and the command line that reproduces the run), then
 `target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated), or
-`shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm).
+`shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm), or `prefix_aware`,
+`full_transfer` (each with `kv`: the decode worker's KV counts and their per-request values),
+`kv_bytes_per_request_ratio` (on over off), `kv_bytes_cut` and `same_answers`.
 Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
 arguments, 3 some requests failed (they are counted and their errors listed).
 """
@@ -36,6 +45,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench_cli import fill_defaults, interrupted, stop_on_sigterm, write_json
+from multiturn_load import MultiturnSpec, run_multiturn
+from prefix_compare import PrefixRun, format_kv_table, prefix_report, run_prefix_stacks
 from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load, warm_up
 from serving_metrics import SLO, RequestResult, ratio, summarize
 from serving_report import format_table, plot_distributions
@@ -51,12 +62,15 @@ TRANSPORT_DEFAULTS = {"num_prompts": (200, 24), "request_rate": (math.inf, math.
 RATIOS = {"itl_p99_ratio": ("itl_ms", "p99"), "ttft_p50_ratio": ("ttft_ms", "p50")}  # DI over colocated
 TRANSPORT_RATIOS = {"tcp_ttft_p50_ratio": ("ttft_ms", "p50"), "tcp_e2e_p50_ratio": ("e2e_ms", "p50")}  # tcp over shm
 TRANSPORTS = ("shm", "tcp")
+# --workload multiturn: 16 chats of 6 turns, 4 at once (--quick: 4 of 3).
+MULTITURN_DEFAULTS = {"conversations": (16, 4), "turns": (6, 3), "max_concurrency": (4, 4)}
+MODES = "--target, --compare, --compare-transports or --workload multiturn"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = p.add_mutually_exclusive_group(required=True)
+    what = p.add_mutually_exclusive_group()
     what.add_argument("--target", metavar="URL", help="benchmark an OpenAI endpoint that is already running")
     what.add_argument("--compare", action="store_true", help="start DI 1P1D and colocated stacks and compare them")
     what.add_argument("--compare-transports", action="store_true",
@@ -68,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("input-len-min", "input-len-max", "output-len-min", "output-len-max"):
         load.add_argument(f"--{name}", type=int)
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--workload", choices=("synthetic", "multiturn"), default="synthetic",
+                      help="synthetic: independent random prompts; multiturn: chats resending their history")
+    load.add_argument("--conversations", type=int, help="multiturn: conversations (default 16, --quick 4)")
+    load.add_argument("--turns", type=int, help="multiturn: turns of each conversation (default 6, --quick 3)")
     load.add_argument("--warmup", type=int, default=2, help="short unmeasured requests first (one per worker)")
     load.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one whole request")
     load.add_argument("--model-name", help="model field of the requests (default: the endpoint's first model)")
@@ -91,12 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {})})
+    multiturn = args.workload == "multiturn"
+    if multiturn and (args.compare or args.compare_transports):
+        parser.error("--workload multiturn runs against --target or on its own DI stacks, not with --compare*")
+    if not (multiturn or args.target or args.compare or args.compare_transports):
+        parser.error(f"choose one of {MODES}")
+    fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {}),
+                         **(MULTITURN_DEFAULTS if multiturn else {})})
     try:
+        args.multiturn = multiturn_spec(args) if multiturn else None
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,
                              args.max_concurrency, args.seed, args.request_timeout)
-        args.core_pair = core_pair(args.cores) if args.compare or args.compare_transports else None
+        args.core_pair = core_pair(args.cores) if not args.target else None
     except ValueError as exc:
         parser.error(str(exc))
     if args.warmup < 0:
@@ -106,6 +131,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.plot is None and args.json is not None:
         args.plot = args.json.with_suffix(".png")
     return args
+
+
+def multiturn_spec(args: argparse.Namespace) -> MultiturnSpec:
+    """The chats --workload multiturn sends; ValueError for bad counts."""
+    return MultiturnSpec(args.conversations, args.turns, output_len=(args.output_len_min, args.output_len_max),
+                         max_concurrency=args.max_concurrency, seed=args.seed, request_timeout_s=args.request_timeout)
 
 
 def core_pair(text: str | None) -> tuple[int | None, int | None]:
@@ -145,6 +176,17 @@ def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]
     return runs
 
 
+def run_multiturn_workload(args: argparse.Namespace) -> dict[str, PrefixRun]:
+    """The chats against --target, or on the DI stack with prefix-aware transfer on and then off."""
+    if args.target:
+        async def target() -> PrefixRun:
+            model = args.model_name or await fetch_model(args.target)
+            return PrefixRun(*await run_multiturn(args.target, model, args.multiturn), kv={})
+        return {"target": asyncio.run(target())}
+    options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout, threads=args.threads)
+    return run_prefix_stacks(args.multiturn, options, args.warmup, args.model_name)
+
+
 def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], float]],
            argv: Sequence[str]) -> dict[str, Any]:
     """The JSON document: `config`, one summary per run (with its requests), DI-over-colocated or
@@ -156,7 +198,7 @@ def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], 
         if top in summaries:
             ratios.update({name: ratio(summaries[top][key][stat], summaries[bottom][key][stat])
                            for name, (key, stat) in table.items()})
-    config = {k: json_value(v) for k, v in vars(args).items() if k != "spec"}
+    config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "multiturn")}
     config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
     out: dict[str, Any] = {"config": config, **ratios}
     for name, (results, _) in runs.items():
@@ -175,8 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     stop_on_sigterm()
+    prefix_runs: dict[str, PrefixRun] = {}
     try:
-        runs = run(args)
+        if args.multiturn:
+            prefix_runs = run_multiturn_workload(args)
+            runs = {name: (run.results, run.duration_s) for name, run in prefix_runs.items()}
+        else:
+            runs = run(args)
     except (StackError, LoadError) as exc:
         print(f"bench_serving.py: error: {exc}", file=sys.stderr)
         return 1
@@ -184,6 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return interrupted("bench_serving.py")
     out = report(args, runs, argv)
     print(format_table({name: out[name] for name in runs}, {k: out[k] for k in {**RATIOS, **TRANSPORT_RATIOS} if k in out}))
+    if args.multiturn and not args.target:
+        prefix = prefix_report(prefix_runs)
+        for name, kv in prefix.pop("kv").items():
+            out[name]["kv"] = kv
+        out.update(prefix)
+        print(format_kv_table({**prefix, "kv": {name: out[name]["kv"] for name in prefix_runs}}))
     for name in runs:
         for error in out[name]["errors"]:
             print(f"{name}: failed: {error}")

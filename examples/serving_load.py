@@ -92,10 +92,16 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, request: S
                      timeout_s: float) -> RequestResult:
     """Sends one streamed completion and records when each content chunk arrived; never raises."""
     result = RequestResult(len(request.prompt_token_ids), request.output_len)
+    return await stream_body(client, url, completion_body(model, request), result, timeout_s)
+
+
+async def stream_body(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult,
+                      timeout_s: float) -> RequestResult:
+    """Sends the streamed completion `body`, recording its chunks' times and text into `result`; never raises."""
     result.start = time.perf_counter()
     try:
         # wait_for rather than asyncio.timeout: the project supports Python 3.10.
-        await asyncio.wait_for(_exchange(client, url, completion_body(model, request), result), timeout_s)
+        await asyncio.wait_for(_exchange(client, url, body, result), timeout_s)
     except asyncio.TimeoutError:
         result.error = f"no complete answer within {timeout_s:g} s"
     except httpx.HTTPError as exc:
@@ -131,11 +137,14 @@ async def _read_events(response: httpx.Response, result: RequestResult) -> None:
             return
         # Workers send one chunk per token; its text may be empty (part of a UTF-8 character).
         # An empty chunk that only carries the finish reason is no token arrival.
+        choices = event.get("choices") or ()
         if any(choice.get("text") or ("text" in choice and choice.get("finish_reason") is None)
-               for choice in event.get("choices") or ()):
+               for choice in choices):
             result.chunk_times.append(time.perf_counter())
+        result.text += "".join(choice.get("text") or "" for choice in choices)
         if event.get("usage"):
             result.output_tokens = int(event["usage"].get("completion_tokens", 0))
+            result.input_tokens = int(event["usage"].get("prompt_tokens", result.input_tokens))
     result.error = "stream ended without [DONE]"
 
 

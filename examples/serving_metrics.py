@@ -32,6 +32,7 @@ class RequestResult:
     end: float = 0.0
     output_tokens: int = 0       # from the server's usage; the chunk count if it sent none
     error: str | None = None
+    text: str = ""               # the streamed completion text
 
     @property
     def ok(self) -> bool:

@@ -111,7 +111,8 @@ class LookupTable:
         self._end(request_id, f"request {request_id!r} was released by its decode peer", now, released=True)
         return True
 
-    def lookup(self, request_id: str, peer: bytes, dst: tuple[int, ...]) -> Decision:
+    def lookup(self, request_id: str, peer: bytes, dst: tuple[int, ...], skipped: int | None = None) -> Decision:
+        """`skipped`: leading blocks the peer holds already; with it, `dst` must cover the rest exactly."""
         def refuse(why: str) -> Answer:
             return Answer(LookupReply(request_id, False, error=f"request {request_id!r} {why}"))
 
@@ -125,6 +126,9 @@ class LookupTable:
             return InProgress() if entry.peer == peer else refuse("is being pulled by another peer")
         if len(dst) > len(entry.block_ids):
             return refuse(f"holds {len(entry.block_ids)} blocks, peer offered {len(dst)}")
+        if skipped is not None and skipped + len(dst) != len(entry.block_ids):
+            return refuse(f"holds {len(entry.block_ids)} blocks, peer holds {skipped} and offered {len(dst)} "
+                          "for the rest (the two sides see different prompts)")
         entry.peer, entry.dst = peer, dst
         # Fewer blocks: the peer already holds the prompt's first blocks (its prefix cache).
         return Start(entry.block_ids[len(entry.block_ids) - len(dst):], dst)

@@ -9,7 +9,8 @@ out-of-order replies), or `"status": "error"` for an `ErrorReply`.
     Handshake (D's engine id, client nonce)     HandshakeReply (engine id, transfer descriptor,
                                                   server nonce) | ErrorReply (engine_id_in_use)
     KVMapInit (D's layout + descriptor, proof)  KVMapReply (agreed layout, proof) | ErrorReply
-    LookupAll (request id, D's block ids)       LookupReply | ErrorReply
+    LookupAll (request id, D's block ids,       LookupReply | ErrorReply
+      blocks D skips: its cached prefix)
     Release (request id: D's request is gone)   no reply
                                                 Probe (is this session's peer still there?)
 
@@ -136,13 +137,18 @@ class KVMapInit:
 @dataclass(frozen=True, slots=True)
 class LookupAll:
     """`timeout_s`: how long D still waits; P's transfer must not write after that.
-    `checksum`: the checksum (one of CHECKSUMS) P computes over the blocks it sends."""
+    `checksum`: the checksum (one of CHECKSUMS) P computes over the blocks it sends.
+    `skipped_blocks`: how many leading blocks of the request D holds already (its prefix
+    cache); D's block ids receive the blocks after them, so the two must add up to P's count.
+    Without it P sends its last len(block ids) blocks, which is the same for a sender that
+    ignores the field."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
     block_ids_in_peer_device: tuple[int, ...]
     timeout_s: float | None = None
     checksum: str | None = None
+    skipped_blocks: int | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
@@ -151,6 +157,8 @@ class LookupAll:
             obj["timeout_s"] = self.timeout_s
         if self.checksum is not None:
             obj["checksum"] = self.checksum
+        if self.skipped_blocks is not None:
+            obj["skipped_blocks"] = self.skipped_blocks
         return _dump(obj)
 
     @classmethod
@@ -161,9 +169,13 @@ class LookupAll:
         checksum = _get(obj, "checksum", str, None)
         if checksum is not None and checksum not in CHECKSUMS:
             raise ProtocolError(f"field 'checksum' must be one of {list(CHECKSUMS)}, got {checksum!r}")
+        skipped = _get(obj, "skipped_blocks", int, None)
+        if skipped is not None and skipped < 0:
+            raise ProtocolError(f"field 'skipped_blocks' must not be negative, got {skipped}")
         return cls(request_id=_request_id(obj),
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
-                   timeout_s=None if timeout is None else float(timeout), checksum=checksum)
+                   timeout_s=None if timeout is None else float(timeout), checksum=checksum,
+                   skipped_blocks=skipped)
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,8 +88,13 @@ class RecvBuffer:
             raise HandshakeError(f"our transfer engine cannot describe its KV pool: {exc}") from exc
 
     def request_pull(self, request_id: str, peer_host: str, peer_kv_port: int, dst_block_ids: list[int],
-                     deadline_s: float | None = None, peer_engine_id: str | None = None) -> None:
+                     deadline_s: float | None = None, peer_engine_id: str | None = None,
+                     skipped_blocks: int | None = None) -> None:
         """Starts pulling; `deadline_s` (default `default_timeout`) bounds the whole pull.
+
+        `skipped_blocks`: the request's leading blocks we hold already (our prefix cache);
+        `dst_block_ids` then receive exactly the blocks after them. None: the peer's last
+        len(dst_block_ids) blocks.
 
         With `peer_engine_id`, the pull fails with EngineMismatch when the peer's handshake
         names another engine, instead of pulling from whatever worker now has that address.
@@ -98,11 +103,14 @@ class RecvBuffer:
             raise ConnectorError("RecvBuffer is not running (call start())")
         if any(b < 0 or b >= self.layout.num_blocks for b in dst_block_ids):
             raise ValueError(f"block ids {dst_block_ids} out of range [0, {self.layout.num_blocks})")
+        if skipped_blocks is not None and skipped_blocks < 0:
+            raise ValueError(f"skipped_blocks must not be negative, got {skipped_blocks}")
         address = self.maybe_setup_buffer(peer_host, peer_kv_port)
         now = time.monotonic()
         timeout = self.default_timeout if deadline_s is None else deadline_s
         with self._lock:
-            self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id)
+            self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id,
+                            skipped_blocks)
         self._service.wake()
 
     def poll(self, request_id: str) -> PullStatus:

@@ -299,7 +299,7 @@ class SendBuffer:
         peer = session.transfer_peer
         identity = session.engine_id.encode()     # the table knows peers by their engine id
         with self._lock:
-            decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device)
+            decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device, message.skipped_blocks)
         if isinstance(decision, NotReady):
             self.stats.not_ready += 1
             return LookupReply(rid, False)

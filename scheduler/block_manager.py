@@ -79,7 +79,8 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def allocate_fresh(self, seq: Sequence) -> None:
-        """Gives `seq` unshared, unhashed blocks for all its tokens: a transfer will write them."""
+        """Gives `seq` unshared blocks for all its tokens that never join the prefix cache: a
+        transfer writes them all."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         seq.block_table.extend(self._take_free_block().block_id for _ in range(seq.num_blocks))
         seq.num_hashed_blocks = seq.num_blocks   # their KV comes from elsewhere: never cached here
@@ -108,7 +109,8 @@ class BlockManager:
         """Caches `seq`'s full blocks within its first `num_tokens` tokens, whose KV is in the
         pool by the end of this step (each layer writes a step's KV before any of it is read).
 
-        A block whose predecessor is not cached (KV that arrived by transfer) is never cached.
+        Blocks are cached in order: one whose predecessor is not cached (KV pulled into blocks
+        from `allocate_fresh`) never is.
         """
         if not self.enable_prefix_caching:
             return

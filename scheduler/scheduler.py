@@ -6,9 +6,11 @@ of the budget to prompt chunks, oldest first, so a long prompt never stalls runn
 for its whole prefill. Without it a step is either whole prompts or one decode of every
 running request. Role "prefill": one prefill runs at a time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
 its blocks held after it finished, until `release`. Role "decode": a `remote_kv` request
-gets fresh blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
-pull done (`transfer_done`, its first token) or failed (`release`). In every role running +
-transferring never exceeds `max_num_seqs`.
+gets its blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
+pull done (`transfer_done`, its first token) or failed (`release`). With
+`prefix_aware_transfer` its leading blocks come from the prefix cache where it has them
+(`Sequence.num_cached_blocks`), only the rest is pulled, and the pulled full blocks join the
+cache once they arrived. In every role running + transferring never exceeds `max_num_seqs`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = False
     role: str = "both"
+    prefix_aware_transfer: bool = True   # decode: pull only the blocks the prefix cache lacks
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -189,15 +192,19 @@ class Scheduler:
         return chunk
 
     def admit_transfers(self) -> list[Sequence]:
-        """Decode: gives waiting `remote_kv` requests fresh blocks and marks them TRANSFERRING.
+        """Decode: gives waiting `remote_kv` requests blocks and marks them TRANSFERRING.
 
-        The caller starts a pull into each returned sequence's `block_table`.
+        The caller starts a pull into each returned sequence's `block_table` past its first
+        `num_cached_blocks` (cached blocks, with prefix-aware transfer; else none).
         """
         admitted: list[Sequence] = []
         for seq in [s for s in self.waiting if self._needs_pull(s)]:
             if not self._can_admit(seq):
                 break
-            self.block_manager.allocate_fresh(seq)
+            if self.config.prefix_aware_transfer:
+                self.block_manager.allocate(seq)
+            else:
+                self.block_manager.allocate_fresh(seq)
             seq.status = SequenceStatus.TRANSFERRING
             self.waiting.remove(seq)
             self.transferring[seq.request_id] = seq
@@ -218,6 +225,7 @@ class Scheduler:
         del self.transferring[seq.request_id]
         seq.remote_kv = False  # from here on it is local: a preemption recomputes it
         seq.num_computed_tokens = len(seq)   # the prompt's KV is in its blocks: only new tokens run here
+        self.block_manager.commit(seq, len(seq))   # pulled full blocks: a later prompt with this prefix reuses them
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.postprocess([seq], [token_id])

@@ -67,6 +67,11 @@ class Sequence:
         return blocks_for(len(self.token_ids), self.block_size)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Leading blocks that were prefix-cache hits when it got its blocks."""
+        return self.num_cached_tokens // self.block_size
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0
     role: str = "both"
     enable_prefix_caching: bool = True
+    prefix_aware_transfer: bool = True     # decode: pull only the blocks the prefix cache lacks
 
     def __post_init__(self) -> None:
         positive = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_waiting")

@@ -22,6 +22,8 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     LookupAll("req-1", (3, 0, 7)),
     LookupAll("req-1", (3,), timeout_s=2.5),
     LookupAll("req-1", (3,), timeout_s=2.5, checksum=CRC32),
+    LookupAll("req-1", (3,), skipped_blocks=0),
+    LookupAll("req-1", (8, 9), timeout_s=1.0, skipped_blocks=5),
     Release("req-1"),
 ])
 def test_requests_round_trip(message: object) -> None:
@@ -57,6 +59,7 @@ def test_wire_format_matches_the_design() -> None:
         "type": "lookup_all", "request_id": "r", "success": False}
     assert json.loads(Release("r").to_bytes()) == {"type": "release", "request_id": "r"}
     assert json.loads(LookupAll("r", (1,), checksum="crc32").to_bytes())["checksum"] == "crc32"
+    assert json.loads(LookupAll("r", (1,), skipped_blocks=3).to_bytes())["skipped_blocks"] == 3
     assert json.loads(LookupReply("r", True, 9, (1,), checksum=0xDEADBEEF).to_bytes())["checksum"] == 0xDEADBEEF
     hello = json.loads(HandshakeReply(1.0, "p0", {}, "n2").to_bytes())
     assert hello["status"] == "ok" and hello["timestamp"] == 1.0 and hello["engine_id"] == "p0"
@@ -84,6 +87,12 @@ def test_wire_format_matches_the_design() -> None:
      "'checksum' must be one of \\['crc32'\\], got 'md5'"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "checksum": true}',
      "'checksum' must be"),
+    (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "skipped_blocks": -1}',
+     "'skipped_blocks' must not be negative"),
+    (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "skipped_blocks": 1.5}',
+     "'skipped_blocks' must be"),
+    (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "skipped_blocks": true}',
+     "'skipped_blocks' must be"),
     (b'{"type": "release"}', "lacks field 'request_id'"),
     (b'{"type": "release", "request_id": ""}', "must not be empty"),
     (b'{"type": "release", "request_id": ["r"]}', "must be"),

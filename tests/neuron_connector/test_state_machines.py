@@ -72,6 +72,16 @@ class TestLookupTable:
         table.publish("s", [7], 5, now=0)
         assert table.lookup("s", D1, ()) == Start((), ())
 
+    def test_a_peer_naming_its_cached_blocks_gets_exactly_the_rest(self) -> None:
+        table = LookupTable(abort_timeout=10)
+        table.publish("r", [4, 5, 6, 7], 5, now=0)
+        assert table.lookup("r", D1, (9,), skipped=3) == Start((7,), (9,))
+        table.publish("s", [4, 5, 6], 5, now=0)
+        refused = table.lookup("s", D1, (9,), skipped=1)
+        assert isinstance(refused, Answer) and "holds 3 blocks, peer holds 1 and offered 1" in refused.reply.error
+        table.publish("t", [4, 5], 5, now=0)
+        assert table.lookup("t", D1, (8, 9), skipped=0) == Start((4, 5), (8, 9))
+
     def test_release_of_an_unpulled_request_frees_it_at_once(self) -> None:
         table = LookupTable(abort_timeout=10)
         table.publish("r", [1, 2], 5, now=0)
@@ -237,6 +247,14 @@ class TestPullTracker:
         pulls.fail_peer("p", LayoutMismatch("head_dim"))
         assert [pulls.poll(r).message for r in ("a", "b")] == ["head_dim", "head_dim"]
         assert pulls.poll("c").state is PullState.PENDING
+
+    def test_lookups_name_the_blocks_the_pull_skips(self) -> None:
+        pulls = PullTracker()
+        pulls.add("r", "p", [8, 9], deadline=10, now=0, skipped=4)
+        pulls.add("s", "p", [7], deadline=10, now=0)
+        sent = {m.request_id: m for _, m in pulls.due(0, {"p"})}
+        assert sent["r"].skipped_blocks == 4 and sent["r"].block_ids_in_peer_device == (8, 9)
+        assert sent["s"].skipped_blocks is None
 
     def test_reply_for_other_blocks_is_a_protocol_error(self) -> None:
         pulls = PullTracker()

@@ -110,3 +110,24 @@ def proxied_2p2d(worker_flags: Sequence[str],
             proxy.process.stop()
         for worker in workers:
             worker.stop()
+
+
+@contextlib.contextmanager
+def proxied_1p1d(decode_flags: Sequence[str] = ()) -> Iterator[tuple[Server, WorkerProcess, WorkerProcess, WorkerProcess]]:
+    """A real prefill and decode worker (shm) behind a proxy, and a `both` worker to compare with:
+    (proxy, prefill, decode, both); every process is stopped on the way out."""
+    started: list[WorkerProcess] = []
+    proxy: Server | None = None
+    try:
+        for role in ("prefill", "decode", "both"):
+            started.append(WorkerProcess(role, "shm", decode_flags if role == "decode" else ()))
+        prefill, decode, both = started
+        proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
+                             "--prefill-kv-port", str(prefill.kv_port),
+                             "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
+        yield proxy, prefill, decode, both
+    finally:
+        if proxy is not None:
+            proxy.process.stop()
+        for worker in started:
+            worker.stop()

@@ -18,7 +18,7 @@ import pytest
 from tests.di.workers import worker_pair
 from tests.helpers import wait_until
 from tests.worker_process import WorkerProcess
-from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.conftest import Server, proxied_1p1d, start_proxy
 
 PROMPT = "def fibonacci(n):\n    "
 MESSAGES = [{"role": "user", "content": "Write a for loop over a list."}]
@@ -28,21 +28,8 @@ BUSY = 4  # requests keeping a decode engine busy
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[Server, WorkerProcess, WorkerProcess, WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    proxy: Server | None = None
-    try:
-        for role in ("prefill", "decode", "both"):
-            started.append(WorkerProcess(role, "shm"))
-        prefill, decode, both = started
-        proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
-                             "--prefill-kv-port", str(prefill.kv_port),
-                             "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
-        yield proxy, prefill, decode, both
-    finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in started:
-            worker.stop()
+    with proxied_1p1d() as started:
+        yield started
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,9 @@ from tests.scheduler.steps import prefills
 BLOCK = 4
 
 
-def scheduler(role: str, num_blocks: int = 32, max_num_seqs: int = 3) -> Scheduler:
+def scheduler(role: str, num_blocks: int = 32, max_num_seqs: int = 3, prefix_aware: bool = True) -> Scheduler:
     return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                                     role=role), eos_token_ids=[0])
+                                     role=role, prefix_aware_transfer=prefix_aware), eos_token_ids=[0])
 
 
 def seq(i: int, prompt_len: int = 5, max_tokens: int = 1, remote: bool = True) -> Sequence:
@@ -59,16 +59,19 @@ def test_decode_runs_a_request_only_after_its_transfer() -> None:
     assert [(c.seq, c.start, c.num_tokens) for c in step.chunks] == [(pulled, 5, 1)]  # a decode, no prompt recompute
 
 
-def test_decode_pulls_into_fresh_blocks_never_cached_ones() -> None:
-    s = scheduler("decode")
+def test_without_prefix_aware_transfer_decode_pulls_into_fresh_blocks_never_cached_ones() -> None:
+    s = scheduler("decode", prefix_aware=False)
     local = Sequence("local", list(range(1, 9)), 1, block_size=BLOCK)
     s.add(local)
     seqs = s.schedule().seqs
     s.postprocess(seqs, [5])  # finished: its full blocks stay in the prefix cache
+    cached = dict(s.block_manager.hash_to_block_id)
     s.add(seq(1, prompt_len=8))
     (pulled,) = s.admit_transfers()
     assert pulled.num_cached_tokens == 0
     assert all(s.block_manager.blocks[b].ref_count == 1 for b in pulled.block_table)
+    s.transfer_done(pulled, 9)
+    assert s.block_manager.hash_to_block_id == cached   # the pulled blocks never join the cache
 
 
 EVENTS = st.lists(st.tuples(st.sampled_from(["add", "step", "done", "fail", "release", "abort"]),
@@ -76,9 +79,9 @@ EVENTS = st.lists(st.tuples(st.sampled_from(["add", "step", "done", "fail", "rel
 
 
 @settings(max_examples=150, deadline=None)
-@given(role=st.sampled_from(["prefill", "decode", "both"]), events=EVENTS)
-def test_invariants_hold_over_random_events(role: str, events: list[tuple[str, int]]) -> None:
-    s = scheduler(role, num_blocks=12, max_num_seqs=3)
+@given(role=st.sampled_from(["prefill", "decode", "both"]), events=EVENTS, prefix_aware=st.booleans())
+def test_invariants_hold_over_random_events(role: str, events: list[tuple[str, int]], prefix_aware: bool) -> None:
+    s = scheduler(role, num_blocks=12, max_num_seqs=3, prefix_aware=prefix_aware)
     live: list[Sequence] = []
     for n, (event, arg) in enumerate(events):
         if event == "add":

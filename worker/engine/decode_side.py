@@ -1,4 +1,8 @@
-"""Role "decode": a leg's prompt KV is pulled from its prefill worker into fresh blocks, then it runs."""
+"""Role "decode": a leg's prompt KV is pulled from its prefill worker, then it runs.
+
+With prefix-aware transfer (the scheduler's choice) the leading blocks this worker's prefix
+cache holds already are not pulled: only the blocks after them are.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -26,6 +30,7 @@ class DecodeSide(DisaggregatedRole):
             if (request := self._pulled(request_id)) is not None:
                 # Token 1 was sampled on the prefill worker from its copy of this generator.
                 skip_sample(self.parts.vocab_size, request.params, request.generator)
+                self.kv.pulled(len(request.block_table) - request.num_cached_blocks, request.num_cached_blocks)
                 scheduler.transfer_done(request, token_id)
                 outputs.append(self.parts.emit(request, token_id))
         for request_id, error in results.failed:
@@ -33,7 +38,8 @@ class DecodeSide(DisaggregatedRole):
                 outputs.append(self._fail(request, error))
         for request in scheduler.admit_transfers():
             try:
-                self.kv.start_pull(request.request_id, request.pull_target, list(request.block_table))
+                skipped = request.num_cached_blocks
+                self.kv.start_pull(request.request_id, request.pull_target, request.block_table[skipped:], skipped)
             except KVTransferError as exc:
                 outputs.append(self._fail(request, exc))
         return outputs

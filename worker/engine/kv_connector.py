@@ -86,6 +86,9 @@ class KVConnector:
         self.on_transfer: Callable[[float, int, int], None] = lambda seconds, blocks, nbytes: None
         # Decode with integrity_check: called from take_finished with the outcome of each verified pull.
         self.on_integrity_check: Callable[[bool], None] = lambda ok: None
+        # Decode: called from the engine thread per finished pull with (blocks pulled, blocks skipped, block bytes).
+        self.on_pull: Callable[[int, int, int], None] = lambda pulled, skipped, block_bytes: None
+        self._block_bytes = 0
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._transfer: Any = None
@@ -103,6 +106,7 @@ class KVConnector:
         try:
             self._transfer = create_transfer_engine(cfg.transport, host=cfg.kv_host, secret=cfg.secret)
             pool = self._transfer.allocate_region(layout)
+            self._block_bytes = layout.block_bytes
             engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: one live session per id
             if self.role == "prefill":
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
@@ -149,13 +153,18 @@ class KVConnector:
 
     # ---- decode -------------------------------------------------------------------------------
 
-    def start_pull(self, request_id: str, target: PullTarget, block_ids: list[int]) -> None:
+    def start_pull(self, request_id: str, target: PullTarget, block_ids: list[int], num_skipped: int = 0) -> None:
+        """Pulls the request's blocks after its first `num_skipped` (which this worker holds) into `block_ids`."""
         assert self.recv is not None
         try:
             self.recv.request_pull(request_id, target.host, target.port, block_ids,
-                                   peer_engine_id=target.engine_id)
+                                   peer_engine_id=target.engine_id, skipped_blocks=num_skipped)
         except (ConnectorError, ValueError) as exc:
             raise KVTransferError(f"KV pull of request {request_id!r} could not start: {exc}") from exc
+
+    def pulled(self, num_pulled: int, num_skipped: int) -> None:
+        """Counts a finished pull: blocks moved, and leading blocks not moved since this worker held them."""
+        self.on_pull(num_pulled, num_skipped, self._block_bytes)
 
     def _on_finished(self, request_id: str) -> None:
         # RecvBuffer thread: as _on_release.

@@ -72,7 +72,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
             enable_chunked_prefill=config.chunked_prefill,
             max_waiting=config.max_waiting, enable_prefix_caching=config.enable_prefix_caching,
-            role=config.role,
+            prefix_aware_transfer=config.prefix_aware_transfer, role=config.role,
         ), eos_token_ids=self.tokenizer.eos_token_ids)
         parts = EngineParts(self.scheduler, self.requests, self._output, self.model_config.vocab_size)
         self.role = ROLE_SIDES[config.role](parts, kv_connector)

@@ -100,6 +100,7 @@ class _Worker:
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
             engine.kv_connector.on_integrity_check = self.metrics.integrity_checked
+            engine.kv_connector.on_pull = self.metrics.pull_done
 
     async def shutdown(self) -> None:
         await self.async_engine.stop()

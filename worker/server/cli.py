@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-integrity-check", action="store_true",
                     help="decode: ask the prefill worker for a CRC-32 of the KV blocks it sends and fail the "
                          "request (kv_transfer_error) when the blocks received do not match")
+    kv.add_argument("--prefix-aware-transfer", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode: pull only the prompt's KV blocks this worker's prefix cache lacks, and cache the "
+                         "pulled ones for the next prompt with that prefix (default: on; needs prefix caching)")
     kv.add_argument("--etcd", default=None, help="host:port of etcd to register this worker in (optional)")
     kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
     return parser
@@ -125,6 +128,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               enable_chunked_prefill=args.enable_chunked_prefill,
                               enable_prefix_caching=args.enable_prefix_caching,
+                              prefix_aware_transfer=args.prefix_aware_transfer,
                               max_model_len=args.max_model_len, seed=args.seed, role=args.role)
     except ValueError as exc:
         parser.error(str(exc))

@@ -44,6 +44,18 @@ class ServerMetrics:
                                        registry=self.registry)
         self.transfer_bytes = Counter("neuron_di_kv_transfer_bytes", "Prefill: KV bytes pushed.", labels,
                                       registry=self.registry)
+        self.pulls = Counter("neuron_di_kv_pulls", "Decode: KV pulls completed (one per disaggregated request).",
+                             labels, registry=self.registry)
+        self.blocks_pulled = Counter("neuron_di_kv_blocks_pulled", "Decode: KV blocks pulled from prefill workers.",
+                                     labels, registry=self.registry)
+        self.bytes_pulled = Counter("neuron_di_kv_bytes_pulled", "Decode: KV bytes pulled from prefill workers.",
+                                    labels, registry=self.registry)
+        self.blocks_skipped = Counter(
+            "neuron_di_kv_blocks_skipped", "Decode: prompt KV blocks not pulled, found in this worker's prefix cache.",
+            labels, registry=self.registry)
+        self.bytes_skipped = Counter(
+            "neuron_di_kv_bytes_skipped", "Decode: prompt KV bytes not pulled, found in this worker's prefix cache.",
+            labels, registry=self.registry)
         self.integrity_checks = Counter(
             "neuron_di_kv_integrity_checks", "Decode: KV pulls whose checksum was verified (--kv-integrity-check).",
             labels, registry=self.registry)
@@ -53,7 +65,8 @@ class ServerMetrics:
         self.requests = Counter("neuron_di_requests", "Requests answered, by finish reason or error status.",
                                 [*labels, "outcome"], registry=self.registry)
         self.model_name = model_name
-        for counter in (self.prompt_tokens, self.generation_tokens, self.integrity_checks, self.integrity_failures):
+        for counter in (self.prompt_tokens, self.generation_tokens, self.integrity_checks, self.integrity_failures,
+                        self.pulls, self.blocks_pulled, self.bytes_pulled, self.blocks_skipped, self.bytes_skipped):
             counter.labels(model_name)    # shown as 0 before the first request or pull
 
     def observe_stats(self, stats: EngineStats) -> None:
@@ -68,6 +81,14 @@ class ServerMetrics:
         self.transfer_seconds.labels(self.model_name).observe(seconds)
         self.transfer_blocks.labels(self.model_name).inc(num_blocks)
         self.transfer_bytes.labels(self.model_name).inc(num_bytes)
+
+    def pull_done(self, num_pulled: int, num_skipped: int, block_bytes: int) -> None:
+        """Counts one completed KV pull: the blocks it moved and the cached ones it did not."""
+        self.pulls.labels(self.model_name).inc()
+        self.blocks_pulled.labels(self.model_name).inc(num_pulled)
+        self.bytes_pulled.labels(self.model_name).inc(num_pulled * block_bytes)
+        self.blocks_skipped.labels(self.model_name).inc(num_skipped)
+        self.bytes_skipped.labels(self.model_name).inc(num_skipped * block_bytes)
 
     def integrity_checked(self, ok: bool) -> None:
         """Counts one pull whose checksum was compared, and a mismatch."""
