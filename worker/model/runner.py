@@ -9,7 +9,7 @@ from worker.model.layers import paged_decode
 from scheduler import ScheduledChunk, ScheduledStep
 from worker.model.layers.attention import AttentionMetadata, SeqGroup, build_mask
 from worker.model.layers.linear import pack_linears
-from worker.model.llama import LlamaForCausalLM
+from worker.model.llama import InputRows, LlamaForCausalLM
 from worker.engine.request import Request
 from worker.model.sampler import sample
 
@@ -20,6 +20,7 @@ class StepInputs:
     positions: torch.Tensor       # (tokens,)
     last_index: torch.Tensor | None   # rows of the hidden states whose logits are needed; None: all
     meta: AttentionMetadata
+    input_rows: InputRows | None = None   # image embeddings replacing some rows' token embeddings
 
 
 class ModelRunner:
@@ -43,7 +44,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits (sampled seqs, vocab) of each sampled sequence's last token."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.input_rows)
         if inputs.last_index is not None:
             hidden = hidden[inputs.last_index]
         return self.model.compute_logits(hidden)
@@ -67,7 +68,22 @@ class ModelRunner:
                                  decodes=decodes, chunks=prompt_chunks)
         every_row = len(last_rows) == len(positions)
         return StepInputs(self._tensor(input_ids), self._tensor(positions),
-                          None if every_row else self._tensor(last_rows), meta)
+                          None if every_row else self._tensor(last_rows), meta, self._input_rows(chunks))
+
+    def _input_rows(self, chunks: list[ScheduledChunk]) -> InputRows | None:
+        """The image rows among the step's inputs (a chunk may start or end inside an image) and their embeddings."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        offset = 0   # the chunk's first row in the flat input
+        for chunk in chunks:
+            end = chunk.start + chunk.num_tokens
+            for start, image in chunk.seq.mm:   # type: ignore[attr-defined]  # the engine schedules Requests
+                lo, hi = max(start, chunk.start), min(start + image.num_positions, end)
+                if lo < hi:
+                    rows.extend(range(offset + lo - chunk.start, offset + hi - chunk.start))
+                    parts.append(image.tensor[lo - start:hi - start])
+            offset += chunk.num_tokens
+        return (self._tensor(rows), torch.cat(parts).to(self.device)) if parts else None
 
     def _slots(self, chunks: list[ScheduledChunk]) -> list[int]:
         bs = self.block_size
