@@ -90,7 +90,7 @@ async def _prefill(client: httpx.AsyncClient, url: str, request_id: str, body: d
         reply = await client.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id})
     except httpx.HTTPError as exc:
         raise RemotePrefillError(f"remote prefill of request {request_id!r} on {where} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+                                 f"{type(exc).__name__}: {exc or 'the connection was lost'}") from exc
     if reply.status_code != 200:
         raise RemotePrefillError(f"remote prefill of request {request_id!r} on {where} answered HTTP "
                                  f"{reply.status_code}: {_message(reply.content)}", retryable=reply.status_code == 503)
