@@ -7,6 +7,7 @@ worker frees every block. tcp workers: a killed shm worker cannot unlink its poo
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from proxy.flows import STRATEGIES
-from tests.helpers import wait_until
+from tests.helpers import free_port, send_and_leave, wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import GREEDY, request_body
 from tests.worker_process import WorkerProcess
@@ -140,3 +141,32 @@ def test_decode_killed_mid_stream_is_an_error_event_and_prefill_frees_its_blocks
     assert error["code"] == 502 and f"decode worker 127.0.0.1:{decode.port}" in error["message"], error
     assert len(payloads) < LONG["max_tokens"]  # cut short, not finished before the kill
     prefill.wait_blocks_free()
+
+
+def test_client_gone_in_decode_first_cancels_the_prefill_leg_decode_sent(stack: Stack) -> None:
+    """The prefill worker here takes the request and never answers (a plain socket server): the decode
+    worker's prefill leg ends only when the decode worker closes it, once its own client has left."""
+    decode = stack.workers["decode"]
+    path, body = request_body(False, False, GREEDY, 12)
+
+    async def run() -> None:
+        asked, dropped = asyncio.Event(), asyncio.Event()
+
+        async def prefill(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            asked.set()
+            await reader.read()  # until the decode worker closes the connection
+            dropped.set()
+            writer.close()
+
+        server = await asyncio.start_server(prefill, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        body["kv_transfer_params"] = {"role": "decode", "remote_host": "127.0.0.1", "remote_port": free_port(),
+                                      "remote_url": url}
+        async with server:
+            client = asyncio.ensure_future(send_and_leave(decode.port, path, body, until=asked))
+            await asyncio.wait_for(client, DEADLINE_S)
+            await asyncio.wait_for(dropped.wait(), DEADLINE_S)
+
+    asyncio.run(run())
+    decode.wait_blocks_free()
