@@ -31,7 +31,7 @@ class ProxyState:
         self.config = config
         self.pool = WorkerPool(config.workers, on_lost=self._worker_lost)
         self.metrics = Metrics()
-        self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated)
+        self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}

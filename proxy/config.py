@@ -7,6 +7,7 @@ from typing import Sequence
 
 from common.roles import DEFAULT_KV_PORT, DISAGGREGATED_ROLES
 from proxy.errors import ConfigError
+from proxy.flows import DEFAULT_STRATEGY, STRATEGIES
 from proxy.upstream import Timeouts
 from proxy.workers import KV_PROTOCOLS, WorkerRecord, static_worker
 
@@ -30,6 +31,7 @@ class ProxyConfig:
     health_timeout: float = 2.0
     http_client: str = "aiohttp"
     shutdown_grace: float = 5.0  # seconds streams may run on after SIGTERM before they end with an error
+    strategy: str = DEFAULT_STRATEGY  # the flow of disaggregated requests to kv_protocol "neuron" workers
 
     @property
     def colocated(self) -> bool:
@@ -55,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-protocol", choices=KV_PROTOCOLS, default="neuron",
                    help="how the static prefill/decode workers are driven: neuron (our signal plane, both legs "
                         "at once) or nixl (vLLM's NixlConnector: prefill first, its kv_transfer_params to decode)")
+    p.add_argument("--disaggregation-strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY,
+                   help="how a request's legs go to kv_protocol neuron workers: concurrent (both at once), "
+                        "prefill_first (decode starts with prefill's answer) or decode_first (decode alone is "
+                        "called and asks prefill for the KV itself); nixl workers always go prefill first, "
+                        f"--mode colocated ignores it (default {DEFAULT_STRATEGY})")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="colocated worker (repeat)")
     p.add_argument("--etcd", metavar="HOST:PORT", help="discover workers under /workers/ in etcd")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")
@@ -89,7 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        kv_ports_given=kv_ports_given, etcd=etcd,
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
-                       http_client=args.http_client, shutdown_grace=args.shutdown_grace)
+                       http_client=args.http_client, shutdown_grace=args.shutdown_grace,
+                       strategy=args.disaggregation_strategy)
 
 
 def _static_workers(args: argparse.Namespace) -> tuple[tuple[WorkerRecord, ...], frozenset[str]]:

@@ -1,11 +1,9 @@
 """One client request -> one or two legs to workers -> one answer.
 
-Disaggregated: a prefill leg (one token, not streamed) and a decode leg, driven as the
-prefill worker's record says. kv_protocol "neuron" (our signal plane): both legs at once;
-whichever fails first cancels the other. "nixl" (vLLM's NixlConnector): prefill first, then
-decode with the kv_transfer_params of prefill's answer. Either way the answer is stitched
-the same. Single leg: colocated workers, or a request for one token, which prefill answers
-on its own.
+Disaggregated: the flow (proxy/flows.py) the strategy and the prefill worker's kv_protocol call
+for starts the legs: a prefill answer (one token, not streamed) and a decode leg, stitched into
+one answer whichever flow started them; or, decode_first, one leg to decode, relayed. Single leg:
+colocated workers, or a request for one token, which prefill answers on its own.
 """
 from __future__ import annotations
 
@@ -16,16 +14,16 @@ import time
 import uuid
 from dataclasses import dataclass
 from contextlib import contextmanager
-from typing import Any, AsyncGenerator, Awaitable, Callable, Iterator
+from typing import Any, AsyncGenerator, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
 from proxy.abandon import Abandoner
-from proxy.errors import (ProxyError, ShuttingDown, UpstreamError, UpstreamProtocol, UpstreamStatus,
-                          UpstreamUnavailable, to_http)
+from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable, to_http
+from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
+                         spawn, stitched_flow)
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
-from proxy.requests import (ClientRequest, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
-                            nixl_prefill_params, prefill_body)
+from proxy.requests import ClientRequest, leg_seed
 from proxy.sse import SSEDecoder, encode_raw
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.upstream import Upstream
@@ -49,24 +47,18 @@ class StreamAnswer:
 Answer = JSONAnswer | StreamAnswer
 
 
-@dataclass(frozen=True, slots=True)
-class _DecodeLeg:
-    """A started decode leg; a streamed one delivers its SSE payloads through `queue`."""
-
-    worker: WorkerRecord
-    task: asyncio.Task[Any]
-    queue: asyncio.Queue[Any] | None = None
-
-
 class Forwarder:
-    """Sends requests to workers picked from `pool`, over the client `clients(worker)` returns."""
+    """Sends requests to workers picked from `pool`, over the client `clients(worker)` returns; disaggregated
+    requests go as `strategy` (proxy/flows.py) says."""
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream],
-                 metrics: Metrics, colocated: bool) -> None:
+                 metrics: Metrics, colocated: bool, strategy: str = DEFAULT_STRATEGY) -> None:
         self._pool = pool
         self._clients = clients
         self._metrics = metrics
         self._colocated = colocated
+        self._strategy = strategy  # the flow of disaggregated requests to kv_protocol "neuron" workers
+        self._flow_legs = LegCalls(self._call, self._start_decode)
         self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
         self._legs = InFlightLegs()
         self._abandoner = Abandoner(clients)
@@ -103,15 +95,19 @@ class Forwarder:
             return await self._single(self._pool.next("prefill"), request)
         return await self._disaggregated(request)
 
-    async def _single(self, worker: WorkerRecord, request: ClientRequest) -> Answer:
-        headers = {"X-Request-Id": uuid.uuid4().hex}
+    async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
+                      uid: str | None = None) -> Answer:
+        """One leg, relayed: the client's body, or (decode_first) `body` under the request id `uid`, which a
+        draining decode worker's refusal sends to another decode worker."""
+        headers = {"X-Request-Id": uid or uuid.uuid4().hex}
+        elsewhere, body = body is not None, request.body if body is None else body
         if not request.stream:
-            reply = await self._call(worker, request.endpoint.path, request.body, headers)
-            return JSONAnswer(reply)
+            call = self._call_elsewhere if elsewhere else self._call
+            return JSONAnswer(await call(worker, request.endpoint.path, body, headers))
         started = time.perf_counter()
-        queue, task = self._open_stream(worker, request.endpoint.path, request.body, headers)
+        queue, task = self._open_stream(worker, request.endpoint.path, body, headers, elsewhere)
         # Wait for the first event so that an early failure still gets an HTTP status.
-        first = await _first_or_failure(asyncio.ensure_future(queue.get()), task)
+        first = await first_or_failure(asyncio.ensure_future(queue.get()), task)
         if isinstance(first, ProxyError):
             raise first
         return StreamAnswer(self._relayed(first, queue, task, started))
@@ -120,9 +116,11 @@ class Forwarder:
         prefill = self._pool.next("prefill")
         decode = self._pool.next("decode", prefill.kv_protocol)  # the two legs must speak one handoff
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
-        flow = self._prefill_first if prefill.kv_protocol == "nixl" else self._concurrent
+        flow = stitched_flow(self._strategy, prefill)
+        if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
+            return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
         try:
-            first, leg = await flow(request, prefill, decode, uid, seed)
+            first, leg = await flow(self._flow_legs, request, prefill, decode, uid, seed)
             answer = await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started)
         except BaseException:
             self._abandoner.abandon(prefill, uid)
@@ -131,38 +129,13 @@ class Forwarder:
             return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
         return answer
 
-    async def _concurrent(self, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
-                          uid: str, seed: int | None) -> tuple[dict[str, Any], _DecodeLeg]:
-        """Our signal plane: both legs at once; decode pulls the KV blocks when prefill has them."""
-        headers = {"X-Request-Id": uid}
-        pbody = prefill_body(request, seed, neuron_prefill_params(uid))
-        dbody = decode_body(request, seed, neuron_decode_params(uid, prefill))
-        prefill_task = _spawn(self._call(prefill, request.endpoint.path, pbody, headers))
-        leg = self._start_decode(decode, request, dbody, headers)
-        try:
-            return _json(await _first_or_failure(prefill_task, leg.task), prefill), leg
-        except BaseException:
-            leg.task.cancel()  # a failed leg has cancelled both already; prefill's answer may not be JSON
-            raise
-
-    async def _prefill_first(self, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
-                             uid: str, seed: int | None) -> tuple[dict[str, Any], _DecodeLeg | None]:
-        """vLLM's NixlConnector: prefill answers with where its KV lies; then decode starts with that."""
-        headers = {"X-Request-Id": uid}
-        pbody = prefill_body(request, seed, nixl_prefill_params())
-        first = _json(await self._call(prefill, request.endpoint.path, pbody, headers), prefill)
-        if prefill_finished(first):
-            return first, None  # EOS at token one: decode is not called at all
-        dbody = decode_body(request, seed, _handoff(first, prefill))
-        return first, self._start_decode(decode, request, dbody, headers)
-
     def _start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],
-                      headers: dict[str, str]) -> _DecodeLeg:
+                      headers: dict[str, str]) -> DecodeLeg:
         """A decode leg; one a draining worker refuses goes to another decode worker, which pulls the same KV."""
         if request.stream:
             queue, task = self._open_stream(worker, request.endpoint.path, body, headers, elsewhere=True)
-            return _DecodeLeg(worker, task, queue)
-        return _DecodeLeg(worker, _spawn(self._call_elsewhere(worker, request.endpoint.path, body, headers)))
+            return DecodeLeg(worker, task, queue)
+        return DecodeLeg(worker, spawn(self._call_elsewhere(worker, request.endpoint.path, body, headers)))
 
     def _elsewhere(self, worker: WorkerRecord, exc: UpstreamStatus) -> WorkerRecord:
         """The worker of the same role to send a leg to that the draining `worker` refused; `exc` if none."""
@@ -179,7 +152,7 @@ class Forwarder:
             return await self._call(self._elsewhere(worker, exc), path, body, headers)
 
     async def _answer(self, request: ClientRequest, response_id: str, first: dict[str, Any],
-                      leg: _DecodeLeg | None, started: float) -> Answer:
+                      leg: DecodeLeg | None, started: float) -> Answer:
         """Prefill's answer and the decode leg (None: not called) -> the answer one server would give."""
         try:
             if not request.stream:
@@ -193,11 +166,11 @@ class Forwarder:
             _cancel(leg)  # EOS at token one: decode has nothing to add
         return StreamAnswer(self._stitched(stitcher, events, leg, started))
 
-    async def _whole(self, response_id: str, first: dict[str, Any], leg: _DecodeLeg | None) -> dict[str, Any]:
+    async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None) -> dict[str, Any]:
         if leg is None or prefill_finished(first):
             _cancel(leg)  # EOS at token one: decode has nothing to add
             return prefill_answer(response_id, first)
-        rest = _json(await leg.task, leg.worker)
+        rest = json_object(await leg.task, leg.worker)
         self._first_token(leg.worker, first_token_repeated(first, rest))
         return merge_bodies(response_id, first, rest)
 
@@ -218,7 +191,7 @@ class Forwarder:
                      elsewhere: bool = False) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
         # Bounded, so that a slow client slows the worker's stream down instead of filling our memory.
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_QUEUE_EVENTS)
-        task = _spawn(self._pump(worker, path, body, headers, queue, elsewhere))
+        task = spawn(self._pump(worker, path, body, headers, queue, elsewhere))
         self._pumps.add(task)
         task.add_done_callback(self._pumps.discard)
         return queue, task
@@ -272,7 +245,7 @@ class Forwarder:
                     self._pool.mark(worker.key, healthy=False)  # until a health check passes again
                 raise
 
-    async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: _DecodeLeg | None,
+    async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg | None,
                         started: float) -> AsyncGenerator[bytes, None]:
         timer = _TokenTimer(self._metrics, started)
         try:
@@ -340,49 +313,9 @@ class _TokenTimer:
         self._metrics.e2e.observe(time.perf_counter() - self._started)
 
 
-async def _first_or_failure(main: asyncio.Future[Any], other: asyncio.Task[Any]) -> Any:
-    """The result of `main`; if `other` fails first (or we are cancelled), cancels both and raises."""
-    try:
-        while not main.done():
-            await asyncio.wait({main} if other.done() else {main, other}, return_when=asyncio.FIRST_COMPLETED)
-            if other.done() and not other.cancelled() and other.exception() is not None:
-                raise other.exception()  # type: ignore[misc]
-        return main.result()
-    except BaseException:
-        main.cancel()
-        other.cancel()
-        raise
-
-
-def _cancel(leg: _DecodeLeg | None) -> None:
+def _cancel(leg: DecodeLeg | None) -> None:
     if leg is not None:
         leg.task.cancel()
-
-
-def _handoff(first: dict[str, Any], prefill: WorkerRecord) -> dict[str, Any]:
-    """The kv_transfer_params in a NixlConnector prefill's answer: what decode needs to pull the KV."""
-    params = first.get("kv_transfer_params")
-    if not isinstance(params, dict):
-        raise UpstreamProtocol("answer has no kv_transfer_params object for decode (is it a vLLM worker with "
-                               "NixlConnector?)", prefill.role, prefill.address)
-    return params
-
-
-def _spawn(coro: Awaitable[Any]) -> asyncio.Task[Any]:
-    task = asyncio.ensure_future(coro)
-    # A leg cancelled after the other failed may fail too; that error is already reported.
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return task
-
-
-def _json(body: bytes, worker: WorkerRecord) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise UpstreamProtocol(f"answer is not JSON: {body[:80]!r}", worker.role, worker.address) from exc
-    if not isinstance(data, dict):
-        raise UpstreamProtocol("answer is not a JSON object", worker.role, worker.address)
-    return data
 
 
 def _error_event(exc: ProxyError) -> bytes:

@@ -43,14 +43,17 @@ def wait_until(predicate: Callable[[], T], timeout: float = 30.0, interval: floa
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last error: {last_error!r}")
 
 
-async def send_and_leave(port: int, path: str, body: dict[str, Any], delay: float = 0.0) -> None:
+async def send_and_leave(port: int, path: str, body: dict[str, Any], delay: float = 0.0,
+                         until: asyncio.Event | None = None) -> None:
     """A client that sends a whole POST request to 127.0.0.1:`port` and closes the connection
-    `delay` seconds later without reading a byte of the answer."""
+    `delay` seconds later (or once `until` is set) without reading a byte of the answer."""
     payload = json.dumps(body).encode()
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
     await writer.drain()
+    if until is not None:
+        await until.wait()
     await asyncio.sleep(delay)  # the request's stage when its client leaves
     writer.close()
     await writer.wait_closed()

@@ -6,6 +6,8 @@
     ├── DrainingError         the worker is draining: it takes no new request; another worker will
     ├── ModelLoadError        the model directory is missing, malformed or unsupported
     └── KVTransferError       disaggregated serving: the prompt's KV could not be moved
+        └── RemotePrefillError    decode_first: the prefill leg this decode worker sent failed (502, or 503
+                                  when the prefill worker answered 503)
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ class KVTransferError(WorkerError):
     def __init__(self, message: str, retryable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+class RemotePrefillError(KVTransferError):
+    """The prefill worker a decode worker asked for the prompt's KV failed; the message names it."""
 
 
 def invalid(message: str, param: str | None = None) -> InvalidRequestError:

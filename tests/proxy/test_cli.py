@@ -31,3 +31,13 @@ def test_sigterm_stops_the_proxy_cleanly(servers: Callable[[Server], Server]) ->
     assert proxy.process.proc.wait(timeout=20) == 0
     output = proxy.process.output()
     assert "Traceback" not in output and "Unclosed" not in output
+
+
+def test_unknown_disaggregation_strategy_fails_at_start() -> None:
+    result = subprocess.run([sys.executable, "proxy_server.py", "--etcd", "127.0.0.1:2379",
+                             "--disaggregation-strategy", "decode-first"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("proxy_server.py: error: argument --disaggregation-strategy: invalid "
+                                          "choice: 'decode-first' (choose from 'concurrent', 'prefill_first', "
+                                          "'decode_first')")

@@ -92,6 +92,7 @@ class KVConnector:
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._transfer: Any = None
+        self.engine_id = config.engine_id              # the transfer engine's transfer_id if "", once allocated
         self.send: SendBuffer | None = None
         self.recv: RecvBuffer | None = None
 
@@ -107,7 +108,7 @@ class KVConnector:
             self._transfer = create_transfer_engine(cfg.transport, host=cfg.kv_host, secret=cfg.secret)
             pool = self._transfer.allocate_region(layout)
             self._block_bytes = layout.block_bytes
-            engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: one live session per id
+            engine_id = self.engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: one session per id
             if self.role == "prefill":
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
                                        on_release=self._on_release, abort_timeout=cfg.abort_timeout,
@@ -133,13 +134,18 @@ class KVConnector:
         assert self.send is not None
         self.send.publish(request_id, block_ids, output_token)
 
+    def handoff(self, request_id: str) -> dict[str, Any]:
+        """Prefill: where a decode worker pulls `request_id`'s blocks from (the kv_transfer_params of the answer)."""
+        return {"remote_host": self.config.kv_host, "remote_port": self.kv_port,
+                "remote_engine_id": self.engine_id, "request_id": request_id}
+
     def remembers(self, request_id: str) -> bool:
         """Prefill: the id is still published, or remembered so a late lookup of it gets its answer."""
         return self.send is not None and self.send.knows(request_id)
 
     def discard(self, request_id: str) -> None:
-        """Prefill: the request is gone: its blocks are released (once a running push ends), its decode
-        peer's lookup fails at once, and a leg with its id that arrives later is refused."""
+        """Prefill: the request is gone (or nobody will pull it): its blocks are released (once a running push
+        ends), its decode peer's lookup fails at once, and a leg with its id that arrives later is refused."""
         if self.send is not None:
             self.send.discard(request_id)
 

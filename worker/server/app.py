@@ -36,6 +36,7 @@ from worker.multimodal.media import MediaPolicy
 from worker.multimodal.prompt import MultiModalPrompt, build_prompt
 from worker.server.images import ImageResolver
 from worker.server.metrics import RequestTimer, ServerMetrics
+from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
 from common.openai_wire import DONE_EVENT, error_body, sse_event
 from neuron_connector.registry import WorkerRecord
 from common.request_body import request_body
@@ -97,6 +98,7 @@ class _Worker:
         self.max_model_len = 0
         self.created = int(time.time())
         self.record: WorkerRecord | None = None  # set by `python -m worker` once the engine runs (cli.py)
+        self.remote_prefills = RemotePrefills()  # decode_first: the prefill legs this decode worker sends
 
     async def startup(self) -> None:
         await self.async_engine.start()
@@ -111,6 +113,7 @@ class _Worker:
             engine.kv_connector.on_pull = self.metrics.pull_done
 
     async def shutdown(self) -> None:
+        await self.remote_prefills.close()
         await self.async_engine.stop()
         if self.images is not None:
             await self.images.close()
@@ -182,15 +185,21 @@ class _Worker:
             req = parse_request(kind, parse_body(await request_body()), self.model_name)
             prompt = await self._prompt(req)
             params = build_params(req, len(prompt.token_ids), self.max_model_len)
+            prefill_url = remote_url(req.kv_transfer_params)
+            if prefill_url and prompt.spans:
+                raise invalid("a decode leg that sends its own prefill leg (decode_first) takes no image parts",
+                              "kv_transfer_params")
             stream = await self.async_engine.generate(g.request_id, prompt.token_ids, params, req.kv_transfer_params,
                                                       prompt.spans or None)
+        prefill = (self.remote_prefills.start(prefill_url, g.request_id, prompt.token_ids, req.sampling)
+                   if prefill_url else None)
         timer = self.metrics.timer(len(prompt.token_ids))
         shape = ResponseShape(kind, g.request_id, self.model_name)
-        if not req.stream:
-            return await self._collect(shape, stream, timer)
         # A decode leg awaits its first output (the pulled KV) before the headers go out, so a
         # failed transfer is a plain HTTP error the proxy can act on, not a 200 stream.
-        first = await self._first(stream) if _is_decode_leg(req) else None
+        first = await self._first(stream, prefill) if _is_decode_leg(req) else None
+        if not req.stream:
+            return await self._collect(shape, req, stream, timer, first)
         response = await make_response(self._events(shape, req, stream, timer, first),
                                        {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         response.timeout = None  # generation may outlast Quart's 60 s response timeout
@@ -210,28 +219,50 @@ class _Worker:
         assert req.prompt is not None
         return MultiModalPrompt(req.prompt, [])  # the engine checks the ids against its vocabulary
 
-    async def _first(self, stream: RequestStream) -> RequestOutput:
+    async def _first(self, stream: RequestStream, prefill: asyncio.Task[None] | None) -> RequestOutput:
+        """A decode leg's first output; with a remote prefill (decode_first), its failure if that comes first."""
         async with self._disconnect_counted():
             try:
-                return await stream.__anext__()
+                return await (stream.__anext__() if prefill is None else first_output(stream, prefill))
             except BaseException:
                 stream.abort()
                 raise
 
-    async def _collect(self, shape: ResponseShape, stream: RequestStream, timer: RequestTimer) -> Response:
+    async def _collect(self, shape: ResponseShape, req: GenerateRequest, stream: RequestStream,
+                       timer: RequestTimer, first: RequestOutput | None) -> Response:
         parts: list[str] = []
         async with self._disconnect_counted(), stream:
-            async for out in stream:
+            async for out in _prepend(first, stream):
                 timer.tokens(len(out.new_token_ids))
                 parts.append(out.text_delta)
         self._count(out.finish_reason or "none")
         body = shape.full("".join(parts), out.finish_reason,
                           usage(out.num_prompt_tokens, out.num_output_tokens))
+        if (handoff := self._handoff(req, shape.request_id, out.finish_reason)) is not None:
+            body["kv_transfer_params"] = handoff
         return jsonify(body)
+
+    def _handoff(self, req: GenerateRequest, request_id: str, finish_reason: str | None) -> dict | None:
+        """A prefill leg's answer says where its KV blocks wait for the decode worker's pull. One whose token
+        ended the answer, sent by a proxy that then calls no decode worker (`pulled_on_stop: false`), frees
+        its blocks now instead of after the abort timeout."""
+        engine = self.async_engine.llm_engine
+        params = req.kv_transfer_params or {}
+        kv = engine.kv_connector if engine is not None else None
+        if kv is None or kv.role != "prefill" or params.get("role") != "prefill":
+            return None
+        if finish_reason == "stop" and params.get("pulled_on_stop") is False:
+            kv.discard(request_id)
+        return kv.handoff(request_id)
 
     async def _events(self, shape: ResponseShape, req: GenerateRequest, stream: RequestStream,
                       timer: RequestTimer, first_output: RequestOutput | None) -> AsyncIterator[bytes]:
         first = True
+        if req.kind == "chat" and _is_decode_leg(req):
+            # A role-only chunk first, as vLLM sends: the chunk of the token prefill sampled (which the DI proxy
+            # drops) then never looks like one, even when that token's text is held back (part of a UTF-8 char).
+            yield sse_event(shape.chunk("", None, True, req.include_usage))
+            first = False
         async with self._disconnect_counted(), stream:
             try:
                 async for out in _prepend(first_output, stream):

@@ -12,7 +12,8 @@ from typing import Any, Literal, Mapping
 from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, WORKER_DRAINING, error_body, load_object
-from worker.errors import DrainingError, InvalidRequestError, KVTransferError, QueueFullError, invalid
+from worker.errors import (DrainingError, InvalidRequestError, KVTransferError, QueueFullError, RemotePrefillError,
+                           invalid)
 from worker.multimodal.prompt import IMAGE_MARKER
 from worker.sampling_params import SamplingParams
 
@@ -307,7 +308,8 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
         status, err_type = 503, WORKER_DRAINING
         headers["Retry-After"] = RETRY_AFTER
     elif isinstance(exc, KVTransferError):  # its message names the prefill peer and what went wrong
-        status, err_type = (503 if exc.retryable else 500), "kv_transfer_error"
+        failed = 502 if isinstance(exc, RemotePrefillError) else 500  # the prefill worker failed, not this one
+        status, err_type = (503 if exc.retryable else failed), "kv_transfer_error"
         if exc.retryable:  # e.g. the prefill peer was slow or restarted; through the proxy maybe another one
             headers["Retry-After"] = RETRY_AFTER
     else:

@@ -1,0 +1,110 @@
+"""--disaggregation-strategy: every flow gives what one `both` worker gives.
+
+Real workers (prefill, decode, and a `both` worker to compare with) and one proxy per strategy:
+the same tokens and text, greedy and seeded, streamed and not, completions and chat, one
+request at a time and 16 at once; afterwards no worker holds a KV block.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from proxy.flows import STRATEGIES
+from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.flow_clients import GREEDY, SEEDED, answer, request_body
+from tests.worker_process import WorkerProcess
+
+
+class Stack:
+    """prefill + decode workers behind one proxy per strategy, and a `both` worker to compare with."""
+
+    def __init__(self) -> None:
+        self.workers: list[WorkerProcess] = []
+        self.proxies: dict[str, Server] = {}
+        for role in ("prefill", "decode", "both"):
+            self.workers.append(WorkerProcess(role, "shm"))
+        self.prefill, self.decode, self.both = self.workers
+        for strategy in STRATEGIES:
+            self.proxies[strategy] = start_proxy([
+                "--prefill-ip", "127.0.0.1", "--prefill-port", str(self.prefill.port),
+                "--decode-ip", "127.0.0.1", "--decode-port", str(self.decode.port),
+                "--disaggregation-strategy", strategy])
+
+    def stop(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.process.stop()
+        for worker in self.workers:
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    started = Stack()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(autouse=True)
+def blocks_free_after(stack: Stack) -> Iterator[None]:
+    yield
+    for worker in stack.workers:
+        worker.wait_blocks_free()
+
+
+async def _answers(url: str, requests: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str, dict]]:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(requests))) as client:
+        return await asyncio.gather(*(answer(client, url, path, body) for path, body in requests))
+
+
+def _same_as_one_worker(stack: Stack, strategy: str,
+                        requests: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str, dict]]:
+    """The proxy's answers with `strategy` are the `both` worker's (some may be empty: EOS at token one)."""
+    want = asyncio.run(_answers(stack.both.url, requests))
+    assert all(finish in ("stop", "length") for _, finish, _ in want)
+    assert asyncio.run(_answers(stack.proxies[strategy].url, requests)) == want
+    return want
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_flow_answers_as_one_worker(stack: Stack, strategy: str, chat: bool, stream: bool,
+                                         sampling: dict[str, Any]) -> None:
+    assert _same_as_one_worker(stack, strategy, [request_body(chat, stream, sampling)])[0][0]
+
+
+def _mixed(count: int, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+    """`count` different requests: completions and chat, streamed and not, greedy and seeded."""
+    return [request_body(i % 2 == 1, i % 4 >= 2, {**SEEDED, "seed": 100 + i} if i % 3 else GREEDY,
+                         max_tokens, f"class Thing{i}:\n    def ") for i in range(count)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sixteen_at_once_each_flow_answers_as_one_worker(stack: Stack, strategy: str) -> None:
+    _same_as_one_worker(stack, strategy, _mixed(16, 12))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_many_long_answers_at_once_each_flow_answers_as_one_worker(stack: Stack, strategy: str) -> None:
+    _same_as_one_worker(stack, strategy, _mixed(48, 80))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_answer_its_first_token_ends_is_one_workers_and_frees_every_block(stack: Stack, strategy: str,
+                                                                            stream: bool) -> None:
+    path, body = request_body(False, False, GREEDY, 1)
+    first = httpx.post(f"{stack.both.url}{path}", json=body, timeout=60).json()["choices"][0]["text"]
+    assert first
+    # A stop string equal to the first token: the answer ends at token one, with nothing shown.
+    requests = [request_body(False, stream, {**GREEDY, "stop": [first]})]
+    assert _same_as_one_worker(stack, strategy, requests)[0][:2] == ("", "stop")
+    for worker in stack.workers:  # at once, not after the prefill worker's abort timeout (60 s)
+        worker.wait_blocks_free(timeout=10)

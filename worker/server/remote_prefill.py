@@ -1,0 +1,105 @@
+"""decode_first: the prefill leg a decode worker sends itself.
+
+The proxy's `decode_first` flow sends a request to the decode worker alone; its
+kv_transfer_params name the prefill worker's HTTP API (`remote_url`) next to its signal plane.
+The decode worker admits the request as any decode leg (fresh blocks, a pull that retries
+`lookup_all` until prefill has the KV) and meanwhile sends that prefill worker the prompt's
+token ids with max_tokens=1, the same sampling (seed included) and the same request id, as
+`role: prefill`. The prefill's answer itself is not used: the pull brings its first token. If
+the prefill leg fails before the first token is pulled, the decode request ends with a
+RemotePrefillError naming the prefill worker, and its blocks are freed; if the client goes
+away first, the prefill leg is cancelled (its connection closed, so prefill frees the request).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import httpx
+
+from worker.engine.request import RequestOutput
+from worker.errors import RemotePrefillError, invalid
+from worker.server.async_engine import RequestStream
+
+logger = logging.getLogger(__name__)
+REMOTE_URL = "remote_url"  # the kv_transfer_params key naming the prefill worker's HTTP API
+CONNECT_TIMEOUT_S = 5.0  # the answer itself is bounded by the pull's timeout, which fails the request first
+
+
+def remote_url(params: dict[str, Any] | None) -> str | None:
+    """The prefill worker a decode leg must ask for the KV itself; None for any other request."""
+    url = (params or {}).get(REMOTE_URL)
+    if url is None or (params or {}).get("role") != "decode":
+        return None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise invalid(f"kv_transfer_params.{REMOTE_URL} must be an http(s) URL, got {url!r}", "kv_transfer_params")
+    return url.rstrip("/")
+
+
+class RemotePrefills:
+    """The prefill legs this decode worker sends, over one HTTP client for the app's life."""
+
+    def __init__(self) -> None:
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, url: str, request_id: str, prompt_ids: list[int], sampling: dict[str, Any]) -> asyncio.Task[None]:
+        """Sends the prefill leg of `request_id` to the worker at `url`; the task fails with RemotePrefillError."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+        body = {"prompt": prompt_ids, **sampling, "max_tokens": 1, "stream": False,
+                "kv_transfer_params": {"role": "prefill", "request_id": request_id}}
+        task = asyncio.ensure_future(_prefill(self._client, url, request_id, body))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.debug("%s", exc)  # first_output raised it if it came before the first token
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+async def first_output(stream: RequestStream, prefill: asyncio.Task[None]) -> RequestOutput:
+    """The decode request's first output (its pulled token), unless its prefill leg fails first; then
+    that failure. Leaving early (the client went away) cancels the prefill leg; the caller aborts `stream`."""
+    first = asyncio.ensure_future(stream.__anext__())
+    try:
+        await asyncio.wait({first, prefill}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done() and not prefill.cancelled() and prefill.exception() is not None:
+            raise prefill.exception()  # type: ignore[misc]
+        return await first
+    except BaseException:
+        first.cancel()
+        prefill.cancel()
+        raise
+
+
+async def _prefill(client: httpx.AsyncClient, url: str, request_id: str, body: dict[str, Any]) -> None:
+    where = f"prefill worker {url}"
+    try:
+        reply = await client.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id})
+    except httpx.HTTPError as exc:
+        raise RemotePrefillError(f"remote prefill of request {request_id!r} on {where} failed: "
+                                 f"{type(exc).__name__}: {exc or 'the connection was lost'}") from exc
+    if reply.status_code != 200:
+        raise RemotePrefillError(f"remote prefill of request {request_id!r} on {where} answered HTTP "
+                                 f"{reply.status_code}: {_message(reply.content)}", retryable=reply.status_code == 503)
+
+
+def _message(body: bytes) -> str:
+    """The message of a worker's OpenAI error body, else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return repr(body[:200])
+
