@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
 from proxy.errors import (ProxyError, ShuttingDown, UpstreamError, UpstreamProtocol, UpstreamStatus,
                           UpstreamUnavailable, to_http)
+from proxy.encode import encode_images
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.requests import (ClientRequest, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
@@ -85,7 +86,9 @@ class Forwarder:
 
     async def handle(self, request: ClientRequest) -> Answer:
         """The answer to `request`; one a draining worker refused (nothing of it started, nothing sent to the
-        client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode)."""
+        client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode).
+        Image parts are encoded first, on an encode worker (proxy/encode.py)."""
+        request = await encode_images(request, self._pool, self._clients)
         try:
             return await self._route(request)
         except UpstreamStatus as exc:
