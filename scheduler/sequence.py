@@ -29,6 +29,9 @@ class Sequence:
     ignore_eos: bool = False
     block_size: int = 16
     remote_kv: bool = False          # prefill: hold blocks until pulled; decode: pull the prompt's KV
+    # Prompt positions whose input is an embedding, not a token: (start, length, digest) per image,
+    # sorted and disjoint. The prefix cache keys blocks on them too.
+    mm_spans: tuple[tuple[int, int, str], ...] = ()
     num_prompt_tokens: int = field(init=False)
     status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)
     block_table: list[int] = field(default_factory=list, init=False)
@@ -78,6 +81,12 @@ class Sequence:
     def block(self, index: int) -> list[int]:
         """Token ids of block `index` of this sequence (the last one may be partial)."""
         return self.token_ids[index * self.block_size:(index + 1) * self.block_size]
+
+    def block_media(self, index: int) -> tuple[tuple[int, int, str], ...]:
+        """The spans overlapping block `index`, their starts relative to the block's first position."""
+        first = index * self.block_size
+        return tuple((start - first, length, digest) for start, length, digest in self.mm_spans
+                     if start < first + self.block_size and start + length > first)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -23,6 +23,7 @@ from worker.errors import InvalidRequestError, QueueFullError
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
 from worker.model.runner import ModelRunner
 from worker.model.tokenizer import Tokenizer
+from worker.multimodal.embeds import ImageEmbeds, check_spans
 from worker.sampling_params import SamplingParams
 
 PoolAllocator = Callable[[KVLayout], torch.Tensor]
@@ -101,13 +102,16 @@ class LLMEngine:
                         mc.head_dim, self.config.dtype)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: dict | None = None,
+                    mm: list[tuple[int, ImageEmbeds]] | None = None) -> None:
         """Queues a request; raises InvalidRequestError or QueueFullError instead of queueing it.
 
         `kv_transfer_params` (role "prefill" or "decode", as the proxy sends them) make it one
-        leg of a disaggregated request; a worker of role "both" ignores them.
+        leg of a disaggregated request; a worker of role "both" ignores them. `mm` gives prompt
+        positions start .. start + n - 1 the n rows of an image's embeddings as their input.
         """
         self._validate(request_id, prompt_token_ids, params)
+        spans = check_spans(mm or [], len(prompt_token_ids), self.model_config.hidden_size, self.kv_layout.torch_dtype)
         leg = self.role.leg(request_id, kv_transfer_params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
@@ -116,6 +120,7 @@ class LLMEngine:
             generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             remote_kv=leg.remote_kv, pull_target=leg.pull_target,
+            mm=tuple(mm or ()), mm_spans=spans,
         )
         try:
             self.scheduler.add(request)

@@ -12,6 +12,7 @@ from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from worker.engine.kv_connector import PullTarget
+    from worker.multimodal.embeds import ImageEmbeds
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -20,6 +21,7 @@ class Request(Sequence):
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
     pull_target: PullTarget | None = None   # decode: where its prompt's KV comes from
+    mm: tuple[tuple[int, ImageEmbeds], ...] = ()   # (start, embeds): input rows of positions start.. (mm_spans)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, WORKER_DRAINING, error_body, load_object
 from worker.errors import DrainingError, InvalidRequestError, KVTransferError, QueueFullError, invalid
+from worker.multimodal.prompt import IMAGE_MARKER
 from worker.sampling_params import SamplingParams
 
 Kind = Literal["completion", "chat"]
@@ -38,6 +39,18 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+MEDIA_PART_TYPES = ("image_url",)
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """A chat content part that is not text, in prompt order; the message's text holds IMAGE_MARKER in its place."""
+
+    param: str              # where it was, e.g. "messages[0].content[1]": errors about it name this
+    type: str               # one of MEDIA_PART_TYPES
+    value: dict[str, Any]   # the part's object under its type, e.g. {"url": ...} for image_url
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """One validated /v1/completions or /v1/chat/completions body (exactly one prompt, n == 1)."""
@@ -45,6 +58,7 @@ class GenerateRequest:
     kind: Kind
     prompt: str | list[int] | None = None  # completions
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    media: list[MediaPart] = field(default_factory=list)          # chat: its image parts, in order
     max_tokens: int | None = None  # None: the default for the endpoint, bounded by the context
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
     stream: bool = False
@@ -81,10 +95,12 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     max_tokens = _opt(body, limit, int)
     if max_tokens is not None and max_tokens <= 0:
         raise invalid(f"{limit} must be at least 1, got {max_tokens}", limit)
+    media: list[MediaPart] = []
     return GenerateRequest(
         kind=kind,
         prompt=_parse_prompt(body) if kind == "completion" else None,
-        messages=_parse_messages(body) if kind == "chat" else [],
+        messages=_parse_messages(body, media) if kind == "chat" else [],
+        media=media,
         max_tokens=max_tokens,
         sampling=_parse_sampling(body),
         stream=stream,
@@ -170,28 +186,46 @@ def _parse_prompt(body: Mapping[str, Any]) -> str | list[int]:
     raise invalid("`prompt` must be a string or a non-empty list of token ids", "prompt")
 
 
-def _parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+def _parse_messages(body: Mapping[str, Any], media: list[MediaPart]) -> list[dict[str, str]]:
+    """The messages with their contents as text; image parts go to `media` and IMAGE_MARKER into the text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("`messages` must be a non-empty list", "messages")
-    return [_parse_message(m, i) for i, m in enumerate(messages)]
+    return [_parse_message(m, i, media) for i, m in enumerate(messages)]
 
 
-def _parse_message(message: Any, index: int) -> dict[str, str]:
+def _parse_message(message: Any, index: int, media: list[MediaPart]) -> dict[str, str]:
     param = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
         raise invalid(f"{param} must be an object with a role in {list(_ROLES)}", param)
     content = message.get("content")
-    if isinstance(content, list):  # content parts: only text is understood
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise invalid(f"{param}.content: only text parts are supported", param)
-        content = "".join(p["text"] for p in content)
+    if isinstance(content, list):
+        content = "".join(_parse_part(p, f"{param}.content[{i}]", media) for i, p in enumerate(content))
+    elif isinstance(content, str):
+        _check_text(content, f"{param}.content")
     if content is None:
         content = ""
     if not isinstance(content, str):
-        raise invalid(f"{param}.content must be a string or a list of text parts", param)
+        raise invalid(f"{param}.content must be a string or a list of content parts", param)
     return {"role": message["role"], "content": content}
+
+
+def _parse_part(part: Any, param: str, media: list[MediaPart]) -> str:
+    """A content part's text; a media part's text is IMAGE_MARKER, the part itself goes to `media`."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return _check_text(part["text"], param)
+    if kind in MEDIA_PART_TYPES and isinstance(part.get(kind), dict):
+        media.append(MediaPart(param, kind, part[kind]))
+        return IMAGE_MARKER
+    raise invalid(f"{param}: a content part must be {{\"type\": \"text\", \"text\": ...}} or one of "
+                  f"{list(MEDIA_PART_TYPES)} with an object under its type", param)
+
+
+def _check_text(text: str, param: str) -> str:
+    if IMAGE_MARKER in text:   # it would be taken for an image's place
+        raise invalid(f"{param}: the text must not contain {IMAGE_MARKER!r}", param)
+    return text
 
 
 # ---- responses -------------------------------------------------------------------------------
