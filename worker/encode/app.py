@@ -30,7 +30,7 @@ from worker.encode.rows import RowRegion, blocks_for
 from worker.encode.store import EmbedsStore
 from worker.errors import invalid
 from worker.multimodal.embeds import image_embeds
-from worker.multimodal.media import MediaPolicy, load_part
+from worker.multimodal.media import MediaPolicy, download_client, load_part
 from worker.server.app import _echo_request_id, _take_request_id
 from worker.server.protocol import error_for
 
@@ -81,12 +81,14 @@ class _EncodeWorker:
         self.store: EmbedsStore | None = None
         self.record: WorkerRecord | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._downloads: Any = None  # httpx.AsyncClient for http(s) parts, made in the serving loop
 
     async def startup(self) -> None:
         s = self.settings
         region = await asyncio.to_thread(RowRegion, s.transport, s.transfer_host, s.hidden_size, s.dtype,
                                          s.capacity_rows, s.secret)
         self.store = EmbedsStore(region, s.ttl)
+        self._downloads = download_client()
         self._sweeper = asyncio.create_task(self._sweep())
 
     async def shutdown(self) -> None:
@@ -94,6 +96,8 @@ class _EncodeWorker:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        if self._downloads is not None:
+            await self._downloads.aclose()
         if self.store is not None:
             self.store.region.close()
 
@@ -130,7 +134,7 @@ class _EncodeWorker:
         part = item.get("part") if isinstance(item.get("part"), str) else where
         s, store = self.settings, self.store
         assert store is not None
-        tensor, aux = await load_part(item["url"], s.media, part)
+        tensor, aux = await load_part(item["url"], s.media, part, self._downloads)
         embeds = image_embeds(tensor, aux, s.hidden_size, s.dtype, part)
         handle = await asyncio.to_thread(store.put, embeds.tensor)
         made.append(handle)

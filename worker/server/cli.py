@@ -14,8 +14,9 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
-from common.roles import DEFAULT_KV_PORT, ROLES
+from common.roles import DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
+from worker.encode import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
 
 logger = logging.getLogger("worker")
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line, one argument group per concern, so the KV-transfer flags get a group of their own."""
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
     server = parser.add_argument_group("server")
-    server.add_argument("--role", choices=ROLES, default="both",
-                        help="both: prefill and decode here; prefill/decode: one side of disaggregated serving")
+    server.add_argument("--role", choices=WORKER_ROLES, default="both",
+                        help="both: prefill and decode here; prefill/decode: one side of disaggregated serving; "
+                             "encode: loads image parts and keeps their embeddings for prefill workers to pull")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--advertise-host", default=None,
                         help="address others reach this worker at, registered in etcd and shown in GET /health "
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "request (kv_transfer_error) when the blocks received do not match")
     kv.add_argument("--etcd", default=None, help="host:port of etcd to register this worker in (optional)")
     kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
+    embeds_flags.add_arguments(parser)
     return parser
 
 
@@ -113,6 +116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         parser.error("--kv-abort-timeout and --kv-pull-timeout must be positive")
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
+    embeds_flags.check(parser, args)
     try:
         args.kv_secret = resolve_secret(args.kv_secret_file)
     except KVSecretError as exc:
@@ -125,7 +129,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               enable_chunked_prefill=args.enable_chunked_prefill,
                               enable_prefix_caching=args.enable_prefix_caching,
-                              max_model_len=args.max_model_len, seed=args.seed, role=args.role)
+                              max_model_len=args.max_model_len, seed=args.seed,
+                              role="both" if args.role == ENCODE_ROLE else args.role)  # encode: no engine runs
     except ValueError as exc:
         parser.error(str(exc))
     return args, config
@@ -146,6 +151,9 @@ def hypercorn_config(host: str, port: int) -> HypercornConfig:
 async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     """Serves until a drain (SIGTERM, SIGINT or POST /drain, see worker/server/drain.py) is over; then
     hypercorn stops and the engine thread is joined."""
+    if args.role == ENCODE_ROLE:
+        from worker.encode.serve import run_encode_server
+        return await run_encode_server(args, engine_config, hypercorn_config(args.host, args.port))
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
