@@ -15,14 +15,18 @@ class Block:
     ref_count: int = 0
     hash: int | None = None          # chained hash of a full block's tokens, None while partial
     token_ids: list[int] = field(default_factory=list)
+    media: tuple[tuple[int, int, str], ...] = ()   # the image spans it holds (Sequence.block_media)
 
 
-def chain_hash(token_ids: list[int], prev_hash: int | None) -> int:
-    """Hash of a full block folding in the hash of everything before it."""
+def chain_hash(token_ids: list[int], prev_hash: int | None, media: tuple[tuple[int, int, str], ...] = ()) -> int:
+    """Hash of a full block folding in the hash of everything before it and the images it holds
+    (placeholder token ids are the same for every image: only the digests tell them apart)."""
     h = hashlib.blake2b(digest_size=8)
     if prev_hash is not None:
         h.update(prev_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
+    for start, length, digest in media:
+        h.update(f"|{start},{length},{digest}".encode())
     return int.from_bytes(h.digest(), "little")
 
 
@@ -66,9 +70,9 @@ class BlockManager:
             # The block holding the last token is always computed: its logits are needed.
             if not self.enable_prefix_caching or (i + 1) * self.block_size >= len(seq):
                 break
-            token_ids = seq.block(i)
-            h = chain_hash(token_ids, prev_hash)
-            block_id = self._lookup(h, token_ids)
+            token_ids, media = seq.block(i), seq.block_media(i)
+            h = chain_hash(token_ids, prev_hash, media)
+            block_id = self._lookup(h, token_ids, media)
             if block_id is None:
                 break
             seq.block_table.append(self._reuse_block(block_id).block_id)
@@ -117,16 +121,16 @@ class BlockManager:
             if index > 0 and prev is None:
                 return
             block = self.blocks[seq.block_table[index]]
-            block.token_ids = seq.block(index)
-            block.hash = chain_hash(block.token_ids, prev)
+            block.token_ids, block.media = seq.block(index), seq.block_media(index)
+            block.hash = chain_hash(block.token_ids, prev, block.media)
             self.hash_to_block_id[block.hash] = block.block_id
             seq.num_hashed_blocks = index + 1
 
-    def _lookup(self, h: int | None, token_ids: list[int]) -> int | None:
+    def _lookup(self, h: int | None, token_ids: list[int], media: tuple[tuple[int, int, str], ...]) -> int | None:
         if h is None:
             return None
         block_id = self.hash_to_block_id.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+        if block_id is None or self.blocks[block_id].token_ids != token_ids or self.blocks[block_id].media != media:
             return None
         return block_id
 
@@ -135,7 +139,7 @@ class BlockManager:
         assert block.ref_count == 0, f"free block {block.block_id} is referenced"
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, [], 1
+        block.hash, block.token_ids, block.media, block.ref_count = None, [], (), 1
         self.used_block_ids.add(block.block_id)
         return block
 

@@ -10,6 +10,8 @@ from worker.model.layers.linear import Linear
 from worker.model.layers.rotary import RotaryEmbedding, apply_rotary
 from worker.model.model_config import ModelConfig
 
+InputRows = tuple[torch.Tensor, torch.Tensor]   # (row indices (k,), embeddings (k, hidden))
+
 # Checkpoints store q/k/v and gate/up separately; the model runs each group as one matmul.
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -116,8 +118,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | None) -> torch.Tensor:
+                meta: AttentionMetadata | None, input_rows: InputRows | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if input_rows is not None:
+            x[input_rows[0]] = input_rows[1]
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, meta)
@@ -151,9 +155,10 @@ class LlamaForCausalLM(nn.Module):
                 param.normal_(0.0, std, generator=generator)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """Final hidden states; call `compute_logits` on the rows that need them."""
-        return self.model(input_ids, positions, meta)
+                meta: AttentionMetadata | None = None, input_rows: InputRows | None = None) -> torch.Tensor:
+        """Final hidden states; call `compute_logits` on the rows that need them. `input_rows`
+        (indices into the flat input, embeddings) replace those inputs' token embeddings."""
+        return self.model(input_ids, positions, meta, input_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -9,7 +9,7 @@ from worker.model.layers import paged_decode
 from scheduler import ScheduledChunk, ScheduledStep
 from worker.model.layers.attention import AttentionMetadata, SeqGroup, build_mask
 from worker.model.layers.linear import pack_linears
-from worker.model.llama import LlamaForCausalLM
+from worker.model.llama import InputRows, LlamaForCausalLM
 from worker.engine.request import Request
 from worker.model.sampler import sample
 
@@ -20,6 +20,7 @@ class StepInputs:
     positions: torch.Tensor       # (tokens,)
     last_index: torch.Tensor | None   # rows of the hidden states whose logits are needed; None: all
     meta: AttentionMetadata
+    input_rows: InputRows | None = None   # image embeddings replacing some rows' token embeddings
 
 
 class ModelRunner:
@@ -43,7 +44,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits (sampled seqs, vocab) of each sampled sequence's last token."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.input_rows)
         if inputs.last_index is not None:
             hidden = hidden[inputs.last_index]
         return self.model.compute_logits(hidden)
@@ -55,8 +56,15 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
+        image_rows: list[int] = []
+        images: list[torch.Tensor] = []
         for chunk in chunks:
             end = chunk.start + chunk.num_tokens
+            for start, image in chunk.seq.mm:   # type: ignore[attr-defined]  # the engine schedules Requests
+                lo, hi = max(start, chunk.start), min(start + image.num_positions, end)
+                if lo < hi:   # the part of this image the chunk covers (a chunk may start or end inside it)
+                    image_rows.extend(range(len(positions) + lo - chunk.start, len(positions) + hi - chunk.start))
+                    images.append(image.tensor[lo - start:hi - start])
             input_ids.extend(chunk.seq.token_ids[chunk.start:end])
             positions.extend(range(chunk.start, end))
             if chunk.samples:
@@ -66,8 +74,9 @@ class ModelRunner:
         meta = AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(self._slots(chunks)),
                                  decodes=decodes, chunks=prompt_chunks)
         every_row = len(last_rows) == len(positions)
+        input_rows = (self._tensor(image_rows), torch.cat(images).to(self.device)) if images else None
         return StepInputs(self._tensor(input_ids), self._tensor(positions),
-                          None if every_row else self._tensor(last_rows), meta)
+                          None if every_row else self._tensor(last_rows), meta, input_rows)
 
     def _slots(self, chunks: list[ScheduledChunk]) -> list[int]:
         bs = self.block_size

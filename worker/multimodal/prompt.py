@@ -9,8 +9,6 @@ never make two different images share KV.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 from worker.errors import invalid
 from worker.model.tokenizer import Tokenizer
 from worker.multimodal.embeds import ImageEmbeds
@@ -27,9 +25,9 @@ class MultiModalPrompt:
     spans: list[tuple[int, ImageEmbeds]]   # (start position, embeds): positions start .. start + n - 1
 
 
-def build_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], images: list[ImageEmbeds]) -> MultiModalPrompt:
-    """Renders `messages` (whose contents hold one IMAGE_MARKER per image, in order) and expands the markers."""
-    pieces = tokenizer.apply_chat_template(messages).split(IMAGE_MARKER)
+def build_prompt(tokenizer: Tokenizer, text: str, images: list[ImageEmbeds]) -> MultiModalPrompt:
+    """The prompt of a rendered chat `text` holding one IMAGE_MARKER per image, in order."""
+    pieces = text.split(IMAGE_MARKER)
     if len(pieces) != len(images) + 1:
         raise invalid(f"the chat template rendered {len(pieces) - 1} image placeholders for {len(images)} "
                       f"images", "messages")

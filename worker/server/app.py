@@ -29,6 +29,9 @@ from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
 from worker.errors import DrainingError
+from worker.multimodal.media import MediaPolicy
+from worker.multimodal.prompt import MultiModalPrompt, build_prompt
+from worker.server.images import ImageResolver
 from worker.server.metrics import RequestTimer, ServerMetrics
 from common.openai_wire import DONE_EVENT, error_body, sse_event
 from neuron_connector.registry import WorkerRecord
@@ -42,14 +45,16 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 def create_app(engine_config: EngineConfig, *,
                engine_factory: Callable[[], LLMEngine] | None = None,
-               drain_timeout: float = DEFAULT_TIMEOUT_S) -> Quart:
+               drain_timeout: float = DEFAULT_TIMEOUT_S, media_policy: MediaPolicy | None = None) -> Quart:
     """A Quart app serving one engine; the engine starts in `before_serving` and stops in `after_serving`.
 
     `engine_factory` builds the engine on its thread; the default is `LLMEngine(engine_config)`.
+    `media_policy` says where chat image parts may be loaded from (default: no local files).
     A drain, once over, sets the worker's `drain.done`: the server should stop then.
     """
     app = Quart(__name__)
-    worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout)
+    worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout,
+                     media_policy or MediaPolicy())
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)
     app.before_request(_take_request_id)
@@ -78,8 +83,10 @@ async def _echo_request_id(response: Response) -> Response:
 class _Worker:
     """The app's state and route handlers; one per app, so several apps can share a process."""
 
-    def __init__(self, factory: Callable[[], LLMEngine], drain_timeout: float) -> None:
+    def __init__(self, factory: Callable[[], LLMEngine], drain_timeout: float, media_policy: MediaPolicy) -> None:
         self.async_engine = AsyncEngine(factory)
+        self.media_policy = media_policy
+        self.images: ImageResolver | None = None
         self.drain = Drain(self.async_engine, drain_timeout)
         self.metrics: ServerMetrics | None = None
         self.model_name = ""
@@ -93,12 +100,15 @@ class _Worker:
         assert engine is not None  # start() returned, so the engine was built
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.metrics = ServerMetrics(self.model_name)
+        self.images = ImageResolver(self.media_policy, engine.model_config.hidden_size, engine.kv_layout.torch_dtype)
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
             engine.kv_connector.on_integrity_check = self.metrics.integrity_checked
 
     async def shutdown(self) -> None:
         await self.async_engine.stop()
+        if self.images is not None:
+            await self.images.close()
 
     # ---- routes -------------------------------------------------------------------------------
 
@@ -158,10 +168,11 @@ class _Worker:
         assert self.metrics is not None
         with self.drain.admitting():
             req = parse_request(kind, parse_body(await request_body()), self.model_name)
-            prompt_ids = self._prompt_ids(req)
-            params = build_params(req, len(prompt_ids), self.max_model_len)
-            stream = await self.async_engine.generate(g.request_id, prompt_ids, params, req.kv_transfer_params)
-        timer = self.metrics.timer(len(prompt_ids))
+            prompt = await self._prompt(req)
+            params = build_params(req, len(prompt.token_ids), self.max_model_len)
+            stream = await self.async_engine.generate(g.request_id, prompt.token_ids, params, req.kv_transfer_params,
+                                                      prompt.spans or None)
+        timer = self.metrics.timer(len(prompt.token_ids))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         if not req.stream:
             return await self._collect(shape, stream, timer)
@@ -173,19 +184,19 @@ class _Worker:
         response.timeout = None  # generation may outlast Quart's 60 s response timeout
         return response
 
-    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+    async def _prompt(self, req: GenerateRequest) -> MultiModalPrompt:
         engine = self.async_engine.llm_engine
-        assert engine is not None
+        assert engine is not None and self.images is not None
         tokenizer = engine.tokenizer
         if req.kind == "chat":
             text = tokenizer.apply_chat_template(req.messages)
             check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
-            return tokenizer.encode(text, add_bos=False)
+            return build_prompt(tokenizer, text, await self.images.resolve(req.media))
         if isinstance(req.prompt, str):
             check_text_fits(req, len(req.prompt), tokenizer.min_tokens(req.prompt), self.max_model_len)
-            return tokenizer.encode(req.prompt, add_bos=True)
+            return MultiModalPrompt(tokenizer.encode(req.prompt, add_bos=True), [])
         assert req.prompt is not None
-        return req.prompt  # the engine checks the ids against its vocabulary
+        return MultiModalPrompt(req.prompt, [])  # the engine checks the ids against its vocabulary
 
     async def _first(self, stream: RequestStream) -> RequestOutput:
         async with self._disconnect_counted():

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 from worker.engine.llm_engine import EngineStats, LLMEngine
 from worker.engine.request import RequestOutput
 from worker.errors import WorkerError
+from worker.multimodal.embeds import ImageEmbeds
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class _Add:
     sink: _Sink
     admitted: asyncio.Future[None]
     kv_transfer_params: dict | None = None
+    mm: list[tuple[int, ImageEmbeds]] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,8 @@ class AsyncEngine:
             logger.error("engine thread did not stop within %.0f s", timeout)
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> RequestStream:
+                       kv_transfer_params: dict | None = None,
+                       mm: list[tuple[int, ImageEmbeds]] | None = None) -> RequestStream:
         """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here.
 
         A request that fails later (e.g. its KV transfer) raises its error from the stream.
@@ -177,7 +180,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         admitted: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, kv_transfer_params))
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, kv_transfer_params, mm))
         try:
             await self._admission(admitted)
         except asyncio.CancelledError:
@@ -261,7 +264,7 @@ class AsyncEngine:
         error: BaseException | None = None
         try:
             engine.add_request(command.request_id, command.prompt_ids, command.params,
-                               command.kv_transfer_params)
+                               command.kv_transfer_params, command.mm)
             self._sinks[command.request_id] = command.sink
             self.stats = engine.stats()  # before the caller hears of it: a drain must see it in flight
         except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller

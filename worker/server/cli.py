@@ -8,7 +8,8 @@ import secrets
 import signal
 import socket
 import sys
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
@@ -18,6 +19,9 @@ from common.roles import DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
 from worker.encode import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from worker.multimodal.media import MediaPolicy
 
 logger = logging.getLogger("worker")
 TRANSPORTS = ("auto", "shm", "tcp", "nixl", "neuron")
@@ -81,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
     engine.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
     engine.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default 0)")
+    media = parser.add_argument_group("multimodal (chat image parts holding precomputed embeddings)")
+    media.add_argument("--allowed-local-media-path", type=Path, default=None,
+                       help="directory image parts may read local files from (paths and file:// urls); without it "
+                            "no local file is read. Paths leaving it (.., symlinks, absolute paths) are refused")
+    media.add_argument("--max-file-size-mb", type=float, default=50,
+                       help="largest embeddings file, download or data: url an image part may load (default 50)")
     kv = parser.add_argument_group("KV transfer (roles prefill and decode)")
     kv.add_argument("--kv-transport", choices=TRANSPORTS, default="auto", help="KV block transport (default auto)")
     kv.add_argument("--kv-host", default="127.0.0.1", help="address of the KV signal plane (default 127.0.0.1)")
@@ -114,6 +124,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
         parser.error("--kv-abort-timeout and --kv-pull-timeout must be positive")
+    if not args.max_file_size_mb > 0:
+        parser.error(f"--max-file-size-mb must be positive, got {args.max_file_size_mb:g}")
+    if args.allowed_local_media_path is not None and not args.allowed_local_media_path.is_dir():
+        parser.error(f"--allowed-local-media-path {args.allowed_local_media_path} is not a directory")
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
     embeds_flags.check(parser, args)
@@ -157,7 +171,7 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
-                     drain_timeout=args.drain_timeout)
+                     drain_timeout=args.drain_timeout, media_policy=media_policy(args))
     drain = app.extensions["neuron_di_worker"].drain
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -165,6 +179,12 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
     _publish_record(app, args, engine_config)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
     await serve(app, hypercorn_config(args.host, args.port), shutdown_trigger=drain.done.wait)
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    from worker.multimodal.media import MediaPolicy  # imports torch, as create_app does
+
+    return MediaPolicy(args.allowed_local_media_path, args.max_file_size_mb)
 
 
 def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:
