@@ -43,8 +43,10 @@ def _held(worker: WorkerProcess) -> int:
 async def _fetch_all(transport: str, refs: list[dict]) -> list:
     fetcher = EmbedsFetcher(RowRegion(transport, "127.0.0.1", HIDDEN, torch.float32, 4096))
     try:
-        return await asyncio.gather(*(fetcher.fetch(EmbedsRef.from_dict(r, f"p{i}"), f"p{i}")
-                                      for i, r in enumerate(refs)), return_exceptions=True)
+        got = await asyncio.gather(*(fetcher.fetch(EmbedsRef.from_dict(r, f"p{i}"), f"p{i}")
+                                     for i, r in enumerate(refs)), return_exceptions=True)
+        assert fetcher.region.free_blocks == fetcher.region.num_blocks  # pulled or failed, no slot is kept
+        return got
     finally:
         await fetcher.aclose()
 

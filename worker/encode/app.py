@@ -24,7 +24,7 @@ from common.openai_wire import error_body, load_object
 from common.request_body import request_body
 from neuron_connector.registry import WorkerRecord
 from transfer import TransferError
-from worker.encode.errors import EmbedsError, EmbedsTransferError, RegionFull, UnknownHandle
+from worker.encode.errors import EmbedsTransferError, UnknownHandle
 from worker.encode.ref import EmbedsRef
 from worker.encode.rows import RowRegion, blocks_for
 from worker.encode.store import EmbedsStore
@@ -35,9 +35,6 @@ from worker.server.app import _echo_request_id, _take_request_id
 from worker.server.protocol import error_for
 
 logger = logging.getLogger(__name__)
-_STATUSES: dict[type[EmbedsError], tuple[int, str]] = {
-    RegionFull: (503, "server_overloaded"), UnknownHandle: (404, "not_found_error"),
-    EmbedsTransferError: (502, "embeds_transfer_error")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +164,8 @@ class _EncodeWorker:
             raise EmbedsTransferError(f"pushing {slot.rows.shape[0]} embedding rows failed: {exc}") from exc
 
     async def error(self, exc: Exception) -> Response:
-        if isinstance(exc, EmbedsError):
-            status, err_type = _STATUSES.get(type(exc), (500, "server_error"))
-            body = error_body(status, str(exc), err_type)
+        if isinstance(exc, UnknownHandle):
+            status, body = 404, error_body(404, str(exc), "not_found_error")
         else:
             status, body, _ = error_for(exc)
         if status >= 500:

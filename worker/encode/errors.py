@@ -1,20 +1,21 @@
-"""Errors of the embeddings transfer.
+"""Errors of the embeddings transfer; each is also the worker error whose HTTP status it should get.
 
     EmbedsError                  (worker.errors.WorkerError)
-    ├── RegionFull               no free rows for the embeddings right now (503; retry later)
-    ├── UnknownHandle            the rows were pulled already, timed out, or never existed (404)
-    └── EmbedsTransferError      the rows could not be pulled from the encode worker (502)
+    ├── RegionFull               (also QueueFullError: 503) no free rows for the embeddings right now
+    ├── UnknownHandle            (404) the rows were pulled already, timed out, or never existed
+    └── EmbedsTransferError      (also KVTransferError: 500 kv_transfer_error, whose message the proxy
+                                 passes on in its 502) the rows could not be pulled from the encode worker
 """
 from __future__ import annotations
 
-from worker.errors import WorkerError
+from worker.errors import KVTransferError, QueueFullError, WorkerError
 
 
 class EmbedsError(WorkerError):
     """Base class of the embeddings transfer's errors."""
 
 
-class RegionFull(EmbedsError):
+class RegionFull(EmbedsError, QueueFullError):
     pass
 
 
@@ -22,5 +23,6 @@ class UnknownHandle(EmbedsError):
     pass
 
 
-class EmbedsTransferError(EmbedsError):
-    pass
+class EmbedsTransferError(EmbedsError, KVTransferError):
+    def __init__(self, message: str) -> None:
+        KVTransferError.__init__(self, message, retryable=False)

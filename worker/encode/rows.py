@@ -26,6 +26,11 @@ def row_layout(hidden_size: int, dtype: torch.dtype, num_rows: int) -> KVLayout:
                     num_kv_heads=1, head_dim=hidden_size, dtype=_DTYPE_NAMES[dtype], order=VLLM_CPU_ORDER)
 
 
+def rows_in(megabytes: float, hidden_size: int, dtype: torch.dtype) -> int:
+    """How many rows `megabytes` of region hold (at least one block's)."""
+    return max(ROWS_PER_BLOCK, int(megabytes * 2**20) // (hidden_size * dtype.itemsize))
+
+
 def blocks_for(num_rows: int) -> int:
     return -(-num_rows // ROWS_PER_BLOCK)
 

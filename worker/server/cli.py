@@ -167,11 +167,13 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> N
     hypercorn stops and the engine thread is joined."""
     if args.role == ENCODE_ROLE:
         from worker.encode.serve import run_encode_server
-        return await run_encode_server(args, engine_config, hypercorn_config(args.host, args.port))
+        return await run_encode_server(args, engine_config, hypercorn_config(args.host, args.port),
+                                       media_policy(args))
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
-                     drain_timeout=args.drain_timeout, media_policy=media_policy(args))
+                     drain_timeout=args.drain_timeout, media_policy=media_policy(args),
+                     embeds_region=embeds_region(args) if args.role == "prefill" else None)
     drain = app.extensions["neuron_di_worker"].drain
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -185,6 +187,16 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
     from worker.multimodal.media import MediaPolicy  # imports torch, as create_app does
 
     return MediaPolicy(args.allowed_local_media_path, args.max_file_size_mb)
+
+
+def embeds_region(args: argparse.Namespace) -> Callable[[int, Any], Any]:
+    """Makes a prefill worker's region of embedding rows (worker/encode/rows.py) once the model is known."""
+    def make(hidden_size: int, dtype: Any) -> Any:
+        from worker.encode.rows import RowRegion, rows_in
+
+        return RowRegion(args.kv_transport, args.kv_host, hidden_size, dtype,
+                         rows_in(args.embeds_region_mb, hidden_size, dtype), args.kv_secret)
+    return make
 
 
 def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:
