@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -42,3 +44,59 @@ def data_url(data: bytes) -> str:
 
 def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+class MediaHTTPServer:
+    """An HTTP server on 127.0.0.1 (a thread of the test): GET /files/NAME answers `files[NAME]`,
+    GET /endless a body that never ends, until the client closes the connection (`cut` is then set)."""
+
+    CHUNK = 64 * 1024
+    GIVE_UP_BYTES = 2**30   # a client that never stops reading fails the test instead of hanging it
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+        self.cut = threading.Event()
+        self.endless_bytes_sent = 0
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path == "/endless":
+                    server._endless(self)
+                elif self.path.removeprefix("/files/") in server.files:
+                    data = server.files[self.path.removeprefix("/files/")]
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                else:
+                    self.send_error(404)
+
+        return Handler
+
+    def _endless(self, handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)   # no Content-Length: the body lasts until the connection closes
+        handler.end_headers()
+        chunk = b"\0" * self.CHUNK
+        try:
+            while self.endless_bytes_sent < self.GIVE_UP_BYTES:
+                handler.wfile.write(chunk)
+                self.endless_bytes_sent += len(chunk)
+        except OSError:   # BrokenPipe / ConnectionReset: the client stopped reading and closed
+            self.cut.set()
+        handler.close_connection = True
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)

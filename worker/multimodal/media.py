@@ -23,7 +23,8 @@ import torch
 from worker.errors import invalid
 from worker.multimodal.tensor_file import decode_tensor_file
 
-DOWNLOAD_TIMEOUT_S = 30.0   # connect, and each read: a stalled server is an error, not a hang
+DOWNLOAD_TIMEOUT_S = 30.0    # connect, and each read: a stalled server is an error, not a hang
+DOWNLOAD_DEADLINE_S = 120.0  # the whole download: a server dripping bytes cannot hold a request for longer
 _SHOWN_URL_CHARS = 120
 
 
@@ -125,6 +126,13 @@ def _data_url(url: str, limit: int, part: str) -> bytes:
 
 
 async def _download(url: str, limit: int, part: str, client: httpx.AsyncClient) -> bytes:
+    try:
+        return await asyncio.wait_for(_stream(url, limit, part, client), DOWNLOAD_DEADLINE_S)
+    except asyncio.TimeoutError as exc:
+        raise invalid(f"{part}: downloading {_shown(url)} took longer than {DOWNLOAD_DEADLINE_S:g} s", part) from exc
+
+
+async def _stream(url: str, limit: int, part: str, client: httpx.AsyncClient) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:

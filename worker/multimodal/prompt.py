@@ -9,9 +9,13 @@ never make two different images share KV.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from worker.errors import invalid
-from worker.model.tokenizer import Tokenizer
-from worker.multimodal.embeds import ImageEmbeds
+
+if TYPE_CHECKING:   # the chat parser imports IMAGE_MARKER from here: no torch, no tokenizers
+    from worker.model.tokenizer import Tokenizer
+    from worker.multimodal.embeds import ImageEmbeds
 
 IMAGE_MARKER = "<|neuron_di_image|>"
 PLACEHOLDER_TOKEN_ID = 0
