@@ -2,13 +2,13 @@
 worker that loads the same image files itself (examples/epd_stack.py)."""
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
 
+from examples.epd import answer_all, chat_body
 from examples.epd_stack import start_epd
 from examples.serving_stack import Stack, StackOptions
 from examples.worker_metrics import wait_blocks_free
@@ -31,41 +31,6 @@ def stack(media: Path) -> Iterator[Stack]:
         yield started
 
 
-def _chat(urls: list[str], i: int, sampled: bool, stream: bool = False) -> dict[str, Any]:
-    images = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
-    content = [{"type": "text", "text": f"# request {i}\n"}, *images, {"type": "text", "text": "\ndef main():\n    "}]
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": content}],
-                            "temperature": 0.9 if sampled else 0.0, "stream": stream}
-    return {**body, "seed": 100 + i} if sampled else body
-
-
-async def _answer(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[int, str, Any]:
-    """(status, text, finish reason or the error) of one chat request, streamed or not."""
-    if not body["stream"]:
-        reply = await client.post(f"{url}/v1/chat/completions", json=body)
-        data = reply.json()
-        if reply.status_code != 200:
-            return reply.status_code, "", data
-        return 200, data["choices"][0]["message"]["content"], data["choices"][0]["finish_reason"]
-    text, finish = "", None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
-        async for line in reply.aiter_lines():
-            if line.startswith("data: {"):
-                choice = httpx.Response(200, content=line[6:]).json()["choices"][0]
-                text += choice["delta"].get("content") or ""
-                finish = choice["finish_reason"] or finish
-    return reply.status_code, text, finish
-
-
-async def _all(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
-    limit = asyncio.Semaphore(CONCURRENCY)
-    async with httpx.AsyncClient(timeout=120) as client:
-        async def one(body: dict[str, Any]) -> tuple[int, str, Any]:
-            async with limit:
-                return await _answer(client, url, body)
-        return await asyncio.gather(*(one(b) for b in bodies))
-
-
 def _settled(stack: Stack) -> None:
     """Nothing is left held: KV blocks on prefill and decode, rows on the encode worker."""
     workers = {role: stack.worker_urls[role] for role in ("prefill", "decode")}
@@ -79,10 +44,10 @@ def test_epd_answers_as_the_both_worker_token_for_token(stack: Stack, media: Pat
     bodies = []
     for i in range(CONCURRENCY):
         paths = write_images(media, [3 + (7 * i + j) % 11 for j in range(images)], first_seed=1000 * images + 10 * i)
-        bodies.append(_chat([p.name for p in paths], i, sampled=i % 2 == 1, stream=i % 4 >= 2))
+        bodies.append(chat_body(MODEL, [p.name for p in paths], i))  # greedy and seeded, streamed and not
     bodies.append(bodies[0])  # the same images again: the prefix cache may share their KV, never others'
-    epd = asyncio.run(_all(stack.url, bodies))
-    both = asyncio.run(_all(stack.worker_urls["both"], bodies))
+    epd = answer_all(stack.url, bodies, CONCURRENCY)
+    both = answer_all(stack.worker_urls["both"], bodies, CONCURRENCY)
     assert [status for status, _, _ in epd] == [200] * len(bodies), epd
     assert epd == both
     assert len({text for _, text, _ in epd[:-1]}) > 1  # the images do steer the answers
@@ -91,12 +56,12 @@ def test_epd_answers_as_the_both_worker_token_for_token(stack: Stack, media: Pat
 
 def test_encode_side_bad_input_is_the_encode_workers_400_naming_the_part(stack: Stack, media: Path) -> None:
     good = write_images(media, [4], first_seed=7)[0].name
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=_chat([good, "../outside.pt"], 0, False), timeout=60)
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(MODEL, [good, "../outside.pt"], 0), timeout=60)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == "messages[0].content[2]" and "'..'" in error["message"], error
     _settled(stack)
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=_chat([good], 0, False), timeout=60)
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(MODEL, [good], 0), timeout=60)
     assert reply.status_code == 200, reply.text
 
 
@@ -107,7 +72,7 @@ def test_encode_worker_killed_before_the_pull_is_a_502_and_the_stack_keeps_servi
     encoded = httpx.post(f"{stack.worker_urls['encode']}/v1/encode", json={"parts": parts}, timeout=60)
     assert encoded.status_code == 200, encoded.text
     stack.process("encode").kill()   # its rows were made but never pulled
-    body = _chat([p.name for p in paths], 0, False)
+    body = chat_body(MODEL, [p.name for p in paths], 0)
     content = body["messages"][0]["content"]
     for i, meta in enumerate(encoded.json()["parts"]):
         content[i + 1] = {"type": "image_embeds", "image_embeds": meta}
@@ -117,7 +82,7 @@ def test_encode_worker_killed_before_the_pull_is_a_502_and_the_stack_keeps_servi
     assert "messages[0].content[1]" in message and "encode worker" in message and "unreachable" in message, message
     # With the encode worker gone, image requests fail at once (502, or 503 once the health checks saw it go);
     # the rest of the stack serves on, and image requests again once an encode worker is back.
-    image_body = _chat([paths[0].name], 1, False)
+    image_body = chat_body(MODEL, [paths[0].name], 4)
     reply = httpx.post(f"{stack.url}/v1/chat/completions", json=image_body, timeout=60)
     assert reply.status_code in (502, 503) and "encode worker" in reply.json()["error"]["message"], reply.text
     workers = {role: stack.worker_urls[role] for role in ("prefill", "decode")}
