@@ -81,7 +81,7 @@ class EmbedsSession:
 
     def run(self, size: int) -> None:
         n = _rows(size)
-        slot = type(self._slot)(self._slot.first, -(-n // 2), self._slot.rows[:n])
+        slot = type(self._slot)(self._slot.first, self._region.blocks_for(n), self._slot.rows[:n])
         self._region.push(slot, self._peer, 0, timeout=120).wait(130)
 
     def check(self, size: int) -> None:
@@ -107,7 +107,7 @@ class FetchSession:
         mb = str(2 * largest + 8)
         self._worker = Process(f"encode worker ({backend})", [
             "-m", "worker", "--role", "encode", "--port", str(port), "--kv-transport", backend,
-            "--allowed-local-media-path", self._dir.name, "--embeds-region-mb", mb])
+            "--allowed-local-media-path", self._dir.name, "--embeds-region-mb", mb, "--max-file-size-mb", mb])
         self._url = f"http://127.0.0.1:{port}"
         wait_healthy(f"{self._url}/health", [self._worker], 120)
         self._loop = asyncio.new_event_loop()
@@ -122,7 +122,8 @@ class FetchSession:
         if not path.exists():
             safetensors.torch.save_file({"embeddings": torch.randn(_rows(size), HIDDEN)}, path)
         reply = httpx.post(f"{self._url}/v1/encode", json={"parts": [{"url": path.name}]}, timeout=120)
-        reply.raise_for_status()
+        if reply.status_code != 200:
+            raise SystemExit(f"{self.name}: encoding a {size} MiB part failed: {reply.text[:300]}")
         self._ready = EmbedsRef.from_dict(reply.json()["parts"][0], "bench")
 
     def run(self, size: int) -> None:

@@ -23,15 +23,15 @@ EMBEDS_PART = "image_embeds"
 
 
 def image_parts(body: dict[str, Any]) -> list[tuple[int, int, str]]:
-    """(message index, part index, url) of every image part of a chat body, in order."""
+    """(message index, part index, url) of every well-formed image part of a chat body, in order (a
+    malformed one is left for the prefill worker to refuse, naming it)."""
     found = []
     for i, message in enumerate(body.get("messages") or []):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if isinstance(part, dict) and part.get("type") == IMAGE_PART:
-                image = part.get(IMAGE_PART)
-                url = image.get("url") if isinstance(image, dict) else image
-                found.append((i, j, url))
+            image = part.get(IMAGE_PART) if isinstance(part, dict) and part.get("type") == IMAGE_PART else None
+            if isinstance(image, dict):
+                found.append((i, j, image.get("url")))
     return found
 
 

@@ -87,8 +87,9 @@ class Forwarder:
     async def handle(self, request: ClientRequest) -> Answer:
         """The answer to `request`; one a draining worker refused (nothing of it started, nothing sent to the
         client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode).
-        Image parts are encoded first, on an encode worker (proxy/encode.py)."""
-        request = await encode_images(request, self._pool, self._clients)
+        Disaggregated, image parts are encoded first, on an encode worker (proxy/encode.py)."""
+        if not self._colocated:
+            request = await encode_images(request, self._pool, self._clients)
         try:
             return await self._route(request)
         except UpstreamStatus as exc:

@@ -26,7 +26,7 @@ from neuron_connector.registry import WorkerRecord
 from transfer import TransferError
 from worker.encode.errors import EmbedsTransferError, UnknownHandle
 from worker.encode.ref import EmbedsRef
-from worker.encode.rows import RowRegion, blocks_for
+from worker.encode.rows import RowRegion
 from worker.encode.store import EmbedsStore
 from worker.errors import invalid
 from worker.multimodal.embeds import image_embeds
@@ -126,9 +126,11 @@ class _EncodeWorker:
         return jsonify({"parts": [ref.to_dict() for ref in refs]})
 
     async def _encode_one(self, item: Any, where: str, made: list[str]) -> EmbedsRef:
-        if not isinstance(item, dict) or not isinstance(item.get("url"), str):
+        if not isinstance(item, dict):
             raise invalid(f"{where} must be an object with a string 'url'", where)
-        part = item.get("part") if isinstance(item.get("part"), str) else where
+        part = item["part"] if isinstance(item.get("part"), str) else where
+        if not isinstance(item.get("url"), str):
+            raise invalid(f"{part}: the image url must be a string", part)
         s, store = self.settings, self.store
         assert store is not None
         tensor, aux = await load_part(item["url"], s.media, part, self._downloads)
@@ -149,7 +151,7 @@ class _EncodeWorker:
         assert store is not None
         slot = store.take(handle)
         try:  # pulled or failed, the rows are freed: a failed request is not pulled again
-            if slot.rows.shape[0] != num_rows or blocks_for(num_rows) != slot.count:
+            if slot.rows.shape[0] != num_rows or store.region.blocks_for(num_rows) != slot.count:
                 raise invalid(f"handle {handle} holds {slot.rows.shape[0]} rows, not {num_rows}", "num_rows")
             await asyncio.to_thread(self._push, slot, body["descriptor"], first)
         finally:

@@ -1,9 +1,11 @@
 """A registered region of embedding rows: the transfer engine's pool, seen as [rows, hidden].
 
-The transfer engine moves blocks of a KV layout. Laid out as vLLM's CPU order with one
-layer, one head, one token per block and head_dim = hidden, a block is two whole rows, next
-to each other in memory, and consecutive blocks are consecutive rows: any run of blocks is
-a plain [n, hidden] slice of the region.
+The transfer engine moves blocks of a KV layout. Laid out as vLLM's CPU order with one layer and
+one head, head_dim = hidden and block_size = half a block's rows, a block is a run of whole rows,
+next to each other in memory, and consecutive blocks are consecutive rows: any run of blocks is
+a plain [n, hidden] slice of the region. Blocks hold about BLOCK_BYTES, so that a part's block
+list stays short (the engine handles block ids one by one in Python) and little is lost at
+the end of a part's last block.
 """
 from __future__ import annotations
 
@@ -16,23 +18,25 @@ from transfer import CompletionToken, KVLayout, create_transfer_engine
 from transfer.layout import VLLM_CPU_ORDER
 from worker.encode.errors import RegionFull
 
-ROWS_PER_BLOCK = 2
+BLOCK_BYTES = 64 * 1024
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
+def rows_per_block(hidden_size: int, dtype: torch.dtype) -> int:
+    """Rows in one block: an even number (K and V halves), about BLOCK_BYTES of them."""
+    return 2 * max(1, BLOCK_BYTES // (2 * hidden_size * dtype.itemsize))
+
+
 def row_layout(hidden_size: int, dtype: torch.dtype, num_rows: int) -> KVLayout:
-    """The KV layout whose blocks are pairs of embedding rows."""
-    return KVLayout(num_layers=1, num_blocks=max(1, -(-num_rows // ROWS_PER_BLOCK)), block_size=1,
+    """The KV layout whose blocks are runs of rows_per_block embedding rows, holding at least `num_rows`."""
+    per_block = rows_per_block(hidden_size, dtype)
+    return KVLayout(num_layers=1, num_blocks=max(1, -(-num_rows // per_block)), block_size=per_block // 2,
                     num_kv_heads=1, head_dim=hidden_size, dtype=_DTYPE_NAMES[dtype], order=VLLM_CPU_ORDER)
 
 
 def rows_in(megabytes: float, hidden_size: int, dtype: torch.dtype) -> int:
-    """How many rows `megabytes` of region hold (at least one block's)."""
-    return max(ROWS_PER_BLOCK, int(megabytes * 2**20) // (hidden_size * dtype.itemsize))
-
-
-def blocks_for(num_rows: int) -> int:
-    return -(-num_rows // ROWS_PER_BLOCK)
+    """How many rows `megabytes` of region hold."""
+    return int(megabytes * 2**20) // (hidden_size * dtype.itemsize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,12 @@ class RowRegion:
             self.engine.close()
             raise
         self.num_blocks = layout.num_blocks
+        self.rows_per_block = rows_per_block(hidden_size, dtype)
         self._free: list[tuple[int, int]] = [(0, layout.num_blocks)]  # sorted (first, count) runs
         self._lock = threading.Lock()
+
+    def blocks_for(self, num_rows: int) -> int:
+        return max(1, -(-num_rows // self.rows_per_block))
 
     @property
     def free_blocks(self) -> int:
@@ -71,16 +79,16 @@ class RowRegion:
 
     def reserve(self, num_rows: int) -> Slot:
         """A slot of `num_rows` rows; RegionFull when no free run is long enough."""
-        need = blocks_for(max(num_rows, 1))
+        need = self.blocks_for(num_rows)
         with self._lock:
             for i, (first, count) in enumerate(self._free):
                 if count >= need:
                     self._free[i:i + 1] = [(first + need, count - need)] if count > need else []
-                    start = first * ROWS_PER_BLOCK
+                    start = first * self.rows_per_block
                     return Slot(first, need, self._rows[start:start + num_rows])
-            free = sum(count for _, count in self._free) * ROWS_PER_BLOCK
+            free = sum(count for _, count in self._free) * self.rows_per_block
         raise RegionFull(f"no room for {num_rows} embedding rows: {free} of the region's "
-                         f"{self.num_blocks * ROWS_PER_BLOCK} are free, not enough in one run")
+                         f"{self.num_blocks * self.rows_per_block} are free, not enough in one run")
 
     def release(self, slot: Slot) -> None:
         with self._lock:
