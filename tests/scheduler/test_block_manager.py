@@ -44,6 +44,30 @@ def test_prefix_blocks_are_shared_and_verified() -> None:
     assert d.num_cached_tokens == 8 and d.block_table[:2] == a_prefix
 
 
+def test_blocks_holding_images_are_shared_only_with_the_same_images_at_the_same_places() -> None:
+    bm = BlockManager(num_blocks=20, block_size=4)
+    tokens = [1, 2, 0, 0, 0, 0, 0, 0, 3, 4, 5]   # an image of 6 positions at 2..7 spans blocks 0 and 1
+
+    def image_seq(rid: str, spans: tuple[tuple[int, int, str], ...]) -> Sequence:
+        return Sequence(rid, tokens, max_tokens=8, block_size=4, mm_spans=spans)
+
+    a = image_seq("a", ((2, 6, "d1"),))
+    assert a.block_media(0) == ((2, 6, "d1"),) and a.block_media(1) == ((-2, 6, "d1"),) and a.block_media(2) == ()
+    bm.allocate(a)
+    bm.commit(a, len(a))
+    same = image_seq("same", ((2, 6, "d1"),))
+    bm.allocate(same)
+    assert same.num_cached_tokens == 8 and same.block_table[:2] == a.block_table[:2]
+    for i, spans in enumerate((((2, 6, "d2"),), ((2, 5, "d1"),), ())):   # another image, another span, none
+        other = image_seq(f"other{i}", spans)
+        bm.allocate(other)
+        assert other.num_cached_tokens == 0 and not set(other.block_table) & set(a.block_table)
+        bm.free(other)
+    for s in (a, same):
+        bm.free(s)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_last_block_is_always_computed() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq([1, 2, 3, 4, 5, 6, 7, 8], "a")

@@ -8,9 +8,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
+from worker.model.loader import load_config
+from worker.model.tokenizer import Tokenizer
 from worker.multimodal.embeds import ImageEmbeds, image_embeds
+
+# img0 .. img5 of write_snippet_images: a checkpoint's own input embeddings of these texts, so a prompt
+# holding image i must be answered exactly as the prompt holding SNIPPETS[i] as text.
+SNIPPETS = [" cat", " the sea", " a red car", "def add(a, b):", " hello", " print(x)"]
 
 
 def rows(n: int, hidden: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -44,6 +51,19 @@ def data_url(data: bytes) -> str:
 
 def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def write_snippet_images(directory: Path, checkpoint: Path) -> None:
+    """directory/img{i}.safetensors: `checkpoint`'s token embeddings of SNIPPETS[i]."""
+    tokenizer = Tokenizer.from_dir(checkpoint, load_config(checkpoint))
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight").float()
+    for i, text in enumerate(SNIPPETS):
+        write(directory / f"img{i}.safetensors", safetensors_bytes(table[tokenizer.encode(text, add_bos=False)]))
 
 
 class MediaHTTPServer:

@@ -34,6 +34,16 @@ def test_no_local_file_is_read_without_an_allowed_directory(tmp_path: Path) -> N
     assert torch.equal(tensor, rows(2, 8, 0)) and aux == {}
 
 
+def test_only_regular_files_are_read(tmp_path: Path) -> None:
+    import os
+
+    os.mkfifo(tmp_path / "fifo")   # opening it for reading would wait for a writer
+    (tmp_path / "dir").mkdir()
+    for name in ("fifo", "dir"):
+        with pytest.raises(InvalidRequestError, match=f"{name} is not a regular file"):
+            load(name, MediaPolicy(tmp_path))
+
+
 def test_safetensors_keeps_its_metadata_and_other_tensors_as_aux(tmp_path: Path) -> None:
     from safetensors.torch import save
 

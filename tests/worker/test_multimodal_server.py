@@ -13,26 +13,14 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 import torch
-from safetensors import safe_open
 
 from tests.helpers import free_port, wait_until
-from tests.worker.multimodal_helpers import (MediaHTTPServer, data_url, image_part, pt_bytes, rows,
-                                             safetensors_bytes, write)
+from tests.worker.multimodal_helpers import (SNIPPETS, MediaHTTPServer, data_url, image_part, pt_bytes, rows,
+                                             safetensors_bytes, text_part, write, write_snippet_images)
 from tests.worker_process import WorkerProcess
-from worker.model.loader import load_config
-from worker.model.tokenizer import Tokenizer
 
 HIDDEN = 64    # the tiny checkpoint's hidden size (its dtype here: float32)
 LIMIT = 2**20  # --max-file-size-mb 1
-SNIPPETS = [" cat", " the sea", " a red car", "def add(a, b):", " hello", " print(x)"]   # img0 .. img5
-
-
-def text_rows(path: Path, texts: list[str]) -> list[torch.Tensor]:
-    """The input embeddings of each text for the checkpoint at `path`."""
-    tokenizer = Tokenizer.from_dir(path, load_config(path))
-    with safe_open(path / "model.safetensors", "pt") as f:
-        table = f.get_tensor("model.embed_tokens.weight").float()
-    return [table[tokenizer.encode(text, add_bos=False)] for text in texts]
 
 
 class Planted:
@@ -49,8 +37,7 @@ class Planted:
 def media(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
     root = tmp_path_factory.mktemp("media")
     allowed = root / "allowed"
-    for i, tensor in enumerate(text_rows(tiny_llama, SNIPPETS)):
-        write(allowed / f"img{i}.safetensors", safetensors_bytes(tensor))
+    write_snippet_images(allowed, tiny_llama)
     write(allowed / "aux.pt", pt_bytes({"embeddings": rows(5, HIDDEN, 10), "grid": [1, 5], "id": "x"}))
     write(root / "outside" / "secret.safetensors", safetensors_bytes(rows(4, HIDDEN, 99)))
     (allowed / "escape.safetensors").symlink_to(root / "outside" / "secret.safetensors")
@@ -95,10 +82,6 @@ def urls(media: Path, http_media: MediaHTTPServer) -> list[str]:
             "img5.safetensors"]
 
 
-def text(snippet: str) -> dict:
-    return {"type": "text", "text": snippet}
-
-
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_images_are_answered_as_their_text_and_only_they_decide(worker: WorkerProcess, media: Path,
@@ -108,12 +91,12 @@ def test_images_are_answered_as_their_text_and_only_they_decide(worker: WorkerPr
     parts = [image_part(u) for u in every[:n]]
     first = chat(worker, parts, **sampling)
     assert first.status_code == 200, first.text
-    as_text = chat(worker, [text(s) for s in SNIPPETS[:n]], **sampling).json()
+    as_text = chat(worker, [text_part(s) for s in SNIPPETS[:n]], **sampling).json()
     assert {k: first.json()[k] for k in ("choices", "usage")} == {k: as_text[k] for k in ("choices", "usage")}
     again = chat(worker, parts, **sampling)   # its blocks now come from the prefix cache
     assert again.json()["choices"] == first.json()["choices"]
     other = chat(worker, parts[:-1] + [image_part(every[5])], **sampling)   # the last image swapped for another
-    assert other.json()["choices"] == chat(worker, [text(s) for s in SNIPPETS[:n - 1] + SNIPPETS[5:]],
+    assert other.json()["choices"] == chat(worker, [text_part(s) for s in SNIPPETS[:n - 1] + SNIPPETS[5:]],
                                            **sampling).json()["choices"]
     assert other.json()["choices"] != first.json()["choices"]
     assert chat(worker, parts, **sampling).json()["choices"] == first.json()["choices"]

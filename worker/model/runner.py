@@ -56,15 +56,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
-        image_rows: list[int] = []
-        images: list[torch.Tensor] = []
         for chunk in chunks:
             end = chunk.start + chunk.num_tokens
-            for start, image in chunk.seq.mm:   # type: ignore[attr-defined]  # the engine schedules Requests
-                lo, hi = max(start, chunk.start), min(start + image.num_positions, end)
-                if lo < hi:   # the part of this image the chunk covers (a chunk may start or end inside it)
-                    image_rows.extend(range(len(positions) + lo - chunk.start, len(positions) + hi - chunk.start))
-                    images.append(image.tensor[lo - start:hi - start])
             input_ids.extend(chunk.seq.token_ids[chunk.start:end])
             positions.extend(range(chunk.start, end))
             if chunk.samples:
@@ -74,9 +67,23 @@ class ModelRunner:
         meta = AttentionMetadata(kv_pool=self.kv_pool, slot_mapping=self._tensor(self._slots(chunks)),
                                  decodes=decodes, chunks=prompt_chunks)
         every_row = len(last_rows) == len(positions)
-        input_rows = (self._tensor(image_rows), torch.cat(images).to(self.device)) if images else None
         return StepInputs(self._tensor(input_ids), self._tensor(positions),
-                          None if every_row else self._tensor(last_rows), meta, input_rows)
+                          None if every_row else self._tensor(last_rows), meta, self._input_rows(chunks))
+
+    def _input_rows(self, chunks: list[ScheduledChunk]) -> InputRows | None:
+        """The image rows among the step's inputs (a chunk may start or end inside an image) and their embeddings."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        offset = 0   # the chunk's first row in the flat input
+        for chunk in chunks:
+            end = chunk.start + chunk.num_tokens
+            for start, image in chunk.seq.mm:   # type: ignore[attr-defined]  # the engine schedules Requests
+                lo, hi = max(start, chunk.start), min(start + image.num_positions, end)
+                if lo < hi:
+                    rows.extend(range(offset + lo - chunk.start, offset + hi - chunk.start))
+                    parts.append(image.tensor[lo - start:hi - start])
+            offset += chunk.num_tokens
+        return (self._tensor(rows), torch.cat(parts).to(self.device)) if parts else None
 
     def _slots(self, chunks: list[ScheduledChunk]) -> list[int]:
         bs = self.block_size

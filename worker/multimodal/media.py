@@ -12,6 +12,7 @@ import asyncio
 import base64
 import binascii
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,15 +93,17 @@ def _local_path(url: str, policy: MediaPolicy, part: str) -> Path:
 
 def _read_file(path: Path, limit: int, part: str) -> bytes:
     try:
-        # O_NOFOLLOW: a symlink put in place after the path was resolved is not followed.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NOFOLLOW: a symlink put in place after the path was resolved is not followed;
+        # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused below).
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError as exc:
         raise invalid(f"{part}: no such file: {path.name}", part) from exc
     except OSError as exc:
         raise invalid(f"{part}: cannot open {path.name}: {exc.strerror}", part) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise invalid(f"{part}: {path.name} is not a regular file", part)
     with os.fdopen(fd, "rb") as f:
-        if not path.is_file():
-            raise invalid(f"{part}: {path.name} is not a regular file", part)
         data = f.read(limit + 1)
     if len(data) > limit:
         raise invalid(f"{part}: {path.name} is larger than the limit of {_mb(limit)}", part)
