@@ -94,3 +94,30 @@ def test_rows_nobody_pulls_are_freed_after_the_ttl(encoder: tuple[WorkerProcess,
     wait_until(lambda: _held(worker) == 0, timeout=10)
     late = asyncio.run(_fetch_all(worker.transport, reply.json()["parts"][:1]))[0]
     assert isinstance(late, EmbedsTransferError) and "timed out" in str(late)
+
+
+def test_a_cancelled_fetch_keeps_its_slot_until_the_encode_worker_has_answered(
+        encoder: tuple[WorkerProcess, Path]) -> None:
+    worker, media = encoder
+    ref = EmbedsRef.from_dict(_encode(worker, [write_images(media, [64], first_seed=40)[0].name]).json()["parts"][0],
+                              "p")
+
+    async def run() -> None:
+        fetcher = EmbedsFetcher(RowRegion(worker.transport, "127.0.0.1", HIDDEN, torch.float32, 4096))
+        region = fetcher.region
+        try:
+            fetch = asyncio.ensure_future(fetcher.fetch(ref, "p"))
+            await asyncio.sleep(0)   # one turn: the fetch has taken its slot and asked the encode worker
+            fetch.cancel()           # as when the request's client leaves
+            with pytest.raises(asyncio.CancelledError):
+                await fetch
+            assert region.free_blocks < region.num_blocks   # the push may still land there
+            deadline = asyncio.get_running_loop().time() + 10
+            while region.free_blocks != region.num_blocks:
+                assert asyncio.get_running_loop().time() < deadline, "the slot was never freed"
+                await asyncio.sleep(0.01)
+        finally:
+            await fetcher.aclose()
+
+    asyncio.run(run())
+    assert _held(worker) == 0

@@ -15,9 +15,11 @@ import torch
 
 from worker.encode.errors import EmbedsTransferError
 from worker.encode.ref import EmbedsRef
-from worker.encode.rows import RowRegion
+from worker.encode.rows import RowRegion, Slot
 from worker.errors import invalid
 from worker.multimodal.embeds import ImageEmbeds
+
+_ANSWER_MARGIN_S = 10.0
 
 
 class EmbedsFetcher:
@@ -25,8 +27,9 @@ class EmbedsFetcher:
 
     def __init__(self, region: RowRegion, timeout: float = 30.0) -> None:
         self.region = region
-        self._timeout = timeout
-        self._client = httpx.AsyncClient(timeout=timeout)
+        # Longer than the encode worker's own limit on a push (--kv-pull-timeout), so that a slot is
+        # freed only once the encode worker has answered: its push never lands in a reused slot.
+        self._client = httpx.AsyncClient(timeout=timeout + _ANSWER_MARGIN_S)
 
     def check(self, ref: EmbedsRef, part: str) -> None:
         """InvalidRequestError (400, naming `part`) unless the rows fit this worker's model."""
@@ -39,6 +42,13 @@ class EmbedsFetcher:
         """The embeddings of content part `part`; EmbedsTransferError if they cannot be pulled."""
         self.check(ref, part)
         slot = self.region.reserve(ref.num_rows)
+        # A request cancelled meanwhile (its client left) does not end the pull: the slot stays taken
+        # until the encode worker has answered, since until then its push may still write into it.
+        pull = asyncio.ensure_future(self._pull_into(slot, ref, part))
+        pull.add_done_callback(_consume)
+        return await asyncio.shield(pull)
+
+    async def _pull_into(self, slot: Slot, ref: EmbedsRef, part: str) -> ImageEmbeds:
         try:
             await self._pull(ref, part, slot.first)
             return ImageEmbeds(slot.rows.clone(), dict(ref.aux), ref.digest)
@@ -67,6 +77,12 @@ def placeholder(ref: EmbedsRef) -> ImageEmbeds:
     a decode worker needs the positions and digests of the image, never its rows."""
     rows = torch.zeros((), dtype=ref.torch_dtype).expand(ref.shape)
     return ImageEmbeds(tensor=rows, aux=ref.aux, digest=ref.digest)
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Marks the outcome of a pull nobody awaits any more as seen."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _message(reply: httpx.Response) -> str:
