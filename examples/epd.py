@@ -97,7 +97,8 @@ def answer_all(url: str, bodies: Sequence[dict[str, Any]], concurrency: int, tim
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="epd.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="epd.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, nargs="+", default=[1, 2, 5], help="images per request, one round each")
     p.add_argument("--requests", type=int, default=8, help="requests per round (default 8)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")

@@ -21,7 +21,8 @@ from worker.multimodal.embeds import digest
 
 
 @pytest.fixture(scope="module", params=["shm", "tcp"])
-def encoder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, Path]]:
+def encoder(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, Path]]:
     media = tmp_path_factory.mktemp("media")
     worker = WorkerProcess("encode", request.param, extra=["--allowed-local-media-path", str(media),
                                                            "--embeds-ttl", "2", "--embeds-region-mb", "1"])

@@ -56,7 +56,8 @@ def test_epd_answers_as_the_both_worker_token_for_token(stack: Stack, media: Pat
 
 def test_encode_side_bad_input_is_the_encode_workers_400_naming_the_part(stack: Stack, media: Path) -> None:
     good = write_images(media, [4], first_seed=7)[0].name
-    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(MODEL, [good, "../outside.pt"], 0), timeout=60)
+    body = chat_body(MODEL, [good, "../outside.pt"], 0)
+    reply = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == "messages[0].content[2]" and "'..'" in error["message"], error

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from quart import Quart, Response, g, jsonify
 
 from common.openai_wire import error_body, load_object
@@ -42,7 +43,7 @@ class EncodeSettings:
     """What the encode worker needs: the model's row shape, where media may come from, the region's size."""
 
     hidden_size: int
-    dtype: Any  # torch.dtype
+    dtype: torch.dtype
     media: MediaPolicy
     transport: str = "auto"
     transfer_host: str = "127.0.0.1"

@@ -29,7 +29,8 @@ async def run_encode_server(args: argparse.Namespace, engine_config: EngineConfi
         hidden_size=model.hidden_size, dtype=DTYPES[engine_config.dtype],
         media=media,
         transport=args.kv_transport, transfer_host=args.kv_host,
-        capacity_rows=rows_in(args.embeds_region_mb, model.hidden_size, DTYPES[engine_config.dtype]), ttl=args.embeds_ttl,
+        capacity_rows=rows_in(args.embeds_region_mb, model.hidden_size, DTYPES[engine_config.dtype]),
+        ttl=args.embeds_ttl,
         pull_timeout=args.kv_pull_timeout, secret=args.kv_secret)
     app = create_encode_app(settings, f"http://{host}:{args.port}")
     worker = app.extensions["neuron_di_encode"]
