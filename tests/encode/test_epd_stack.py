@@ -66,6 +66,21 @@ def test_encode_side_bad_input_is_the_encode_workers_400_naming_the_part(stack: 
     assert reply.status_code == 200, reply.text
 
 
+def test_image_embeds_parts_outside_a_disaggregated_request_are_400s(stack: Stack, media: Path) -> None:
+    path = write_images(media, [3], first_seed=50)[0]
+    parts = [{"part": "messages[0].content[1]", "url": path.name}]
+    meta = httpx.post(f"{stack.worker_urls['encode']}/v1/encode", json={"parts": parts}, timeout=60).json()["parts"][0]
+    body = chat_body(MODEL, [path.name], 0)
+    body["messages"][0]["content"][1] = {"type": "image_embeds", "image_embeds": meta}
+    for role in ("decode", "both"):  # a decode worker alone would compute the image from placeholders
+        reply = httpx.post(f"{stack.worker_urls[role]}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 400, (role, reply.text)
+        assert reply.json()["error"]["param"] == "messages[0].content[1]", (role, reply.text)
+    reply = httpx.post(f"{stack.worker_urls['prefill']}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text   # served alone, a prefill worker pulls the rows itself
+    _settled(stack)
+
+
 def test_encode_worker_killed_before_the_pull_is_a_502_and_the_stack_keeps_serving(stack: Stack,
                                                                                   media: Path) -> None:
     paths = write_images(media, [6, 2], first_seed=77)

@@ -31,20 +31,22 @@ class PartResolver:
         self._fetcher = fetcher
         self._placeholders_only = placeholders_only
 
-    async def resolve(self, parts: list[MediaPart]) -> list[ImageEmbeds]:
-        """The embeddings of each part, in order; the pulls of one request run at once."""
-        refs = [self._ref(p) if p.type == PART_TYPE else None for p in parts]
+    async def resolve(self, parts: list[MediaPart], decode_leg: bool = False) -> list[ImageEmbeds]:
+        """The embeddings of each part, in order; the pulls of one request run at once. `decode_leg`: the
+        request is the decode leg of a disaggregated one, whose prompt KV comes from its prefill worker."""
+        refs = [self._ref(p, decode_leg) if p.type == PART_TYPE else None for p in parts]
         results = await asyncio.gather(*(self._one(p, r) for p, r in zip(parts, refs)), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return list(results)  # type: ignore[arg-type]
 
-    def _ref(self, part: MediaPart) -> EmbedsRef:
+    def _ref(self, part: MediaPart, decode_leg: bool) -> EmbedsRef:
         ref = EmbedsRef.from_dict(part.value, part.param)
-        if self._fetcher is None and not self._placeholders_only:
-            raise invalid(f"{part.param}: {PART_TYPE} parts are for prefill and decode workers behind an "
-                          f"encode worker; send image_url parts here", part.param)
+        if self._fetcher is None and not (self._placeholders_only and decode_leg):
+            # Placeholders are right only where the prompt's KV arrives from a prefill worker.
+            raise invalid(f"{part.param}: {PART_TYPE} parts are for the prefill and decode legs of a disaggregated "
+                          f"request behind an encode worker; send image_url parts here", part.param)
         if self._fetcher is not None:
             self._fetcher.check(ref, part.param)
         return ref

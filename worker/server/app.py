@@ -200,7 +200,7 @@ class _Worker:
         if req.kind == "chat":
             text = tokenizer.apply_chat_template(req.messages)
             check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
-            return build_prompt(tokenizer, text, await self.images.resolve(req.media))
+            return build_prompt(tokenizer, text, await self.images.resolve(req.media, _is_decode_leg(req)))
         if isinstance(req.prompt, str):
             check_text_fits(req, len(req.prompt), tokenizer.min_tokens(req.prompt), self.max_model_len)
             return MultiModalPrompt(tokenizer.encode(req.prompt, add_bos=True), [])
