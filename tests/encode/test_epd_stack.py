@@ -24,10 +24,11 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("media")
 
 
-@pytest.fixture(scope="module")
-def stack(media: Path) -> Iterator[Stack]:
-    with start_epd(StackOptions(kv_transport="shm", worker_extra=("--embeds-region-mb", "8")), media,
-                   ("--health-interval", "0.5")) as started:
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def stack(request: pytest.FixtureRequest, media: Path) -> Iterator[Stack]:
+    """KV blocks and embedding rows over `--kv-transport` shm, then tcp."""
+    options = StackOptions(kv_transport=request.param, worker_extra=("--embeds-region-mb", "8"))
+    with start_epd(options, media, ("--health-interval", "0.5")) as started:
         yield started
 
 
