@@ -213,14 +213,21 @@ def measure(sessions: list[Any], sizes: list[int], repeats: int) -> dict[str, di
     rates: dict[str, dict[int, list[float]]] = {s.name: {size: [] for size in sizes} for s in sessions}
     for size in sizes:
         for session in [s for s in sessions if not getattr(s, "warm", False)]:
+            _prepare(session, size)
             session.run(size)  # warm-up: connections, first touches
             getattr(session, "check", lambda _: None)(size)
         for _ in range(repeats):
             for session in sessions:
+                _prepare(session, size)
                 start = time.perf_counter()
                 session.run(size)
                 rates[session.name][size].append(size * MIB / (time.perf_counter() - start) / 1e9)
     return {name: {size: statistics.median(r) for size, r in row.items()} for name, row in rates.items()}
+
+
+def _prepare(session: Any, size: int) -> None:
+    """The untimed setup of one run, for sessions that have one."""
+    getattr(session, "prepare", lambda _: None)(size)
 
 
 def run_group(makers: list[Callable[[], Any]], sizes: list[int], repeats: int) -> dict[str, dict[int, float]]:

@@ -18,7 +18,7 @@ from typing import Any, Coroutine, TypeVar
 
 import aetcd
 
-from common.roles import DEFAULT_KV_PORT, ROLES
+from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
 from neuron_connector.errors import RegistrationError
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ class WorkerRecord:
     kv_protocol: str = "neuron"
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"worker role must be one of {WORKER_ROLES}, got {self.role!r}")
         if self.kv_protocol not in KV_PROTOCOLS:
             raise ValueError(f"worker kv_protocol must be one of {KV_PROTOCOLS}, got {self.kv_protocol!r}")
         if not self.host or not 0 < self.http_port < 65536:

@@ -11,7 +11,7 @@ from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import error_body, json_bytes
 from common.request_body import request_body
-from common.roles import DISAGGREGATED_ROLES, ROLES
+from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, HealthChecks
 from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
@@ -175,8 +175,9 @@ def _ready(state: ProxyState) -> Response:
 
 def _worker_counts(state: ProxyState) -> dict[str, dict[str, int]]:
     known = state.pool.all()
+    roles = ROLES + ((ENCODE_ROLE,) if any(w.role == ENCODE_ROLE for w in known) else ())
     return {role: {"known": sum(w.role == role for w in known), "healthy": len(state.pool.healthy(role))}
-            for role in ROLES}
+            for role in roles}
 
 
 def _needed_roles(state: ProxyState) -> tuple[str, ...]:

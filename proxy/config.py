@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Sequence
 
-from common.roles import DEFAULT_KV_PORT, DISAGGREGATED_ROLES
+from common.roles import DEFAULT_KV_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE
 from proxy.errors import ConfigError
 from proxy.flows import DEFAULT_STRATEGY, STRATEGIES
 from proxy.upstream import Timeouts
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static xPyD prefill worker (repeat); KV_PORT as for --prefill-kv-port")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
                    help="static xPyD decode worker (repeat)")
+    p.add_argument("--encode", action="append", default=[], metavar="HOST:PORT",
+                   help="static encode worker (repeat): chat requests with image parts go to one first")
     p.add_argument("--kv-protocol", choices=KV_PROTOCOLS, default="neuron",
                    help="how the static prefill/decode workers are driven: neuron (our signal plane, both legs "
                         "at once) or nixl (vLLM's NixlConnector: prefill first, its kv_transfer_params to decode)")
@@ -105,9 +107,10 @@ def _static_workers(args: argparse.Namespace) -> tuple[tuple[WorkerRecord, ...],
     one_p_one_d = [args.prefill_ip, args.prefill_port, args.decode_ip, args.decode_port]
     di_given = any(v is not None for v in one_p_one_d) or args.prefill or args.decode
     if args.mode == "colocated":
-        if di_given:
-            raise ConfigError("--mode colocated takes --worker, not prefill/decode workers")
+        if di_given or args.encode:
+            raise ConfigError("--mode colocated takes --worker, not prefill/decode/encode workers")
         return tuple(static_worker("both", *_host_port(w, "--worker")) for w in args.worker), frozenset()
+    encode = tuple(static_worker(ENCODE_ROLE, *_host_port(w, "--encode")) for w in args.encode)
     if args.worker:
         raise ConfigError("--worker is for --mode colocated; use --prefill/--decode in di mode")
     workers: list[WorkerRecord] = []
@@ -129,6 +132,10 @@ def _static_workers(args: argparse.Namespace) -> tuple[tuple[WorkerRecord, ...],
         workers.append(static_worker("decode", *_host_port(spec, "--decode"), kv_protocol=protocol))
     if workers and {w.role for w in workers} != set(DISAGGREGATED_ROLES):
         raise ConfigError("di mode needs at least one prefill and one decode worker")
+    if encode and not workers:
+        raise ConfigError("--encode workers serve the prefill/decode workers of the command line: give those "
+                          "too (with --etcd, encode workers register there)")
+    workers.extend(encode)
     if len({w.key for w in workers}) != len(workers):
         raise ConfigError("the same worker is given twice")
     return tuple(workers), frozenset(kv_ports_given)

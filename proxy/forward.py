@@ -18,6 +18,7 @@ from typing import Any, AsyncGenerator, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
 from proxy.abandon import Abandoner
+from proxy.encode import encode_images
 from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable, to_http
 from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
                          spawn, stitched_flow)
@@ -79,7 +80,10 @@ class Forwarder:
 
     async def handle(self, request: ClientRequest) -> Answer:
         """The answer to `request`; one a draining worker refused (nothing of it started, nothing sent to the
-        client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode)."""
+        client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode).
+        Disaggregated, image parts are encoded first, on an encode worker (proxy/encode.py)."""
+        if not self._colocated:
+            request = await encode_images(request, self._pool, self._clients)
         try:
             return await self._route(request)
         except UpstreamStatus as exc:

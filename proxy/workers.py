@@ -5,7 +5,7 @@ import json
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
-from common.roles import DEFAULT_KV_PORT, ROLES
+from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
 from neuron_connector.registry import KV_PROTOCOLS, RegistrationError, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
@@ -150,7 +150,7 @@ class WorkerPool:
         """The healthy workers of `role` (and of `kv_protocol`, if given), sorted by key."""
         if self._healthy is None:
             # Sorted so that the rotation order does not depend on discovery order.
-            self._healthy = {r: [] for r in ROLES}
+            self._healthy = {r: [] for r in WORKER_ROLES}
             for worker in self.all():
                 if worker.key not in self._down:
                     self._healthy[worker.role].append(worker)

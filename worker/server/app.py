@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from quart import Quart, Response, g, jsonify, make_response, request
 
@@ -34,6 +34,8 @@ from worker.engine.request import RequestOutput
 from worker.errors import DrainingError, invalid
 from worker.multimodal.media import MediaPolicy
 from worker.multimodal.prompt import MultiModalPrompt, build_prompt
+from worker.encode.fetch import EmbedsFetcher
+from worker.encode.parts import PartResolver
 from worker.server.images import ImageResolver
 from worker.server.metrics import RequestTimer, ServerMetrics
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
@@ -49,16 +51,18 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 def create_app(engine_config: EngineConfig, *,
                engine_factory: Callable[[], LLMEngine] | None = None,
-               drain_timeout: float = DEFAULT_TIMEOUT_S, media_policy: MediaPolicy | None = None) -> Quart:
+               drain_timeout: float = DEFAULT_TIMEOUT_S, media_policy: MediaPolicy | None = None,
+               embeds_region: Callable[[int, Any], Any] | None = None) -> Quart:
     """A Quart app serving one engine; the engine starts in `before_serving` and stops in `after_serving`.
 
     `engine_factory` builds the engine on its thread; the default is `LLMEngine(engine_config)`.
     `media_policy` says where chat image parts may be loaded from (default: no local files).
+    `embeds_region(hidden_size, dtype)` makes the RowRegion a prefill worker pulls encoded image parts into.
     A drain, once over, sets the worker's `drain.done`: the server should stop then.
     """
     app = Quart(__name__)
     worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout,
-                     media_policy or MediaPolicy())
+                     media_policy or MediaPolicy(), embeds_region)
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)
     app.before_request(_take_request_id)
@@ -88,10 +92,12 @@ async def _echo_request_id(response: Response) -> Response:
 class _Worker:
     """The app's state and route handlers; one per app, so several apps can share a process."""
 
-    def __init__(self, factory: Callable[[], LLMEngine], drain_timeout: float, media_policy: MediaPolicy) -> None:
+    def __init__(self, factory: Callable[[], LLMEngine], drain_timeout: float, media_policy: MediaPolicy,
+                 embeds_region: Callable[[int, Any], Any] | None) -> None:
         self.async_engine = AsyncEngine(factory)
         self.media_policy = media_policy
-        self.images: ImageResolver | None = None
+        self.embeds_region = embeds_region
+        self.images: PartResolver | None = None
         self.drain = Drain(self.async_engine, drain_timeout)
         self.metrics: ServerMetrics | None = None
         self.model_name = ""
@@ -106,7 +112,10 @@ class _Worker:
         assert engine is not None  # start() returned, so the engine was built
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.metrics = ServerMetrics(self.model_name)
-        self.images = ImageResolver(self.media_policy, engine.model_config.hidden_size, engine.kv_layout.torch_dtype)
+        hidden, dtype = engine.model_config.hidden_size, engine.kv_layout.torch_dtype
+        region = None if self.embeds_region is None else await asyncio.to_thread(self.embeds_region, hidden, dtype)
+        self.images = PartResolver(ImageResolver(self.media_policy, hidden, dtype),
+                                   None if region is None else EmbedsFetcher(region), engine.config.role == "decode")
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
             engine.kv_connector.on_integrity_check = self.metrics.integrity_checked
@@ -212,7 +221,7 @@ class _Worker:
         if req.kind == "chat":
             text = tokenizer.apply_chat_template(req.messages)
             check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
-            return build_prompt(tokenizer, text, await self.images.resolve(req.media))
+            return build_prompt(tokenizer, text, await self.images.resolve(req.media, _is_decode_leg(req)))
         if isinstance(req.prompt, str):
             check_text_fits(req, len(req.prompt), tokenizer.min_tokens(req.prompt), self.max_model_len)
             return MultiModalPrompt(tokenizer.encode(req.prompt, add_bos=True), [])

@@ -15,8 +15,9 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
-from common.roles import DEFAULT_KV_PORT, ROLES
+from common.roles import DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
+from worker.encode import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -48,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line, one argument group per concern, so the KV-transfer flags get a group of their own."""
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
     server = parser.add_argument_group("server")
-    server.add_argument("--role", choices=ROLES, default="both",
-                        help="both: prefill and decode here; prefill/decode: one side of disaggregated serving")
+    server.add_argument("--role", choices=WORKER_ROLES, default="both",
+                        help="both: prefill and decode here; prefill/decode: one side of disaggregated serving; "
+                             "encode: loads image parts and keeps their embeddings for prefill workers to pull")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--advertise-host", default=None,
                         help="address others reach this worker at, registered in etcd and shown in GET /health "
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "pulled ones for the next prompt with that prefix (default: on; needs prefix caching)")
     kv.add_argument("--etcd", default=None, help="host:port of etcd to register this worker in (optional)")
     kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
+    embeds_flags.add_arguments(parser)
     return parser
 
 
@@ -130,6 +133,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         parser.error(f"--allowed-local-media-path {args.allowed_local_media_path} is not a directory")
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
+    embeds_flags.check(parser, args)
     try:
         args.kv_secret = resolve_secret(args.kv_secret_file)
     except KVSecretError as exc:
@@ -143,7 +147,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                               enable_chunked_prefill=args.enable_chunked_prefill,
                               enable_prefix_caching=args.enable_prefix_caching,
                               prefix_aware_transfer=args.prefix_aware_transfer,
-                              max_model_len=args.max_model_len, seed=args.seed, role=args.role)
+                              max_model_len=args.max_model_len, seed=args.seed,
+                              role="both" if args.role == ENCODE_ROLE else args.role)  # encode: no engine runs
     except ValueError as exc:
         parser.error(str(exc))
     return args, config
@@ -164,10 +169,15 @@ def hypercorn_config(host: str, port: int) -> HypercornConfig:
 async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     """Serves until a drain (SIGTERM, SIGINT or POST /drain, see worker/server/drain.py) is over; then
     hypercorn stops and the engine thread is joined."""
+    if args.role == ENCODE_ROLE:
+        from worker.encode.serve import run_encode_server
+        return await run_encode_server(args, engine_config, hypercorn_config(args.host, args.port),
+                                       media_policy(args))
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
-                     drain_timeout=args.drain_timeout, media_policy=media_policy(args))
+                     drain_timeout=args.drain_timeout, media_policy=media_policy(args),
+                     embeds_region=embeds_region(args) if args.role == "prefill" else None)
     drain = app.extensions["neuron_di_worker"].drain
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -181,6 +191,16 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
     from worker.multimodal.media import MediaPolicy  # imports torch, as create_app does
 
     return MediaPolicy(args.allowed_local_media_path, args.max_file_size_mb)
+
+
+def embeds_region(args: argparse.Namespace) -> Callable[[int, Any], Any]:
+    """Makes a prefill worker's region of embedding rows (worker/encode/rows.py) once the model is known."""
+    def make(hidden_size: int, dtype: Any) -> Any:
+        from worker.encode.rows import RowRegion, rows_in
+
+        return RowRegion(args.kv_transport, args.kv_host, hidden_size, dtype,
+                         rows_in(args.embeds_region_mb, hidden_size, dtype), args.kv_secret)
+    return make
 
 
 def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:

@@ -40,7 +40,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-MEDIA_PART_TYPES = ("image_url",)
+MEDIA_PART_TYPES = ("image_url", "image_embeds")  # image_embeds: made by an encode worker (worker/encode/)
 
 
 @dataclass(frozen=True)
