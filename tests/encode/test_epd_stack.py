@@ -14,6 +14,7 @@ from examples.serving_stack import Stack, StackOptions
 from examples.worker_metrics import wait_blocks_free
 from tests.encode.embeds_files import write_images
 from tests.helpers import wait_until
+from tests.proxy.conftest import start_proxy
 
 MODEL = "neuron-di-builtin"
 CONCURRENCY = 8
@@ -109,4 +110,22 @@ def test_encode_worker_killed_before_the_pull_is_a_502_and_the_stack_keeps_servi
     stack.restart("encode")
     wait_until(lambda: httpx.post(f"{stack.url}/v1/chat/completions", json=image_body, timeout=60).status_code == 200,
                timeout=60, interval=0.5)
+    _settled(stack)
+
+
+@pytest.mark.parametrize("strategy", ["prefill_first", "decode_first"])
+def test_epd_answers_as_the_both_worker_in_every_request_flow(stack: Stack, media: Path, strategy: str) -> None:
+    """A second proxy in front of the same workers, with another --disaggregation-strategy (decode_first:
+    the decode worker sends the prefill leg itself, which fetches the image rows)."""
+    urls = {role: stack.worker_urls[role].removeprefix("http://") for role in ("prefill", "decode", "encode")}
+    proxy = start_proxy(["--prefill", urls["prefill"], "--decode", urls["decode"], "--encode", urls["encode"],
+                         "--disaggregation-strategy", strategy])
+    try:
+        bodies = [chat_body(MODEL, [p.name for p in write_images(media, [3, 5], first_seed=7000 + 10 * i)], i)
+                  for i in range(4)]
+        epd = answer_all(proxy.url, bodies, 4)
+        assert [status for status, _, _ in epd] == [200] * len(bodies), epd
+        assert epd == answer_all(stack.worker_urls["both"], bodies, 4)
+    finally:
+        proxy.process.stop()
     _settled(stack)

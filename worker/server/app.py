@@ -191,17 +191,18 @@ class _Worker:
     async def _serve(self, kind: Kind) -> Response:
         assert self.metrics is not None
         with self.drain.admitting():
-            req = parse_request(kind, parse_body(await request_body()), self.model_name)
+            body = parse_body(await request_body())
+            req = parse_request(kind, body, self.model_name)
             prompt = await self._prompt(req)
             params = build_params(req, len(prompt.token_ids), self.max_model_len)
             prefill_url = remote_url(req.kv_transfer_params)
-            if prefill_url and prompt.spans:
-                raise invalid("a decode leg that sends its own prefill leg (decode_first) takes no image parts",
-                              "kv_transfer_params")
             stream = await self.async_engine.generate(g.request_id, prompt.token_ids, params, req.kv_transfer_params,
                                                       prompt.spans or None)
-        prefill = (self.remote_prefills.start(prefill_url, g.request_id, prompt.token_ids, req.sampling)
-                   if prefill_url else None)
+        prefill = None
+        if prefill_url:  # image rows are the prefill worker's to fetch: it gets the client's chat body then
+            prefill = (self.remote_prefills.start(prefill_url, g.request_id, request.path, body) if prompt.spans else
+                       self.remote_prefills.start(prefill_url, g.request_id, "/v1/completions",
+                                                  {"prompt": prompt.token_ids, **req.sampling}))
         timer = self.metrics.timer(len(prompt.token_ids))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         # A decode leg awaits its first output (the pulled KV) before the headers go out, so a

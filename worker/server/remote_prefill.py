@@ -5,7 +5,8 @@ kv_transfer_params name the prefill worker's HTTP API (`remote_url`) next to its
 The decode worker admits the request as any decode leg (fresh blocks, a pull that retries
 `lookup_all` until prefill has the KV) and meanwhile sends that prefill worker the prompt's
 token ids with max_tokens=1, the same sampling (seed included) and the same request id, as
-`role: prefill`. The prefill's answer itself is not used: the pull brings its first token. If
+`role: prefill` (a prompt with image parts goes as the client's own chat body instead, so the prefill
+worker fetches the image rows itself and renders the same prompt). The prefill's answer itself is not used: the pull brings its first token. If
 the prefill leg fails before the first token is pulled, the decode request ends with a
 RemotePrefillError naming the prefill worker, and its blocks are freed; if the client goes
 away first, the prefill leg is cancelled (its connection closed, so prefill frees the request).
@@ -45,13 +46,17 @@ class RemotePrefills:
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self, url: str, request_id: str, prompt_ids: list[int], sampling: dict[str, Any]) -> asyncio.Task[None]:
-        """Sends the prefill leg of `request_id` to the worker at `url`; the task fails with RemotePrefillError."""
+    def start(self, url: str, request_id: str, path: str, leg: dict[str, Any]) -> asyncio.Task[None]:
+        """Sends `leg` (a request body) to `path` of the worker at `url` as the prefill leg of `request_id`:
+        one token, not streamed; the task fails with RemotePrefillError."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-        body = {"prompt": prompt_ids, **sampling, "max_tokens": 1, "stream": False,
+        body = {**leg, "max_tokens": 1, "stream": False,
                 "kv_transfer_params": {"role": "prefill", "request_id": request_id}}
-        task = asyncio.ensure_future(_prefill(self._client, url, request_id, body))
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body.pop("stream_options", None)
+        task = asyncio.ensure_future(_prefill(self._client, f"{url}{path}", request_id, body))
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
@@ -87,7 +92,7 @@ async def first_output(stream: RequestStream, prefill: asyncio.Task[None]) -> Re
 async def _prefill(client: httpx.AsyncClient, url: str, request_id: str, body: dict[str, Any]) -> None:
     where = f"prefill worker {url}"
     try:
-        reply = await client.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id})
+        reply = await client.post(url, json=body, headers={"X-Request-Id": request_id})
     except httpx.HTTPError as exc:
         raise RemotePrefillError(f"remote prefill of request {request_id!r} on {where} failed: "
                                  f"{type(exc).__name__}: {exc or 'the connection was lost'}") from exc
