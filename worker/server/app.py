@@ -28,8 +28,9 @@ from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
-from worker.errors import DrainingError
+from worker.errors import DrainingError, InvalidRequestError
 from worker.server.metrics import RequestTimer, ServerMetrics
+from common.errors import ChatTemplateError
 from common.openai_wire import DONE_EVENT, error_body, sse_event
 from neuron_connector.registry import WorkerRecord
 from common.request_body import request_body
@@ -178,7 +179,10 @@ class _Worker:
         assert engine is not None
         tokenizer = engine.tokenizer
         if req.kind == "chat":
-            text = tokenizer.apply_chat_template(req.messages)
+            try:
+                text = tokenizer.apply_chat_template(req.messages)
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(str(exc)) from exc
             check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
             return tokenizer.encode(text, add_bos=False)
         if isinstance(req.prompt, str):
