@@ -4,8 +4,8 @@ Disaggregated: a prefill leg (one token, not streamed) and a decode leg, driven 
 prefill worker's record says. kv_protocol "neuron" (our signal plane): both legs at once;
 whichever fails first cancels the other. "nixl" (vLLM's NixlConnector): prefill first, then
 decode with the kv_transfer_params of prefill's answer. Either way the answer is stitched
-the same. Single leg: colocated workers, or a request for one token, which prefill answers
-on its own.
+the same. Single leg: colocated workers, a request for one token (prefill answers it), or
+one conditional disaggregation keeps local (its decode worker serves it whole).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
+from proxy.conditional_route import ConditionalRouter
 from proxy.errors import (ProxyError, ShuttingDown, UpstreamError, UpstreamProtocol, UpstreamStatus,
                           UpstreamUnavailable, to_http)
 from proxy.legs import InFlightLegs
@@ -58,14 +59,16 @@ class _DecodeLeg:
 
 
 class Forwarder:
-    """Sends requests to workers picked from `pool`, over the client `clients(worker)` returns."""
+    """Sends requests to workers picked from `pool`, over the client `clients(worker)` returns; with a
+    `conditional` router, a request may go to a decode worker alone (see proxy.conditional)."""
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream],
-                 metrics: Metrics, colocated: bool) -> None:
+                 metrics: Metrics, colocated: bool, conditional: ConditionalRouter | None = None) -> None:
         self._pool = pool
         self._clients = clients
         self._metrics = metrics
         self._colocated = colocated
+        self._conditional = conditional
         self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
         self._legs = InFlightLegs()
         self._closing = False
@@ -99,6 +102,11 @@ class Forwarder:
             return await self._single(self._pool.next("both"), request)
         if request.max_tokens == 1:
             return await self._single(self._pool.next("prefill"), request)
+        if self._conditional is not None:
+            decode = self._pool.next("decode")
+            prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
+            if await self._conditional.local(request, decode, prefill_legs):
+                return await self._single(decode, request)
         return await self._disaggregated(request)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest) -> Answer:
