@@ -4,6 +4,7 @@
     python examples/bench_serving.py --compare --json out/serving.json     # PNG next to it
     python examples/bench_serving.py --compare --quick
     python examples/bench_serving.py --compare-transports --json out/transports.json
+    python examples/bench_serving.py --compare-conditional --json out/conditional.json
 
 Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
 (or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
@@ -16,9 +17,13 @@ thread, runs the same load against each, and reports DI over colocated ratios.
 the same load against each: by default 200 streamed requests, 8 in flight, prompts of 10-800
 tokens, 1-32 out (`--quick`: 24 requests); it reports tcp over shm ratios. `--cores none --threads 2`
 runs the workers as examples/launch_1p1d.sh does on a 2-core host: not pinned, torch's default threads.
+`--compare-conditional` runs the mixed workload of serving_mixed.py (short chat turns and long
+documents) against conditional disaggregation, always-disaggregate and colocated stacks at rising
+rates (default the ~24M benchmark model) and reports each one's goodput and conditional's ratios.
 JSON (`--json`): `config` (every option and the command line that reproduces the run), then
 `target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated), or
-`shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm).
+`shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm), or `slo`, `workload`,
+`systems` (per system its `rates` and `goodput_rps`; `paths` for conditional) and `ratios`.
 Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
 arguments, 3 some requests failed (they are counted and their errors listed).
 """
@@ -31,14 +36,16 @@ import math
 import os
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from bench_cli import fill_defaults, interrupted, stop_on_sigterm, write_json
 from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load, warm_up
 from serving_metrics import SLO, RequestResult, ratio, summarize
-from serving_report import format_table, plot_distributions
+from serving_mixed import MIXED_DEFAULTS, MIXED_SYSTEMS, MixedWorkload, mixed_ratios, mixed_starters, mixed_sweep
+from sweep_rules import parse_rates
+from serving_report import format_sweep_summary, format_sweep_system, format_table, plot_distributions, plot_sweep
 from serving_stack import StackError, StackOptions, start_colocated, start_di
 
 # Unset flags take these values; --quick picks the second set (both stacks in well under a minute).
@@ -61,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--compare", action="store_true", help="start DI 1P1D and colocated stacks and compare them")
     what.add_argument("--compare-transports", action="store_true",
                       help="start the DI 1P1D stack over shm, then over tcp, and compare them")
+    what.add_argument("--compare-conditional", action="store_true",
+                      help="the mixed workload against conditional disaggregation, always-disaggregate and colocated")
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int)
     load.add_argument("--request-rate", type=float, help="Poisson arrivals per second; inf: all at once")
@@ -74,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     slo = p.add_argument_group("goodput SLO")
     slo.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     slo.add_argument("--slo-itl-ms", type=float, default=200.0, help="judged on each request's largest ITL")
+    mixed = p.add_argument_group("--compare-conditional")
+    mixed.add_argument("--rates", help=f"rising requests/s (default {MIXED_DEFAULTS['rates'][0]})")
+    mixed.add_argument("--seconds-per-rate", type=float, help="arrivals span about this long at each rate")
+    mixed.add_argument("--max-local-prefill-tokens", type=int, help="the conditional proxy's threshold (default: its own)")
+    mixed.add_argument("--max-prefill-queue", type=int, help="the conditional proxy's threshold (default: its own)")
+    mixed.add_argument("--goodput-attainment", type=float, default=0.9, help="share meeting the SLO for goodput")
+    mixed.add_argument("--stop-attainment", type=float, default=0.5, help="stop a stack after two rates below this")
+    mixed.add_argument("--stall-factor", type=float, default=3.0, help="a stall: an ITL over this x the median ITL")
     stack = p.add_argument_group("stacks (--compare)")
     stack.add_argument("--model", help="model directory for the workers (default: the built-in model)")
     stack.add_argument("--cores", help="two CPU cores for the two workers, e.g. 0,1 (default: the first two usable); "
@@ -91,12 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {})})
+    fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {}),
+                         **(MIXED_DEFAULTS if args.compare_conditional else {})})
     try:
+        if args.compare_conditional:
+            args.rates = parse_rates(args.rates)
+            args.workload = MixedWorkload()
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,
                              args.max_concurrency, args.seed, args.request_timeout)
-        args.core_pair = core_pair(args.cores) if args.compare or args.compare_transports else None
+        args.core_pair = core_pair(args.cores) if not args.target else None
     except ValueError as exc:
         parser.error(str(exc))
     if args.warmup < 0:
@@ -171,10 +192,46 @@ def _request_record(r: RequestResult) -> dict[str, Any]:
             "e2e_ms": r.e2e * 1e3, "itl_ms": [gap * 1e3 for gap in r.itls], "error": r.error}
 
 
+def run_conditional(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """--compare-conditional: each stack swept in turn, then goodputs and ratios printed and written."""
+    from worker.model.bench_model import create_bench_model  # torch: only once the command line is good
+
+    model_dir = str(Path(args.model).resolve()) if args.model else str(create_bench_model())
+    slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
+    systems = {}
+    try:
+        for name, start in mixed_starters(args, model_dir).items():
+            print(f"starting the {name} stack ...", file=sys.stderr, flush=True)
+            with start() as stack:
+                systems[name] = mixed_sweep(name, stack, args, slo)
+    except (StackError, LoadError) as exc:
+        print(f"bench_serving.py: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return interrupted("bench_serving.py")
+    slo_record = {"ttft_ms": slo.ttft_ms, "largest_gap_ms": slo.itl_ms, "attainment_for_goodput": args.goodput_attainment}
+    config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "workload")}
+    config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
+    out = {"config": config, "slo": slo_record, "workload": asdict(args.workload), "systems": systems,
+           "ratios": mixed_ratios(systems)}
+    for name in MIXED_SYSTEMS:
+        print(format_sweep_system(name, systems[name]["rates"]) + "\n")
+    print(format_sweep_summary(systems, out["ratios"], f"TTFT <= {slo.ttft_ms:g} ms and largest gap <= "
+                               f"{slo.itl_ms:g} ms; goodput: highest rate with >= {args.goodput_attainment:.0%} meeting it"))
+    print(f"conditional paths: {systems['conditional'].get('paths')}")
+    write_json(args.json, out)
+    if args.plot is not None:
+        problem = plot_sweep({n: s["rates"] for n, s in systems.items()}, slo_record, args.plot)
+        print(problem or f"wrote {args.plot}")
+    return 0 if all(p["failed"] == 0 for s in systems.values() for p in s["rates"]) else 3
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     stop_on_sigterm()
+    if args.compare_conditional:
+        return run_conditional(args, argv)
     try:
         runs = run(args)
     except (StackError, LoadError) as exc:
