@@ -40,7 +40,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench_cli import fill_defaults, interrupted, stop_on_sigterm, write_json
+from bench_cli import fill_defaults, interrupted, parse_systems, stop_on_sigterm, write_json
 from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load, warm_up
 from serving_metrics import SLO, RequestResult, ratio, summarize
 from serving_mixed import MIXED_DEFAULTS, MIXED_SYSTEMS, MixedWorkload, mixed_ratios, mixed_starters, mixed_sweep
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     mixed = p.add_argument_group("--compare-conditional")
     mixed.add_argument("--rates", help=f"rising requests/s (default {MIXED_DEFAULTS['rates'][0]})")
     mixed.add_argument("--seconds-per-rate", type=float, help="arrivals span about this long at each rate")
+    mixed.add_argument("--systems", default=",".join(MIXED_SYSTEMS), help=f"a subset of {','.join(MIXED_SYSTEMS)}")
     mixed.add_argument("--max-local-prefill-tokens", type=int, help="the conditional proxy's threshold (default: its own)")
     mixed.add_argument("--max-prefill-queue", type=int, help="the conditional proxy's threshold (default: its own)")
     mixed.add_argument("--goodput-attainment", type=float, default=0.9, help="share meeting the SLO for goodput")
@@ -113,6 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     try:
         if args.compare_conditional:
             args.rates = parse_rates(args.rates)
+            args.systems = parse_systems(parser, args.systems, MIXED_SYSTEMS)
             args.workload = MixedWorkload()
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,
@@ -201,6 +203,8 @@ def run_conditional(args: argparse.Namespace, argv: Sequence[str]) -> int:
     systems = {}
     try:
         for name, start in mixed_starters(args, model_dir).items():
+            if name not in args.systems:
+                continue
             print(f"starting the {name} stack ...", file=sys.stderr, flush=True)
             with start() as stack:
                 systems[name] = mixed_sweep(name, stack, args, slo)
@@ -214,11 +218,11 @@ def run_conditional(args: argparse.Namespace, argv: Sequence[str]) -> int:
     config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
     out = {"config": config, "slo": slo_record, "workload": asdict(args.workload), "systems": systems,
            "ratios": mixed_ratios(systems)}
-    for name in MIXED_SYSTEMS:
-        print(format_sweep_system(name, systems[name]["rates"]) + "\n")
+    for name, system in systems.items():
+        print(format_sweep_system(name, system["rates"]) + "\n")
     print(format_sweep_summary(systems, out["ratios"], f"TTFT <= {slo.ttft_ms:g} ms and largest gap <= "
                                f"{slo.itl_ms:g} ms; goodput: highest rate with >= {args.goodput_attainment:.0%} meeting it"))
-    print(f"conditional paths: {systems['conditional'].get('paths')}")
+    print(f"conditional paths: {systems.get('conditional', {}).get('paths')}")
     write_json(args.json, out)
     if args.plot is not None:
         problem = plot_sweep({n: s["rates"] for n, s in systems.items()}, slo_record, args.plot)

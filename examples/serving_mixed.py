@@ -28,7 +28,7 @@ from sweep_rules import goodput_rps, rate_point, should_stop
 MIXED_SYSTEMS = ("conditional", "disaggregated", "colocated")
 MIXED_RATIOS = {"conditional_over_disaggregated": "disaggregated", "conditional_over_colocated": "colocated"}
 # Unset flags take these values; --quick the second (three stacks, one short rate each, in under a minute).
-MIXED_DEFAULTS = {"rates": ("0.5,1,1.5,2,3", "1"), "seconds_per_rate": (24.0, 6.0)}
+MIXED_DEFAULTS = {"rates": ("0.5,0.75,1,1.25,1.5,2,3", "1"), "seconds_per_rate": (24.0, 6.0)}
 _MIN_PROMPTS = 6
 
 

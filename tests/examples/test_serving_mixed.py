@@ -26,7 +26,7 @@ def test_mixed_requests_are_short_turns_and_long_documents() -> None:
 
 def test_compare_conditional_command_line() -> None:
     args = bench_serving.parse_args(["--compare-conditional"])
-    assert (args.rates, args.seconds_per_rate, args.goodput_attainment) == ([0.5, 1, 1.5, 2, 3], 24.0, 0.9)
+    assert (args.rates, args.seconds_per_rate, args.goodput_attainment) == ([0.5, 0.75, 1, 1.25, 1.5, 2, 3], 24.0, 0.9)
     assert bench_serving.parse_args(["--compare-conditional", "--quick"]).rates == [1.0]
     assert conditional_flags(args, "/m") == ("--conditional-disaggregation", "--tokenizer", "/m")
     tuned = bench_serving.parse_args(["--compare-conditional", "--max-local-prefill-tokens", "64",
