@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     mixed.add_argument("--systems", default=",".join(MIXED_SYSTEMS), help=f"a subset of {','.join(MIXED_SYSTEMS)}")
     mixed.add_argument("--max-local-prefill-tokens", type=int, help="the conditional proxy's threshold (default: its own)")
     mixed.add_argument("--max-prefill-queue", type=int, help="the conditional proxy's threshold (default: its own)")
+    mixed.add_argument("--ours-extra", default="", help="more flags for every worker, e.g. --ours-extra=\"--max-num-batched-tokens 128\"")
     mixed.add_argument("--goodput-attainment", type=float, default=0.9, help="share meeting the SLO for goodput")
     mixed.add_argument("--stop-attainment", type=float, default=0.5, help="stop a stack after two rates below this")
     mixed.add_argument("--stall-factor", type=float, default=3.0, help="a stall: an ITL over this x the median ITL")
@@ -115,6 +116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.compare_conditional:
             args.rates = parse_rates(args.rates)
             args.systems = parse_systems(parser, args.systems, MIXED_SYSTEMS)
+            args.ours_extra = shlex.split(args.ours_extra)
             args.workload = MixedWorkload()
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,

@@ -66,7 +66,8 @@ def conditional_flags(args: argparse.Namespace, model_dir: str) -> tuple[str, ..
 
 
 def mixed_starters(args: argparse.Namespace, model_dir: str) -> dict[str, Callable[[], Stack]]:
-    options = StackOptions(args.core_pair, model_dir, args.kv_transport, args.startup_timeout, threads=args.threads)
+    options = StackOptions(args.core_pair, model_dir, args.kv_transport, args.startup_timeout,
+                           worker_extra=tuple(args.ours_extra), threads=args.threads)
     conditional = replace(options, proxy_extra=conditional_flags(args, model_dir))
     return {"conditional": lambda: start_di(conditional), "disaggregated": lambda: start_di(options),
             "colocated": lambda: start_colocated(options)}

@@ -32,8 +32,13 @@ def test_compare_conditional_command_line() -> None:
     tuned = bench_serving.parse_args(["--compare-conditional", "--max-local-prefill-tokens", "64",
                                       "--max-prefill-queue", "3"])
     assert conditional_flags(tuned, "/m")[3:] == ("--max-local-prefill-tokens", "64", "--max-prefill-queue", "3")
-    with pytest.raises(SystemExit):
-        bench_serving.parse_args(["--compare-conditional", "--rates", "2,1"])
+    assert tuned.systems == ["conditional", "disaggregated", "colocated"] and tuned.ours_extra == []
+    picked = bench_serving.parse_args(["--compare-conditional", "--systems", "conditional",
+                                       "--ours-extra=--max-num-batched-tokens 128"])
+    assert (picked.systems, picked.ours_extra) == (["conditional"], ["--max-num-batched-tokens", "128"])
+    for bad in (["--rates", "2,1"], ["--systems", "vllm"]):
+        with pytest.raises(SystemExit):
+            bench_serving.parse_args(["--compare-conditional", *bad])
 
 
 def test_ratios_are_conditional_goodput_over_the_others() -> None:
