@@ -5,6 +5,7 @@
     python examples/bench_serving.py --compare --quick
     python examples/bench_serving.py --compare-transports --json out/transports.json
     python examples/bench_serving.py --workload multiturn --json out/multiturn.json
+    python examples/bench_serving.py --compare-conditional --json out/conditional.json
 
 Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
 (or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
@@ -23,11 +24,15 @@ conversations at once); alone it starts the DI stack with prefix-aware transfer 
 (`--no-prefix-aware-transfer` on the decode worker), and reports the KV bytes the decode worker
 pulled per request in each and their ratio (examples/prefix_compare.py); with `--target` it only
 runs the chats against that endpoint.
+`--compare-conditional` runs the mixed workload of serving_mixed.py (short chat turns and long
+documents) against conditional disaggregation, always-disaggregate and colocated stacks at rising
+rates (default the ~24M benchmark model) and reports each one's goodput and conditional's ratios.
 JSON (`--json`): `config` (every option and the command line that reproduces the run), then
 `target`, or `di`, `colocated`, `itl_p99_ratio` and `ttft_p50_ratio` (DI over colocated), or
 `shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm), or `prefix_aware`,
 `full_transfer` (each with `kv`: the decode worker's KV counts and their per-request values),
-`kv_bytes_per_request_ratio` (on over off), `kv_bytes_cut` and `same_answers`.
+`kv_bytes_per_request_ratio` (on over off), `kv_bytes_cut` and `same_answers`, or `slo`, `workload`,
+`systems` (per system its `rates` and `goodput_rps`; `paths` for conditional) and `ratios`.
 Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
 arguments, 3 some requests failed (they are counted and their errors listed).
 """
@@ -40,16 +45,18 @@ import math
 import os
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench_cli import fill_defaults, interrupted, stop_on_sigterm, write_json
+from bench_cli import fill_defaults, interrupted, parse_systems, stop_on_sigterm, write_json
 from multiturn_load import MultiturnSpec, run_multiturn
 from prefix_compare import PrefixRun, format_kv_table, prefix_report, run_prefix_stacks
 from serving_load import LoadError, LoadSpec, SyntheticRequest, fetch_model, make_requests, run_load, warm_up
 from serving_metrics import SLO, RequestResult, ratio, summarize
-from serving_report import format_table, plot_distributions
+from serving_mixed import MIXED_DEFAULTS, MIXED_SYSTEMS, MixedWorkload, mixed_ratios, mixed_starters, mixed_sweep
+from sweep_rules import parse_rates
+from serving_report import format_sweep_summary, format_sweep_system, format_table, plot_distributions, plot_sweep
 from serving_stack import StackError, StackOptions, start_colocated, start_di
 
 # Unset flags take these values; --quick picks the second set (both stacks in well under a minute).
@@ -64,7 +71,7 @@ TRANSPORT_RATIOS = {"tcp_ttft_p50_ratio": ("ttft_ms", "p50"), "tcp_e2e_p50_ratio
 TRANSPORTS = ("shm", "tcp")
 # --workload multiturn: 16 chats of 6 turns, 4 at once (--quick: 4 of 3).
 MULTITURN_DEFAULTS = {"conversations": (16, 4), "turns": (6, 3), "max_concurrency": (4, 4)}
-MODES = "--target, --compare, --compare-transports or --workload multiturn"
+MODES = "--target, --compare, --compare-transports, --compare-conditional or --workload multiturn"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--compare", action="store_true", help="start DI 1P1D and colocated stacks and compare them")
     what.add_argument("--compare-transports", action="store_true",
                       help="start the DI 1P1D stack over shm, then over tcp, and compare them")
+    what.add_argument("--compare-conditional", action="store_true",
+                      help="the mixed workload against conditional disaggregation, always-disaggregate and colocated")
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int)
     load.add_argument("--request-rate", type=float, help="Poisson arrivals per second; inf: all at once")
@@ -92,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     slo = p.add_argument_group("goodput SLO")
     slo.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     slo.add_argument("--slo-itl-ms", type=float, default=200.0, help="judged on each request's largest ITL")
+    mixed = p.add_argument_group("--compare-conditional")
+    mixed.add_argument("--rates", help=f"rising requests/s (default {MIXED_DEFAULTS['rates'][0]})")
+    mixed.add_argument("--seconds-per-rate", type=float, help="arrivals span about this long at each rate")
+    mixed.add_argument("--systems", default=",".join(MIXED_SYSTEMS), help=f"a subset of {','.join(MIXED_SYSTEMS)}")
+    mixed.add_argument("--max-local-prefill-tokens", type=int, help="the conditional proxy's threshold (default: its own)")
+    mixed.add_argument("--max-prefill-queue", type=int, help="the conditional proxy's threshold (default: its own)")
+    mixed.add_argument("--ours-extra", default="", help="more flags for every worker, e.g. --ours-extra=\"--max-num-batched-tokens 128\"")
+    mixed.add_argument("--goodput-attainment", type=float, default=0.9, help="share meeting the SLO for goodput")
+    mixed.add_argument("--stop-attainment", type=float, default=0.5, help="stop a stack after two rates below this")
+    mixed.add_argument("--stall-factor", type=float, default=3.0, help="a stall: an ITL over this x the median ITL")
     stack = p.add_argument_group("stacks (--compare)")
     stack.add_argument("--model", help="model directory for the workers (default: the built-in model)")
     stack.add_argument("--cores", help="two CPU cores for the two workers, e.g. 0,1 (default: the first two usable); "
@@ -110,14 +129,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     multiturn = args.workload == "multiturn"
-    if multiturn and (args.compare or args.compare_transports):
+    if multiturn and (args.compare or args.compare_transports or args.compare_conditional):
         parser.error("--workload multiturn runs against --target or on its own DI stacks, not with --compare*")
-    if not (multiturn or args.target or args.compare or args.compare_transports):
+    if not (multiturn or args.target or args.compare or args.compare_transports or args.compare_conditional):
         parser.error(f"choose one of {MODES}")
     fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {}),
-                         **(MULTITURN_DEFAULTS if multiturn else {})})
+                         **(MULTITURN_DEFAULTS if multiturn else {}),
+                         **(MIXED_DEFAULTS if args.compare_conditional else {})})
     try:
         args.multiturn = multiturn_spec(args) if multiturn else None
+        if args.compare_conditional:
+            args.rates = parse_rates(args.rates)
+            args.systems = parse_systems(parser, args.systems, MIXED_SYSTEMS)
+            args.ours_extra = shlex.split(args.ours_extra)
+            args.mixed = MixedWorkload()
         args.spec = LoadSpec(args.num_prompts, (args.input_len_min, args.input_len_max),
                              (args.output_len_min, args.output_len_max), args.request_rate,
                              args.max_concurrency, args.seed, args.request_timeout)
@@ -213,10 +238,48 @@ def _request_record(r: RequestResult) -> dict[str, Any]:
             "e2e_ms": r.e2e * 1e3, "itl_ms": [gap * 1e3 for gap in r.itls], "error": r.error}
 
 
+def run_conditional(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """--compare-conditional: each stack swept in turn, then goodputs and ratios printed and written."""
+    from worker.model.bench_model import create_bench_model  # torch: only once the command line is good
+
+    model_dir = str(Path(args.model).resolve()) if args.model else str(create_bench_model())
+    slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
+    systems = {}
+    try:
+        for name, start in mixed_starters(args, model_dir).items():
+            if name not in args.systems:
+                continue
+            print(f"starting the {name} stack ...", file=sys.stderr, flush=True)
+            with start() as stack:
+                systems[name] = mixed_sweep(name, stack, args, slo)
+    except (StackError, LoadError) as exc:
+        print(f"bench_serving.py: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return interrupted("bench_serving.py")
+    slo_record = {"ttft_ms": slo.ttft_ms, "largest_gap_ms": slo.itl_ms, "attainment_for_goodput": args.goodput_attainment}
+    config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "mixed", "multiturn")}
+    config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
+    out = {"config": config, "slo": slo_record, "workload": asdict(args.mixed), "systems": systems,
+           "ratios": mixed_ratios(systems)}
+    for name, system in systems.items():
+        print(format_sweep_system(name, system["rates"]) + "\n")
+    print(format_sweep_summary(systems, out["ratios"], f"TTFT <= {slo.ttft_ms:g} ms and largest gap <= "
+                               f"{slo.itl_ms:g} ms; goodput: highest rate with >= {args.goodput_attainment:.0%} meeting it"))
+    print(f"conditional paths: {systems.get('conditional', {}).get('paths')}")
+    write_json(args.json, out)
+    if args.plot is not None:
+        problem = plot_sweep({n: s["rates"] for n, s in systems.items()}, slo_record, args.plot)
+        print(problem or f"wrote {args.plot}")
+    return 0 if all(p["failed"] == 0 for s in systems.values() for p in s["rates"]) else 3
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     stop_on_sigterm()
+    if args.compare_conditional:
+        return run_conditional(args, argv)
     prefix_runs: dict[str, PrefixRun] = {}
     try:
         if args.multiturn:

@@ -43,7 +43,7 @@ from bench_serving import core_pair, json_value  # noqa: E402
 from serving_load import LoadError, LoadSpec, fetch_model, make_requests, run_load, warm_up  # noqa: E402
 from serving_metrics import SLO, ratio  # noqa: E402
 from serving_report import format_sweep_summary, format_sweep_system, plot_sweep  # noqa: E402
-from sweep_rules import goodput_rps, near_batch, rate_point, should_stop  # noqa: E402
+from sweep_rules import goodput_rps, near_batch, parse_rates, rate_point, should_stop  # noqa: E402
 
 from examples.bench_cli import fill_defaults, interrupted, parse_systems, stop_on_sigterm, write_json  # noqa: E402
 from examples.serving_stack import Stack, StackError, StackOptions, start_colocated, start_di  # noqa: E402
@@ -119,17 +119,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     return args
-
-
-def parse_rates(text: str) -> list[float]:
-    """"0.5,1,2" -> [0.5, 1.0, 2.0]: finite, positive and rising, else ValueError."""
-    try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError as exc:
-        raise ValueError(f"--rates: expected numbers like 0.5,1,2, got {text!r}") from exc
-    if not rates or not all(0 < r < math.inf for r in rates) or any(a >= b for a, b in zip(rates, rates[1:])):
-        raise ValueError(f"--rates: need finite positive rates in rising order, got {text!r}")
-    return rates
 
 
 def load_spec(args: argparse.Namespace, index: int, rate: float) -> LoadSpec:

@@ -71,10 +71,10 @@ def _positive(text: str) -> int:
 def encode_prompts(model: str | None, texts: Sequence[str]) -> list[list[int]]:
     """The prompts as token ids, so both runs see exactly the same input."""
     from worker.model.loader import builtin_model_path, load_config  # imports torch
-    from worker.model.tokenizer import Tokenizer
+    from worker.model.tokenizer import load_tokenizer
 
     path = model or builtin_model_path()
-    tokenizer = Tokenizer.from_dir(path, load_config(path))
+    tokenizer = load_tokenizer(path, load_config(path))
     return [tokenizer.encode(text) for text in texts]
 
 

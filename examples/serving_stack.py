@@ -41,6 +41,7 @@ class StackOptions:
     startup_timeout_s: float = 120.0
     worker_extra: tuple[str, ...] = ()  # more flags for every worker, whatever its role
     threads: int = 1                    # torch intra-op threads of every worker
+    proxy_extra: tuple[str, ...] = ()   # more flags for the proxy
 
 
 def free_port() -> int:
@@ -241,6 +242,6 @@ def _wait_workers(stack: Stack, ports: Sequence[int], options: StackOptions) -> 
 def start_proxy(stack: Stack, backends: list[str], options: StackOptions) -> None:
     """Starts the proxy and waits until it is ready: a healthy worker of every role behind it."""
     port = free_port()
-    stack.start("proxy", proxy_args(port, backends))
+    stack.start("proxy", proxy_args(port, [*backends, *options.proxy_extra]))
     stack.url = f"http://127.0.0.1:{port}"
     wait_healthy(f"{stack.url}/ready", stack.processes, options.startup_timeout_s)

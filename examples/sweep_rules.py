@@ -1,14 +1,26 @@
-"""The rate sweep's pure decisions: one rate's summary, goodput, when to stop, the rate near a batch size.
+"""The rate sweep's pure decisions: the rates, one rate's summary, goodput, when to stop, the rate near a batch size.
 
 A sweep point is the dict `rate_point` returns; the rules read only its `rate_rps`,
 `slo_attainment`, `mean_in_flight` and `stalls_per_request`, so tests drive them with plain dicts.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 from serving_metrics import (SLO, RequestResult, attainment, distribution, largest_gap, mean_in_flight,
                              stalls_per_request, summarize)
+
+
+def parse_rates(text: str) -> list[float]:
+    """"0.5,1,2" -> [0.5, 1.0, 2.0]: finite, positive and rising, else ValueError."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError as exc:
+        raise ValueError(f"--rates: expected numbers like 0.5,1,2, got {text!r}") from exc
+    if not rates or not all(0 < r < math.inf for r in rates) or any(a >= b for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"--rates: need finite positive rates in rising order, got {text!r}")
+    return rates
 
 
 def rate_point(rate_rps: float, results: Sequence[RequestResult], duration_s: float, slo: SLO,

@@ -12,6 +12,7 @@ from werkzeug.exceptions import HTTPException
 from common.openai_wire import error_body, json_bytes
 from common.request_body import request_body
 from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
+from proxy.conditional_route import ConditionalRouter
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, HealthChecks
 from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
@@ -31,7 +32,9 @@ class ProxyState:
         self.config = config
         self.pool = WorkerPool(config.workers, on_lost=self._worker_lost)
         self.metrics = Metrics()
-        self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy)
+        self.conditional = ConditionalRouter(config.conditional, self.metrics) if config.conditional else None
+        self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
+                                   self.conditional)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}
@@ -47,6 +50,8 @@ class ProxyState:
 
     def _worker_lost(self, worker: WorkerRecord, why: str) -> None:
         self.forwarder.end_legs(worker, why)
+        if self.conditional is not None:
+            self.conditional.forget(worker)
 
     async def start(self) -> None:
         # One round before serving: the first answers (and /ready) already know which workers are up, and

@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
+from common.errors import TokenizerLoadError
 from common.roles import DEFAULT_KV_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE
+from common.tokenizer import Tokenizer
+from proxy.conditional import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_QUEUE, ConditionalPolicy
+from proxy.conditional_route import ConditionalConfig
 from proxy.errors import ConfigError
 from proxy.flows import DEFAULT_STRATEGY, STRATEGIES
+from proxy.prefix_index import DEFAULT_BLOCK_SIZE
 from proxy.upstream import Timeouts
 from proxy.workers import KV_PROTOCOLS, WorkerRecord, static_worker
 
@@ -17,7 +24,8 @@ class ProxyConfig:
     """Everything the proxy app needs; `etcd` is (host, port) for dynamic discovery.
 
     `kv_ports_given`: the keys of the static prefill workers whose KV port the command line names
-    (the others' is what the worker reports on GET /health, else DEFAULT_KV_PORT).
+    (the others' is what the worker reports on GET /health, else DEFAULT_KV_PORT). `conditional`:
+    conditional disaggregation's settings, None when every request is disaggregated.
     """
 
     host: str = "0.0.0.0"
@@ -32,6 +40,7 @@ class ProxyConfig:
     http_client: str = "aiohttp"
     shutdown_grace: float = 5.0  # seconds streams may run on after SIGTERM before they end with an error
     strategy: str = DEFAULT_STRATEGY  # the flow of disaggregated requests to kv_protocol "neuron" workers
+    conditional: ConditionalConfig | None = None
 
     @property
     def colocated(self) -> bool:
@@ -73,6 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds streams may run on after SIGTERM; then they end with an error event (default 5)")
+    cond = p.add_argument_group("conditional disaggregation (di mode)")
+    cond.add_argument("--conditional-disaggregation", action="store_true",
+                      help="prefill a prompt on a prefill worker only when its part the decode worker has not cached "
+                           "is longer than --max-local-prefill-tokens and the prefill queue is shorter than "
+                           "--max-prefill-queue; else the decode worker serves the request alone (default: off)")
+    cond.add_argument("--max-local-prefill-tokens", type=int, default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS, metavar="N",
+                      help=f"uncached prompt tokens a decode worker prefills itself (default {DEFAULT_MAX_LOCAL_PREFILL_TOKENS})")
+    cond.add_argument("--max-prefill-queue", type=int, default=DEFAULT_MAX_PREFILL_QUEUE, metavar="M",
+                      help="prefill legs in flight per prefill worker from which prompts stay with their decode "
+                           f"workers (default {DEFAULT_MAX_PREFILL_QUEUE})")
+    cond.add_argument("--tokenizer", metavar="PATH|builtin",
+                      help="the served model's directory (tokenizer.json, tokenizer_config.json), or builtin for the "
+                           "built-in model: the proxy counts prompt tokens with it")
+    cond.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
+                      help=f"the decode workers' KV block size, for estimating their prefix caches (default {DEFAULT_BLOCK_SIZE})")
     return p
 
 
@@ -99,7 +123,45 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        http_client=args.http_client, shutdown_grace=args.shutdown_grace,
-                       strategy=args.disaggregation_strategy)
+                       strategy=args.disaggregation_strategy, conditional=_conditional(args))
+
+
+def _conditional(args: argparse.Namespace) -> ConditionalConfig | None:
+    """Conditional disaggregation's settings (None if off); its flags without it, or it without a tokenizer,
+    are a ConfigError."""
+    given = [flag for flag, default in (("--tokenizer", None), ("--kv-block-size", DEFAULT_BLOCK_SIZE),
+                                        ("--max-local-prefill-tokens", DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
+                                        ("--max-prefill-queue", DEFAULT_MAX_PREFILL_QUEUE))
+             if getattr(args, flag[2:].replace("-", "_")) != default]
+    if not args.conditional_disaggregation:
+        if given:
+            raise ConfigError(f"{', '.join(given)}: only with --conditional-disaggregation")
+        return None
+    if args.mode == "colocated":
+        raise ConfigError("--conditional-disaggregation is for di mode (prefill and decode workers)")
+    if args.tokenizer is None:
+        raise ConfigError("--conditional-disaggregation needs --tokenizer PATH|builtin to count prompt tokens")
+    if args.kv_block_size < 1:
+        raise ConfigError("--kv-block-size must be positive")
+    if args.max_local_prefill_tokens < 0:
+        raise ConfigError("--max-local-prefill-tokens must be at least 0")
+    if args.max_prefill_queue < 1:
+        raise ConfigError("--max-prefill-queue must be at least 1")
+    policy = ConditionalPolicy(args.max_local_prefill_tokens, args.max_prefill_queue)
+    return ConditionalConfig(load_tokenizer(args.tokenizer), policy, args.kv_block_size)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer --tokenizer names: "builtin", or a model directory; ConfigError if it cannot be loaded."""
+    if spec == "builtin":
+        return Tokenizer.builtin()
+    path = Path(spec)
+    try:
+        model_config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        bos = model_config.get("bos_token_id") if isinstance(model_config, dict) else None
+        return Tokenizer.from_dir(path, bos if isinstance(bos, int) else None)
+    except (OSError, ValueError, TokenizerLoadError) as exc:
+        raise ConfigError(f"--tokenizer {spec}: {exc}") from exc
 
 
 def _static_workers(args: argparse.Namespace) -> tuple[tuple[WorkerRecord, ...], frozenset[str]]:

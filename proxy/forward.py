@@ -3,7 +3,8 @@
 Disaggregated: the flow (proxy/flows.py) the strategy and the prefill worker's kv_protocol call
 for starts the legs: a prefill answer (one token, not streamed) and a decode leg, stitched into
 one answer whichever flow started them; or, decode_first, one leg to decode, relayed. Single leg:
-colocated workers, or a request for one token, which prefill answers on its own.
+colocated workers, a request for one token (prefill answers it), or one conditional
+disaggregation keeps local (its decode worker serves it whole).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, AsyncGenerator, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
 from proxy.abandon import Abandoner
+from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
 from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable, to_http
 from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
@@ -50,16 +52,18 @@ Answer = JSONAnswer | StreamAnswer
 
 class Forwarder:
     """Sends requests to workers picked from `pool`, over the client `clients(worker)` returns; disaggregated
-    requests go as `strategy` (proxy/flows.py) says."""
+    requests go as `strategy` (proxy/flows.py) says, and with a `conditional` router a request may go to a
+    decode worker alone (proxy/conditional.py)."""
 
-    def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream],
-                 metrics: Metrics, colocated: bool, strategy: str = DEFAULT_STRATEGY) -> None:
+    def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
+                 colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None) -> None:
         self._pool = pool
         self._clients = clients
         self._metrics = metrics
         self._colocated = colocated
         self._strategy = strategy  # the flow of disaggregated requests to kv_protocol "neuron" workers
         self._flow_legs = LegCalls(self._call, self._start_decode)
+        self._conditional = conditional
         self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
         self._legs = InFlightLegs()
         self._abandoner = Abandoner(clients)
@@ -97,7 +101,13 @@ class Forwarder:
             return await self._single(self._pool.next("both"), request)
         if request.max_tokens == 1:
             return await self._single(self._pool.next("prefill"), request)
-        return await self._disaggregated(request)
+        decode = None
+        if self._conditional is not None:
+            decode = self._pool.next("decode")
+            prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
+            if await self._conditional.local(request, decode, prefill_legs):
+                return await self._single(decode, request)
+        return await self._disaggregated(request, decode)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
                       uid: str | None = None) -> Answer:
@@ -116,9 +126,11 @@ class Forwarder:
             raise first
         return StreamAnswer(self._relayed(first, queue, task, started))
 
-    async def _disaggregated(self, request: ClientRequest) -> Answer:
+    async def _disaggregated(self, request: ClientRequest, decode: WorkerRecord | None = None) -> Answer:
+        """`decode`: the decode worker conditional disaggregation weighed the request against, if it suits."""
         prefill = self._pool.next("prefill")
-        decode = self._pool.next("decode", prefill.kv_protocol)  # the two legs must speak one handoff
+        if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
+            decode = self._pool.next("decode", prefill.kv_protocol)
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
         flow = stitched_flow(self._strategy, prefill)
         if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole

@@ -45,6 +45,10 @@ class InFlightLegs:
                 if not tasks:
                     del self._tasks[worker.key]
 
+    def count(self, worker: WorkerRecord) -> int:
+        """The legs in flight to `worker`."""
+        return len(self._tasks.get(worker.key, ()))
+
     def end(self, worker: WorkerRecord, why: str) -> int:
         """Ends every leg in flight to `worker` with WorkerLost(`why`); the number of legs ended."""
         ended = 0

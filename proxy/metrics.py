@@ -6,6 +6,7 @@ from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.conditional import PATHS
 from proxy.errors import UpstreamError
 from proxy.workers import KV_PROTOCOLS, WorkerRecord
 
@@ -14,7 +15,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 class Metrics:
     """Requests by status, TTFT, ITL, end-to-end latency, in-flight legs per worker, upstream errors,
-    and decode first tokens checked against prefill's, per kv_protocol."""
+    decode first tokens checked against prefill's, per kv_protocol, and (conditional disaggregation)
+    requests by path."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -36,6 +38,11 @@ class Metrics:
         self.first_token_mismatches = Counter(
             "proxy_first_token_mismatches", "Disaggregated answers whose decode first token differed from "
             "prefill's (the moved KV was not intact)", ["kv_protocol"], registry=self.registry)
+        self.paths = Counter("proxy_request_paths", "Requests conditional disaggregation sent by path: remote "
+                             "(prefilled by a prefill worker) or local (served by a decode worker alone)",
+                             ["path"], registry=self.registry)
+        for path in PATHS:
+            self.paths.labels(path)
         for protocol in KV_PROTOCOLS:  # exported at 0 from the start, so that a rate exists
             self.first_token_checks.labels(protocol)
             self.first_token_mismatches.labels(protocol)

@@ -22,7 +22,7 @@ _EXPORTS = {
     "RequestOutput": "worker.engine.request",
     "KVConnector": "worker.engine.kv_connector", "KVConnectorConfig": "worker.engine.kv_connector",
     "BUILTIN_MODEL_NAME": "worker.model.loader", "builtin_model_path": "worker.model.loader",
-    "Tokenizer": "worker.model.tokenizer",
+    "Tokenizer": "common.tokenizer",
     "create_bench_model": "worker.model.bench_model",
     "AsyncEngine": "worker.server.async_engine", "RequestStream": "worker.server.async_engine",
     "create_app": "worker.server.app",
@@ -38,6 +38,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from common.tokenizer import Tokenizer
     from worker.config import EngineConfig
     from worker.engine.kv_connector import KVConnector, KVConnectorConfig
     from worker.engine.llm_engine import EngineStats, LLMEngine, zeros_pool
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from worker.errors import InvalidRequestError, KVTransferError, ModelLoadError, QueueFullError, WorkerError
     from worker.model.bench_model import create_bench_model
     from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path
-    from worker.model.tokenizer import Tokenizer
     from worker.sampling_params import SamplingParams
     from worker.server.app import create_app
     from worker.server.async_engine import AsyncEngine, RequestStream

@@ -20,6 +20,15 @@ def test_bad_command_line_fails_at_start() -> None:
                                      "--prefill-ip --prefill-port --decode-ip --decode-port")
 
 
+def test_conditional_disaggregation_without_a_tokenizer_fails_at_start() -> None:
+    result = subprocess.run([sys.executable, "proxy_server.py", "--prefill", "127.0.0.1:8100", "--decode",
+                             "127.0.0.1:8200", "--conditional-disaggregation"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("proxy_server.py: error: --conditional-disaggregation needs --tokenizer "
+                                     "PATH|builtin to count prompt tokens")
+
+
 def test_sigterm_stops_the_proxy_cleanly(servers: Callable[[Server], Server]) -> None:
     prefill = servers(start_fake_worker("prefill"))
     decode = servers(start_fake_worker("decode"))

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from worker.model.byte_tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, VOCAB_SIZE, build_byte_tokenizer
+from common.byte_tokenizer import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, VOCAB_SIZE, build_byte_tokenizer
 
 TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

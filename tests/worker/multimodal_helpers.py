@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 from worker.model.loader import load_config
-from worker.model.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from worker.multimodal.embeds import ImageEmbeds, image_embeds
 
 # img0 .. img5 of write_snippet_images: a checkpoint's own input embeddings of these texts, so a prompt

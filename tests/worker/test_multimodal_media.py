@@ -11,7 +11,7 @@ import torch
 from tests.worker.multimodal_helpers import data_url, embeds, pt_bytes, rows, safetensors_bytes, write
 from worker.errors import InvalidRequestError
 from worker.model.loader import builtin_model_path, load_config
-from worker.model.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from worker.multimodal import MediaPolicy, image_embeds, load_part
 from worker.multimodal.prompt import IMAGE_MARKER, PLACEHOLDER_TOKEN_ID, build_prompt
 from worker.server.cli import parse_args

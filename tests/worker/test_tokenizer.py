@@ -6,13 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from worker import InvalidRequestError, Tokenizer
+from common.errors import ChatTemplateError
+from common.tokenizer import Tokenizer
+from worker import ModelLoadError
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.model.loader import builtin_model_path
 from worker.model.model_config import ModelConfig
+from worker.model.tokenizer import load_tokenizer
 
 
 def load(path: Path) -> Tokenizer:
-    return Tokenizer.from_dir(path, ModelConfig.from_dir(path))
+    return load_tokenizer(path, ModelConfig.from_dir(path))
 
 
 def stream(tok: Tokenizer, ids: list[int], stop: list[str]) -> tuple[list[str], bool]:
@@ -64,14 +68,31 @@ def test_chat_template_from_tokenizer_config(tiny_llama: Path, tmp_path: Path) -
     prompt = tok.apply_chat_template(messages)
     assert prompt == "<|bos|>[SYSTEM] be brief<|eos|>[USER] hi<|eos|>[ASSISTANT]"
     assert tok.encode(prompt)[:2] == [256, ord("[")]  # the template's BOS is not doubled
-    with pytest.raises(InvalidRequestError, match="role"):
+    with pytest.raises(ChatTemplateError, match="role"):
         tok.apply_chat_template([{"content": "no role"}])
 
 
-def test_template_errors_are_invalid_requests(tiny_llama: Path, tmp_path: Path) -> None:
+def test_template_errors_are_chat_template_errors(tiny_llama: Path, tmp_path: Path) -> None:
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / name).write_bytes((tiny_llama / name).read_bytes())
     template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    with pytest.raises(InvalidRequestError, match="first must be user"):
+    with pytest.raises(ChatTemplateError, match="first must be user"):
         load(tmp_path).apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def test_builtin_tokenizer_is_the_builtin_model_directory_s() -> None:
+    """The proxy counts prompt tokens with `Tokenizer.builtin()`: it must encode as the worker does."""
+    path = builtin_model_path()
+    from_dir, builtin = load(path), Tokenizer.builtin()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 🐍"}]
+    assert builtin.apply_chat_template(messages) == from_dir.apply_chat_template(messages)
+    for text in ("def f(x):\n    return x", builtin.apply_chat_template(messages)):
+        assert builtin.encode(text) == from_dir.encode(text)
+    assert (builtin.bos_token_id, builtin.eos_token_ids) == (from_dir.bos_token_id, from_dir.eos_token_ids)
+
+
+def test_a_directory_without_tokenizer_json_is_a_model_load_error(tmp_path: Path, tiny_llama: Path) -> None:
+    (tmp_path / "config.json").write_bytes((tiny_llama / "config.json").read_bytes())
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        load(tmp_path)

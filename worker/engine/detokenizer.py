@@ -1,7 +1,7 @@
 """Incremental detokenization with stop strings."""
 from __future__ import annotations
 
-from worker.model.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 

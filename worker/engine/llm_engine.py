@@ -22,7 +22,7 @@ from worker.engine.roles import EngineParts, EngineRole
 from worker.errors import InvalidRequestError, QueueFullError
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
 from worker.model.runner import ModelRunner
-from worker.model.tokenizer import Tokenizer
+from worker.model.tokenizer import load_tokenizer
 from worker.multimodal.embeds import ImageEmbeds, check_spans
 from worker.sampling_params import SamplingParams
 
@@ -61,7 +61,7 @@ class LLMEngine:
             allocate_pool = kv_connector.allocate_pool
         path = Path(config.model) if config.model is not None else builtin_model_path()
         self.model_config = load_config(path)
-        self.tokenizer = Tokenizer.from_dir(path, self.model_config)
+        self.tokenizer = load_tokenizer(path, self.model_config)
         self.model_name = config.served_model_name or (BUILTIN_MODEL_NAME if config.model is None else path.name)
         self.max_model_len = self._max_model_len()
         self.kv_layout = self._kv_layout()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from worker.model.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from common.byte_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 from worker.model.checkpoint import save_checkpoint
 from worker.model.model_config import ModelConfig
 from worker.model.llama import LlamaForCausalLM

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from worker.model.byte_tokenizer import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, build_byte_tokenizer
+from common.byte_tokenizer import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, build_byte_tokenizer
 from worker.model.llama import LlamaForCausalLM, unpack_checkpoint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

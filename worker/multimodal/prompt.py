@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from worker.errors import invalid
 
 if TYPE_CHECKING:   # the chat parser imports IMAGE_MARKER from here: no torch, no tokenizers
-    from worker.model.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
     from worker.multimodal.embeds import ImageEmbeds
 
 IMAGE_MARKER = "<|neuron_di_image|>"

@@ -31,7 +31,7 @@ from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
-from worker.errors import DrainingError, invalid
+from worker.errors import DrainingError, InvalidRequestError, invalid
 from worker.multimodal.media import MediaPolicy
 from worker.multimodal.prompt import MultiModalPrompt, build_prompt
 from worker.encode.fetch import EmbedsFetcher
@@ -39,6 +39,7 @@ from worker.encode.parts import PartResolver
 from worker.server.images import ImageResolver
 from worker.server.metrics import RequestTimer, ServerMetrics
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
+from common.errors import ChatTemplateError
 from common.openai_wire import DONE_EVENT, error_body, sse_event
 from neuron_connector.registry import WorkerRecord
 from common.request_body import request_body
@@ -220,7 +221,10 @@ class _Worker:
         assert engine is not None and self.images is not None
         tokenizer = engine.tokenizer
         if req.kind == "chat":
-            text = tokenizer.apply_chat_template(req.messages)
+            try:
+                text = tokenizer.apply_chat_template(req.messages)
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(str(exc)) from exc
             check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
             return build_prompt(tokenizer, text, await self.images.resolve(req.media, _is_decode_leg(req)))
         if isinstance(req.prompt, str):

@@ -1,0 +1,24 @@
+"""Errors of the modules the proxy and the worker share.
+
+    CommonError
+    └── TokenizerError
+        ├── TokenizerLoadError   the tokenizer files are missing or malformed
+        └── ChatTemplateError    the messages do not fit the chat template (a bad request)
+"""
+from __future__ import annotations
+
+
+class CommonError(Exception):
+    """Base class of every error raised in `common`."""
+
+
+class TokenizerError(CommonError):
+    pass
+
+
+class TokenizerLoadError(TokenizerError):
+    pass
+
+
+class ChatTemplateError(TokenizerError, ValueError):
+    pass

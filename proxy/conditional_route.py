@@ -1,0 +1,57 @@
+"""Conditional disaggregation in the request path: live figures in, ConditionalPolicy's path out.
+
+Every figure is the proxy's own, so deciding never waits on a worker: the prompt's token count
+(the model's tokenizer, run in a thread so a long prompt does not hold up the event loop), the decode
+worker's cached prefix (a PrefixIndex per decode worker) and the prefill queue (the prefill legs in
+flight, counted by the forwarder).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from common.tokenizer import Tokenizer
+from proxy.conditional import LOCAL, REMOTE, ConditionalPolicy, prefill_queue
+from proxy.metrics import Metrics
+from proxy.prefix_index import DEFAULT_BLOCK_SIZE, PrefixIndex
+from proxy.prompt_tokens import prompt_token_ids
+from proxy.requests import ClientRequest
+from proxy.workers import WorkerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionalConfig:
+    """Conditional disaggregation's settings: the policy, the tokenizer and the workers' KV block size."""
+
+    tokenizer: Tokenizer = field(compare=False)
+    policy: ConditionalPolicy = ConditionalPolicy()
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+
+class ConditionalRouter:
+    """Decides each request's path and counts it; remembers the prompts each decode worker got, whose full
+    blocks it caches whether it prefilled them itself or pulled them (prefix-aware transfer)."""
+
+    def __init__(self, config: ConditionalConfig, metrics: Metrics) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._indexes: dict[str, PrefixIndex] = {}
+
+    async def local(self, request: ClientRequest, decode: WorkerRecord, prefill_legs: Sequence[int]) -> bool:
+        """Whether `decode` serves `request` alone; `prefill_legs`: the legs in flight per healthy prefill
+        worker. A prompt the proxy cannot count goes the remote way."""
+        ids = await asyncio.to_thread(prompt_token_ids, request, self._config.tokenizer)
+        path = REMOTE
+        if ids is not None:
+            index = self._indexes.get(decode.key)
+            if index is None:
+                index = self._indexes[decode.key] = PrefixIndex(self._config.block_size)
+            path = self._config.policy.path(len(ids), index.cached_tokens(ids), prefill_queue(prefill_legs))
+            index.add(ids)
+        self._metrics.paths.labels(path).inc()
+        return path == LOCAL
+
+    def forget(self, worker: WorkerRecord) -> None:
+        """`worker` is gone: whatever it cached is (or will be, when it comes back) gone too."""
+        self._indexes.pop(worker.key, None)

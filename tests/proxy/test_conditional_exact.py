@@ -1,0 +1,97 @@
+"""Conditional disaggregation with real workers: short prompts served by the decode worker alone, long
+ones prefilled by the prefill worker, and every answer what one `both` worker gives."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.proxy.conftest import Server, start_proxy
+from tests.worker_process import WorkerProcess
+
+MODEL = "neuron-di-builtin"
+MAX_LOCAL = 48  # prompt tokens; the built-in model's tokenizer makes one token per byte
+CODE = "def add(a, b):\n    return a + b\n\n"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
+    workers: list[WorkerProcess] = []
+    proxy: Server | None = None
+    try:
+        for role in ("prefill", "decode", "both"):
+            workers.append(WorkerProcess(role, "shm"))
+        prefill, decode, _ = workers
+        proxy = start_proxy(["--prefill", f"127.0.0.1:{prefill.port}:{prefill.kv_port}",
+                             "--decode", f"127.0.0.1:{decode.port}", "--conditional-disaggregation",
+                             "--tokenizer", "builtin", "--max-local-prefill-tokens", str(MAX_LOCAL)])
+        yield proxy, workers
+    finally:
+        if proxy is not None:
+            proxy.process.stop()
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture(autouse=True)
+def blocks_free_after(stack: tuple[Server, list[WorkerProcess]]) -> Iterator[None]:
+    yield
+    for worker in stack[1]:
+        worker.wait_blocks_free()
+
+
+def request(i: int) -> tuple[str, dict[str, Any]]:
+    """The i-th request of the mix: short and long prompts, completions and chat, greedy and seeded,
+    streamed and not."""
+    text = f"# snippet {i}\n" + (CODE * 4 if i % 2 else "x = ")   # long: > MAX_LOCAL tokens
+    sampling = {"temperature": 0.0} if i % 4 < 2 else {"temperature": 0.9, "seed": 1000 + i}
+    body = {"model": MODEL, "max_tokens": 6 + i % 5, "stream": i % 3 == 0, **sampling}
+    if i % 8 >= 4:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**body, "prompt": text}
+
+
+async def answer(client: httpx.AsyncClient, url: str, i: int) -> str:
+    path, body = request(i)
+    reply = await client.post(url + path, json=body)
+    assert reply.status_code == 200, reply.text
+    if not body["stream"]:
+        choice = reply.json()["choices"][0]
+        return choice["message"]["content"] if "messages" in body else choice["text"]
+    events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e)["choices"] for e in events[:-1]]
+    return "".join(c[0].get("delta", {}).get("content") or c[0].get("text") or "" for c in chunks if c)
+
+
+async def answers(url: str, count: int, concurrency: int) -> list[str]:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def one(i: int) -> str:
+            async with gate:
+                return await answer(client, url, i)
+        return list(await asyncio.gather(*(one(i) for i in range(count))))
+
+
+def paths(proxy: Server) -> dict[str, int]:
+    metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    return {path: int(float(n)) for path, n in re.findall(r'^proxy_request_paths_total\{path="(\w+)"\} (\S+)$',
+                                                          metrics, re.M)}
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_a_mix_of_local_and_remote_requests_answers_as_one_worker(stack: tuple[Server, list[WorkerProcess]],
+                                                                   concurrency: int) -> None:
+    proxy, (_, _, both) = stack
+    before = paths(proxy)
+    via_proxy = asyncio.run(answers(proxy.url, 16, concurrency))
+    after = paths(proxy)
+    assert via_proxy == asyncio.run(answers(both.url, 16, concurrency))
+    taken = {path: after[path] - before.get(path, 0) for path in after}
+    assert taken["local"] > 0 and taken["remote"] > 0 and sum(taken.values()) == 16, taken
+    if concurrency == 1:  # the prefill side is idle for each: the prompt's length alone decides
+        assert taken == {"local": 8, "remote": 8}
