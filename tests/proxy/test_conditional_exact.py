@@ -44,10 +44,10 @@ def blocks_free_after(stack: tuple[Server, list[WorkerProcess]]) -> Iterator[Non
         worker.wait_blocks_free()
 
 
-def request(i: int) -> tuple[str, dict[str, Any]]:
+def request(i: int, run: int) -> tuple[str, dict[str, Any]]:
     """The i-th request of the mix: short and long prompts, completions and chat, greedy and seeded,
-    streamed and not."""
-    text = f"# snippet {i}\n" + (CODE * 4 if i % 2 else "x = ")   # long: > MAX_LOCAL tokens
+    streamed and not. Each `run` has prompts of its own: a decode worker caches the blocks it was sent."""
+    text = f"# run {run}, snippet {i}\n" + (CODE * 4 if i % 2 else "x = ")   # long: > MAX_LOCAL tokens
     sampling = {"temperature": 0.0} if i % 4 < 2 else {"temperature": 0.9, "seed": 1000 + i}
     body = {"model": MODEL, "max_tokens": 6 + i % 5, "stream": i % 3 == 0, **sampling}
     if i % 8 >= 4:
@@ -55,8 +55,8 @@ def request(i: int) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", {**body, "prompt": text}
 
 
-async def answer(client: httpx.AsyncClient, url: str, i: int) -> str:
-    path, body = request(i)
+async def answer(client: httpx.AsyncClient, url: str, i: int, run: int) -> str:
+    path, body = request(i, run)
     reply = await client.post(url + path, json=body)
     assert reply.status_code == 200, reply.text
     if not body["stream"]:
@@ -73,7 +73,7 @@ async def answers(url: str, count: int, concurrency: int) -> list[str]:
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def one(i: int) -> str:
             async with gate:
-                return await answer(client, url, i)
+                return await answer(client, url, i, concurrency)
         return list(await asyncio.gather(*(one(i) for i in range(count))))
 
 
