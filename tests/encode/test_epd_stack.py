@@ -25,7 +25,7 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("media")
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+@pytest.fixture(scope="module", params=["shm", pytest.param("tcp", marks=pytest.mark.slow)])
 def stack(request: pytest.FixtureRequest, media: Path) -> Iterator[Stack]:
     """KV blocks and embedding rows over `--kv-transport` shm, then tcp."""
     options = StackOptions(kv_transport=request.param, worker_extra=("--embeds-region-mb", "8"))

@@ -95,6 +95,7 @@ def check_run(out: Path, requests: int) -> dict:
     return report
 
 
+@pytest.mark.slow  # tests/proxy/test_prefix_1p1d.py runs multi-turn chats over the DI stack by default
 def test_two_short_chats_on_both_stacks(tmp_path: Path) -> None:
     out = tmp_path / "multiturn.json"
     done = run_bench("--workload", "multiturn", "--quick", "--conversations", "2", "--turns", "2",

@@ -129,6 +129,7 @@ def test_out_of_vocabulary_prompt_is_400_and_decode_logs_no_unretrieved_future()
     assert "Future exception was never retrieved" not in decode.proc.output()
 
 
+@pytest.mark.slow  # by default tests/proxy/test_flow_failures.py kills a prefill worker mid-request in each flow
 def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> None:
     # tcp: a killed shm worker cannot unlink its pool segment
     prefill, decode = WorkerProcess("prefill", "tcp"), WorkerProcess("decode", "tcp", ["--kv-pull-timeout", "5"])
@@ -150,7 +151,7 @@ def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> N
         prefill.stop()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True], ids=["whole", "stream"])
 def test_failed_kv_transfer_is_a_kv_transfer_error_naming_the_prefill_peer(stream: bool) -> None:
     body = {"model": "neuron-di-builtin", "prompt": PROMPT, "stream": stream, **SAMPLING}
     # Health checks far apart: decode's pull times out before the proxy finds the frozen prefill worker.
