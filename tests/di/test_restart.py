@@ -32,8 +32,8 @@ def want(both_worker: WorkerProcess) -> list:
     return httpx.post(f"{both_worker.url}/v1/completions", json=BODY, timeout=60.0).json()["choices"]
 
 
-@pytest.mark.parametrize("victim, secured", [("prefill", False), ("decode", False), ("decode", True)],
-                         ids=["prefill", "decode", "decode-same-id-and-secret"])
+@pytest.mark.parametrize("victim, secured", [("prefill", False), pytest.param("decode", False, marks=pytest.mark.slow),
+                                            ("decode", True)], ids=["prefill", "decode", "decode-same-id-and-secret"])
 def test_restarted_worker_is_reconnected(victim: str, secured: bool, want: list, kv_secret_file: str) -> None:
     # Secured: a decode worker that comes back with its --engine-id gets it again (its old session is gone),
     # and both sides prove the KV secret anew.

@@ -1,6 +1,8 @@
 """examples/demo_1p1d.py, the README's main job: a real 1P1D stack answers through the openai client."""
 from __future__ import annotations
 
+import pytest
+
 from tests.examples.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
 
 
@@ -17,6 +19,7 @@ def test_demo_answers_every_request_and_stops_the_stack():
 
 
 @needs_di
+@pytest.mark.slow  # test_neuron_di.py's Ctrl-C test covers the stack's signal handling by default
 def test_ctrl_c_stops_the_whole_stack(tmp_path):
     status, out = interrupted_run(tmp_path / "demo.log", "demo_1p1d.py", "--max-tokens", "200", marker="serving ")
     assert status == 130, out

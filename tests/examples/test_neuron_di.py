@@ -55,7 +55,7 @@ def test_summary_without_and_with_transfer_time():
 
 
 @needs_di
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.slow)])
 def test_neuron_di_outputs_match_the_non_disaggregated_run(transport):
     result = run_script("neuron_di.py", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "2",
                             "--kv-transport", transport)

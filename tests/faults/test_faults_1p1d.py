@@ -20,7 +20,7 @@ def stack() -> Iterator[FaultStack]:
         yield faults
 
 
-@pytest.mark.parametrize("kind", ["prefill", "decode", "proxy"])
+@pytest.mark.parametrize("kind", ["prefill", pytest.param("decode", marks=pytest.mark.slow), "proxy"])
 def test_kill_mid_load_then_restart_serves_again(stack: FaultStack, campaign: Campaign, kind: str) -> None:
     result = SCENARIOS[f"kill_{kind}_1p1d"][1](stack, campaign)
     assert_clean(result)

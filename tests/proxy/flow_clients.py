@@ -3,6 +3,7 @@ streamed or not, with the stream's shape checked on the way (one [DONE], at the 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -48,3 +49,10 @@ async def answer(client: httpx.AsyncClient, url: str, path: str, body: dict[str,
 
 def _counts(usage: dict[str, Any]) -> dict[str, int]:
     return {k: usage[k] for k in ("prompt_tokens", "completion_tokens")}
+
+
+def paths(proxy: Any) -> dict[str, int]:
+    """The proxy's requests by path (conditional disaggregation: "local", "remote") so far."""
+    metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    return {path: int(float(n)) for path, n in re.findall(r'^proxy_request_paths_total\{path="(\w+)"\} (\S+)$',
+                                                          metrics, re.M)}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
+from tests.proxy.flow_clients import paths
 from tests.proxy.conftest import Server, start_proxy
 from tests.worker_process import WorkerProcess
 
@@ -75,12 +75,6 @@ async def answers(url: str, count: int, concurrency: int) -> list[str]:
             async with gate:
                 return await answer(client, url, i, concurrency)
         return list(await asyncio.gather(*(one(i) for i in range(count))))
-
-
-def paths(proxy: Server) -> dict[str, int]:
-    metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
-    return {path: int(float(n)) for path, n in re.findall(r'^proxy_request_paths_total\{path="(\w+)"\} (\S+)$',
-                                                          metrics, re.M)}
 
 
 @pytest.mark.parametrize("concurrency", [1, 16])

@@ -106,7 +106,8 @@ def _waits_on_prefill(stack: Stack, proxy: Server, strategy: str) -> bool:
     return stack.workers["decode"].metric("neuron_di_requests_transferring") == 1
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s != "prefill_first" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in STRATEGIES])
 def test_prefill_killed_mid_request_is_a_502_naming_it_and_decode_frees_its_blocks(
         stack: Stack, proxy: Server, strategy: str) -> None:
     prefill, decode = stack.workers["prefill"], stack.workers["decode"]

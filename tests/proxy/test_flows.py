@@ -1,8 +1,9 @@
 """--disaggregation-strategy: every flow gives what one `both` worker gives.
 
-Real workers (prefill, decode, and a `both` worker to compare with) and one proxy per strategy:
-the same tokens and text, greedy and seeded, streamed and not, completions and chat, one
-request at a time and 16 at once; afterwards no worker holds a KV block.
+Real workers (prefill, decode, and a `both` worker to compare with) and one proxy per strategy, and
+one per strategy with conditional disaggregation: the same tokens and text, greedy and seeded,
+streamed and not, completions and chat, one request at a time and 16 at once; afterwards no worker
+holds a KV block.
 """
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+
 from proxy.flows import STRATEGIES
 from tests.proxy.conftest import Server, start_proxy
-from tests.proxy.flow_clients import GREEDY, SEEDED, answer, request_body
+from tests.proxy.flow_clients import GREEDY, SEEDED, answer, paths, request_body
 from tests.worker_process import WorkerProcess
+
+
+LOCAL_TOKENS = 32  # conditional proxies: a prompt of at most this many uncached tokens is served by decode alone
 
 
 class Stack:
@@ -32,6 +37,11 @@ class Stack:
                 "--prefill-ip", "127.0.0.1", "--prefill-port", str(self.prefill.port),
                 "--decode-ip", "127.0.0.1", "--decode-port", str(self.decode.port),
                 "--disaggregation-strategy", strategy])
+            self.proxies[f"conditional-{strategy}"] = start_proxy([
+                "--prefill-ip", "127.0.0.1", "--prefill-port", str(self.prefill.port),
+                "--decode-ip", "127.0.0.1", "--decode-port", str(self.decode.port),
+                "--disaggregation-strategy", strategy, "--conditional-disaggregation", "--tokenizer", "builtin",
+                "--max-local-prefill-tokens", str(LOCAL_TOKENS)])
 
     def stop(self) -> None:
         for proxy in self.proxies.values():
@@ -108,3 +118,25 @@ def test_an_answer_its_first_token_ends_is_one_workers_and_frees_every_block(sta
     assert _same_as_one_worker(stack, strategy, requests)[0][:2] == ("", "stop")
     for worker in stack.workers:  # at once, not after the prefill worker's abort timeout (60 s)
         worker.wait_blocks_free(timeout=10)
+
+
+@pytest.mark.parametrize("concurrency", [pytest.param(1, marks=pytest.mark.slow), 16])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_flow_with_conditional_disaggregation_answers_as_one_worker(stack: Stack, strategy: str,
+                                                                         concurrency: int) -> None:
+    """Short prompts stay on the decode worker, long ones go the strategy's way; all answer as one worker."""
+    proxy = stack.proxies[f"conditional-{strategy}"]
+    requests = [request_body(i % 2 == 1, i % 4 >= 2, {**SEEDED, "seed": 300 + i} if i % 3 else GREEDY, 8,
+                             f"# {strategy} {concurrency} {i}\n" + ("x = 1\n" * 40 if i % 4 in (1, 2) else "y = "))
+                for i in range(max(8, concurrency))]
+    before = paths(proxy)
+    assert _sent(proxy.url, requests, concurrency) == _sent(stack.both.url, requests, concurrency)
+    taken = {path: n - before.get(path, 0) for path, n in paths(proxy).items()}
+    assert taken.get("local", 0) > 0 and taken.get("remote", 0) > 0, taken
+
+
+def _sent(url: str, requests: list[tuple[str, dict[str, Any]]], concurrency: int) -> list[tuple[str, str, dict]]:
+    """The answers to `requests`, all at once or (concurrency 1) one after another."""
+    if concurrency > 1:
+        return asyncio.run(_answers(url, requests))
+    return [asyncio.run(_answers(url, [request]))[0] for request in requests]
