@@ -20,7 +20,10 @@ def stack() -> Iterator[FaultStack]:
         yield faults
 
 
-@pytest.mark.parametrize("kind", ["prefill", pytest.param("decode", marks=pytest.mark.slow), "proxy"])
+# By default the proxy: tests/proxy/test_flow_failures.py kills workers mid-request, tests/di/test_restart.py
+# restarts them.
+@pytest.mark.parametrize("kind", [pytest.param("prefill", marks=pytest.mark.slow),
+                                  pytest.param("decode", marks=pytest.mark.slow), "proxy"])
 def test_kill_mid_load_then_restart_serves_again(stack: FaultStack, campaign: Campaign, kind: str) -> None:
     result = SCENARIOS[f"kill_{kind}_1p1d"][1](stack, campaign)
     assert_clean(result)
@@ -50,6 +53,7 @@ def test_malformed_zmq_frames_are_refused_clearly_under_load(stack: FaultStack, 
     assert result.tally.ok == SMALL.requests + 1  # the load, and a handshake after all the junk
 
 
+@pytest.mark.slow
 def test_slow_streaming_readers_get_whole_answers(stack: FaultStack, campaign: Campaign) -> None:
     result = SCENARIOS["slow_client_1p1d"][1](stack, campaign)
     assert_clean(result)

@@ -70,8 +70,10 @@ def chat(client: openai.OpenAI, stream: bool) -> tuple[str, str | None]:
     return text, reason
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("call", [completion, chat])
+# The openai client's view; tests/proxy/test_flows.py covers every flow, call and stream by default.
+@pytest.mark.parametrize("call, stream", [(completion, True), (chat, False),
+                                          pytest.param(completion, False, marks=pytest.mark.slow),
+                                          pytest.param(chat, True, marks=pytest.mark.slow)])
 def test_proxy_answers_as_one_worker(stack, call, stream: bool) -> None:
     through_proxy, single = clients(stack)
     want = call(single, stream)
@@ -86,6 +88,7 @@ def test_proxy_usage_counts_the_whole_completion(stack) -> None:
     assert (got.prompt_tokens, got.completion_tokens) == (want.prompt_tokens, want.completion_tokens)
 
 
+@pytest.mark.slow  # tests/proxy/test_flows.py sends 16 at once in every flow by default
 def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
     proxy, _, _, both = stack
     prompts = [f"class Thing{i}:\n    def " for i in range(16)]
@@ -110,6 +113,7 @@ def test_unsupported_parameter_is_the_workers_400_through_the_proxy(stack) -> No
     assert reply.json()["error"]["message"].startswith("`presence_penalty` is not supported by this server")
 
 
+@pytest.mark.slow
 def test_out_of_vocabulary_prompt_is_400_and_decode_logs_no_unretrieved_future() -> None:
     busy = {"prompt": list(range(5, 200)), "max_tokens": 1500, "ignore_eos": True}
     with worker_pair("shm", decode_extra=["--shutdown-grace", "0"]) as (prefill, decode), \
@@ -151,7 +155,8 @@ def test_dead_prefill_worker_is_a_clear_error_and_decode_frees_its_blocks() -> N
         prefill.stop()
 
 
-@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True], ids=["whole", "stream"])
+@pytest.mark.slow  # tests/di/test_failures.py fails pulls from a dead or silent prefill worker by default
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_failed_kv_transfer_is_a_kv_transfer_error_naming_the_prefill_peer(stream: bool) -> None:
     body = {"model": "neuron-di-builtin", "prompt": PROMPT, "stream": stream, **SAMPLING}
     # Health checks far apart: decode's pull times out before the proxy finds the frozen prefill worker.

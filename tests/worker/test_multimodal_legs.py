@@ -51,7 +51,7 @@ async def pair(prefill: WorkerProcess, decode: WorkerProcess, request: dict[str,
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 5])
 def test_the_pair_answers_image_prompts_as_a_both_worker(workers: Workers, n: int, sampling: dict) -> None:
     prefill, decode, both = workers
     for images in (list(range(n)), list(range(n - 1)) + [5]):   # then the last image swapped for another
