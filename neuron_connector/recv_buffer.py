@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from common.timeline import LOOKUP_ANSWERED, PULL_STARTED, Timeline
 from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerLink
@@ -51,8 +52,10 @@ class RecvBuffer:
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str,
                  default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
                  max_backoff: float = 0.02, on_finished: Callable[[str], None] | None = None,
-                 secret: bytes | None = None, integrity_check: bool = False) -> None:
+                 secret: bytes | None = None, integrity_check: bool = False,
+                 timeline: Timeline | None = None) -> None:
         self._engine = transfer_engine
+        self.timeline = timeline if timeline is not None else Timeline("decode")
         self.layout = layout
         self.engine_id = engine_id
         self._secret = secret
@@ -111,6 +114,7 @@ class RecvBuffer:
         with self._lock:
             self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id,
                             skipped_blocks)
+        self.timeline.mark(request_id, PULL_STARTED)
         self._service.wake()
 
     def poll(self, request_id: str) -> PullStatus:
@@ -246,6 +250,8 @@ class RecvBuffer:
         if isinstance(reply, Probe):
             return None
         if isinstance(reply, LookupReply):
+            if reply.success:
+                self.timeline.mark(reply.request_id, LOOKUP_ANSWERED)
             self._pulls.on_reply(reply, now, local_checksum)
         elif isinstance(reply, ErrorReply) and reply.code == HANDSHAKE_REQUIRED:
             link.reset()

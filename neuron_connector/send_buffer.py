@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from common.kv_secret import verify
+from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
@@ -74,7 +75,7 @@ class SendBuffer:
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
                  transfer_timeout: float = 30.0,
                  on_transfer: Callable[[float, int], None] | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, timeline: Timeline | None = None) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.engine_id = engine_id
@@ -93,6 +94,7 @@ class SendBuffer:
         self._started_at = 0.0
         self.stats = SendStats()
         self.port = kv_port
+        self.timeline = timeline if timeline is not None else Timeline("prefill")
 
     def start(self) -> None:
         """Binds the ROUTER (PeerUnavailable if the port is taken) and starts serving."""
@@ -114,6 +116,7 @@ class SendBuffer:
             raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
         with self._lock:
             held = self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
+        self.timeline.mark(request_id, PUBLISHED)
         if not held:
             self._service.wake()  # its decode peer released it already: free the blocks now
 
@@ -333,11 +336,17 @@ class SendBuffer:
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
+        self.timeline.mark(rid, PUSH_STARTED)
         # The source blocks stay pinned: summing them while they are copied reads what is sent.
         self._running[rid] = _Push(token, started, len(start.src),
                                    self._checksum(rid, start) if checksum else None)
-        token.add_done_callback(lambda _: self._service.wake())
+        token.add_done_callback(lambda _: self._pushed(rid))
         return None
+
+    def _pushed(self, rid: str) -> None:
+        """A push ended (called on the transfer's thread): timed, and this thread woken to answer."""
+        self.timeline.mark(rid, PUSH_DONE)
+        self._service.wake()
 
     def _checksum(self, rid: str, start: Start) -> int | None:
         try:
@@ -357,6 +366,7 @@ class SendBuffer:
                 error = None
             except TransferError as exc:
                 error = f"transfer of {rid!r} failed: {exc}"
+                self.timeline.fail(rid, error)
             if error is None and self._on_transfer is not None:
                 try:
                     self._on_transfer(time.monotonic() - push.started, push.num_blocks)
@@ -386,6 +396,7 @@ class SendBuffer:
             released = self._table.take_releases()
         for rid in released:
             self.stats.released += 1
+            self.timeline.mark(rid, RELEASED)
             try:
                 self._on_release(rid)
             except Exception:  # noqa: BLE001 - an engine callback must not kill the signal plane

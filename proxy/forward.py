@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any, AsyncGenerator, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
+from common.timeline import RECEIVED, Timeline
 from proxy.abandon import Abandoner
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
@@ -29,6 +30,7 @@ from proxy.metrics import Metrics
 from proxy.requests import ClientRequest, leg_seed
 from proxy.sse import SSEDecoder, encode_raw
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
+from proxy.timing import AnswerTimer, leg_answered, leg_sent
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
@@ -56,8 +58,10 @@ class Forwarder:
     decode worker alone (proxy/conditional.py)."""
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
-                 colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None) -> None:
+                 colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
+                 timeline: Timeline | None = None) -> None:
         self._pool = pool
+        self.timeline = timeline if timeline is not None else Timeline("proxy", registry=metrics.registry)
         self._clients = clients
         self._metrics = metrics
         self._colocated = colocated
@@ -86,17 +90,18 @@ class Forwarder:
         """The answer to `request`; one a draining worker refused (nothing of it started, nothing sent to the
         client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode).
         Disaggregated, image parts are encoded first, on an encode worker (proxy/encode.py)."""
+        received = time.time()
         if not self._colocated:
             request = await encode_images(request, self._pool, self._clients)
         try:
-            return await self._route(request)
+            return await self._route(request, received)
         except UpstreamStatus as exc:
             if not exc.draining or exc.role == "decode":
                 raise
             log.info("%s: it drains; sending the request to another worker", exc)
-            return await self._route(request)
+            return await self._route(request, received)
 
-    async def _route(self, request: ClientRequest) -> Answer:
+    async def _route(self, request: ClientRequest, received: float) -> Answer:
         if self._colocated:
             return await self._single(self._pool.next("both"), request)
         if request.max_tokens == 1:
@@ -107,7 +112,7 @@ class Forwarder:
             prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
             if await self._conditional.local(request, decode, prefill_legs):
                 return await self._single(decode, request)
-        return await self._disaggregated(request, decode)
+        return await self._disaggregated(request, received, decode)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
                       uid: str | None = None) -> Answer:
@@ -117,29 +122,37 @@ class Forwarder:
         elsewhere, body = body is not None, request.body if body is None else body
         if not request.stream:
             call = self._call_elsewhere if elsewhere else self._call
-            return JSONAnswer(await call(worker, request.endpoint.path, body, headers))
+            answer = JSONAnswer(await call(worker, request.endpoint.path, body, headers))
+            if uid is not None:
+                self.timeline.finish(uid)
+            return answer
         started = time.perf_counter()
         queue, task = self._open_stream(worker, request.endpoint.path, body, headers, elsewhere)
         # Wait for the first event so that an early failure still gets an HTTP status.
         first = await first_or_failure(asyncio.ensure_future(queue.get()), task)
         if isinstance(first, ProxyError):
             raise first
-        return StreamAnswer(self._relayed(first, queue, task, started))
+        return StreamAnswer(self._relayed(first, queue, task, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
-    async def _disaggregated(self, request: ClientRequest, decode: WorkerRecord | None = None) -> Answer:
-        """`decode`: the decode worker conditional disaggregation weighed the request against, if it suits."""
+    async def _disaggregated(self, request: ClientRequest, received: float,
+                             decode: WorkerRecord | None = None) -> Answer:
+        """`received`: when the request arrived (time.time()); `decode`: the decode worker conditional
+        disaggregation weighed the request against, if it suits."""
         prefill = self._pool.next("prefill")
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
+        self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
-        if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
-            return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
         try:
+            if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
+                return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
             first, leg = await flow(self._flow_legs, request, prefill, decode, uid, seed)
-            answer = await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started)
-        except BaseException:
-            self._abandoner.abandon(prefill, uid)
+            answer = await self._answer(request, uid, first, leg, started)
+        except BaseException as exc:
+            self.timeline.fail(uid, str(exc) or type(exc).__name__)
+            if flow is not None:
+                self._abandoner.abandon(prefill, uid)
             raise
         if isinstance(answer, StreamAnswer):
             return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
@@ -167,12 +180,15 @@ class Forwarder:
         except UpstreamStatus as exc:
             return await self._call(self._elsewhere(worker, exc), path, body, headers)
 
-    async def _answer(self, request: ClientRequest, response_id: str, first: dict[str, Any],
+    async def _answer(self, request: ClientRequest, uid: str, first: dict[str, Any],
                       leg: DecodeLeg | None, started: float) -> Answer:
         """Prefill's answer and the decode leg (None: not called) -> the answer one server would give."""
+        response_id = request.endpoint.id_prefix + uid
         try:
             if not request.stream:
-                return JSONAnswer(json_bytes(await self._whole(response_id, first, leg)))
+                answer = JSONAnswer(json_bytes(await self._whole(response_id, first, leg)))
+                self.timeline.finish(uid)
+                return answer
             stitcher = StreamStitcher(request, response_id, int(time.time()), first)
             events = stitcher.first()
         except BaseException:
@@ -180,7 +196,7 @@ class Forwarder:
             raise
         if stitcher.finished:
             _cancel(leg)  # EOS at token one: decode has nothing to add
-        return StreamAnswer(self._stitched(stitcher, events, leg, started))
+        return StreamAnswer(self._stitched(stitcher, events, leg, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
     async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None) -> dict[str, Any]:
         if leg is None or prefill_finished(first):
@@ -198,9 +214,11 @@ class Forwarder:
 
     async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         with self._leg(worker):
+            leg_sent(self.timeline, worker.role, headers)
             reply = await self._clients(worker).post(path, body, headers)
             if reply.status != 200:
                 raise UpstreamStatus(reply.status, reply.body, worker.role, worker.address, reply.retry_after)
+            leg_answered(self.timeline, worker.role, headers)
             return reply.body
 
     def _open_stream(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -235,6 +253,7 @@ class Forwarder:
     async def _pump_from(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                          queue: asyncio.Queue[Any]) -> None:
         with self._leg(worker):
+            leg_sent(self.timeline, worker.role, headers)
             async with self._clients(worker).stream(path, body, headers) as reply:
                 if reply.status != 200:
                     raise UpstreamStatus(reply.status, await reply.read(), worker.role, worker.address,
@@ -242,6 +261,7 @@ class Forwarder:
                 decoder = SSEDecoder()
                 async for chunk in reply.chunks():
                     for data in decoder.feed(chunk):
+                        leg_answered(self.timeline, worker.role, headers)
                         await queue.put(data)
                 for data in decoder.end():
                     await queue.put(data)
@@ -262,11 +282,11 @@ class Forwarder:
                 raise
 
     async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg | None,
-                        started: float) -> AsyncGenerator[bytes, None]:
-        timer = _TokenTimer(self._metrics, started)
+                        timer: AnswerTimer) -> AsyncGenerator[bytes, None]:
+        error: str | None = None
         try:
+            timer.tick()  # prefill's token
             for event in first:
-                timer.tick()
                 yield event
             if leg is None or leg.queue is None or stitcher.finished:
                 return  # prefill's token ended the answer
@@ -274,8 +294,10 @@ class Forwarder:
             while (item := await leg.queue.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
-                for event in stitcher.feed(item):
+                events = stitcher.feed(item)
+                if events:
                     timer.tick()
+                for event in events:
                     yield event
                 if not checked and stitcher.first_token_matched is not None:
                     checked = True  # counted at once, before the client can see the end of the answer
@@ -283,16 +305,16 @@ class Forwarder:
             for event in stitcher.close():
                 yield event
         except ProxyError as exc:
+            error = str(exc)
             yield _error_event(exc)
         finally:
             _cancel(leg)  # client gone or answer failed: drop the decode connection
-            timer.done()
+            timer.done(error)
 
     async def _relayed(self, first: Any, queue: asyncio.Queue[Any], task: asyncio.Task[None],
-                       started: float) -> AsyncGenerator[bytes, None]:
+                       timer: AnswerTimer) -> AsyncGenerator[bytes, None]:
         """A single leg's stream, passed on event by event with one [DONE] at the end."""
-        timer = _TokenTimer(self._metrics, started)
-        item = first
+        item, error = first, None
         try:
             while item is not _END:
                 if isinstance(item, BaseException):
@@ -303,30 +325,11 @@ class Forwarder:
                 item = await queue.get()
             yield DONE_EVENT
         except ProxyError as exc:
+            error = str(exc)
             yield _error_event(exc)
         finally:
             task.cancel()
-            timer.done()
-
-
-class _TokenTimer:
-    """Observes TTFT, inter-token latency and end-to-end latency of one streamed answer."""
-
-    def __init__(self, metrics: Metrics, started: float) -> None:
-        self._metrics = metrics
-        self._started = started
-        self._last: float | None = None
-
-    def tick(self) -> None:
-        now = time.perf_counter()
-        if self._last is None:
-            self._metrics.ttft.observe(now - self._started)
-        else:
-            self._metrics.itl.observe(now - self._last)
-        self._last = now
-
-    def done(self) -> None:
-        self._metrics.e2e.observe(time.perf_counter() - self._started)
+            timer.done(error)
 
 
 def _cancel(leg: DecodeLeg | None) -> None:

@@ -11,6 +11,7 @@
                                  way to end a disaggregated leg whose client left (on a prefill worker,
                                  also KV held for a pull, or a leg that has not arrived yet)
     GET  /metrics                Prometheus text (worker/server/metrics.py)
+    GET  /timeline               the phases of recent disaggregated legs here (common/timeline.py)
 
 `X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
 whatever raised it, is turned into a status and an OpenAI-style body by protocol.error_for.
@@ -24,6 +25,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+from prometheus_client import generate_latest
 from quart import Quart, Response, g, jsonify, make_response, request
 
 from worker.server.async_engine import AsyncEngine, RequestStream
@@ -41,6 +43,7 @@ from worker.server.metrics import RequestTimer, ServerMetrics
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
 from common.errors import ChatTemplateError
 from common.openai_wire import DONE_EVENT, error_body, sse_event
+from common.timeline import Timeline, parse_query
 from neuron_connector.registry import WorkerRecord
 from common.request_body import request_body
 from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, check_text_fits, error_for,
@@ -76,6 +79,7 @@ def create_app(engine_config: EngineConfig, *,
     app.add_url_rule("/drain", "drain", worker.start_drain, methods=["POST"])
     app.add_url_rule("/abort_request", "abort_request", worker.abort_request, methods=["POST"])
     app.add_url_rule("/metrics", "metrics", worker.metrics_page, methods=["GET"])
+    app.add_url_rule("/timeline", "timeline", worker.timeline_page, methods=["GET"])
     app.extensions["neuron_di_worker"] = worker
     return app
 
@@ -161,7 +165,24 @@ class _Worker:
 
     async def metrics_page(self) -> Response:
         assert self.metrics is not None
-        return Response(self.metrics.render(self.async_engine.stats), content_type=ServerMetrics.content_type)
+        page = self.metrics.render(self.async_engine.stats)
+        if (timeline := self._timeline()) is not None:
+            page += generate_latest(timeline.registry)
+        return Response(page, content_type=ServerMetrics.content_type)
+
+    async def timeline_page(self) -> Response:
+        try:
+            uid, n = parse_query(request.args)
+        except ValueError as exc:
+            raise invalid(f"bad query: {exc}", "n") from exc
+        timeline = self._timeline()
+        if timeline is None:  # role both: no leg is disaggregated here
+            return jsonify({"source": "both", "requests": []})
+        return jsonify(timeline.answer(uid, n))
+
+    def _timeline(self) -> Timeline | None:
+        engine = self.async_engine.llm_engine
+        return engine.kv_connector.timeline if engine is not None and engine.kv_connector is not None else None
 
     # ---- errors: every status comes from protocol.error_for ----------------------------------
 
