@@ -7,16 +7,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.kv_secret import verify
 from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.protocol import (
-    BAD_REQUEST, DECODE_PROOF, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
+    BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
     UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
     Probe, Release, decode_request, handshake_proof, request_fields)
-from neuron_connector.sessions import Session, SessionTable
+from neuron_connector.sessions import Session, SessionTable, proof_refusal
 from transfer import CompletionToken, KVLayout, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
 
@@ -253,7 +252,7 @@ class SendBuffer:
         if session is None:
             return ErrorReply(f"connection {identity.hex()} sent kv_map_init before a handshake",
                               HANDSHAKE_REQUIRED, KVMapInit.TYPE)
-        refusal = self._check_proof(session, message.proof)
+        refusal = proof_refusal(self._secret, self.engine_id, session, message.proof)
         if refusal is not None:
             self.stats.unauthorized += 1
             log.warning("refused %s: %s", session.describe(), refusal)
@@ -274,20 +273,6 @@ class SendBuffer:
         proof = None if self._secret is None else handshake_proof(
             self._secret, PREFILL_PROOF, session.server_nonce, session.client_nonce, session.engine_id)
         return KVMapReply(self.layout.to_dict(), proof)
-
-    def _check_proof(self, session: Session, proof: str | None) -> str | None:
-        """Why the session's proof of the KV secret is refused, or None when it is accepted."""
-        peer = f"decode engine {session.engine_id!r}"
-        if self._secret is None:
-            return None if proof is None else (
-                f"{peer} proves a KV secret, but prefill {self.engine_id} has none (give both --kv-secret-file)")
-        if proof is None:
-            return (f"{peer} sent no proof of the KV secret that prefill {self.engine_id} requires "
-                    "(give it --kv-secret-file)")
-        if not verify(self._secret, DECODE_PROOF, proof, session.server_nonce, session.client_nonce,
-                      session.engine_id):
-            return f"{peer} failed to prove the KV secret of prefill {self.engine_id} (another secret file?)"
-        return None
 
     def _lookup(self, identity: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:
         rid = message.request_id

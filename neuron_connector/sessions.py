@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.kv_secret import new_nonce
+from common.kv_secret import new_nonce, verify
+from neuron_connector.protocol import DECODE_PROOF
 
 
 @dataclass
@@ -84,3 +85,16 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+
+def proof_refusal(secret: bytes | None, engine_id: str, session: Session, proof: str | None) -> str | None:
+    """Why prefill `engine_id` refuses the session's proof of the KV secret, or None when it accepts it."""
+    peer = f"decode engine {session.engine_id!r}"
+    if secret is None:
+        return None if proof is None else (
+            f"{peer} proves a KV secret, but prefill {engine_id} has none (give both --kv-secret-file)")
+    if proof is None:
+        return f"{peer} sent no proof of the KV secret that prefill {engine_id} requires (give it --kv-secret-file)"
+    if not verify(secret, DECODE_PROOF, proof, session.server_nonce, session.client_nonce, session.engine_id):
+        return f"{peer} failed to prove the KV secret of prefill {engine_id} (another secret file?)"
+    return None
