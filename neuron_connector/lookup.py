@@ -49,7 +49,7 @@ Decision = Union[NotReady, Answer, Start, InProgress]
 @dataclass(slots=True)
 class _Entry:
     block_ids: tuple[int, ...]
-    output_token: int
+    output_token: int | None           # None: not known when published (a vLLM prefill worker's)
     published_at: float
     peer: bytes | None = None          # set once a transfer started
     dst: tuple[int, ...] = ()
@@ -73,7 +73,7 @@ class LookupTable:
     _tombstones: dict[str, _Tombstone] = field(default_factory=dict)
     _releases: list[str] = field(default_factory=list)
 
-    def publish(self, request_id: str, block_ids: list[int], output_token: int, now: float) -> bool:
+    def publish(self, request_id: str, block_ids: list[int], output_token: int | None, now: float) -> bool:
         """Holds the blocks for a lookup; False: released at once, its decode peer gave it up already."""
         if self.known(request_id):
             raise DuplicateRequest(f"request {request_id!r} was already published")

@@ -282,7 +282,7 @@ class LookupReply:
         checksum = _get(obj, "checksum", int, None)
         if checksum is not None and not 0 <= checksum < 2**32:
             raise ProtocolError(f"field 'checksum' must be a 32-bit unsigned integer, got {checksum}")
-        return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int),
+        return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int, None),
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum)
 
 

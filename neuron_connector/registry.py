@@ -52,6 +52,7 @@ class WorkerRecord:
     model: str = ""
     transfer: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     kv_protocol: str = "neuron"
+    status_port: int = 0     # where GET /timeline answers if not on the HTTP API (vLLM's); 0 = the HTTP API
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -99,7 +100,7 @@ class WorkerRecord:
                        kv_host=obj.get("kv_host") or "", kv_port=int(obj.get("kv_port", DEFAULT_KV_PORT)),
                        engine_id=obj.get("engine_id") or "", model=str(obj.get("model") or ""),
                        transfer=dict(obj.get("transfer") or {}),
-                       kv_protocol=obj.get("kv_protocol", "neuron"))
+                       kv_protocol=obj.get("kv_protocol", "neuron"), status_port=int(obj.get("status_port") or 0))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistrationError(f"malformed worker record {obj!r}: {exc}") from exc
 

@@ -102,9 +102,10 @@ class SendBuffer:
         self.port = self._router.port
         self._service.start(self._serve, f"kv-send-{self.port}")
 
-    def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
+    def publish(self, request_id: str, block_ids: list[int], output_token: int | None) -> None:
         """Prefill finished: the blocks stay pinned until pulled, released by the decode peer
-        (at once if it did so before) or `abort_timeout` passes.
+        (at once if it did so before) or `abort_timeout` passes. `output_token`: the first token,
+        None when the engine does not know it yet (the decode peer then samples it itself).
 
         Raises DuplicateRequest for an id already published (the first entry stays),
         ConnectorError when the buffer is not serving, ValueError for bad block ids.
@@ -114,7 +115,7 @@ class SendBuffer:
         if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
         with self._lock:
-            held = self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
+            held = self._table.publish(request_id, list(block_ids), output_token, time.monotonic())
         self.timeline.mark(request_id, PUBLISHED)
         if not held:
             self._service.wake()  # its decode peer released it already: free the blocks now

@@ -197,8 +197,11 @@ class KVConnector:
             except UnknownRequest:  # cancelled after it ended: its blocks were freed then
                 continue
             self.timeline.mark(request_id, PULL_REPORTED)
-            if status.state is PullState.DONE:
-                assert status.output_token is not None
+            if status.state is PullState.DONE and status.output_token is None:
+                results.failed.append((request_id, KVTransferError(
+                    f"KV transfer of request {request_id!r} from the prefill worker failed: it sent no first "
+                    "token (a prefill worker of another engine?)", retryable=False)))
+            elif status.state is PullState.DONE:
                 results.done.append((request_id, status.output_token))
                 if self.config.integrity_check:
                     self.on_integrity_check(True)
