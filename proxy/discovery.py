@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import aetcd
 
-from neuron_connector.registry import KEY_PREFIX, RegistrationError
+from neuron_connector.registry import KEY_PREFIX, VLLM_SERVER, RegistrationError
 from proxy.errors import UpstreamError
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shows_draining, shown_record
@@ -40,6 +42,7 @@ class HealthChecks:
         self._kv_ports_given = frozenset(kv_ports_given)
         self.problems: dict[str, str] = {}  # static worker key -> how it contradicts the command line
         self._silent_rounds: dict[str, int] = {}  # worker key -> health checks in a row it did not answer
+        self._servers: dict[str, str] = {}  # static worker key -> the server its GET /v1/models names
 
     async def run(self, interval: float) -> None:
         """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
@@ -56,6 +59,8 @@ class HealthChecks:
                     self._pool.remove(worker.key, f"{_GONE} and it stopped answering")
                 continue
             record = None if answer is None or shows_draining(answer) else self._checked(worker, answer)
+            if record is not None and not record.server and worker.key in self._static:
+                record = replace(record, server=await self._server(record))
             if self._pool.mark(worker.key, record is not None):
                 log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
             self._count_silence(worker, answer is None)
@@ -81,6 +86,20 @@ class HealthChecks:
         except UpstreamError:
             return None
         return reply.body if reply.status == 200 else None
+
+    async def _server(self, worker: WorkerRecord) -> str:
+        """Which server a static worker that shows no record is: `vllm serve` says `owned_by: vllm` in its
+        GET /v1/models answer (a vLLM decode worker samples the first token again itself)."""
+        if worker.key not in self._servers:
+            try:
+                reply = await self._clients(worker).get("/v1/models", self._timeout)
+                owners = {m.get("owned_by") for m in json.loads(reply.body)["data"]} if reply.status == 200 else None
+            except (UpstreamError, ValueError, KeyError, TypeError, AttributeError):
+                owners = None
+            if owners is None:
+                return ""   # asked again at the next round
+            self._servers[worker.key] = VLLM_SERVER if owners == {VLLM_SERVER} else ""
+        return self._servers[worker.key]
 
     def _checked(self, worker: WorkerRecord, health: bytes) -> WorkerRecord | None:
         """The record to use for a worker that answered `health`; None if it contradicts the command line."""

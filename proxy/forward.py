@@ -27,7 +27,7 @@ from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_bod
                          spawn, stitched_flow)
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
-from proxy.requests import ClientRequest, leg_seed
+from proxy.requests import ClientRequest, leg_seed, prefill_token_used
 from proxy.sse import SSEDecoder, encode_raw
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.timing import AnswerTimer, leg_answered, leg_sent
@@ -148,7 +148,8 @@ class Forwarder:
             if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
                 return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
             first, leg = await flow(self._flow_legs, request, prefill, decode, uid, seed)
-            answer = await self._answer(request, uid, first, leg, started)
+            token_used = prefill.kv_protocol == "nixl" or prefill_token_used(prefill, seed)
+            answer = await self._answer(request, uid, first, leg, started, token_used)
         except BaseException as exc:
             self.timeline.fail(uid, str(exc) or type(exc).__name__)
             if flow is not None:
@@ -181,15 +182,16 @@ class Forwarder:
             return await self._call(self._elsewhere(worker, exc), path, body, headers)
 
     async def _answer(self, request: ClientRequest, uid: str, first: dict[str, Any],
-                      leg: DecodeLeg | None, started: float) -> Answer:
-        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give."""
+                      leg: DecodeLeg | None, started: float, token_used: bool = True) -> Answer:
+        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give;
+        without `token_used`, the first token is decode's (prefill's was not sampled as the answer's)."""
         response_id = request.endpoint.id_prefix + uid
         try:
             if not request.stream:
-                answer = JSONAnswer(json_bytes(await self._whole(response_id, first, leg)))
+                answer = JSONAnswer(json_bytes(await self._whole(response_id, first, leg, token_used)))
                 self.timeline.finish(uid)
                 return answer
-            stitcher = StreamStitcher(request, response_id, int(time.time()), first)
+            stitcher = StreamStitcher(request, response_id, int(time.time()), first, token_used)
             events = stitcher.first()
         except BaseException:
             _cancel(leg)
@@ -198,12 +200,14 @@ class Forwarder:
             _cancel(leg)  # EOS at token one: decode has nothing to add
         return StreamAnswer(self._stitched(stitcher, events, leg, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
-    async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None) -> dict[str, Any]:
-        if leg is None or prefill_finished(first):
+    async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None,
+                     token_used: bool) -> dict[str, Any]:
+        if leg is None or (token_used and prefill_finished(first)):
             _cancel(leg)  # EOS at token one: decode has nothing to add
             return prefill_answer(response_id, first)
         rest = json_object(await leg.task, leg.worker)
-        self._first_token(leg.worker, first_token_repeated(first, rest))
+        if token_used:
+            self._first_token(leg.worker, first_token_repeated(first, rest))
         return merge_bodies(response_id, first, rest)
 
     def _first_token(self, decode: WorkerRecord, matched: bool) -> None:
@@ -285,7 +289,8 @@ class Forwarder:
                         timer: AnswerTimer) -> AsyncGenerator[bytes, None]:
         error: str | None = None
         try:
-            timer.tick()  # prefill's token
+            if stitcher.prefill_token:
+                timer.tick()
             for event in first:
                 yield event
             if leg is None or leg.queue is None or stitcher.finished:

@@ -59,24 +59,29 @@ def _text(choice: dict[str, Any]) -> str:
 
 
 class StreamStitcher:
-    """Builds the client's SSE events from prefill's JSON answer and decode's SSE payloads."""
+    """Builds the client's SSE events from prefill's JSON answer and decode's SSE payloads. Without
+    `prefill_token`, prefill's token is not the answer's: every token, the first included, is decode's."""
 
-    def __init__(self, request: ClientRequest, response_id: str, created: int, prefill: dict[str, Any]) -> None:
+    def __init__(self, request: ClientRequest, response_id: str, created: int, prefill: dict[str, Any],
+                 prefill_token: bool = True) -> None:
         self._chat = request.endpoint.is_chat
         self._object = request.endpoint.chunk_object
         self._include_usage = request.include_usage
         self._head = {"id": response_id, "object": self._object, "created": created,
                       "model": prefill.get("model") or request.model}
         self._prefill = prefill
-        self._skipped = False
+        self.prefill_token = prefill_token
+        self._skipped = not prefill_token    # decode's repeat of prefill's token is skipped
         self._first_token_matched: bool | None = None
         self._finished = False
-        self._tokens = 1
+        self._tokens = 1 if prefill_token else 0
         self._decode_usage: dict[str, Any] | None = None
 
     def first(self) -> list[bytes]:
         """Prefill's token as the first chunk; the whole stream if that token ended it."""
         choice = _first_choice(self._prefill)
+        if not self.prefill_token:
+            return []
         events = []
         if self._chat:
             # Like a single server: a role-only chunk first, then one chunk per token.
@@ -139,7 +144,7 @@ class StreamStitcher:
             if finish is None:
                 return None
             choice = {**choice, "text": ""} if not self._chat else {**choice, "delta": {}}
-        else:
+        elif not (self._chat and _header_only(choice) and finish is None):
             self._tokens += 1
         if finish is not None:
             if self._finished:

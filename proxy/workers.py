@@ -6,10 +6,10 @@ from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
 from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
-from neuron_connector.registry import KV_PROTOCOLS, RegistrationError, WorkerRecord
+from neuron_connector.registry import KV_PROTOCOLS, VLLM_SERVER, RegistrationError, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "pick", "shows_draining",
+__all__ = ["KV_PROTOCOLS", "VLLM_SERVER", "WorkerPool", "WorkerRecord", "completed", "contradiction", "pick", "shows_draining",
            "shown_record", "static_worker"]
 _WILDCARD_HOSTS = ("0.0.0.0", "::")  # a signal plane bound to every address: reach it at the worker's HTTP host
 
@@ -59,7 +59,7 @@ def completed(given: WorkerRecord, shown: WorkerRecord) -> WorkerRecord:
     decode legs then name its real KV port and carry its engine id, which the decode side checks."""
     kv_host = given.kv_host if shown.kv_host in _WILDCARD_HOSTS else shown.kv_host
     return replace(given, kv_host=kv_host, kv_port=shown.kv_port, engine_id=shown.engine_id, model=shown.model,
-                   transfer=shown.transfer)
+                   transfer=shown.transfer, server=shown.server, status_port=shown.status_port)
 
 
 def pick(candidates: Sequence[WorkerRecord], turn: int) -> WorkerRecord:

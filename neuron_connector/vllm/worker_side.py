@@ -15,7 +15,7 @@ from common.timeline import PULL_REPORTED, Timeline
 from neuron_connector.errors import ConnectorError
 from neuron_connector.pulls import PullState
 from neuron_connector.recv_buffer import RecvBuffer
-from neuron_connector.registry import Registration, WorkerRecord
+from neuron_connector.registry import VLLM_SERVER, Registration, WorkerRecord
 from neuron_connector.send_buffer import SendBuffer
 from neuron_connector.status import StatusServer
 from neuron_connector.vllm.config import NeuronConnectorConfig
@@ -125,7 +125,7 @@ class WorkerSide:
         return WorkerRecord(role=cfg.role, host=cfg.http_host or cfg.kv_host, http_port=cfg.http_port,
                             kv_host=cfg.kv_host, kv_port=self.send.port if self.send else 0,
                             engine_id=engine_id, model=self.model, transfer={"backend": cfg.kv_transport},
-                            status_port=self.status.port if self.status else 0)
+                            status_port=self.status.port if self.status else 0, server=VLLM_SERVER)
 
     def plane(self) -> Plane | None:
         """Where the signal plane listens, once registered (the scheduler side's handoffs name it)."""

@@ -233,6 +233,7 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
     """Once the engine runs (a prefill's kv port is known only then), puts this worker's record in its
     GET /health answer and, with --etcd, registers it in etcd (revoked when a drain starts, or at exit)."""
     from neuron_connector import Registration, WorkerRecord
+    from neuron_connector.registry import OUR_SERVER
 
     worker = app.extensions["neuron_di_worker"]
     holder: list[Registration] = []
@@ -243,7 +244,7 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
         worker.record = WorkerRecord(role=engine_config.role, host=args.advertise_host or args.host,
                                      http_port=args.port, kv_host=args.kv_host, kv_port=kv_port,
                                      engine_id=args.engine_id, transfer={"backend": args.kv_transport},
-                                     model=engine.model_name)
+                                     model=engine.model_name, server=OUR_SERVER)
         if args.etcd is None:
             return
         registration = Registration(args.etcd, worker.record, ttl=args.etcd_ttl)
