@@ -26,18 +26,18 @@ class VllmOptions:
     num_blocks: int = 256                  # KV blocks of 128 tokens per server
     kv_transport: str = "auto"             # NeuronConnector's transport
     extra_config: dict[str, Any] = field(default_factory=dict)   # more NeuronConnector settings
+    extra_args: tuple[str, ...] = ()       # more `vllm serve` flags for every server
     startup_timeout_s: float = 300.0
 
 
 def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None) -> list[str]:
-    """A DI server (`kv_config` given) prefills whole prompts: on vLLM's CPU build a seeded
-    request prefilled in chunks kills the engine, and the proxy seeds sampled requests."""
+    """vLLM's defaults (chunked prefill on), a DI server with `kv_config` as its --kv-transfer-config."""
     args = ["-m", "vllm.entrypoints.cli.main", "serve", options.model, "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
             "--max-model-len", str(options.max_model_len), "--num-gpu-blocks-override", str(options.num_blocks),
-            "--uvicorn-log-level", "warning"]
+            "--uvicorn-log-level", "warning", *options.extra_args]
     if kv_config is not None:
-        args += ["--no-enable-chunked-prefill", "--kv-transfer-config", json.dumps(kv_config)]
+        args += ["--kv-transfer-config", json.dumps(kv_config)]
     return args
 
 

@@ -15,7 +15,7 @@ from neuron_connector.protocol import (
     BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
     UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
     Probe, Release, decode_request, handshake_proof, request_fields)
-from neuron_connector.sessions import Session, SessionTable, proof_refusal
+from neuron_connector.sessions import SessionTable, proof_refusal
 from transfer import CompletionToken, KVLayout, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
 

@@ -9,7 +9,6 @@ disaggregation keeps local (its decode worker serves it whole).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -17,25 +16,26 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, AsyncGenerator, Callable, Iterator
 
-from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
+from common.openai_wire import json_bytes
 from common.timeline import RECEIVED, Timeline
 from proxy.abandon import Abandoner
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
-from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable, to_http
+from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable
 from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
                          spawn, stitched_flow)
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.requests import ClientRequest, leg_seed, prefill_token_used
-from proxy.sse import SSEDecoder, encode_raw
+from proxy.sse import SSEDecoder
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
-from proxy.timing import AnswerTimer, leg_answered, leg_sent
+from proxy.explain import explained
+from proxy.answers import END, cancel_leg, relayed, stitched
+from proxy.timing import REQUEST_ID_HEADER, AnswerTimer, leg_answered, leg_sent
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
 log = logging.getLogger("proxy.forward")
-_END = object()  # marks the normal end of a streamed leg in its queue
 _QUEUE_EVENTS = 256
 
 
@@ -132,7 +132,7 @@ class Forwarder:
         first = await first_or_failure(asyncio.ensure_future(queue.get()), task)
         if isinstance(first, ProxyError):
             raise first
-        return StreamAnswer(self._relayed(first, queue, task, AnswerTimer(self._metrics, started, self.timeline, uid)))
+        return StreamAnswer(relayed(first, queue, task, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
     async def _disaggregated(self, request: ClientRequest, received: float,
                              decode: WorkerRecord | None = None) -> Answer:
@@ -194,16 +194,16 @@ class Forwarder:
             stitcher = StreamStitcher(request, response_id, int(time.time()), first, token_used)
             events = stitcher.first()
         except BaseException:
-            _cancel(leg)
+            cancel_leg(leg)
             raise
         if stitcher.finished:
-            _cancel(leg)  # EOS at token one: decode has nothing to add
-        return StreamAnswer(self._stitched(stitcher, events, leg, AnswerTimer(self._metrics, started, self.timeline, uid)))
+            cancel_leg(leg)  # EOS at token one: decode has nothing to add
+        return StreamAnswer(stitched(stitcher, events, leg, AnswerTimer(self._metrics, started, self.timeline, uid), self._first_token))
 
     async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None,
                      token_used: bool) -> dict[str, Any]:
         if leg is None or (token_used and prefill_finished(first)):
-            _cancel(leg)  # EOS at token one: decode has nothing to add
+            cancel_leg(leg)  # EOS at token one: decode has nothing to add
             return prefill_answer(response_id, first)
         rest = json_object(await leg.task, leg.worker)
         if token_used:
@@ -221,7 +221,7 @@ class Forwarder:
             leg_sent(self.timeline, worker.role, headers)
             reply = await self._clients(worker).post(path, body, headers)
             if reply.status != 200:
-                raise UpstreamStatus(reply.status, reply.body, worker.role, worker.address, reply.retry_after)
+                raise await self._failed(worker, headers, reply.status, reply.body, reply.retry_after)
             leg_answered(self.timeline, worker.role, headers)
             return reply.body
 
@@ -236,7 +236,7 @@ class Forwarder:
 
     async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                     queue: asyncio.Queue[Any], elsewhere: bool = False) -> None:
-        """Reads one streamed leg into `queue`: SSE payloads, then _END or the error. With `elsewhere`, a
+        """Reads one streamed leg into `queue`: SSE payloads, then END or the error. With `elsewhere`, a
         draining worker's refusal (nothing queued yet) sends the leg to another worker of its role."""
         try:
             try:
@@ -245,7 +245,7 @@ class Forwarder:
                 if not elsewhere:
                     raise
                 await self._pump_from(self._elsewhere(worker, exc), path, body, headers, queue)
-            await queue.put(_END)
+            await queue.put(END)
         except ProxyError as exc:  # NoWorkers too, when a draining worker's leg has nowhere else to go
             await queue.put(exc)
             raise
@@ -260,8 +260,7 @@ class Forwarder:
             leg_sent(self.timeline, worker.role, headers)
             async with self._clients(worker).stream(path, body, headers) as reply:
                 if reply.status != 200:
-                    raise UpstreamStatus(reply.status, await reply.read(), worker.role, worker.address,
-                                         reply.retry_after)
+                    raise await self._failed(worker, headers, reply.status, await reply.read(), reply.retry_after)
                 decoder = SSEDecoder()
                 async for chunk in reply.chunks():
                     for data in decoder.feed(chunk):
@@ -271,6 +270,12 @@ class Forwarder:
                     await queue.put(data)
                 if decoder.pending:
                     raise UpstreamUnavailable("stream cut in the middle of an event", worker.role, worker.address)
+
+    async def _failed(self, worker: WorkerRecord, headers: dict[str, str], status: int, body: bytes,
+                      retry_after: str | None) -> UpstreamStatus:
+        """A leg's error answer; a vLLM decode worker's bare 500 for a failed KV pull is explained."""
+        exc = UpstreamStatus(status, body, worker.role, worker.address, retry_after)
+        return await explained(exc, worker, headers.get(REQUEST_ID_HEADER), self._clients)
 
     @contextmanager
     def _leg(self, worker: WorkerRecord) -> Iterator[None]:
@@ -284,70 +289,3 @@ class Forwarder:
                 if isinstance(exc, UpstreamUnavailable) or (isinstance(exc, UpstreamStatus) and exc.draining):
                     self._pool.mark(worker.key, healthy=False)  # until a health check passes again
                 raise
-
-    async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg | None,
-                        timer: AnswerTimer) -> AsyncGenerator[bytes, None]:
-        error: str | None = None
-        try:
-            if stitcher.prefill_token:
-                timer.tick()
-            for event in first:
-                yield event
-            if leg is None or leg.queue is None or stitcher.finished:
-                return  # prefill's token ended the answer
-            checked = False
-            while (item := await leg.queue.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                events = stitcher.feed(item)
-                if events:
-                    timer.tick()
-                for event in events:
-                    yield event
-                if not checked and stitcher.first_token_matched is not None:
-                    checked = True  # counted at once, before the client can see the end of the answer
-                    self._first_token(leg.worker, stitcher.first_token_matched)
-            for event in stitcher.close():
-                yield event
-        except ProxyError as exc:
-            error = str(exc)
-            yield _error_event(exc)
-        finally:
-            _cancel(leg)  # client gone or answer failed: drop the decode connection
-            timer.done(error)
-
-    async def _relayed(self, first: Any, queue: asyncio.Queue[Any], task: asyncio.Task[None],
-                       timer: AnswerTimer) -> AsyncGenerator[bytes, None]:
-        """A single leg's stream, passed on event by event with one [DONE] at the end."""
-        item, error = first, None
-        try:
-            while item is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                if item != DONE:
-                    timer.tick()
-                    yield encode_raw(item)
-                item = await queue.get()
-            yield DONE_EVENT
-        except ProxyError as exc:
-            error = str(exc)
-            yield _error_event(exc)
-        finally:
-            task.cancel()
-            timer.done(error)
-
-
-def _cancel(leg: DecodeLeg | None) -> None:
-    if leg is not None:
-        leg.task.cancel()
-
-
-def _error_event(exc: ProxyError) -> bytes:
-    """After streaming has started the status is sent: the error goes in an SSE event."""
-    status, body, _ = to_http(exc)  # no headers: they are sent already
-    try:
-        payload = json.loads(body)
-    except ValueError:  # a worker's own error body need not be JSON
-        payload = error_body(status, str(exc), "upstream_error")
-    # Re-encoded, not passed on: the body may span lines, an SSE data line must not.
-    return sse_event(payload) + DONE_EVENT

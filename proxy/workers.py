@@ -15,10 +15,10 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::")  # a signal plane bound to every address: re
 
 
 def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_KV_PORT,
-                  kv_protocol: str = "neuron") -> WorkerRecord:
+                  kv_protocol: str = "neuron", status_port: int = 0) -> WorkerRecord:
     """A worker given on the command line; ConfigError for a bad role, address or protocol."""
     try:
-        return WorkerRecord(role, host, http_port, kv_port=kv_port, kv_protocol=kv_protocol)
+        return WorkerRecord(role, host, http_port, kv_port=kv_port, kv_protocol=kv_protocol, status_port=status_port)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -95,7 +95,9 @@ class NeuronConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._plan is not None
         self._plan.scheduled(scheduled_requests(scheduler_output))
-        return NeuronConnectorMetadata(self._plan.take_orders())
+        orders = self._plan.take_orders()
+        orders.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return NeuronConnectorMetadata(orders)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._plan is not None

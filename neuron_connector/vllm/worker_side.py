@@ -35,6 +35,9 @@ class TransferResults:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
 
+    def any(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
+
 
 @dataclass(frozen=True, slots=True)
 class Plane:
@@ -80,6 +83,8 @@ class WorkerSide:
         self._prefill_calls: PrefillCalls | None = None   # decode: decode_first's prefill legs
         self._prefill_failures: dict[str, str] = {}       # uid -> why its prefill leg failed
         self._failures_lock = threading.Lock()
+        self._activity = threading.Event()   # a buffer thread has something to report
+        self._idle = False                   # the current step runs no tokens
         self.timeline = Timeline(config.role)
         self.status: StatusServer | None = None
         self.engine_id = ""
@@ -96,11 +101,12 @@ class WorkerSide:
             engine_id = self.engine_id = cfg.engine_id or self._transfer.transfer_id
             if cfg.role == "prefill":
                 self.send = SendBuffer(self._transfer, self.layout, engine_id, cfg.kv_host, cfg.kv_port,
-                                       on_release=self._released.put, abort_timeout=cfg.abort_timeout,
+                                       on_release=self._on_release, abort_timeout=cfg.abort_timeout,
                                        transfer_timeout=cfg.pull_timeout, secret=secret, timeline=self.timeline)
                 self.send.start()
             else:
                 self.recv = RecvBuffer(self._transfer, self.layout, engine_id, default_timeout=cfg.pull_timeout,
+                                       on_finished=lambda _: self._activity.set(),
                                        secret=secret, integrity_check=cfg.kv_integrity_check,
                                        timeline=self.timeline)
                 self.recv.start()
@@ -139,6 +145,7 @@ class WorkerSide:
     def apply(self, orders: StepOrders) -> None:
         """Carries out the scheduler side's orders; a failure fails that request, not the engine.
         Publishing waits for `publish_computed`, once the step's forward computed the blocks."""
+        self._idle = orders.idle
         for mark in orders.marks:
             self.timeline.mark(mark.uid, mark.phase, mark.at)
         self._computed += orders.publish
@@ -178,11 +185,27 @@ class WorkerSide:
                 log.warning("could not publish %s (%s) for its decode peer: %s", item.request_id, item.uid, exc)
                 self._released.put(item.uid)
 
+    def _on_release(self, uid: str) -> None:
+        self._released.put(uid)
+        self._activity.set()
+
     def _prefill_failed(self, uid: str, message: str) -> None:
         with self._failures_lock:
             self._prefill_failures[uid] = message
+        self._activity.set()
 
     def results(self, finished_req_ids: set[str]) -> TransferResults:
+        """What ended since the last step. A step that ran nothing (vLLM steps on while requests wait for
+        KV or for their blocks to be released) first waits up to `idle_wait` for something to end, so
+        that the engine loop does not spin a core and starve the threads that move the KV."""
+        self._activity.clear()
+        results = self._collect(finished_req_ids)
+        if self._idle and self.config.idle_wait > 0 and not results.any():
+            self._activity.wait(self.config.idle_wait)
+            results = self._collect(finished_req_ids)
+        return results
+
+    def _collect(self, finished_req_ids: set[str]) -> TransferResults:
         results = TransferResults()
         if self.send is not None:
             self._sent(finished_req_ids, results)
