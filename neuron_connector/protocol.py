@@ -266,7 +266,8 @@ class LookupReply:
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id, "success": self.success}
         if self.success:
-            obj["output_token"] = self.output_token
+            if self.output_token is not None:     # None: the prefill worker does not know it (vLLM's)
+                obj["output_token"] = self.output_token
             obj["block_ids_in_peer_device"] = list(self.block_ids_in_peer_device)
             if self.checksum is not None:
                 obj["checksum"] = self.checksum

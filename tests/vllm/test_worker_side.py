@@ -76,7 +76,8 @@ def test_pull_lands_every_layer_and_prefill_reports_sent_after_vllm_finished_it(
     prefill, decode, p_caches, d_caches = sides
     for name, tensor in p_caches.items():
         tensor.copy_(torch.randn_like(tensor))           # rebound tensors: this writes into the pool
-    step(prefill, StepOrders(publish=[Publish("p-req", "uid1", (5, 6), output_token=9)]))
+    # Published as the connector publishes: before vLLM reports the first token (decode samples it again).
+    step(prefill, StepOrders(publish=[Publish("p-req", "uid1", (5, 6))]))
     step(decode, StepOrders(pull=[Pull("d-req", "uid1", "127.0.0.1", prefill.send.port, (1, 2))]))
     got = collect(decode, set(), "finished_recving")
     assert got.finished_recving == {"d-req"} and not got.failed_recving
