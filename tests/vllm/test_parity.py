@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
+import httpx
 import pytest
 
 from examples.serving_stack import Stack
 from examples.vllm_stack import SERVED_NAME
 from tests.helpers import EtcdServer, wait_until
 from tests.proxy.registration import registered_workers
+from tests.timeline_checks import assert_phases_add_up, request_timeline, uid_of
 from tests.vllm.client import answers, body, metric
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
@@ -51,6 +54,17 @@ def test_sampled_requests_without_a_seed_under_load(neuron_stack: Stack) -> None
     got = asyncio.run(answers(neuron_stack.url, "/v1/completions",
                               [body("/v1/completions", p, MAX_TOKENS, False) for p in long_prompts], 8))
     assert [g.completion_tokens for g in got] == [MAX_TOKENS] * 8
+    kv_usage_back_to_zero(neuron_stack)
+
+
+def test_timeline_phases_add_up(neuron_stack: Stack) -> None:
+    """One streamed request's phases, from the proxy and both connectors' status servers (GET /timeline)."""
+    payload = body("/v1/completions", "where did my time go? " * 20, MAX_TOKENS, True, temperature=0)
+    reply = httpx.post(neuron_stack.url + "/v1/completions", json=payload, timeout=60)
+    assert reply.status_code == 200, reply.text
+    uid = uid_of(json.loads(reply.text.split("data: ", 1)[1].split("\n", 1)[0])["id"])
+    path = assert_phases_add_up(request_timeline(neuron_stack.timeline_urls(), uid), streamed=True)
+    assert path[-1][1] > 0
     kv_usage_back_to_zero(neuron_stack)
 
 

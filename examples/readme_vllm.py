@@ -1,0 +1,41 @@
+"""The README's vLLM 1P1D commands ("Serving with vLLM"), built here so that a script can run them as a
+user would; tests/examples/test_readme_vllm.py checks the README shows exactly these."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# What the README says to set on a host other work shares (see "Serving with vLLM").
+SHARED_HOST_ENV = {"prefill": {}, "decode": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class ReadmePorts:
+    """The README's ports (its defaults), or free ones for a run."""
+
+    proxy: int = 8000
+    prefill: int = 8100
+    decode: int = 8200
+    kv: int = 14579
+    prefill_status: int = 8101
+    decode_status: int = 8201
+
+
+def kv_config(role: str, ports: ReadmePorts) -> dict[str, Any]:
+    extra: dict[str, Any] = ({"kv_port": ports.kv, "status_port": ports.prefill_status} if role == "prefill"
+                             else {"status_port": ports.decode_status})
+    return {"kv_connector": "NeuronConnector", "kv_connector_module_path": "neuron_connector.vllm",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_connector_extra_config": extra}
+
+
+def readme_commands(model: str, ports: ReadmePorts = ReadmePorts(),
+                    shared_host: bool = True) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, argv, environment) of the prefill server, the decode server and the proxy, in start order."""
+    servers = [(role, ["vllm", "serve", model, "--port", str(getattr(ports, role)), "--kv-transfer-config",
+                       json.dumps(kv_config(role, ports), separators=(", ", ": "))],
+                SHARED_HOST_ENV[role] if shared_host else {}) for role in ("prefill", "decode")]
+    proxy = ["python", "proxy_server.py", "--port", str(ports.proxy), "--prefill-ip", "127.0.0.1",
+             "--prefill-port", str(ports.prefill), "--prefill-kv-port", str(ports.kv), "--decode-ip", "127.0.0.1",
+             "--decode-port", str(ports.decode), "--decode-status-port", str(ports.decode_status)]
+    return [*servers, ("proxy", proxy, {})]
