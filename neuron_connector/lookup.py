@@ -93,6 +93,10 @@ class LookupTable:
         tomb = self._tombstones.get(request_id)
         return request_id in self._entries or (tomb is not None and not tomb.released)
 
+    def ready(self, request_id: str) -> bool:
+        """Whether a lookup of `request_id` gets a decision now (not NotReady)."""
+        return request_id in self._entries or request_id in self._tombstones
+
     def discard(self, request_id: str, now: float) -> None:
         """The engine aborted the request: release now, or once its running transfer ends."""
         self._end(request_id, f"request {request_id!r} was aborted on the prefill side", now, released=False)

@@ -11,6 +11,7 @@ from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeli
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
+from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
     BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
     UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
@@ -87,6 +88,7 @@ class SendBuffer:
         self._secret = secret
         self._sessions = SessionTable()                          # only touched by the thread
         self._running: dict[str, _Push] = {}                     # request id -> its running push
+        self._parked: ParkedLookups[LookupAll] = ParkedLookups()  # lookups of requests not published yet
         self._service = ServiceThread()
         self._context = new_context()
         self._router: RouterChannel | None = None
@@ -117,8 +119,7 @@ class SendBuffer:
         with self._lock:
             held = self._table.publish(request_id, list(block_ids), output_token, time.monotonic())
         self.timeline.mark(request_id, PUBLISHED)
-        if not held:
-            self._service.wake()  # its decode peer released it already: free the blocks now
+        self._service.wake()  # a held lookup of it is answered now (or, released already, its blocks freed)
 
     def knows(self, request_id: str) -> bool:
         """Whether `publish(request_id, ...)` would be refused as a duplicate."""
@@ -156,11 +157,14 @@ class SendBuffer:
         poller.register(self._router)
         poller.register(self._service.waker)
         while not self._service.stopping:
-            ready = poller.poll(_IDLE_POLL_S)
+            with self._lock:
+                due = self._parked.next_due(time.monotonic())
+            ready = poller.poll(_IDLE_POLL_S if due is None else max(0.0, min(_IDLE_POLL_S, due)))
             if self._service.waker in ready:
                 self._service.waker.drain()
             if self._router in ready:
                 self._drain_router()
+            self._answer_parked()
             self._check_transfers()
             with self._lock:
                 self._table.expire(time.monotonic())
@@ -217,7 +221,9 @@ class SendBuffer:
 
     def _handshake(self, identity: bytes, message: Handshake) -> HandshakeReply | ErrorReply:
         """Opens the connection's session, unless another live session holds the engine id."""
-        self._drop_gone_sessions(but=identity)
+        assert self._router is not None
+        probe = Probe().to_bytes()
+        self._sessions.drop_gone(lambda rid: self._router.send(rid, probe) is not Delivery.PEER_GONE, but=identity)
         refusal = self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)
         if refusal is not None:
             return refusal
@@ -236,17 +242,6 @@ class SendBuffer:
         return ErrorReply(f"prefill {self.engine_id} refused engine id {engine_id!r}: another live "
                           "decode worker holds it; give each decode worker a unique --engine-id",
                           ENGINE_ID_IN_USE, reply_to)
-
-    def _drop_gone_sessions(self, but: bytes) -> None:
-        """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
-        or vanished), so their engine ids are free again. With ROUTER_MANDATORY a send to such a
-        routing id fails at once, while a full queue means the peer is alive; handshakes are rare,
-        so probing every session then is cheap, and the table never outgrows the live sessions."""
-        assert self._router is not None
-        probe = Probe().to_bytes()
-        for identity in self._sessions.routing_ids():
-            if identity != but and self._router.send(identity, probe) is Delivery.PEER_GONE:
-                self._sessions.drop(identity)
 
     def _kv_map_init(self, identity: bytes, message: KVMapInit) -> KVMapReply | ErrorReply:
         session = self._sessions.get(identity)
@@ -275,8 +270,18 @@ class SendBuffer:
             self._secret, PREFILL_PROOF, session.server_nonce, session.client_nonce, session.engine_id)
         return KVMapReply(self.layout.to_dict(), proof)
 
-    def _lookup(self, identity: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:
-        rid = message.request_id
+    def _answer_parked(self) -> None:
+        """Held lookups whose request is published now are handled; those held long enough get "not ready"."""
+        with self._lock:
+            ready, expired = self._parked.take(self._table.ready, time.monotonic())
+        for parked in ready:
+            if (reply := self._lookup(parked.identity, parked.message)) is not None:
+                self._reply(parked.identity, reply.to_bytes())
+        for parked in expired:
+            self._reply(parked.identity, LookupReply(parked.message.request_id, False).to_bytes())
+
+    def _lookup(self, routing_id: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:
+        rid, identity = message.request_id, routing_id
         self.stats.lookups += 1
         session = self._sessions.established(identity)
         if session is None:
@@ -291,7 +296,9 @@ class SendBuffer:
             decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device, message.skipped_blocks)
         if isinstance(decision, NotReady):
             self.stats.not_ready += 1
-            return LookupReply(rid, False)
+            with self._lock:
+                self._parked.park(rid, routing_id, message, time.monotonic(), message.timeout_s)
+            return None
         if isinstance(decision, Answer):
             return decision.reply
         if isinstance(decision, InProgress):

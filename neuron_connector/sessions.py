@@ -11,6 +11,7 @@ owner. The owner drops the sessions whose connection is gone, then asks `holder`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from common.kv_secret import new_nonce, verify
 from neuron_connector.protocol import DECODE_PROOF
@@ -79,6 +80,15 @@ class SessionTable:
 
     def routing_ids(self) -> list[bytes]:
         return list(self._sessions)
+
+    def drop_gone(self, alive: Callable[[bytes], bool], but: bytes) -> None:
+        """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
+        or vanished), so their engine ids are free again; `alive(routing_id)` probes one (with
+        ROUTER_MANDATORY a send to a gone routing id fails at once, while a full queue means the peer
+        is alive; handshakes are rare, so probing every session then is cheap)."""
+        for routing_id in self.routing_ids():
+            if routing_id != but and not alive(routing_id):
+                self.drop(routing_id)
 
     def routing_id_of(self, engine_id: str) -> bytes | None:
         return self._bound.get(engine_id)
