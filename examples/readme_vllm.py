@@ -3,6 +3,7 @@ user would; tests/examples/test_readme_vllm.py checks the README shows exactly t
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,3 +40,9 @@ def readme_commands(model: str, ports: ReadmePorts = ReadmePorts(),
              "--prefill-port", str(ports.prefill), "--prefill-kv-port", str(ports.kv), "--decode-ip", "127.0.0.1",
              "--decode-port", str(ports.decode), "--decode-status-port", str(ports.decode_status)]
     return [*servers, ("proxy", proxy, {})]
+
+
+def shell_lines(model: str = "MODEL", ports: ReadmePorts = ReadmePorts()) -> list[str]:
+    """The commands as the README shows them: one shell line each, environment first."""
+    return [" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)])
+            for _, argv, env in readme_commands(model, ports)]
