@@ -18,7 +18,8 @@ from transfer import KVLayout, TransferError
 
 log = logging.getLogger(__name__)
 
-_MAX_POLL_S = 0.05
+_MAX_POLL_S = 0.05     # while pulls or handshakes are under way
+_IDLE_POLL_S = 1.0     # with none (new work wakes the thread): an idle worker stays idle
 
 
 class RecvBuffer:
@@ -161,7 +162,8 @@ class RecvBuffer:
             self._sync_channels(poller)
             self._send_due()
             with self._lock:
-                timeout = min(_MAX_POLL_S, self._pulls.next_event(time.monotonic()))
+                busy = len(self._pulls) > 0 or any(not link.ready for link in self._links.values())
+                timeout = min(_MAX_POLL_S if busy else _IDLE_POLL_S, self._pulls.next_event(time.monotonic()))
             for item in poller.poll(timeout):
                 if item is self._service.waker:
                     self._service.waker.drain()

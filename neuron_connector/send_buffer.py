@@ -22,10 +22,10 @@ from transfer import LayoutMismatch as TransferLayoutMismatch
 
 log = logging.getLogger(__name__)
 
-# How often expiry runs when nothing happens. A push that ends wakes the thread through its
-# token's callback: polling running pushes would take the GIL from the engine thread
-# hundreds of times per push while a slow (tcp, loaded host) transfer runs.
-_IDLE_POLL_S = 0.05
+# How often expiry runs when nothing happens: while blocks are held, and while nothing is. A push
+# that ends wakes the thread through its token's callback: polling running pushes would take the
+# GIL from the engine thread hundreds of times per push while a slow (tcp, loaded host) transfer runs.
+_BUSY_POLL_S, _IDLE_POLL_S = 0.05, 1.0
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
 
 
@@ -159,7 +159,9 @@ class SendBuffer:
         while not self._service.stopping:
             with self._lock:
                 due = self._parked.next_due(time.monotonic())
-            ready = poller.poll(_IDLE_POLL_S if due is None else max(0.0, min(_IDLE_POLL_S, due)))
+                idle = not (self._table.pending() or self._running)
+            ready = poller.poll((_IDLE_POLL_S if idle else _BUSY_POLL_S) if due is None
+                                else max(0.0, min(_BUSY_POLL_S, due)))
             if self._service.waker in ready:
                 self._service.waker.drain()
             if self._router in ready:
