@@ -30,8 +30,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.bench_cli import stop_on_sigterm, write_json  # noqa: E402
-from examples.readme_vllm import ReadmePorts, readme_commands  # noqa: E402
-from examples.serving_stack import Stack, free_port, started, wait_healthy  # noqa: E402
+from examples.readme_vllm import KV_SPACE_GIB, ReadmePorts, readme_commands  # noqa: E402
+from examples.serving_stack import Stack, StackError, free_port, started, wait_healthy  # noqa: E402
 from examples.timeline import fetch, span_table  # noqa: E402
 
 NUM_REQUESTS, CONCURRENCY, MAX_TOKENS = 16, 4, 24
@@ -163,16 +163,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = os.getloadavg()
 
     def build(stack: Stack) -> None:
+        # Another user's server on the same host, given its share of the memory as the README says.
         stack.start("busy vllm", ["-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(busy_port),
-                                  "--max-model-len", "2048", "--uvicorn-log-level", "warning"])
+                                  "--uvicorn-log-level", "warning"], env={"VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB})
         for name, command, env in readme_commands(model, ports, shared_host=not args.readme_as_before):
             # `vllm` and `python` of this interpreter's environment, as in an activated venv
             program = sys.executable if command[0] == "python" else str(Path(sys.executable).with_name(command[0]))
             stack.start(name, command[1:], env=env, program=program)
-        for port in (busy_port, ports.prefill, ports.decode):
-            wait_healthy(f"http://127.0.0.1:{port}/health", stack.processes, args.startup_timeout)
-        stack.url = f"http://127.0.0.1:{ports.proxy}"
-        wait_healthy(f"{stack.url}/ready", stack.processes, args.startup_timeout)
+        try:
+            for port in (busy_port, ports.prefill, ports.decode):
+                wait_healthy(f"http://127.0.0.1:{port}/health", stack.processes, args.startup_timeout)
+            stack.url = f"http://127.0.0.1:{ports.proxy}"
+            wait_healthy(f"{stack.url}/ready", stack.processes, args.startup_timeout)
+        except StackError:
+            for process in stack.processes:
+                print(f"--- {process.name}:\n{process.tail(6000)}", file=sys.stderr)
+            raise
 
     with started(build) as stack:
         served = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]

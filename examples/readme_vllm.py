@@ -7,8 +7,10 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-# What the README says to set on a host other work shares (see "Serving with vLLM").
-SHARED_HOST_ENV = {"prefill": {}, "decode": {}}
+# What the README says to set on a host other work shares (see "Serving with vLLM"): vLLM's CPU build
+# otherwise sizes each server's KV cache to most of the host's memory, and a second server cannot start.
+KV_SPACE_GIB = "2"
+SHARED_HOST_ENV = {"prefill": {"VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB}, "decode": {"VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,11 +136,15 @@ class NeuronConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's orders are carried out at once, before its forward: vLLM calls `start_load_kv` only
+        after the forward of a step without synchronous loads, which would start pulls a step late."""
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None and isinstance(connector_metadata, NeuronConnectorMetadata)
+        self._worker.apply(connector_metadata.orders)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, NeuronConnectorMetadata)
-        self._worker.apply(metadata.orders)
+        """Pulls start when the step's orders are bound (bind_connector_metadata)."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole requests, done before the request is scheduled: nothing to wait for."""

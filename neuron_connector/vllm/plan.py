@@ -2,10 +2,10 @@
 for or release (orders.py), from vLLM's connector hooks and each step's scheduled requests.
 
 Prefill: a leg's blocks are published in the step that computes the last of its prompt (the worker
-side publishes them once that step's forward is done), not when vLLM reports the request finished.
-With vLLM's async scheduling that report is processed after the next step is scheduled, so orders
-made from it ride in the step after that; when the next step is another prompt's prefill, the decode
-worker would wait for that whole prefill (a gap of 0.3-0.9 s in its stream) before it could pull.
+side publishes them once that step's forward is done), not when vLLM reports the request finished:
+an order made then rides in the next step's metadata, and vLLM runs a step's connector hooks after
+its forward; when the next step was another prompt's prefill, the decode worker waited for that
+whole prefill (a gap of 0.3-2 s in its stream) before it could pull.
 Published blocks must stay put until pulled: while any are held, `holds_blocks` tells vLLM not to
 preempt (it waits for those blocks to be released instead).
 """
