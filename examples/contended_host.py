@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result.update(loadavg_before=[round(x, 2) for x in before], loadavg_after=[round(x, 2) for x in os.getloadavg()],
                   readme_as_before=args.readme_as_before, commands=[" ".join(c) for _, c, _ in
                                                                     readme_commands(model, ports, not args.readme_as_before)],
-                  spans=span_table(timelines), command=" ".join(["python", "examples/contended_host.py", *(argv or sys.argv[1:])]))
+                  spans=span_table(timelines), timelines=timelines, command=" ".join(["python", "examples/contended_host.py", *(argv or sys.argv[1:])]))
     print(summary(result) + "\n\n" + result["spans"])
     write_json(args.json, result)
     return 0 if all(r["exact"] for r in result["requests"]) else 1
