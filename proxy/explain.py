@@ -5,7 +5,8 @@ NeuronConnector knows why (the pull's error names the prefill peer: no handshake
 deadline, the peer forgot the request, the prefill leg it sent failed, ...) and shows it on its
 status server (`GET /timeline?uid=`). A decode leg that fails with a 5xx on a worker with a
 status port is looked up there: a failed pull becomes the `kv_transfer_error` our own decode
-worker would have answered (503, Retry-After), any other failure stays what it was.
+worker would have answered (503, Retry-After), any other failure stays what it was. vLLM may also
+fail a stream it already answered 200: its error event is looked up the same way.
 """
 from __future__ import annotations
 
@@ -42,3 +43,15 @@ async def explained(exc: UpstreamStatus, worker: WorkerRecord, uid: str | None,
         return exc
     body = json_bytes(error_body(503, f"KV transfer of request {uid!r} failed: {error}", KV_TRANSFER_ERROR))
     return UpstreamStatus(503, body, exc.role, exc.worker, retry_after="1")
+
+
+def stream_error_status(data: str) -> int | None:
+    """The status of an SSE payload that is an OpenAI error object (vLLM ends a stream that failed after
+    its 200 with one), e.g. `{"error": {"message": ..., "code": 500}}`; None for any other payload."""
+    if not data.startswith('{"error"'):
+        return None
+    try:
+        code = json.loads(data)["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return code if isinstance(code, int) and 400 <= code < 600 else 500

@@ -21,7 +21,7 @@ from common.timeline import RECEIVED, Timeline
 from proxy.abandon import Abandoner
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
-from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable
+from proxy.errors import KV_TRANSFER_ERROR, ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable
 from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
                          spawn, stitched_flow)
 from proxy.legs import InFlightLegs
@@ -29,7 +29,7 @@ from proxy.metrics import Metrics
 from proxy.requests import ClientRequest, leg_seed, prefill_token_used
 from proxy.sse import SSEDecoder
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
-from proxy.explain import explained
+from proxy.explain import explained, stream_error_status
 from proxy.answers import END, cancel_leg, relayed, stitched
 from proxy.timing import REQUEST_ID_HEADER, AnswerTimer, leg_answered, leg_sent
 from proxy.upstream import Upstream
@@ -265,6 +265,10 @@ class Forwarder:
                 async for chunk in reply.chunks():
                     for data in decoder.feed(chunk):
                         leg_answered(self.timeline, worker.role, headers)
+                        if worker.status_port and (status := stream_error_status(data)) is not None:
+                            failed = await self._failed(worker, headers, status, data.encode(), None)
+                            if failed.error.get("type") == KV_TRANSFER_ERROR:  # vLLM failed its stream in-band
+                                raise failed
                         await queue.put(data)
                 for data in decoder.end():
                     await queue.put(data)

@@ -13,8 +13,9 @@ A request may steer it with a body field `fake` (the proxy passes unknown fields
 (`"prefill"`, `"decode"`, `"single"`): `{"status": 500}`, `{"hang": true}`,
 `{"delay": seconds_per_token}`, `{"die_after": n}` (os._exit after n chunks),
 `{"first_token": text}` (a different first token), `{"no_handoff": true}` (a NixlConnector
-prefill answer without `kv_transfer_params`), `{"pull_error": message}` (with a status: a vLLM
-decode worker whose KV pull failed, which its connector's status server shows at GET /timeline).
+prefill answer without `kv_transfer_params`), `{"pull_error": message}` (a vLLM decode worker whose
+KV pull failed, which its connector's status server shows at GET /timeline: with a status, it
+answers that; streamed without one, it ends its 200 stream with vLLM's error event).
 
     python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT --lease-ttl 2]
 """
@@ -107,6 +108,11 @@ class FakeWorker:
     async def _stream(self, request: web.Request, answer: _Answer, steer: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if "pull_error" in steer:
+            error = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+            await response.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n")
+            await response.write_eof()
+            return response
         for sent, chunk in enumerate(answer.chunks()):
             if sent == steer.get("die_after"):
                 os._exit(1)

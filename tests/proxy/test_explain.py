@@ -31,8 +31,8 @@ def post(url: str, stream: bool, decode: dict) -> httpx.Response:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_failed_pull_is_a_kv_transfer_error_naming_the_peer(pair: Pair, proxy: Server, stream: bool) -> None:
     reply = post(proxy.url, stream, {"status": 500, "pull_error": WHY})
-    if stream:   # prefill's token went out first: the error ends the stream
-        assert reply.status_code == 200
+    if reply.status_code == 200:   # streamed, and prefill's token went out first: the error ends the stream
+        assert stream
         error = json.loads([line for line in reply.text.splitlines() if '"error"' in line][0][6:])["error"]
     else:
         assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
@@ -45,3 +45,11 @@ def test_a_failed_pull_is_a_kv_transfer_error_naming_the_peer(pair: Pair, proxy:
 def test_another_failure_stays_what_it_was(pair: Pair, proxy: Server) -> None:
     reply = post(proxy.url, False, {"status": 500})
     assert reply.status_code == 502 and reply.json()["error"]["type"] == "upstream_error"
+
+
+def test_a_stream_vllm_failed_in_band_is_explained_too(pair: Pair, proxy: Server) -> None:
+    """vLLM answers 200 and ends the stream with its error event when the pull fails after the stream began."""
+    reply = post(proxy.url, True, {"pull_error": WHY})
+    assert reply.status_code == 200
+    error = json.loads([line for line in reply.text.splitlines() if '"error"' in line][0][6:])["error"]
+    assert error["type"] == "kv_transfer_error" and WHY in error["message"]
