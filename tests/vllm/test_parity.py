@@ -1,4 +1,8 @@
-"""Our proxy over vLLM 1P1D with NeuronConnector (found in etcd) answers exactly as one plain `vllm serve`."""
+"""Our proxy over vLLM 1P1D with NeuronConnector (found in etcd) answers exactly as one plain `vllm serve`.
+
+Every server runs vLLM's defaults, chunked prefill on: eight seeded prompts of up to 1000 tokens at
+once do not fit one step's 2048-token budget on the prefill server, which prefills some in chunks (the
+path on which vLLM's CPU build stops its engine for a seeded request; its prefill legs go unseeded)."""
 from __future__ import annotations
 
 import asyncio
