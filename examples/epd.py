@@ -20,13 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import torch
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-
-from examples.epd_stack import start_epd  # noqa: E402
-from examples.serving_stack import StackError, StackOptions  # noqa: E402
+from stack.epd import start_epd
+from stack.serving import StackError, StackOptions
 
 Answer = tuple[int, str, Any]  # HTTP status, text, finish reason (or the error body)
 

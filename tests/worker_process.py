@@ -6,7 +6,7 @@ from typing import Sequence
 
 import httpx
 
-from examples.serving_stack import StackOptions, worker_args
+from stack.serving import StackOptions, worker_args
 from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok, wait_until
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from examples.epd import answer_all, chat_body
-from examples.epd_stack import start_epd
-from examples.serving_stack import Stack, StackOptions
-from examples.worker_metrics import wait_blocks_free
+from stack.epd import start_epd
+from stack.serving import Stack, StackOptions
+from stack.worker_metrics import wait_blocks_free
 from tests.encode.embeds_files import write_images
 from tests.helpers import wait_until
 from tests.proxy.conftest import start_proxy

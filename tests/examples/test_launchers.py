@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.examples.script_runs import needs_di
+from tests.script_runs import needs_di
 from tests.helpers import ROOT, free_port, wait_until
 
 LAUNCH_1P1D = ROOT / "examples" / "launch_1p1d.sh"

@@ -11,11 +11,11 @@ from typing import Iterator
 import httpx
 import pytest
 
-from fault_judge import Campaign, ScenarioResult
-from fault_load import LoadSize
-from fault_stacks import FaultStack
-from netns_faults import PULL_TIMEOUT_S, LinkFault, link_fault, start_two_hosts
-from netns_hosts import NetnsUnavailable, check_available
+from faults.judge import Campaign, ScenarioResult
+from faults.load import LoadSize
+from faults.stacks import FaultStack
+from faults.two_hosts import PULL_TIMEOUT_S, LinkFault, link_fault, start_two_hosts
+from faults.netns_hosts import NetnsUnavailable, check_available
 from tests.faults.checks import assert_clean
 
 # Past the pull deadline, the proxy's answer and some queueing: a request still unanswered then hangs.

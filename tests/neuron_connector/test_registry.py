@@ -84,7 +84,7 @@ def test_bad_endpoint_and_record() -> None:
 
 
 def test_killed_process_vanishes_within_ttl(etcd_server: EtcdServer) -> None:
-    proc = python_process(["-m", "neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
+    proc = python_process(["-m", "tests.neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
                            "--role", "decode", "--http-port", "8200", "--kv-port", "14600",
                            "--ttl", "2"], name="register-demo")
     try:
@@ -101,7 +101,7 @@ def test_killed_process_vanishes_within_ttl(etcd_server: EtcdServer) -> None:
 
 
 def test_demo_unregisters_on_sigterm(etcd_server: EtcdServer) -> None:
-    proc = python_process(["-m", "neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
+    proc = python_process(["-m", "tests.neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
                            "--role", "prefill", "--http-port", "8101", "--ttl", "30"], name="register-demo")
     try:
         wait_until(lambda: "registered" in proc.output(), timeout=30, what="registration")

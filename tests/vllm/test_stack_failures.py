@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from examples.serving_stack import Stack
+from stack.serving import Stack
 from tests.helpers import free_port, python_process, wait_http_ok, wait_until
 from tests.vllm.client import body, metric
 from tests.vllm.conftest import ABORT_TIMEOUT, PULL_TIMEOUT

@@ -25,9 +25,9 @@ from common.openai_wire import error_body, load_object
 from common.request_body import request_body
 from neuron_connector.registry import WorkerRecord
 from transfer import TransferError
-from worker.encode.errors import EmbedsTransferError, UnknownHandle
-from worker.encode.ref import EmbedsRef
-from worker.encode.rows import RowRegion
+from worker.multimodal.errors import EmbedsTransferError, UnknownHandle
+from worker.multimodal.ref import EmbedsRef
+from worker.multimodal.rows import RowRegion
 from worker.encode.store import EmbedsStore
 from worker.errors import invalid
 from worker.multimodal.embeds import image_embeds

@@ -34,9 +34,9 @@ from worker.engine.request import RequestOutput
 from worker.errors import DrainingError, InvalidRequestError, invalid
 from worker.multimodal.media import MediaPolicy
 from worker.multimodal.prompt import MultiModalPrompt, build_prompt
-from worker.encode.fetch import EmbedsFetcher
-from worker.encode.parts import PartResolver
-from worker.server.images import ImageResolver
+from worker.multimodal.fetch import EmbedsFetcher
+from worker.multimodal.parts import PartResolver
+from worker.multimodal.images import ImageResolver
 from worker.server.metrics import RequestTimer, ServerMetrics
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
 from common.errors import ChatTemplateError

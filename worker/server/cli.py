@@ -196,7 +196,7 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
 def embeds_region(args: argparse.Namespace) -> Callable[[int, Any], Any]:
     """Makes a prefill worker's region of embedding rows (worker/encode/rows.py) once the model is known."""
     def make(hidden_size: int, dtype: Any) -> Any:
-        from worker.encode.rows import RowRegion, rows_in
+        from worker.multimodal.rows import RowRegion, rows_in
 
         return RowRegion(args.kv_transport, args.kv_host, hidden_size, dtype,
                          rows_in(args.embeds_region_mb, hidden_size, dtype), args.kv_secret)
