@@ -11,7 +11,7 @@ import signal
 import threading
 
 from common.roles import DEFAULT_KV_PORT, ROLES
-from neuron_connector.registry import Registration, WorkerRecord
+from neuron_connector import Registration, WorkerRecord
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,7 @@ from quart import Quart, Response, g, jsonify
 
 from common.openai_wire import error_body, load_object
 from common.request_body import request_body
-from neuron_connector.registry import WorkerRecord
+from common.worker_record import WorkerRecord
 from transfer import TransferError
 from worker.multimodal.errors import EmbedsTransferError, UnknownHandle
 from worker.multimodal.ref import EmbedsRef

@@ -41,7 +41,7 @@ from worker.server.metrics import RequestTimer, ServerMetrics
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
 from common.errors import ChatTemplateError
 from common.openai_wire import DONE_EVENT, error_body, sse_event
-from neuron_connector.registry import WorkerRecord
+from common.worker_record import WorkerRecord
 from common.request_body import request_body
 from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, check_text_fits, error_for,
                                     models_body, parse_body, parse_request, usage)
