@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import aetcd
 
 from proxy.discovery import read_workers
+from stack.etcd import etcd_args, etcd_binary
 from stack.serving import (Stack, StackError, StackOptions, free_port, proxy_args, started, wait_healthy,
                            worker_args)
 
@@ -159,16 +160,9 @@ def _proxy(faults: FaultStack, backends: list[str], options: StackOptions) -> No
 
 
 def _etcd(faults: FaultStack, options: StackOptions) -> None:
-    binary = shutil.which("etcd")
-    if binary is None:
-        raise StackError("etcd is not on PATH")
-    port, peer = free_port(), free_port()
+    port = free_port()
     faults.etcd = f"127.0.0.1:{port}"
-    faults.stack.start("etcd", [
-        "--name", "faults", "--data-dir", faults.etcd_data,
-        "--listen-client-urls", f"http://{faults.etcd}", "--advertise-client-urls", f"http://{faults.etcd}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"faults=http://127.0.0.1:{peer}"], program=binary)
+    faults.stack.start("etcd", etcd_args("faults", faults.etcd_data, port), program=etcd_binary())
     faults.health_urls["etcd"] = f"http://{faults.etcd}/health"
     wait_healthy(faults.health_urls["etcd"], faults.stack.processes, options.startup_timeout_s)
 

@@ -45,6 +45,7 @@ class StackOptions:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -74,10 +75,12 @@ def proxy_args(port: int, backends: Sequence[str], host: str = "127.0.0.1") -> l
 
 class Process:
     """A child (Python unless `program` says otherwise) in its own session, optionally pinned to
-    one core, logging to a temp file.
+    one core, logging to a temp file; `stop()` ends it (SIGTERM, then SIGKILL) and removes the log,
+    whose text `output()` still gives.
 
-    `prefix` runs it through a launcher that execs it in turn (e.g. `ip netns exec NAME`), so
-    the child's pid and session are still the program's own.
+    It runs from the repo root with the repo on its PYTHONPATH. `prefix` runs it through a launcher
+    that execs it in turn (e.g. `ip netns exec NAME`), so the child's pid and session are still the
+    program's own.
     """
 
     def __init__(self, name: str, args: Sequence[str], core: int | None = None,
@@ -87,6 +90,7 @@ class Process:
         self.program, self.prefix = program, list(prefix)
         log_name = f"neuron-di-{name}-".replace(" ", "-")
         self.log = tempfile.NamedTemporaryFile(prefix=log_name, suffix=".log", delete=False)
+        self._output: str | None = None   # the log's text once it is removed
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1", **(env or {})}
         # Pinned in the child before exec, so no thread of it ever runs on another core.
@@ -94,8 +98,18 @@ class Process:
         self.proc = subprocess.Popen([*prefix, program, *args], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        """Everything it has written so far (all it wrote, once stopped)."""
+        if self._output is not None:
+            return self._output
+        return Path(self.log.name).read_text(errors="replace")
+
     def tail(self, chars: int = 3000) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-chars:]
+        return self.output()[-chars:]
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -121,6 +135,7 @@ class Process:
                 self._signal(signal.SIGKILL)
                 self.proc.wait(timeout=timeout_s)
         self.log.close()
+        self._output = self.output()
         os.unlink(self.log.name)
 
     def _signal(self, sig: signal.Signals) -> None:
@@ -130,8 +145,8 @@ class Process:
             pass
 
 
-def wait_healthy(url: str, processes: Sequence[Process], timeout_s: float) -> None:
-    """Polls GET url until 200; fails at once if any process of the stack exits."""
+def wait_healthy(url: str, processes: Sequence[Process] = (), timeout_s: float = 60.0) -> None:
+    """Polls GET url until 200; fails at once if any of `processes` exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for process in processes:

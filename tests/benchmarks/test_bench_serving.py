@@ -21,7 +21,8 @@ from benchmarks.serving_report import plot_distributions
 from stack.serving import Stack, StackError, StackOptions, start_colocated, start_di, wait_healthy
 
 from tests.benchmarks.tiny_model import tiny_model_dir
-from tests.helpers import ROOT, free_port, python_process, wait_http_ok, wait_until
+from stack.serving import Process, free_port, wait_healthy
+from tests.helpers import ROOT, wait_until
 
 BENCH = ("-m", "benchmarks.bench_serving")
 SMALL_LOAD = ["--num-prompts", "8", "--input-len-min", "4", "--input-len-max", "24",
@@ -33,10 +34,10 @@ ENV = {"OMP_NUM_THREADS": "1"}
 def worker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = tiny_model_dir(tmp_path_factory.mktemp("model"))
     port = free_port()
-    proc = python_process(["-m", "worker", "--role", "both", "--port", str(port), "--threads", "1",
-                           "--model", str(model), "--max-model-len", "256"], name="worker", env=ENV)
+    proc = Process("worker", ["-m", "worker", "--role", "both", "--port", str(port), "--threads", "1",
+                              "--model", str(model), "--max-model-len", "256"], env=ENV)
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, timeout=120)
+        wait_healthy(f"http://127.0.0.1:{port}/health", [proc], 120)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
@@ -76,17 +77,16 @@ def test_target_run_reports_every_request(worker_url: str, tmp_path: Path) -> No
 def test_target_run_through_the_di_proxy_with_fake_workers(tmp_path: Path) -> None:
     """The client reads the proxy's stitched DI stream (fake prefill/decode HTTP workers): one chunk per token."""
     ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
-    procs = [python_process(["-m", "tests.proxy.fake_worker", "--role", role, "--port", str(ports[role])], name=role)
-             for role in ("prefill", "decode")]
+    procs = [Process(role, ["-m", "tests.proxy.fake_worker", "--role", role, "--port", str(ports[role])])
+                            for role in ("prefill", "decode")]
     try:
         for proc, role in zip(procs, ("prefill", "decode")):
-            wait_http_ok(f"http://127.0.0.1:{ports[role]}/health", proc)
-        procs.append(python_process(["proxy_server.py", "--host", "127.0.0.1", "--port", str(ports["proxy"]),
-                                     "--prefill-ip", "127.0.0.1", "--prefill-port", str(ports["prefill"]),
-                                     "--decode-ip", "127.0.0.1", "--decode-port", str(ports["decode"])],
-                                    name="proxy"))
+            wait_healthy(f"http://127.0.0.1:{ports[role]}/health", [proc])
+        procs.append(Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(ports["proxy"]),
+                                       "--prefill-ip", "127.0.0.1", "--prefill-port", str(ports["prefill"]),
+                                       "--decode-ip", "127.0.0.1", "--decode-port", str(ports["decode"])]))
         url = f"http://127.0.0.1:{ports['proxy']}"
-        wait_http_ok(f"{url}/health", procs[-1])
+        wait_healthy(f"{url}/health", [procs[-1]])
         out = tmp_path / "di.json"
         done = run_bench("--target", url, *SMALL_LOAD, "--json", str(out))
         assert done.returncode == 0, done.stderr

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from faults.load import Load, LoadSize, Reference, Tally, prompts
-from tests.helpers import EtcdServer, wait_until
+from stack.etcd import EtcdServer
+from tests.helpers import wait_until
 from tests.proxy.conftest import Server, proxied_2p2d
 from tests.proxy.registration import registered_workers
 from tests.worker_process import WorkerProcess

@@ -20,7 +20,9 @@ from faults.two_hosts import DECODE_PORT, KV_PORT, PREFILL_PORT, PROXY_PORT, wor
 from faults.netns_hosts import NetnsUnavailable, TwoHosts, check_available
 from benchmarks.serving_load import LoadSpec, make_requests
 from stack.serving import Stack, StackOptions, proxy_args, started, wait_healthy
-from tests.helpers import EtcdServer, wait_until
+from stack.etcd import EtcdServer
+from stack.serving import wait_healthy
+from tests.helpers import wait_until
 from stack.worker_metrics import wait_blocks_free
 
 OPTIONS = StackOptions(kv_transport="auto")

@@ -11,7 +11,7 @@ import pytest
 
 from stack.serving import Stack
 from stack.vllm import VllmOptions, start_colocated, start_neuron_1p1d
-from tests.helpers import EtcdServer
+from stack.etcd import EtcdServer
 from worker.model.loader import builtin_model_path
 
 # Short timeouts, so that the failure tests (test_stack_failures, run last) see them expire.

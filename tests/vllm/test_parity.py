@@ -8,7 +8,8 @@ import pytest
 
 from stack.serving import Stack
 from stack.vllm import SERVED_NAME
-from tests.helpers import EtcdServer, wait_until
+from stack.etcd import EtcdServer
+from tests.helpers import wait_until
 from tests.proxy.registration import registered_workers
 from tests.vllm.client import answers, body, metric
 
