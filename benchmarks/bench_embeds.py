@@ -1,7 +1,7 @@
 """Image-embeddings transfer throughput, against this machine's own limits in the same run.
 
 `embeds-<backend>`: the rows of one image part pushed by the transfer engine from an encode-side
-region of rows (worker/encode/rows.py) into a prefill-side region in another process, as a pull
+region of rows (worker/multimodal/rows.py) into a prefill-side region in another process, as a pull
 from an encode worker moves them. `fetch-<backend>`: the whole pull a prefill worker makes from a
 real encode worker (`python -m worker --role encode`): the HTTP ask, the push, the copy out of
 the region and the digest check; the part is encoded before the clock starts. The ceilings:

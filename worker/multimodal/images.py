@@ -6,7 +6,7 @@ import torch
 from worker.errors import invalid
 from worker.multimodal.embeds import ImageEmbeds, image_embeds
 from worker.multimodal.media import MediaPolicy, download_client, load_part
-from worker.server.protocol import MediaPart
+from worker.multimodal.prompt import MediaPart
 
 
 class ImageResolver:

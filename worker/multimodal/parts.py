@@ -13,7 +13,7 @@ from worker.multimodal.fetch import EmbedsFetcher, placeholder
 from worker.multimodal.ref import PART_TYPE, EmbedsRef
 from worker.errors import invalid
 from worker.multimodal.embeds import ImageEmbeds
-from worker.server.protocol import MediaPart
+from worker.multimodal.prompt import MediaPart
 
 
 class _UrlResolver(Protocol):

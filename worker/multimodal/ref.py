@@ -43,10 +43,6 @@ class EmbedsRef:
         return {"shape": list(self.shape), "dtype": self.dtype, "aux": self.aux, "digest": self.digest,
                 "source": {"url": self.url, "handle": self.handle, "transfer_id": self.transfer_id}}
 
-    def to_part(self) -> dict[str, Any]:
-        """The chat content part that stands for the image."""
-        return {"type": PART_TYPE, PART_TYPE: self.to_dict()}
-
     @classmethod
     def from_dict(cls, data: Any, part: str) -> EmbedsRef:
         """Checks the metadata of content part `part`; InvalidRequestError (400) names what is wrong."""
