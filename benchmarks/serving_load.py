@@ -100,7 +100,6 @@ async def stream_body(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     """Sends the streamed completion `body`, recording its chunks' times and text into `result`; never raises."""
     result.start = time.perf_counter()
     try:
-        # wait_for rather than asyncio.timeout: the project supports Python 3.10.
         await asyncio.wait_for(_exchange(client, url, body, result), timeout_s)
     except asyncio.TimeoutError:
         result.error = f"no complete answer within {timeout_s:g} s"
