@@ -6,9 +6,9 @@ from an encode worker moves them. `fetch-<backend>`: the whole pull a prefill wo
 real encode worker (`python -m worker --role encode`): the HTTP ask, the push, the copy out of
 the region and the digest check; the part is encoded before the clock starts. The ceilings:
 `memcpy` (single thread, for shm) and `raw_tcp` (one loopback stream into another process, for tcp),
-both from examples/bench_transfer.py. Rows are the built-in model's (hidden 256, float32).
+both from benchmarks/bench_transfer.py. Rows are the built-in model's (hidden 256, float32).
 
-    python examples/bench_embeds.py --quick --json embeds.json
+    python -m benchmarks.bench_embeds --quick --json embeds.json
 """
 from __future__ import annotations
 

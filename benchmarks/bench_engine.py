@@ -1,6 +1,6 @@
 """Prefill and decode throughput of the engine vs transformers' generate(), same weights, same run.
 
-    python examples/bench_engine.py [--quick] [--json PATH] [--threads N]
+    python -m benchmarks.bench_engine [--quick] [--json PATH] [--threads N]
 
 Both sides run greedy on the ~24M-parameter benchmark model (random weights, built once in
 the cache dir). Prefill tokens/s = batch * prompt_len / time of a 1-token generation; decode

@@ -9,7 +9,7 @@ pinned to one core, then, in the same run:
 Both upstream HTTP clients the proxy supports (aiohttp, httpx) are measured; the JSON's top
 level keys are for the default (aiohttp).
 
-    python examples/bench_proxy.py [--quick] [--json PATH]
+    python -m benchmarks.bench_proxy [--quick] [--json PATH]
 """
 from __future__ import annotations
 

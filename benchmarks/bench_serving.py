@@ -1,11 +1,11 @@
 """Open-loop serving benchmark: DI 1P1D vs colocated workers on the same cores, or DI over shm vs tcp.
 
-    python examples/bench_serving.py --target http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
-    python examples/bench_serving.py --compare --json out/serving.json     # PNG next to it
-    python examples/bench_serving.py --compare --quick
-    python examples/bench_serving.py --compare-transports --json out/transports.json
-    python examples/bench_serving.py --workload multiturn --json out/multiturn.json
-    python examples/bench_serving.py --compare-conditional --json out/conditional.json
+    python -m benchmarks.bench_serving --target http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
+    python -m benchmarks.bench_serving --compare --json out/serving.json     # PNG next to it
+    python -m benchmarks.bench_serving --compare --quick
+    python -m benchmarks.bench_serving --compare-transports --json out/transports.json
+    python -m benchmarks.bench_serving --workload multiturn --json out/multiturn.json
+    python -m benchmarks.bench_serving --compare-conditional --json out/conditional.json
 
 Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
 (or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
@@ -18,11 +18,11 @@ thread, runs the same load against each, and reports DI over colocated ratios.
 the same load against each: by default 200 streamed requests, 8 in flight, prompts of 10-800
 tokens, 1-32 out (`--quick`: 24 requests); it reports tcp over shm ratios. `--cores none --threads 2`
 runs the workers as examples/launch_1p1d.sh does on a 2-core host: not pinned, torch's default threads.
-`--workload multiturn` sends chats instead (examples/multiturn_load.py: `--conversations` x `--turns`,
+`--workload multiturn` sends chats instead (benchmarks/multiturn_load.py: `--conversations` x `--turns`,
 each turn's prompt the previous turn's prompt + answer + new user text, `--max-concurrency`
 conversations at once); alone it starts the DI stack with prefix-aware transfer on, then off
 (`--no-prefix-aware-transfer` on the decode worker), and reports the KV bytes the decode worker
-pulled per request in each and their ratio (examples/prefix_compare.py); with `--target` it only
+pulled per request in each and their ratio (benchmarks/prefix_compare.py); with `--target` it only
 runs the chats against that endpoint.
 `--compare-conditional` runs the mixed workload of serving_mixed.py (short chat turns and long
 documents) against conditional disaggregation, always-disaggregate and colocated stacks at rising
@@ -224,7 +224,7 @@ def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], 
             ratios.update({name: ratio(summaries[top][key][stat], summaries[bottom][key][stat])
                            for name, (key, stat) in table.items()})
     config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "multiturn")}
-    config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
+    config["command"] = shlex.join(["python", "-m", "benchmarks.bench_serving", *argv])
     out: dict[str, Any] = {"config": config, **ratios}
     for name, (results, _) in runs.items():
         out[name] = {**summaries[name], "requests": [_request_record(r) for r in results]}
@@ -259,7 +259,7 @@ def run_conditional(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return interrupted("bench_serving.py")
     slo_record = {"ttft_ms": slo.ttft_ms, "largest_gap_ms": slo.itl_ms, "attainment_for_goodput": args.goodput_attainment}
     config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "mixed", "multiturn")}
-    config["command"] = shlex.join(["python", "examples/bench_serving.py", *argv])
+    config["command"] = shlex.join(["python", "-m", "benchmarks.bench_serving", *argv])
     out = {"config": config, "slo": slo_record, "workload": asdict(args.mixed), "systems": systems,
            "ratios": mixed_ratios(systems)}
     for name, system in systems.items():

@@ -1,8 +1,8 @@
 """Serving sweep: goodput, latency and stalls of each system under a rising open-loop request rate.
 
-    python examples/bench_sweep.py --json benchmarks/results/sweep.json      # PNG next to it
-    python examples/bench_sweep.py --quick --systems di_1p1d,colocated
-    python examples/bench_sweep.py --rates 0.5,1,1.5 --ours-extra="--max-num-seqs 8"
+    python -m benchmarks.bench_sweep --json benchmarks/results/sweep.json      # PNG next to it
+    python -m benchmarks.bench_sweep --quick --systems di_1p1d,colocated
+    python -m benchmarks.bench_sweep --rates 0.5,1,1.5 --ours-extra="--max-num-seqs 8"
 
 Systems, each on the same two cores, one worker or server per core:
   di_1p1d         our prefill worker and decode worker behind our proxy (DI)
@@ -198,7 +198,7 @@ def report(args: argparse.Namespace, systems: dict[str, dict[str, Any]], argv: S
     ratios = {name: ratio(di, systems.get(other, {}).get("goodput_rps")) for name, other in RATIOS.items()}
     config = {k: json_value(v) for k, v in vars(args).items() if k != "specs"}
     config["prompts_per_rate"] = [spec.num_prompts for spec in args.specs]
-    config["command"] = shlex.join(["python", "examples/bench_sweep.py", *argv])
+    config["command"] = shlex.join(["python", "-m", "benchmarks.bench_sweep", *argv])
     return {"config": config, "slo": slo_of(args), "systems": systems, "ratios": ratios}
 
 

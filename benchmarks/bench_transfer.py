@@ -10,7 +10,7 @@ compared), next to `crc32`, zlib's CRC-32 over one buffer. Prints a table; `--js
 writes GB/s per backend and size plus the ratios for the largest size; `--quick` runs 64
 and 256 MiB only, in under a minute.
 
-    python examples/bench_transfer.py --quick --json bench.json
+    python -m benchmarks.bench_transfer --quick --json bench.json
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ way its two cores are used differs); a ratio whose systems were not both measure
 A system that cannot start or be measured is reported as skipped, with the reason, and the
 others still run.
 
-    python examples/bench_vllm.py --quick                 # 128 in / 32 out, 16 prompts
-    python examples/bench_vllm.py --json benchmarks/results/vllm_connectors.json   # 512 / 128, 40
+    python -m benchmarks.bench_vllm --quick                 # 128 in / 32 out, 16 prompts
+    python -m benchmarks.bench_vllm --json benchmarks/results/vllm_connectors.json   # 512 / 128, 40
 
 Each vLLM server takes about 60-90 s to start on a 2-core machine (three vLLM stacks are started),
 so even --quick takes several minutes; its load part is well under a minute per system.
@@ -247,7 +247,7 @@ def report(args: argparse.Namespace, systems: dict[str, dict[str, Any]], argv: S
                                                     "num_warmups", "seed", "max_model_len", "idle_window",
                                                     "quick", "systems")}
     settings.update(cores=list(args.cores), client=CLIENT)
-    return {"command": shlex.join(["python", "examples/bench_vllm.py", *argv]), "model": args.model,
+    return {"command": shlex.join(["python", "-m", "benchmarks.bench_vllm", *argv]), "model": args.model,
             "settings": settings, "systems": systems, "ratios": ratios(systems)}
 
 

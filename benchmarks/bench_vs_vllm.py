@@ -12,9 +12,9 @@ Workloads (model, input / output tokens):
 Ratios are ours over vllm: throughput (req/s), TTFT mean, ITL p99; `worst` is the worst of each
 over the workloads, held against the goals throughput >= 1.2, TTFT mean <= 0.8, ITL p99 <= 1.0.
 
-    python examples/bench_vs_vllm.py --quick --workloads builtin_128_64
-    python examples/bench_vs_vllm.py --json benchmarks/results/vs_vllm.json
-    python examples/bench_vs_vllm.py --ours-extra "--max-num-seqs 8" --quick
+    python -m benchmarks.bench_vs_vllm --quick --workloads builtin_128_64
+    python -m benchmarks.bench_vs_vllm --json benchmarks/results/vs_vllm.json
+    python -m benchmarks.bench_vs_vllm --ours-extra "--max-num-seqs 8" --quick
 
 --quick loads each system for well under a minute (16 prompts, at most 32 output tokens); starting
 a vLLM server takes another 35-90 s per workload on top. Exit status: 0 every system measured with
@@ -233,7 +233,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, dict[str, Any]
            argv: Sequence[str]) -> dict[str, Any]:
     options = {key: value for key, value in vars(args).items() if key != "json"}
     config = {**options, "json": str(args.json) if args.json else None, "client": CLIENT,
-              "command": shlex.join(["python", "examples/bench_vs_vllm.py", *argv]),
+              "command": shlex.join(["python", "-m", "benchmarks.bench_vs_vllm", *argv]),
               "workload_specs": {name: {**asdict(WORKLOADS[name]), "run_lengths": lengths(WORKLOADS[name], args.quick)}
                                  for name in args.workloads}}
     ratios = all_ratios(results)

@@ -4,7 +4,7 @@ It stands in for a prefill or decode worker when measuring what the proxy itself
 it is written on raw asyncio (keep-alive HTTP/1.1, Content-Length bodies) to cost next to
 nothing per request.
 
-    python examples/null_backend.py --port 8100
+    python -m benchmarks.null_backend --port 8100
 """
 from __future__ import annotations
 

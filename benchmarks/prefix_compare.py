@@ -1,6 +1,6 @@
 """The multi-turn workload on the DI 1P1D stack with prefix-aware transfer on, then off.
 
-Both runs send the same conversations (examples/multiturn_load.py). The decode worker's /metrics
+Both runs send the same conversations (benchmarks/multiturn_load.py). The decode worker's /metrics
 count the KV blocks and bytes each pull moved and the cached ones it skipped; their growth over
 the measured run, per request, is the number compared: KV bytes moved per request on over off.
 """

@@ -1,10 +1,10 @@
 """Soak: a 1P1D stack under steady moderate load for a long time; is memory flat, is anything lost?
 
-    python examples/soak.py                          # 30 minutes, 5 of them warm-up
-    python examples/soak.py --minutes 60 --json out/soak.json
-    python examples/soak.py --quick                  # well under a minute
+    python -m benchmarks.soak                          # 30 minutes, 5 of them warm-up
+    python -m benchmarks.soak --minutes 60 --json out/soak.json
+    python -m benchmarks.soak --quick                  # well under a minute
 
-Starts a prefill worker, a decode worker and the proxy (examples/serving_stack.start_di), then
+Starts a prefill worker, a decode worker and the proxy (stack.serving.start_di), then
 sends rounds of streamed completions (random prompt lengths, a fixed seed per round, at most
 --concurrency in flight) until --minutes have passed. After every round it reads each process's
 resident memory (VmRSS) and every worker's KV blocks in use. It reports RSS at the start, at
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  "command": shlex.join(["python", "examples/soak.py", *(sys.argv[1:] if argv is None else argv)])}
+                  "command": shlex.join(["python", "-m", "benchmarks.soak", *(sys.argv[1:] if argv is None else argv)])}
         args.json.write_text(json.dumps({"config": config, "rounds": [asdict(s) for s in samples],
                                          "summary": summary}, indent=1))
     if summary["failed"] or any(summary["blocks_used_at_end"].values()):

@@ -4,7 +4,7 @@
 
 Writes embeddings files (seeded [n, hidden] tensors, .safetensors and .pt in turn) into a temporary
 directory, starts an encode, a prefill and a decode worker behind the proxy (`--encode`) and a `both`
-worker on the built-in model (examples/epd_stack.py), and sends chat requests with those images as
+worker on the built-in model (stack/epd.py), and sends chat requests with those images as
 `image_url` parts to the proxy and to the `both` worker: greedy and seeded sampling, streamed and not.
 The proxy has each request's images encoded first; the prefill worker pulls their rows through the
 transfer engine. Prints a table per image count and exits 1 if any answer differs, 3 if the stack

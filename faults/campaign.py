@@ -1,16 +1,16 @@
 """Fault campaign: real 1P1D and 2P2D stacks, and 1P1D across two hosts, under load, one fault at a
 time, uniform checks.
 
-    python examples/fault_campaign.py                    # every scenario, the full load
-    python examples/fault_campaign.py --quick            # a small load (a minute or two)
-    python examples/fault_campaign.py --scenario kill_decode_1p1d --scenario slow_client_1p1d
-    python examples/fault_campaign.py --json benchmarks/results/fault_campaign.json
+    python -m faults.campaign                    # every scenario, the full load
+    python -m faults.campaign --quick            # a small load (a minute or two)
+    python -m faults.campaign --scenario kill_decode_1p1d --scenario slow_client_1p1d
+    python -m faults.campaign --json benchmarks/results/fault_campaign.json
 
-Scenarios (examples/fault_scenarios.py): SIGKILL of the prefill worker, a decode worker, the proxy
+Scenarios (faults/scenarios.py): SIGKILL of the prefill worker, a decode worker, the proxy
 or etcd mid-load, each restarted alone (time to recover measured); clients leaving before the first
 byte or mid-stream (time from the last one gone to every KV block free); malformed HTTP and ZMQ
 frames under load; slow streaming readers. On two network-namespace hosts joined by a user-space
-cable (examples/netns_faults.py; prefill on one, decode and the proxy on the other, KV over tcp):
+cable (faults/two_hosts.py; prefill on one, decode and the proxy on the other, KV over tcp):
 delay with loss on the cable, and a cut while KV moves (time to recover from clearing it). Each
 stack is started once and shared by its scenarios; where namespaces cannot be made (not root),
 the two-host scenarios are reported as skipped, with the reason.
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        config: dict[str, Any] = {"command": shlex.join(["python", "examples/fault_campaign.py", *argv]),
+        config: dict[str, Any] = {"command": shlex.join(["python", "-m", "faults.campaign", *argv]),
                                   "load": asdict(size),
                                   "seed": args.seed, "scenarios": names}
         args.json.write_text(json.dumps({"config": config, "results": [r.to_json() for r in results]}, indent=1))

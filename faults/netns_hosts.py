@@ -9,7 +9,7 @@
 Layout (every name carries the creating process's pid and a serial, so parallel runs never meet):
 
     host a (netns ndi-PID-Na)                                       host b (netns ndi-PID-Nb)
-      data 10.77.D.1 ──── cable (examples/netns_wire.py) ──── data 10.77.D.2
+      data 10.77.D.1 ──── cable (faults/netns_wire.py) ──── data 10.77.D.2
       mgmt 10.77.M.1 ─┐                                  ┌─ mgmt 10.77.M.2
                       └─── bridge in netns ndi-PID-Nlan ─┘
                                       │

@@ -1,7 +1,7 @@
 """The cable between two network-namespace hosts: two TAP devices and this process copying
 Ethernet frames between them, with a fixed delay, random loss, or a cut (every frame dropped).
 
-    python examples/netns_wire.py TAP_A TAP_B [--seed N]
+    python faults/netns_wire.py TAP_A TAP_B [--seed N]
 
 It creates both TAP devices, prints "ready", and serves until its standard input closes (so
 it never outlives the process that started it). Each line on standard input sets the link:

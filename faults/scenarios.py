@@ -3,7 +3,7 @@
 Every scenario returns a ScenarioResult with the same checks: no call hung past its deadline,
 every failure was a clear error, every success equals the reference output, and every KV block
 of every live worker is free once the load stops. The tests (tests/faults/) run them with a small
-load, examples/fault_campaign.py with a larger one.
+load, faults/campaign.py with a larger one.
 """
 from __future__ import annotations
 

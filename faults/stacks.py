@@ -1,7 +1,7 @@
 """The stacks a fault campaign breaks: static 1P1D, and 2P2D whose workers register in a real etcd
-(the two-host 1P1D is examples/netns_faults.py's).
+(the two-host 1P1D is faults/two_hosts.py's).
 
-Each is a serving_stack.Stack whose processes can be killed (SIGKILL, mid-load) and restarted
+Each is a stack.serving.Stack whose processes can be killed (SIGKILL, mid-load) and restarted
 with the same command line and ports, so the others keep running and the proxy's view of the
 workers is the one it would have in production.
 """

@@ -10,7 +10,7 @@ cable fault touches.
 A link scenario sets its LinkFault on the cable and runs the campaign's load (a cut starts once
 a KV transfer is under way and lasts until every request has ended and the workers' blocks were
 waited for), clears the cable, and measures the time until the stack serves the reference answer
-again. Its result has the campaign's columns and checks (examples/fault_judge.py).
+again. Its result has the campaign's columns and checks (faults/judge.py).
 start_two_hosts raises NetnsUnavailable where namespaces cannot be made (not root, no iproute2).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 plus, to compare with, one `both` worker that loads the same image files itself.
 
 Every worker may read image files under `media_dir` (--allowed-local-media-path). Built on
-examples/serving_stack.py: every process is stopped on the way out, every wait has a deadline.
+stack/serving.py: every process is stopped on the way out, every wait has a deadline.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Starting our serving stacks for the benchmarks, each worker pinned to its own core.
+"""Our serving stacks, each worker pinned to its own core (or not: `StackOptions.cores`), and the one way
+tests, benchmarks, the fault campaign and examples start a process (`Process`).
 
 (a) DI 1P1D: a prefill worker on one core, a decode worker on the other, the proxy in DI mode.
 (b) colocated: two `both` workers, one per core, behind the same proxy in round-robin mode.

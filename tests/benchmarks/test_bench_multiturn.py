@@ -91,7 +91,7 @@ def check_run(out: Path, requests: int) -> dict:
     assert report["prefix_aware"]["kv"]["blocks_skipped"] > 0
     assert report["same_answers"] is True
     assert 0 < report["kv_bytes_per_request_ratio"] < 1
-    assert report["config"]["command"].startswith("python examples/bench_serving.py --workload multiturn")
+    assert report["config"]["command"].startswith("python -m benchmarks.bench_serving --workload multiturn")
     return report
 
 

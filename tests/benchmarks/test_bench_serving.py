@@ -1,4 +1,4 @@
-"""examples/bench_serving.py end to end: against a real worker, the stacks it starts, its report."""
+"""benchmarks/bench_serving.py end to end: against a real worker, the stacks it starts, its report."""
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +56,7 @@ def test_target_run_reports_every_request(worker_url: str, tmp_path: Path) -> No
     assert "TTFT p99 (ms)" in done.stdout
     report = json.loads(out.read_text())
     assert set(report) == {"config", "target"}
-    assert report["config"]["command"].startswith("python examples/bench_serving.py --target")
+    assert report["config"]["command"].startswith("python -m benchmarks.bench_serving --target")
     run = report["target"]
     assert (run["num_requests"], run["completed"], run["failed"], run["errors"]) == (8, 8, 0, [])
     expected = make_requests(LoadSpec(8, (4, 24), (2, 6), seed=3))
@@ -195,7 +195,7 @@ def test_report_has_both_configs_and_di_over_colocated_ratios() -> None:
     assert {"config", "di", "colocated", "itl_p99_ratio", "ttft_p50_ratio"} <= set(out)
     assert out["ttft_p50_ratio"] == pytest.approx(0.5)
     assert out["itl_p99_ratio"] == pytest.approx(0.25)
-    assert out["config"]["command"] == "python examples/bench_serving.py --compare --num-prompts 2"
+    assert out["config"]["command"] == "python -m benchmarks.bench_serving --compare --num-prompts 2"
     assert out["config"]["request_rate"] == 4.0 and out["config"]["num_prompts"] == 2
     json.dumps(out, allow_nan=False)
 

@@ -1,4 +1,4 @@
-"""examples/bench_sweep.py: its rules, command line and report without servers; one real quick sweep (slow)."""
+"""benchmarks/bench_sweep.py: its rules, command line and report without servers; one real quick sweep (slow)."""
 from __future__ import annotations
 
 import json
@@ -111,7 +111,7 @@ def test_report_ratios_tables_and_plot(tmp_path: Path) -> None:
     out = bench_sweep.report(args, systems, argv)
     assert out["slo"] == SLO_ARGS
     assert out["ratios"] == {"di_over_vllm_colocated": None, "di_over_vllm_nixl": None, "di_over_colocated": 2.0}
-    assert out["config"]["command"] == "python examples/bench_sweep.py " + " ".join(argv)
+    assert out["config"]["command"] == "python -m benchmarks.bench_sweep " + " ".join(argv)
     assert out["config"]["prompts_per_rate"] == [6, 6, 10, 20]
     json.dumps(out, allow_nan=False)
     table = format_sweep_system("di_1p1d", di_points)

@@ -1,4 +1,4 @@
-"""examples/bench_vllm.py without vLLM servers: reading the client's result, ratios, table, exit status."""
+"""benchmarks/bench_vllm.py without vLLM servers: reading the client's result, ratios, table, exit status."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""examples/bench_vs_vllm.py: its command line, ratios, worst and goals from canned client results, our
+"""benchmarks/bench_vs_vllm.py: its command line, ratios, worst and goals from canned client results, our
 single-worker starter for real, and (slow) one real --quick run against `vllm serve`."""
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_json_report_holds_the_command_line_every_option_and_the_goals() -> None
     argv = ["--quick", "--workloads", "builtin_128_64,bench24m_512_128", "--ours-extra", "--max-num-seqs 8"]
     out = bench_vs_vllm.report(bench_vs_vllm.parse_args(argv), RESULTS, argv)
     config = out["config"]
-    assert config["command"] == ("python examples/bench_vs_vllm.py --quick --workloads builtin_128_64,bench24m_512_128 "
+    assert config["command"] == ("python -m benchmarks.bench_vs_vllm --quick --workloads builtin_128_64,bench24m_512_128 "
                                  "--ours-extra '--max-num-seqs 8'")
     assert (config["core"], config["num_prompts"], config["ours_extra"]) == (0, 16, ["--max-num-seqs", "8"])
     assert config["workload_specs"]["bench24m_512_128"]["run_lengths"] == (512, 32)

@@ -1,4 +1,4 @@
-"""examples/soak.py: a short run against a real 1P1D stack in CI, the 30-minute one behind --full."""
+"""benchmarks/soak.py: a short run against a real 1P1D stack in CI, the 30-minute one behind --full."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,5 @@
 """EPD through the proxy: a real encode, prefill and decode worker behind the real proxy, against one `both`
-worker that loads the same image files itself (examples/epd_stack.py)."""
+worker that loads the same image files itself (stack/epd.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""examples/fault_campaign.py: its table and exit status, and (behind --full) its whole default run."""
+"""faults/campaign.py: its table and exit status, and (behind --full) its whole default run."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Prefill and decode on two hosts (network namespaces joined by a cable, examples/netns_hosts.py),
+"""Prefill and decode on two hosts (network namespaces joined by a cable, faults/netns_hosts.py),
 the fault campaign's two-host topology: `auto` moves KV over tcp between them, answers equal a
 single `both` worker's, and faults on the cable (delay, loss, a cut while KV moves) end every
 request exactly or with a clear error, with no request left hanging and no KV block left in use.
