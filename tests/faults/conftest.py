@@ -6,10 +6,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers import ROOT
-
-from faults.load import LoadSize, Reference
 from faults.judge import Campaign
+from faults.load import LoadSize, Reference
 
 SMALL = LoadSize(requests=6, concurrency=3, deadline_s=90.0)
 
