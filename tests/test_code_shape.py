@@ -20,8 +20,7 @@ ON_COMMON = ("proxy", "proxy_server", "stack")
 ON_EVERYTHING = ("benchmarks", "faults", "examples", "tests")
 SCHEDULER_USERS = ("worker", "benchmarks", "tests")
 OURS = LAYERS + ON_COMMON + ON_EVERYTHING
-IMPORTING = ("common", "proxy", "neuron_connector", "transfer", "scheduler", "worker", "stack", "benchmarks", "faults",
-             "examples", "tests", "proxy_server.py")
+IMPORTING = tuple(f"{name}.py" if name == "proxy_server" else name for name in OURS)   # where each one's code is
 SIZED = IMPORTING + ("scripts",)
 MAX_LINES = 400
 _TRY = (ast.Try, ast.TryStar)
@@ -177,9 +176,9 @@ def every_import(path: Path) -> Iterator[tuple[int, str]]:
 def test_imports_point_down_the_layers(package: str) -> None:
     allowed = may_import(package)
     wrong = [f"{path.relative_to(ROOT)}:{line} imports {top}"
-             for path in sources((f"{package}.py" if package == "proxy_server" else package,))
+             for path in sources((IMPORTING[OURS.index(package)],))
              for line, top in every_import(path) if top in OURS and top != package and top not in allowed]
-    owner = "" if package in SCHEDULER_USERS else " (scheduler is the worker's alone)"
+    owner = " (scheduler is the worker's alone)" if any(w.endswith(" scheduler") for w in wrong) else ""
     assert not wrong, (f"{package} may import only {', '.join(allowed) or 'nothing of ours'}{owner}:\n  "
                        + "\n  ".join(wrong))
 
