@@ -5,8 +5,9 @@ setup(
     name="neuron-di",
     version="0.1.0",
     description="Prefill/decode disaggregated LLM inference: proxy, KV connector, transfer engine, reference worker.",
-    python_requires=">=3.10",
-    packages=find_packages(include=["common*", "proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*"]),
+    python_requires=">=3.11,<3.12",  # what CI runs (common/request_body.py needs 3.11: asyncio.timeout)
+    packages=find_packages(include=["common*", "proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*",
+                                    "stack*", "benchmarks*", "faults*"]),
     package_data={"worker": ["model/assets/**/*", "py.typed"]},
     include_package_data=True,
     # Native hot loops, each optional: without a C compiler the same results come from a

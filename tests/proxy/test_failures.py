@@ -194,7 +194,7 @@ def test_refused_connection_is_502_and_takes_the_worker_out(servers: Callable[[S
                                  "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
                                  "--health-interval", "60"]))
     assert httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30).status_code == 200
-    prefill.process.kill9()
+    prefill.process.kill()
     body = _body({"decode": {"hang": True}})
     reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=30)
     assert reply.status_code == 502

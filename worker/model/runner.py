@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -10,8 +11,15 @@ from scheduler import ScheduledChunk, ScheduledStep
 from worker.model.layers.attention import AttentionMetadata, SeqGroup, build_mask
 from worker.model.layers.linear import pack_linears
 from worker.model.llama import InputRows, LlamaForCausalLM
-from worker.engine.request import Request
 from worker.model.sampler import sample
+from worker.sampling_params import SamplingParams
+
+
+class Sampled(Protocol):
+    """What the runner reads of a sequence it samples for: the engine's requests have both."""
+
+    params: SamplingParams
+    generator: torch.Generator
 
 
 @dataclass(slots=True)
@@ -38,7 +46,7 @@ class ModelRunner:
     def run(self, step: ScheduledStep) -> list[int]:
         """The token sampled for each of `step.sampled`, in that order."""
         logits = self.forward(self.prepare(step))
-        sampled: list[Request] = step.sampled   # type: ignore[assignment]  # the engine schedules Requests
+        sampled: list[Sampled] = step.sampled   # type: ignore[assignment]  # the engine schedules Requests
         return sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
 
     @torch.inference_mode()

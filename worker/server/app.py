@@ -12,7 +12,7 @@
                                  also KV held for a pull, or a leg that has not arrived yet)
     GET  /metrics                Prometheus text (worker/server/metrics.py)
 
-`X-Request-Id` becomes the engine's request id and is echoed on every response. Every error,
+`X-Request-Id` becomes the engine's request id and is echoed on every response (request_id.py). Every error,
 whatever raised it, is turned into a status and an OpenAI-style body by protocol.error_for.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable
 
 from quart import Quart, Response, g, jsonify, make_response, request
@@ -34,20 +33,20 @@ from worker.engine.request import RequestOutput
 from worker.errors import DrainingError, InvalidRequestError, invalid
 from worker.multimodal.media import MediaPolicy
 from worker.multimodal.prompt import MultiModalPrompt, build_prompt
-from worker.encode.fetch import EmbedsFetcher
-from worker.encode.parts import PartResolver
-from worker.server.images import ImageResolver
+from worker.multimodal.fetch import EmbedsFetcher
+from worker.multimodal.parts import PartResolver
+from worker.multimodal.images import ImageResolver
 from worker.server.metrics import RequestTimer, ServerMetrics
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
+from worker.server.request_id import use_request_ids
 from common.errors import ChatTemplateError
 from common.openai_wire import DONE_EVENT, error_body, sse_event
-from neuron_connector.registry import WorkerRecord
+from common.worker_record import WorkerRecord
 from common.request_body import request_body
 from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, check_text_fits, error_for,
                                     models_body, parse_body, parse_request, usage)
 
 logger = logging.getLogger(__name__)
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def create_app(engine_config: EngineConfig, *,
@@ -66,8 +65,7 @@ def create_app(engine_config: EngineConfig, *,
                      media_policy or MediaPolicy(), embeds_region)
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)
-    app.before_request(_take_request_id)
-    app.after_request(_echo_request_id)
+    use_request_ids(app)
     app.register_error_handler(Exception, worker.error)
     app.add_url_rule("/v1/completions", "completions", worker.completions, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", "chat", worker.chat, methods=["POST"])
@@ -78,16 +76,6 @@ def create_app(engine_config: EngineConfig, *,
     app.add_url_rule("/metrics", "metrics", worker.metrics_page, methods=["GET"])
     app.extensions["neuron_di_worker"] = worker
     return app
-
-
-async def _take_request_id() -> None:
-    g.request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-
-
-async def _echo_request_id(response: Response) -> Response:
-    if "request_id" in g:
-        response.headers[REQUEST_ID_HEADER] = g.request_id
-    return response
 
 
 class _Worker:

@@ -14,7 +14,7 @@ from werkzeug.exceptions import HTTPException
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, WORKER_DRAINING, error_body, load_object
 from worker.errors import (DrainingError, InvalidRequestError, KVTransferError, QueueFullError, RemotePrefillError,
                            invalid)
-from worker.multimodal.prompt import IMAGE_MARKER
+from worker.multimodal.prompt import IMAGE_MARKER, MEDIA_PART_TYPES, MediaPart
 from worker.sampling_params import SamplingParams
 
 Kind = Literal["completion", "chat"]
@@ -38,18 +38,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": _EMPTY, "documents": _EMPTY,
 }
-
-
-MEDIA_PART_TYPES = ("image_url", "image_embeds")  # image_embeds: made by an encode worker (worker/encode/)
-
-
-@dataclass(frozen=True)
-class MediaPart:
-    """A chat content part that is not text, in prompt order; the message's text holds IMAGE_MARKER in its place."""
-
-    param: str              # where it was, e.g. "messages[0].content[1]": errors about it name this
-    type: str               # one of MEDIA_PART_TYPES
-    value: dict[str, Any]   # the part's object under its type, e.g. {"url": ...} for image_url
 
 
 @dataclass(frozen=True)
