@@ -250,12 +250,11 @@ class _Worker:
         return parts
 
     def _spec(self, req: GenerateRequest, index: int, prompt: MultiModalPrompt, prompt_index: int) -> ChoiceSpec:
-        engine = self.async_engine.llm_engine
-        assert engine is not None
+        assert self.strings is not None
         echo_text = None
         if req.echo and req.kind == "completion":
             text = req.prompts[prompt_index]
-            echo_text = text if isinstance(text, str) else engine.tokenizer.decode(text)
+            echo_text = text if isinstance(text, str) else self.strings.decode(text)   # specials shown, as vLLM
         elif req.echo and req.messages[-1]["role"] == "assistant":
             echo_text = req.messages[-1]["content"]
         return ChoiceSpec(index, req.kind, prompt.token_ids, echo_text, echo_prompt_logprobs=req.echo,

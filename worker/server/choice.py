@@ -46,7 +46,7 @@ class Choice:
         spec = self.spec
         self.num_tokens += len(out.new_token_ids)
         if out.prompt_logprobs is not None:
-            first = Position(spec.prompt_ids[0], None, ())   # vLLM reads prompt tokens after the first one only
+            first = Position(spec.prompt_ids[0], None, (), raw_text=True)   # vLLM reads the tokens after it alone
             self.prompt_entries = [first] + positions(spec.prompt_ids[1:], out.prompt_logprobs[1:])
         text = "" if spec.hide_output else out.text_delta
         items: list[Position] = []

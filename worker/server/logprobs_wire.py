@@ -7,7 +7,9 @@
 Each position lists the token that stands there first, then the top alternatives, one entry per
 token id; completions key them by their text, so alternatives that read alike keep the last value.
 A position without an entry (the prompt's first token; a decode leg's first token, which the
-prefill worker sampled) shows the token with a null logprob (chat: -9999.0 and no alternatives).
+prefill worker sampled) shows the token with a null logprob (chat: -9999.0 and no alternatives);
+the prompt's first token shows its own decoding, as vLLM shows it, a decode leg's first token the
+text a real entry would show, so the text offsets after it are one worker's.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Position:
     token_id: int
     entry: TokenLogprobs | None
     context: tuple[int, ...]
+    raw_text: bool = False   # shows its own decoding (the prompt's first token)
 
 
 def positions(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
@@ -54,7 +57,7 @@ def completion_logprobs(items: Sequence[Position], strings: TokenStrings, num_to
     for p in items:
         offsets.append(text_offset)
         if p.entry is None:
-            token = strings.raw(p.token_id)
+            token = _text(p, strings)
             logprobs.append(None)
             tops.append(None)
         else:
@@ -73,7 +76,7 @@ def chat_logprobs(items: Sequence[Position], strings: TokenStrings, num_top: int
     content = []
     for p in items:
         if p.entry is None:
-            token = strings.raw(p.token_id)
+            token = _text(p, strings)
             content.append({"token": token, "logprob": FLOOR, "bytes": _bytes(token), "top_logprobs": []})
             continue
         token = strings.shown(p.token_id, p.context)
@@ -90,6 +93,10 @@ def prompt_logprobs(items: Sequence[Position], strings: TokenStrings) -> list[di
             {str(tid): {"logprob": max(lp, FLOOR), "rank": rank, "decoded_token": strings.shown(tid, p.context)}
              for tid, (lp, rank) in _ranked(p.entry).items()}
             for p in items]
+
+
+def _text(p: Position, strings: TokenStrings) -> str:
+    return strings.raw(p.token_id) if p.raw_text else strings.shown(p.token_id, p.context)
 
 
 def _bytes(text: str) -> list[int]:
