@@ -78,6 +78,10 @@ class GenerateRequest:
     def num_logprobs(self) -> int | None:
         return self.sampling.get("logprobs")
 
+    @property
+    def is_decode_leg(self) -> bool:
+        return (self.kv_transfer_params or {}).get("role") == "decode"
+
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """Decodes a request body that must be one JSON object, not nested too deeply."""
