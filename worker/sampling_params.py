@@ -88,7 +88,7 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether a token is picked from other than the model's raw logits (min_p aside, which only random rows use)."""
+        """Whether a token is picked from other than the model's raw logits (min_p aside: only random rows use it)."""
         return bool(self.min_tokens or self.logit_bias or self.has_penalties)
 
 

@@ -177,3 +177,18 @@ def test_a_leg_carries_one_choice_of_one_prompt(pair, extra: dict, param: str) -
     reply = httpx.post(f"{prefill.url}/v1/completions", timeout=30.0,
                        json={"prompt": PROMPT, **extra, "kv_transfer_params": {"role": "prefill"}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_decode_first_leg_takes_its_first_tokens_logprobs_from_its_own_prefill_leg(
+        pair, both_worker: WorkerProcess, endpoint: str) -> None:
+    prefill, decode = pair
+    path = f"/v1/{endpoint}"
+    request = body(endpoint.split("/")[0], "seeded", False)
+    want = answer(httpx.post(f"{both_worker.url}{path}", json=request, timeout=60.0), False)
+    uid = uuid.uuid4().hex
+    leg = decode_body(request, uid, prefill)
+    leg["kv_transfer_params"]["remote_url"] = prefill.url
+    got = answer(httpx.post(f"{decode.url}{path}", json=leg, headers={"X-Request-Id": uid}, timeout=60.0), False)
+    assert_close(got, want)

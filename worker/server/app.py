@@ -253,7 +253,7 @@ class _Worker:
         assert engine is not None and self.images is not None
         return await request_prompts(req, engine.tokenizer, self.images, self.max_model_len)
 
-    async def _first(self, stream: RequestStream, prefill: asyncio.Task[None] | None) -> RequestOutput:
+    async def _first(self, stream: RequestStream, prefill: asyncio.Task[Any] | None) -> RequestOutput:
         """A decode leg's first output; with a remote prefill (decode_first), its failure if that comes first."""
         async with self._disconnect_counted():
             try:

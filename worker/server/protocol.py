@@ -29,7 +29,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1,),
     "bad_words": _EMPTY, "logits_processors": _EMPTY, "allowed_token_ids": (), "logprob_token_ids": _EMPTY,
     "suffix": _EMPTY, "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,),
     "return_token_ids": (False,), "truncate_prompt_tokens": (), "prompt_embeds": (), "priority": (0,),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "response_format": ({"type": "text"},), "vllm_xargs": _EMPTY, "tools": _EMPTY, "tool_choice": ("none", "auto"),
@@ -63,6 +63,7 @@ class GenerateRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
     n: int = 1
     echo: bool = False
+    tokens_as_ids: bool = False   # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -112,7 +113,8 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
         kind=kind,
         prompts=_parse_prompts(body) if kind == "completion" else [],
         messages=_parse_messages(body, media) if kind == "chat" else [],
-        media=media, max_tokens=max_tokens, sampling=sampling, n=n, echo=echo, stream=stream,
+        media=media, max_tokens=max_tokens, sampling=sampling, n=n, echo=echo,
+        tokens_as_ids=bool(_opt(body, "return_tokens_as_token_ids", bool)), stream=stream,
         include_usage=stream and bool(include_usage), continuous_usage=stream and bool(continuous),
         kv_transfer_params=_opt(body, "kv_transfer_params", dict),
     )
