@@ -192,3 +192,28 @@ def test_a_decode_first_leg_takes_its_first_tokens_logprobs_from_its_own_prefill
     leg["kv_transfer_params"]["remote_url"] = prefill.url
     got = answer(httpx.post(f"{decode.url}{path}", json=leg, headers={"X-Request-Id": uid}, timeout=60.0), False)
     assert_close(got, want)
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["color", "count"], "additionalProperties": False}
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}},
+    {"structured_outputs": {"choice": ["red", "green", "blue"]}},
+], ids=["json-schema", "choice"])
+def test_a_constraint_goes_on_from_the_prefill_workers_first_token(pair, both_worker: WorkerProcess,
+                                                                   stream: bool, constraint: dict) -> None:
+    prefill, decode = pair
+    request = {"messages": MESSAGES, "temperature": 0.7, "seed": 4, "max_tokens": 30, "stream": stream, **constraint}
+    path = "/v1/chat/completions"
+    want = answer(httpx.post(f"{both_worker.url}{path}", json=request, timeout=60.0), stream)[0]
+    _, d_response = asyncio.run(legs(prefill, decode, path, request))
+    assert answer(d_response, stream)[0] == want
+    if "structured_outputs" in constraint:   # JSON may go on in whitespace (vLLM's default, flexible) for this model
+        assert (want["text"], want["finish_reason"]) in [(c, "stop") for c in ("red", "green", "blue")]
+    else:
+        assert want["text"].lstrip().startswith("{")

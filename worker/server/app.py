@@ -211,7 +211,7 @@ class _Worker:
             prompt = prompts[0]
             prefill = (self.remote_prefills.start(prefill_url, g.request_id, request.path, body) if prompt.spans else
                        self.remote_prefills.start(prefill_url, g.request_id, "/v1/completions",
-                                                  {"prompt": prompt.token_ids, **req.sampling}))
+                                                  {"prompt": prompt.token_ids, **req.wire_sampling()}))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         # A decode leg awaits its first output (the pulled KV) before the headers go out, so a
         # failed transfer is a plain HTTP error the proxy can act on, not a 200 stream.
