@@ -8,6 +8,7 @@ import torch
 
 from tests.worker.conftest import make_hf_checkpoint
 from worker import EngineConfig, LLMEngine, SamplingParams
+from worker.model import runner
 from worker.model.layers import paged_decode
 
 PROMPTS = [[256, 100, 101, 102, 32, 120, 40, 41, 58, 10, 32, 32],
@@ -166,9 +167,10 @@ def test_checkpoints_we_save_load_in_transformers(tmp_path: Path) -> None:
     assert torch.allclose(hf_logits(hf_model(tmp_path), PROMPTS[2]), expected, atol=1e-4, rtol=0)
 
 
-def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint: Path) -> None:
+def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each output token's logprob and top alternatives, and every prompt token's, are log-softmax of
     transformers' logits on the same sequence (greedy, so the tokens are transformers' too)."""
+    monkeypatch.setattr(runner, "PROMPT_LOGITS_ROWS", 5)   # the prompt's logits made five rows at a time
     hf = hf_model(checkpoint)
     engine = engine_for(checkpoint)
     engine.add_request("lp", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3,

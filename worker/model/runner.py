@@ -15,6 +15,9 @@ from worker.engine.request import Request
 from worker.model.sampler import sample
 
 
+PROMPT_LOGITS_ROWS = 256   # prompt positions whose logits are made at once
+
+
 @dataclass(slots=True)
 class PromptRows:
     """Logits rows `row` .. `row + count - 1` predict prompt tokens `first` .. `first + count - 1` of `seq`."""
@@ -60,24 +63,35 @@ class ModelRunner:
     def run(self, step: ScheduledStep) -> StepResult:
         """The token sampled for each of `step.sampled`, in that order, and the logprobs asked for."""
         inputs = self.prepare(step)
-        logits = self.forward(inputs)
+        hidden = self.hidden(inputs)
         sampled: list[Request] = step.sampled   # type: ignore[assignment]  # the engine schedules Requests
-        rows = logits if inputs.sample_rows is None else logits[inputs.sample_rows]
-        token_ids, logprobs = sample(rows, sampled, self.eos_token_ids)
-        prompt = [(p.seq, p.first, token_logprobs(log_softmax(logits[p.row:p.row + p.count]),
-                                                  p.seq.token_ids[p.first:p.first + p.count],
-                                                  p.seq.params.prompt_logprobs or 0))   # type: ignore[attr-defined]
+        rows = hidden if inputs.sample_rows is None else hidden[inputs.sample_rows]
+        token_ids, logprobs = sample(self.model.compute_logits(rows), sampled, self.eos_token_ids)
+        prompt = [(p.seq, p.first, self._prompt_logprobs(hidden[p.row:p.row + p.count], p))
                   for p in inputs.prompt_rows]
         return StepResult(token_ids, logprobs, prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows) -> list[TokenLogprobs]:
+        """Logprobs of prompt tokens rows.first.., their logits made a slice at a time: a long prompt's
+        (tokens, vocab) logits at once could take gigabytes."""
+        targets = rows.seq.token_ids[rows.first:rows.first + rows.count]
+        k = rows.seq.params.prompt_logprobs or 0
+        entries: list[TokenLogprobs] = []
+        for start in range(0, rows.count, PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(hidden[start:start + PROMPT_LOGITS_ROWS])
+            entries += token_logprobs(log_softmax(logits), targets[start:start + PROMPT_LOGITS_ROWS], k)
+        return entries
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits (rows, vocab) of the rows `last_index` names: each sampled sequence's last token, and
         the prompt positions of requests that want prompt logprobs."""
+        return self.model.compute_logits(self.hidden(inputs))
+
+    def hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states of the rows `last_index` names."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.input_rows)
-        if inputs.last_index is not None:
-            hidden = hidden[inputs.last_index]
-        return self.model.compute_logits(hidden)
+        return hidden if inputs.last_index is None else hidden[inputs.last_index]
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """Flat inputs of a step whose one-token chunks (decodes) come first, as the scheduler orders them."""
