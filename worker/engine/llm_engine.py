@@ -206,7 +206,8 @@ class LLMEngine:
         stop_token = self._stop_token(request, token_id) if done else None
         text_ids = request.output_token_ids[:-1] if stop_token is not None else request.output_token_ids
         delta = request.detokenizer.step(text_ids, done and not request.remote_kv)
-        stop_reason = None if stop_token is None or stop_token in self.tokenizer.eos_token_ids else stop_token
+        eos = stop_token is not None and not request.ignore_eos and stop_token in self.tokenizer.eos_token_ids
+        stop_reason = None if stop_token is None or eos else stop_token   # vLLM names stop token ids, not EOS
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
             request.finish_reason = "stop"  # a stop string wins over max_tokens on the same token
