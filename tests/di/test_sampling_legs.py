@@ -129,3 +129,13 @@ def test_prompt_logprobs_come_from_a_prefill_engine_and_not_from_a_decode_leg(en
         decode.add_request("nope", PROMPTS[0], params, {"role": "decode", "remote_host": "127.0.0.1",
                                                         "remote_port": prefill.kv_connector.kv_port})
     wait_all_free(prefill, decode)
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_its_end(engines) -> None:
+    """A choice of one word is whole after a few tokens; min_tokens would then ban the only token left (EOS)."""
+    _, _, both = engines
+    grammar = llguidance.LLMatcher.grammar_from_regex("yes|no")
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=2, grammar=grammar, min_tokens=6)
+    for out in run_one(both, [params] * len(PROMPTS), [None] * len(PROMPTS)):
+        assert "".join(o.text_delta for o in out) in ("yes", "no") and out[-1].finish_reason == "stop"
+        assert len(out) < params.min_tokens   # ended by EOS after the word, min_tokens notwithstanding

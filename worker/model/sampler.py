@@ -31,6 +31,9 @@ def sample(logits: torch.Tensor, seqs: Sequence[Request],
         if p.greedy and not p.processes_logits:
             continue
         row_logits = process_logits(logits[row], seq, eos_token_ids) if p.processes_logits else logits[row]
+        if seq.grammar is not None and p.min_tokens and not torch.isfinite(row_logits).any():
+            # The grammar allows only what min_tokens bans (its end): the grammar wins, as in vLLM.
+            row_logits = process_logits(logits[row], seq, (), ban_stops=False)
         if p.greedy:
             tokens[row] = int(row_logits.argmax())
         else:
@@ -38,7 +41,8 @@ def sample(logits: torch.Tensor, seqs: Sequence[Request],
     return tokens, _logprobs(logits, seqs, tokens)
 
 
-def process_logits(logits: torch.Tensor, seq: Request, eos_token_ids: Sequence[int]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, seq: Request, eos_token_ids: Sequence[int],
+                   ban_stops: bool = True) -> torch.Tensor:
     """A copy of one row's logits after min_tokens, logit_bias and the penalties, in vLLM's order.
 
     Everything here depends on the request's own tokens only: a decode worker, whose request
@@ -46,7 +50,7 @@ def process_logits(logits: torch.Tensor, seq: Request, eos_token_ids: Sequence[i
     """
     p, out = seq.params, seq.output_token_ids
     logits = logits.clone()
-    if len(out) < p.min_tokens:
+    if ban_stops and len(out) < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         logits[banned] = float("-inf")
     if p.logit_bias:
