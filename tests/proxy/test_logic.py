@@ -164,7 +164,10 @@ def test_nixl_leg_bodies_are_vllms_handoff() -> None:
 
 
 @pytest.mark.parametrize("body,param,message", [
-    ({"best_of": 3}, "best_of", "only one choice per request"),
+    ({"n": 0}, "n", "'n' must be a positive integer"),
+    ({"n": 257}, "n", "at most 256 answers (prompts x n) per request, asked for 257"),
+    ({"prompt": ["a", "b"], "n": 129}, "n", "at most 256 answers"),
+    ({"prompt": [[1]] * 257}, "prompt", "at most 256 answers"),
     ({"seed": 2**63}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
     ({"seed": -2**63 - 1}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
 ])
