@@ -1,0 +1,100 @@
+"""What a client sees of one OpenAI answer, whole or streamed, in a form two servers' answers can be
+compared in: ids, creation times and server fingerprints left out, a stream assembled per choice index.
+
+Floats (logprobs) are compared within a tolerance: the prefill and decode servers compute them
+separately from the one server they are compared with; everything else must be equal.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import httpx
+
+LOGPROB_TOLERANCE = 1e-4
+_PER_SERVER = ("id", "created", "system_fingerprint")
+
+
+def ask(client: httpx.Client, url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The answer to `body`, as seen(); fails on any status but 200."""
+    if not body.get("stream"):
+        reply = client.post(url + endpoint, json=body)
+        assert reply.status_code == 200, reply.text
+        return seen_whole(reply.json())
+    with client.stream("POST", url + endpoint, json=body) as reply:
+        raw = reply.read().decode()
+        assert reply.status_code == 200, raw
+    return seen_stream(raw)
+
+
+def seen_whole(answer: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in answer.items() if k not in _PER_SERVER}
+
+
+def seen_stream(raw: str) -> dict[str, Any]:
+    """A stream's choices assembled by index (text, logprobs, token ids, finish), its usage chunks and the
+    running usage of its chunks (null fields left out), checked to be one answer: one id, one `created`,
+    one finish per choice, one [DONE] at the end."""
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            _add(choices.setdefault(choice["index"], {"text": "", "finish": [], "usage": []}), choice, chunk)
+    final = [_no_nulls(c["usage"]) for c in chunks if not c["choices"] and c.get("usage")]
+    return {"choices": dict(sorted(choices.items())), "usage": final,
+            "model": {c["model"] for c in chunks}, "object": {c["object"] for c in chunks}}
+
+
+def _add(into: dict[str, Any], choice: dict[str, Any], chunk: dict[str, Any]) -> None:
+    delta = choice.get("delta")
+    into["text"] += (delta.get("content") or "") if delta is not None else (choice.get("text") or "")
+    if delta and delta.get("role"):
+        into["role"] = delta["role"]
+    if choice.get("finish_reason"):
+        into["finish"].append((choice["finish_reason"], choice.get("stop_reason")))
+    if chunk.get("usage"):
+        into["usage"].append(_no_nulls(chunk["usage"]))
+    for key in ("token_ids", "prompt_token_ids"):
+        if choice.get(key):
+            into[key] = into.get(key, []) + choice[key]
+    logprobs = choice.get("logprobs")
+    if logprobs:
+        mine = into.setdefault("logprobs", {})
+        for key, value in logprobs.items():
+            if isinstance(value, list):
+                mine[key] = mine.get(key, []) + value
+
+
+def _no_nulls(usage: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in usage.items() if v is not None}
+
+
+def differences(got: Any, want: Any, where: str = "") -> tuple[list[str], float]:
+    """Where `got` differs from `want` (floats beyond LOGPROB_TOLERANCE), and the largest float difference."""
+    if isinstance(want, float) or isinstance(got, float):
+        if not isinstance(got, (int, float)) or not isinstance(want, (int, float)):
+            return [f"{where}: {got!r} != {want!r}"], 0.0
+        diff = abs(got - want) if math.isfinite(got) and math.isfinite(want) else (0.0 if got == want else math.inf)
+        return ([f"{where}: {got} != {want}"] if diff > LOGPROB_TOLERANCE else []), diff
+    if isinstance(want, dict) and isinstance(got, dict):
+        found, largest = [], 0.0
+        if set(got) != set(want):
+            found.append(f"{where}: keys {sorted(map(str, got))} != {sorted(map(str, want))}")
+        for key in set(got) & set(want):
+            more, diff = differences(got[key], want[key], f"{where}.{key}")
+            found += more
+            largest = max(largest, diff)
+        return found, largest
+    if isinstance(want, list) and isinstance(got, list) and len(got) == len(want):
+        found, largest = [], 0.0
+        for i, (g, w) in enumerate(zip(got, want)):
+            more, diff = differences(g, w, f"{where}[{i}]")
+            found += more
+            largest = max(largest, diff)
+        return found, largest
+    return ([] if got == want else [f"{where}: {got!r} != {want!r}"]), 0.0
