@@ -12,6 +12,7 @@ from proxy.workers import WorkerRecord
 SEED_RANGE = 2**31  # seeds the proxy draws lie in [0, SEED_RANGE)
 # At most this many answers (prompts x choices) per request: each is a disaggregated request of its own.
 MAX_ANSWERS = 256
+GREEDY_TEMPERATURE = 1e-5  # a temperature below it samples greedily (vLLM's bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,10 @@ def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> Client
     n = _optional(body, "n", int, 1)
     if n < 1:
         raise BadRequest("'n' must be a positive integer", "n")
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, (int, float)) and temperature < GREEDY_TEMPERATURE:
+        # The workers refuse it too, but each answer of it alone (n=1) they would serve.
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {n}", "n")
     if disaggregated and n * num_prompts > MAX_ANSWERS:
         raise BadRequest(f"at most {MAX_ANSWERS} answers (prompts x n) per request, asked for {n * num_prompts}",
                          "n" if n > 1 else "prompt")

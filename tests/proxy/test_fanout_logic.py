@@ -54,7 +54,7 @@ def test_token_id_prompts_chat_choices_and_what_is_not_fanned_out() -> None:
 
 
 def test_merged_body_orders_choices_and_counts_each_prompt_once() -> None:
-    parts = fan_out(_request(prompt=["a", "b"], n=2, temperature=0))
+    parts = fan_out(_request(prompt=["a", "b"], n=2, temperature=0.5))
     usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "completion_tokens_details": None}
     bodies = [{"id": f"cmpl-{i}", "object": "text_completion", "choices": [{"index": 0, "text": str(i)}],
                "usage": {**usage, "prompt_tokens": 5 + 10 * (i // 2)}} for i in range(4)]

@@ -165,6 +165,7 @@ def test_nixl_leg_bodies_are_vllms_handoff() -> None:
 
 @pytest.mark.parametrize("body,param,message", [
     ({"n": 0}, "n", "'n' must be a positive integer"),
+    ({"n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling, got 2"),
     ({"n": 257}, "n", "at most 256 answers (prompts x n) per request, asked for 257"),
     ({"prompt": ["a", "b"], "n": 129}, "n", "at most 256 answers"),
     ({"prompt": [[1]] * 257}, "prompt", "at most 256 answers"),
