@@ -107,10 +107,10 @@ def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
 def test_unsupported_parameter_is_the_workers_400_through_the_proxy(stack) -> None:
     proxy = stack[0]
     reply = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
-                       json={"model": "neuron-di-builtin", "prompt": PROMPT, "presence_penalty": 0.5, **SAMPLING})
+                       json={"model": "neuron-di-builtin", "prompt": PROMPT, "use_beam_search": True, **SAMPLING})
     assert reply.status_code == 400
-    assert reply.json()["error"]["param"] == "presence_penalty"
-    assert reply.json()["error"]["message"].startswith("`presence_penalty` is not supported by this server")
+    assert reply.json()["error"]["param"] == "use_beam_search"
+    assert reply.json()["error"]["message"].startswith("`use_beam_search` is not supported by this server")
 
 
 @pytest.mark.slow
