@@ -11,7 +11,7 @@ import pytest
 
 from examples.serving_stack import Stack
 from examples.vllm_stack import SERVED_NAME
-from tests.vllm.surface import LOGPROB_TOLERANCE
+from tests.surface import LOGPROB_TOLERANCE
 from tests.vllm.test_parity import kv_usage_back_to_zero
 from worker.model.loader import builtin_model_path
 

@@ -1,5 +1,6 @@
-"""What a client sees of one OpenAI answer, whole or streamed, in a form two servers' answers can be
-compared in: ids, creation times and server fingerprints left out, a stream assembled per choice index.
+"""Request shapes of the OpenAI API, and what a client sees of one answer, whole or streamed, in a form two
+servers' answers can be compared in: ids, creation times and server fingerprints left out, a stream
+assembled per choice index.
 
 Floats (logprobs) are compared within a tolerance: the prefill and decode servers compute them
 separately from the one server they are compared with; everything else must be equal.
@@ -16,6 +17,44 @@ LOGPROB_TOLERANCE = 1e-4
 _PER_SERVER = ("id", "created", "system_fingerprint")
 
 
+C, H = "/v1/completions", "/v1/chat/completions"
+PROMPTS = ["The quick brown fox jumps over the lazy dog and", "def add(a, b):\n    return", "1, 2, 3, 4,"]
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["color", "size"], "additionalProperties": False}
+JSON_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}}
+GREEDY, SEEDED = {"temperature": 0}, {"temperature": 0.8, "seed": 1234}
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "logprobs": (C, {"logprobs": 3}),
+    "chat-top-logprobs": (H, {"logprobs": True, "top_logprobs": 3}),
+    "n": (C, {"n": 3, "logprobs": 1}),
+    "chat-n": (H, {"n": 2, "logprobs": True}),
+    "prompt-list": (C, {"prompt": PROMPTS, "logprobs": 1}),
+    "token-id-lists": (C, {"prompt": [[72, 101, 108, 108, 111], [49, 44, 32, 50, 44]], "n": 2}),
+    "echo-max-tokens-0": (C, {"echo": True, "logprobs": 2, "max_tokens": 0}),   # lm-eval's loglikelihood
+    "echo": (C, {"echo": True, "logprobs": 1}),
+    "prompt-logprobs": (C, {"prompt_logprobs": 2}),
+    "json-schema": (H, JSON_SCHEMA),
+    "sampling": (C, {"stop_token_ids": [10], "min_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                     "repetition_penalty": 1.3, "logit_bias": {"32": -100}}),
+    "usage": (H, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+}
+PREFILL_ALONE = ("echo-max-tokens-0", "echo", "prompt-logprobs")  # no decode leg, no KV moved
+GREEDY_REFUSED = ("n", "chat-n", "token-id-lists")  # n > 1 greedy: a 400 from one server, and so from the proxy
+STREAM_REFUSED = ("prompt-logprobs",)  # vLLM's rule: prompt logprobs are not streamed
+
+
+def shape_body(model: str, endpoint: str, extra: dict[str, Any], sampling: dict[str, Any],
+               stream: bool) -> dict[str, Any]:
+    key = {"messages": [{"role": "user", "content": PROMPTS[0]}]} if endpoint == H else {"prompt": PROMPTS[0]}
+    body = {"model": model, **key, "max_tokens": 8, **sampling, **extra, "stream": stream}
+    if stream:
+        body["stream_options"] = extra.get("stream_options", {"include_usage": True})
+    else:
+        body.pop("stream_options", None)
+    return body
+
+
 def ask(client: httpx.Client, url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """The answer to `body`, as seen_whole() or seen_stream() see it; an error as its status alone (the
     proxy's wording may differ from the worker's)."""
@@ -25,6 +64,25 @@ def ask(client: httpx.Client, url: str, endpoint: str, body: dict[str, Any]) -> 
     with client.stream("POST", url + endpoint, json=body) as reply:
         raw = reply.read().decode()
     return seen_stream(raw) if reply.status_code == 200 else {"status": reply.status_code}
+
+
+def assert_shape_equal(client: httpx.Client, model: str, single: str, proxy: str, shape: str,
+                       refused: tuple[str, ...] = ()) -> float:
+    """`shape` greedy and seeded, streamed and not, through `proxy` equals what `single` answers (the shapes in
+    `refused`, n > 1 greedy and streamed prompt logprobs: the same error status); the largest logprob
+    difference."""
+    endpoint, extra = SHAPES[shape]
+    largest = 0.0
+    for sampling in (GREEDY, SEEDED):
+        for stream in (False, True):
+            body = shape_body(model, endpoint, extra, sampling, stream)
+            want, got = ask(client, single, endpoint, body), ask(client, proxy, endpoint, body)
+            found, diff = differences(got, want)
+            assert not found, f"{shape} {sampling} stream={stream}: {found[:5]}"
+            assert ("status" in want) == (shape in refused or (sampling is GREEDY and shape in GREEDY_REFUSED)
+                                          or (stream and shape in STREAM_REFUSED)), want
+            largest = max(largest, diff)
+    return largest
 
 
 def seen_whole(answer: dict[str, Any]) -> dict[str, Any]:
