@@ -17,6 +17,8 @@ import pytest
 
 from tests.di.workers import worker_pair
 from tests.helpers import wait_until
+from tests.surface import PREFILL_ALONE, SHAPES, assert_shape_equal
+from tests.vllm.client import metric
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, proxied_1p1d, start_proxy
 
@@ -86,6 +88,23 @@ def test_proxy_usage_counts_the_whole_completion(stack) -> None:
     got = through_proxy.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).usage
     want = single.completions.create(model="neuron-di-builtin", prompt=PROMPT, **SAMPLING).usage
     assert (got.prompt_tokens, got.completion_tokens) == (want.prompt_tokens, want.completion_tokens)
+
+
+# Logprobs at the seam, several answers, the prefill worker alone, sampling parameters, a refusal; the other
+# shapes take the same paths (tests/vllm/test_openai_surface.py runs every one over vLLM by default).
+FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "json-schema")
+
+
+@pytest.mark.parametrize("shape", [s if s in FAST_SHAPES else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in SHAPES])
+def test_request_shape_equals_one_worker(stack, shape: str) -> None:
+    """Greedy and seeded, streamed and not; structured output is our worker's 400 either way."""
+    proxy, _, decode, both = stack
+    pulls = metric(decode.url, "neuron_di_kv_pulls_total")
+    with httpx.Client(timeout=120) as client:
+        assert_shape_equal(client, "neuron-di-builtin", both.url, proxy.url, shape, refused=("json-schema",))
+    if shape in PREFILL_ALONE:  # no decode leg, no KV moved
+        assert metric(decode.url, "neuron_di_kv_pulls_total") == pulls
 
 
 @pytest.mark.slow  # tests/proxy/test_flows.py sends 16 at once in every flow by default
