@@ -20,7 +20,13 @@ from tests.vllm.test_parity import kv_usage_back_to_zero
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+# Seconds of the default suite: the shapes whose paths a default one takes (fan-out, the seam, the prefill
+# worker alone; JSON schema: the concurrency test below) run with --full.
+FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "usage")
+
+
+@pytest.mark.parametrize("shape", [s if s in FAST_SHAPES else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in SHAPES])
 def test_shape_equals_one_vllm_server(reference: Stack, neuron_stack: Stack, shape: str) -> None:
     decode = neuron_stack.worker_urls["decode"]
     decode_requests = metric(decode, "vllm:request_success_total")
