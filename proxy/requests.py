@@ -69,14 +69,20 @@ def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> Client
     n = _optional(body, "n", int, 1)
     if n < 1:
         raise BadRequest("'n' must be a positive integer", "n")
+    if disaggregated:
+        _check_answers(body, n, num_prompts)
+    return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage, seed, n, num_prompts, continuous)
+
+
+def _check_answers(body: dict[str, Any], n: int, num_prompts: int) -> None:
+    """What a worker would refuse of a request for several answers, though not of each answer alone (n=1),
+    which is what the workers get; and a bound on how many legs one request makes."""
     temperature = body.get("temperature")
     if n > 1 and isinstance(temperature, (int, float)) and temperature < GREEDY_TEMPERATURE:
-        # The workers refuse it too, but each answer of it alone (n=1) they would serve.
         raise BadRequest(f"n must be 1 when using greedy sampling, got {n}", "n")
-    if disaggregated and n * num_prompts > MAX_ANSWERS:
+    if n * num_prompts > MAX_ANSWERS:
         raise BadRequest(f"at most {MAX_ANSWERS} answers (prompts x n) per request, asked for {n * num_prompts}",
                          "n" if n > 1 else "prompt")
-    return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage, seed, n, num_prompts, continuous)
 
 
 def prefill_alone(request: ClientRequest) -> bool:
