@@ -86,7 +86,8 @@ class StreamStitcher:
                       "model": prefill.get("model") or request.model}
         self._prefill = prefill
         self._first_text = _text(_first_choice(prefill))
-        self._decode_text = ""                  # decode's text so far
+        self._decode_len = 0                    # the length of decode's text so far
+        self._decode_head = ""                  # its start, until it is as long as prefill's token
         self._sent = len(self._first_text)      # how much of it the client has (prefill's token stood for it)
         self._seam_open = True                  # decode's repeat of prefill's token not seen yet
         self._first_token_matched: bool | None = None
@@ -186,11 +187,13 @@ class StreamStitcher:
 
     def _advance(self, text: str) -> str:
         """Decode's text grows by `text`: the part of it the client has not had yet."""
-        self._decode_text += text
-        if self._first_token_matched is None and len(self._decode_text) >= len(self._first_text):
-            self._first_token_matched = self._decode_text.startswith(self._first_text)
-        new = self._decode_text[self._sent:]
-        self._sent = max(self._sent, len(self._decode_text))
+        start, self._decode_len = self._decode_len, self._decode_len + len(text)
+        if self._first_token_matched is None:  # decode's text as far as prefill's token reaches
+            self._decode_head += text
+            if len(self._decode_head) >= len(self._first_text):
+                self._first_token_matched = self._decode_head.startswith(self._first_text)
+        new = text[max(0, self._sent - start):]
+        self._sent = max(self._sent, self._decode_len)
         return new
 
     def _running_usage(self, completion_tokens: int) -> dict[str, Any]:

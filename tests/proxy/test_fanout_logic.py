@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy import CHAT, COMPLETIONS, StreamStitcher, merge_bodies, parse_request, summed_usage
 from proxy.fanout import StreamMerger, fan_out, merged_body
@@ -156,6 +158,21 @@ def test_stitcher_passes_on_only_the_text_the_client_lacks() -> None:
     assert [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["tokens"]] == ["x", "y", "z", "w"]
     assert [o for e in events[:-1] for o in e["choices"][0]["logprobs"]["text_offset"]] == [0, 1, 2, 3]
     assert [e["choices"][0]["token_ids"] for e in events[:-1]] == [[120], [121, 122], [119]]
+
+
+@given(st.text(min_size=1, max_size=12), st.lists(st.text(max_size=5), min_size=1, max_size=8),
+       st.integers(min_value=0, max_value=3))
+def test_stitched_text_is_decodes_text_however_decode_chunks_it(first: str, chunks: list[str], held: int) -> None:
+    """Decode's text (prefill's token first) cut anyhow, its first `held` chunks held back as empty."""
+    chunks = [""] * held + [first + chunks[0]] + chunks[1:]
+    prefill = {**PREFILL, "choices": [{**PREFILL["choices"][0], "text": first}]}
+    stitcher = StreamStitcher(_request(stream=True), "cmpl-X", 5, prefill)
+    out = stitcher.first()
+    for i, text in enumerate(chunks):
+        out += stitcher.feed(_chunk(text=text, finish_reason="length" if i == len(chunks) - 1 else None))
+    events = _events(out + stitcher.close())
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "".join(chunks)
+    assert stitcher.first_token_matched is True
 
 
 def test_stitcher_drops_decodes_first_token_from_a_chunk_of_several() -> None:
