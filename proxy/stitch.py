@@ -4,7 +4,8 @@ The decode worker repeats the prefill worker's token as its own first token, so 
 prefill's token first (early), then decode's tokens after it. The client's text is decode's
 text, of which prefill's token already stood for the first characters: each decode chunk passes
 on only the part of decode's text the client lacks (a worker holding text back, say while a stop
-string may be forming, sends it later, and nothing is doubled). The first decode chunk also loses
+string may be forming, sends it later, and nothing is doubled). With stop strings prefill's token
+goes out without its text, which decode's text brings when a single server would show it. The first decode chunk also loses
 the first token's logprobs entry and token id: prefill's went out in their place. That repeat
 is checked too: a vLLM decode worker samples it again from the KV it received, so a different
 token means the KV did not arrive intact.
@@ -86,9 +87,12 @@ class StreamStitcher:
                       "model": prefill.get("model") or request.model}
         self._prefill = prefill
         self._first_text = _text(_first_choice(prefill))
+        # With stop strings a server holds text back that may turn out to be a stop string's start (and then
+        # never shows it): prefill's token's text waits for decode's text, which shows it when a server would.
+        self._shown = "" if request.body.get("stop") else self._first_text
         self._decode_len = 0                    # the length of decode's text so far
         self._decode_head = ""                  # its start, until it is as long as prefill's token
-        self._sent = len(self._first_text)      # how much of it the client has (prefill's token stood for it)
+        self._sent = len(self._shown)           # how much of it the client has (prefill's token stood for it)
         self._seam_open = True                  # decode's repeat of prefill's token not seen yet
         self._first_token_matched: bool | None = None
         self._finished = False
@@ -106,7 +110,8 @@ class StreamStitcher:
             top = {k: self._prefill[k] for k in _ROLE_CHUNK_FIELDS if k in self._prefill}
             events.append(sse_event({**self._head, "choices": [role], **top, **self._running_usage(0)}))
         finished = prefill_finished(self._prefill)
-        body = {"delta": {"content": self._first_text}} if self._chat else {"text": self._first_text}
+        text = self._first_text if finished else self._shown
+        body = {"delta": {"content": text}} if self._chat else {"text": text}
         out = {"index": 0, **body, "logprobs": choice.get("logprobs"),
                "finish_reason": choice.get("finish_reason") if finished else None}
         fields = _CHUNK_CHOICE_FIELDS[self._chat] + (("stop_reason",) if finished and self._chat else ())

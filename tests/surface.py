@@ -38,6 +38,8 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "sampling": (C, {"stop_token_ids": [10], "min_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": 0.5,
                      "repetition_penalty": 1.3, "logit_bias": {"32": -100}}),
     "usage": (H, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    "stop-strings": (C, {"stop": [" a", "e "], "logprobs": 1}),   # greedy: the stop string starts at token one
+    "best-of": (C, {"best_of": 2}),
 }
 PREFILL_ALONE = ("echo-max-tokens-0", "echo", "prompt-logprobs")  # no decode leg, no KV moved
 GREEDY_REFUSED = ("n", "chat-n", "token-id-lists")  # n > 1 greedy: a 400 from one server, and so from the proxy

@@ -175,6 +175,18 @@ def test_stitched_text_is_decodes_text_however_decode_chunks_it(first: str, chun
     assert stitcher.first_token_matched is True
 
 
+def test_with_stop_strings_prefills_text_waits_for_decodes() -> None:
+    """A server holds back text that may start a stop string, and never shows the stop string."""
+    stitcher = StreamStitcher(_request(stream=True, logprobs=1, stop=["xy"]), "cmpl-X", 5, PREFILL)
+    out = stitcher.first()
+    out += stitcher.feed(_chunk(text="", logprobs=_lp("x")))
+    out += stitcher.feed(_chunk(text="", logprobs=_lp("y", offset=1), finish_reason="stop", stop_reason="xy"))
+    events = _events(out + stitcher.close())
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["", ""]
+    assert [e["choices"][0]["logprobs"]["tokens"] for e in events[:-1]] == [["x"], ["y"]]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_stitcher_drops_decodes_first_token_from_a_chunk_of_several() -> None:
     stitcher = StreamStitcher(_request(stream=True, logprobs=1), "cmpl-X", 5, PREFILL)
     stitcher.first()

@@ -92,17 +92,19 @@ def test_proxy_usage_counts_the_whole_completion(stack) -> None:
 
 # Logprobs at the seam, several answers, the prefill worker alone, sampling parameters, a refusal; the other
 # shapes take the same paths (tests/vllm/test_openai_surface.py runs every one over vLLM by default).
-FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "json-schema")
+FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "json-schema",
+               "stop-strings")
+REFUSED = ("json-schema", "best-of")  # our worker does not serve structured output or best_of
 
 
 @pytest.mark.parametrize("shape", [s if s in FAST_SHAPES else pytest.param(s, marks=pytest.mark.slow)
                                    for s in SHAPES])
 def test_request_shape_equals_one_worker(stack, shape: str) -> None:
-    """Greedy and seeded, streamed and not; structured output is our worker's 400 either way."""
+    """Greedy and seeded, streamed and not; what our worker refuses is its 400 either way."""
     proxy, _, decode, both = stack
     pulls = metric(decode.url, "neuron_di_kv_pulls_total")
     with httpx.Client(timeout=120) as client:
-        assert_shape_equal(client, "neuron-di-builtin", both.url, proxy.url, shape, refused=("json-schema",))
+        assert_shape_equal(client, "neuron-di-builtin", both.url, proxy.url, shape, REFUSED)
     if shape in PREFILL_ALONE:  # no decode leg, no KV moved
         assert metric(decode.url, "neuron_di_kv_pulls_total") == pulls
 
