@@ -185,7 +185,8 @@ class Forwarder:
             _cancel(leg)  # EOS at token one: decode has nothing to add
             return prefill_answer(response_id, first)
         rest = json_object(await leg.task, leg.worker)
-        self._first_token(leg.worker, first_token_repeated(first, rest))
+        if (matched := first_token_repeated(first, rest)) is not None:
+            self._first_token(leg.worker, matched)
         return merge_bodies(response_id, first, rest)
 
     def _first_token(self, decode: WorkerRecord, matched: bool) -> None:

@@ -57,9 +57,11 @@ def merge_bodies(response_id: str, prefill: dict[str, Any], decode: dict[str, An
     return merged
 
 
-def first_token_repeated(prefill: dict[str, Any], decode: dict[str, Any]) -> bool:
-    """Non-streamed: decode's text starts with prefill's token."""
-    return _text(_first_choice(decode, "decode")).startswith(_text(_first_choice(prefill)))
+def first_token_repeated(prefill: dict[str, Any], decode: dict[str, Any]) -> bool | None:
+    """Non-streamed: decode's text starts with prefill's token; None when it is shorter than that token (a stop
+    string ended it before it showed the token), which tells nothing."""
+    first, text = _text(_first_choice(prefill)), _text(_first_choice(decode, "decode"))
+    return text.startswith(first) if len(text) >= len(first) else None
 
 
 def _first_choice(body: dict[str, Any], role: str = "prefill") -> dict[str, Any]:

@@ -107,6 +107,7 @@ def test_chat_stitcher_checks_the_first_content_delta_not_the_role_chunk() -> No
 def test_whole_answers_first_token_check() -> None:
     assert first_token_repeated(PREFILL, {"choices": [{"text": " A B C"}]})
     assert not first_token_repeated(PREFILL, {"choices": [{"text": " Z B C"}]})
+    assert first_token_repeated(PREFILL, {"choices": [{"text": " "}]}) is None  # cut short by a stop string
     chat_prefill = {"choices": [{"message": {"role": "assistant", "content": " A"}}]}
     assert first_token_repeated(chat_prefill, {"choices": [{"message": {"role": "assistant", "content": " A B"}}]})
     assert not first_token_repeated(chat_prefill, {"choices": [{"message": {"role": "assistant", "content": "B"}}]})
