@@ -17,6 +17,7 @@ import pytest
 
 from tests.di.workers import worker_pair
 from tests.helpers import wait_until
+from tests.lm_eval_check import assert_same_scores, evaluate
 from tests.surface import PREFILL_ALONE, SHAPES, assert_shape_equal
 from tests.vllm.client import metric
 from tests.worker_process import WorkerProcess
@@ -107,6 +108,15 @@ def test_request_shape_equals_one_worker(stack, shape: str) -> None:
         assert_shape_equal(client, "neuron-di-builtin", both.url, proxy.url, shape, REFUSED)
     if shape in PREFILL_ALONE:  # no decode leg, no KV moved
         assert metric(decode.url, "neuron_di_kv_pulls_total") == pulls
+
+
+@pytest.mark.slow  # tests/vllm/test_lm_eval.py runs it over vLLM workers by default
+def test_lm_eval_scores_through_the_proxy_equal_one_worker(stack, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e .[test])")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    proxy, _, _, both = stack
+    assert_same_scores(evaluate(proxy.url, "neuron-di-builtin", tmp_path),
+                       evaluate(both.url, "neuron-di-builtin", tmp_path), tolerance=1e-3)
 
 
 @pytest.mark.slow  # tests/proxy/test_flows.py sends 16 at once in every flow by default
