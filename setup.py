@@ -30,6 +30,7 @@ setup(
         "prometheus-client>=0.20,<0.27",
         "tqdm>=4.66,<5",
         "openai>=1.40,<4",
+        "llguidance>=1.0,<2",   # structured output (JSON schema, regex, choice): a Rust wheel, no dependencies
     ],
     extras_require={
         "test": [

@@ -36,6 +36,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None          # per output token: its logprob and the top `logprobs`; -1: every token
     prompt_logprobs: int | None = None   # the same for every prompt token but the first
+    grammar: str | None = None           # structured output: an llguidance grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +57,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise invalid(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         self._check_logits_processing()
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise invalid(f"grammar must be an llguidance grammar (a string), got {self.grammar!r}", "response_format")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and (value >= 0 or value == -1)):
@@ -88,7 +91,7 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether a token is picked from other than the model's raw logits (min_p aside, which only random rows use)."""
+        """Whether a token is picked from other than the model's raw logits (min_p aside: only random rows use it)."""
         return bool(self.min_tokens or self.logit_bias or self.has_penalties)
 
 

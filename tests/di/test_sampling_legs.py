@@ -1,18 +1,24 @@
-"""Penalties, logit_bias, min_tokens, stop_token_ids and logprobs across the seam: a prefill engine
+"""Penalties, logit_bias, min_tokens, stop_token_ids, logprobs and JSON-schema constraints across the seam: a prefill engine
 and a decode engine (one process, shm) pick exactly what one `both` engine picks, and report its
 logprobs; prompt logprobs come from a prefill engine alone."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Iterator
 
+import llguidance
 import pytest
 
 from tests.di.engine_pair import engine_trio, wait_all_free
 from worker import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 
 PROMPTS = [[256] + [(5 * i + j) % 90 + 32 for j in range(n)] for i, n in enumerate([3, 16, 40, 130])]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+COMPACT = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
 CASES = {
     "greedy-penalties": SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.8, frequency_penalty=0.5,
                                        repetition_penalty=1.4, logprobs=3),
@@ -21,6 +27,7 @@ CASES = {
                                         min_tokens=6, logprobs=2),
     "greedy-bias-min-tokens": SamplingParams(max_tokens=10, temperature=0, logit_bias={101: 4.0, 257: 8.0},
                                              min_tokens=10, stop_token_ids=[101], logprobs=0),
+    "seeded-json-schema": SamplingParams(max_tokens=40, temperature=0.8, seed=5, grammar=COMPACT, logprobs=1),
 }
 
 
@@ -89,6 +96,15 @@ def test_decode_leg_picks_and_scores_what_one_worker_does(engines, case: str) ->
             banned = set(params.stop_token_ids) | set(both.tokenizer.eos_token_ids)
             assert not banned & set(tokens(w)[:params.min_tokens])
     wait_all_free(prefill, decode)
+
+
+def test_json_schema_outputs_are_json_matching_it(engines) -> None:
+    _, _, both = engines
+    outs = run_one(both, [CASES["seeded-json-schema"]] * len(PROMPTS), [None] * len(PROMPTS))
+    for out in outs:
+        assert out[-1].finish_reason == "stop"   # EOS, once the object is whole
+        value = json.loads("".join(o.text_delta for o in out))
+        assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99 and isinstance(value["ok"], bool)
 
 
 def test_greedy_bias_case_ends_on_its_stop_token_after_min_tokens(engines) -> None:

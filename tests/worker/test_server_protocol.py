@@ -153,9 +153,8 @@ UNSUPPORTED = [
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("add_special_tokens", False),
     ("truncate_prompt_tokens", 5), ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("priority", 1),
     ("guided_regex", "a+"), ("guided_json", {"type": "object"}), ("guided_choice", ["a"]),
-    ("guided_grammar", "root ::= x"), ("structured_outputs", {"regex": "a"}),
-    ("response_format", {"type": "json_object"}),
-    ("logits_processors", ["p"]), ("return_tokens_as_token_ids", True), ("return_token_ids", True),
+    ("guided_grammar", "root ::= x"),
+    ("logits_processors", ["p"]), ("return_token_ids", True),
     ("prompt_embeds", "AAAA"), ("vllm_xargs", {"k": 1}), ("tools", [{"type": "function"}]),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
     ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
@@ -201,6 +200,36 @@ DEFAULTS = {
     # No effect on what is generated: accepted, as vLLM does.
     "user": "alice", "metadata": {"k": "v"}, "store": False, "cache_salt": "s", "parallel_tool_calls": True,
 }
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"response_format": {"type": "json_schema"}}, "response_format", "the 'json_schema' field must be provided"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "must be 'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format", "cannot be compiled: Invalid type: nonsense"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "cannot be compiled"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "only use one kind"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "`structured_outputs.grammar` is not"),
+    ({"structured_outputs": {"choice": "b"}}, "structured_outputs", "must be a list of strings"),
+    ({"structured_outputs": {"json": "{"}}, "structured_outputs", "must be a JSON schema"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format", "not both"),
+])
+def test_bad_structured_output_constraints_name_their_field(body: dict, param: str, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        parse_request("completion", {"prompt": "x", **body}, MODEL)
+    assert info.value.param == param  # type: ignore[attr-defined]
+
+
+def test_structured_output_constraints_become_a_grammar_and_keep_their_wire_form() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                 {"response_format": {"type": "json_object"}}, {"structured_outputs": {"json": schema}},
+                 {"structured_outputs": {"regex": "[ab]+"}}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+        req = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], **body}, MODEL)
+        assert isinstance(build_params(req, 2, 100).grammar, str)
+        assert req.wire_sampling() == body   # what a decode_first leg sends its prefill worker
+    assert "grammar" not in parse_request("completion", {"prompt": "x", "response_format": {"type": "text"}},
+                                          MODEL).sampling
 
 
 def test_parameters_at_their_default_or_without_effect_are_accepted() -> None:

@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
 
     def step(self, output_ids: list[int], finished: bool) -> str:
         """The new text to hand out after `output_ids` grew; sets `stopped` on a stop string."""
-        self._decode_new(output_ids)
+        self._decode_new(output_ids, finished)
         if len(output_ids) <= self.min_tokens:
             self._stop_from = len(self.text)
         elif self.stop and not self.stopped:
@@ -42,11 +42,11 @@ class IncrementalDetokenizer:
         self.num_emitted = max(self.num_emitted, end)
         return delta
 
-    def _decode_new(self, ids: list[int]) -> None:
+    def _decode_new(self, ids: list[int], finished: bool) -> None:
         prefix = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset])
         full = self.tokenizer.decode(ids[self._prefix_offset:])
-        if full.endswith(REPLACEMENT_CHAR) or len(full) <= len(prefix):
-            return  # an incomplete character (never shown, as vLLM shows none) or nothing visible yet
+        if (full.endswith(REPLACEMENT_CHAR) and not finished) or len(full) <= len(prefix):
+            return  # an incomplete character (or nothing visible yet): wait for more tokens
         self.text += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
 

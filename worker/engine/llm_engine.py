@@ -20,6 +20,7 @@ from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
 from worker.engine.roles import EngineParts, EngineRole
 from worker.errors import InvalidRequestError, QueueFullError, invalid
+from worker.model.grammar import GrammarCompiler
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
 from worker.model.runner import ModelRunner
 from worker.model.tokenizer import load_tokenizer
@@ -78,6 +79,7 @@ class LLMEngine:
         ), eos_token_ids=self.tokenizer.eos_token_ids)
         parts = EngineParts(self.scheduler, self.requests, self._output, self.model_config.vocab_size)
         self.role = ROLE_SIDES[config.role](parts, kv_connector)
+        self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._rng = random.Random(config.seed)
         self._generate_ids = itertools.count()
 
@@ -127,6 +129,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
             remote_kv=leg.remote_kv, pull_target=leg.pull_target,
             mm=tuple(mm or ()), mm_spans=spans, prompt_logprobs=[None] if wants_prompt_logprobs else None,
+            grammar=self._grammars.matcher(params.grammar, "response_format") if params.grammar else None,
         )
         try:
             self.scheduler.add(request)
@@ -177,6 +180,8 @@ class LLMEngine:
                 seq.add_prompt_logprobs(first, entries)
             seqs: list[Request] = step.sampled   # type: ignore[assignment]  # it schedules only Requests
             self.scheduler.postprocess(seqs, result.token_ids)
+            for seq, token_id in zip(seqs, result.token_ids):
+                seq.advance(token_id)
             outputs.extend(self._output(*out) for out in zip(seqs, result.token_ids, result.logprobs))
             self.role.after_step(seqs)
         return outputs

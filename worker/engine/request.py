@@ -13,6 +13,7 @@ from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from worker.engine.kv_connector import PullTarget
+    from worker.model.grammar import Grammar
     from worker.multimodal.embeds import ImageEmbeds
 
 
@@ -25,6 +26,12 @@ class Request(Sequence):
     mm: tuple[tuple[int, ImageEmbeds], ...] = ()   # (start, embeds): input rows of positions start.. (mm_spans)
     # With params.prompt_logprobs: one entry per prompt token computed so far (the first has none).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    grammar: Grammar | None = None   # structured output: where its output stands in its grammar
+
+    def advance(self, token_id: int) -> None:
+        """Takes note of a new output token (its grammar, if any, moves past it)."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
         """Records the entries of prompt tokens first.. that are not recorded yet (a preempted request recomputes)."""

@@ -17,10 +17,14 @@ def sample(logits: torch.Tensor, seqs: Sequence[Request],
     """logits: (seqs, vocab) float32. The token picked for each row and, where its request asks
     for them, its logprobs (of the raw logits, whatever changed the pick).
 
-    Rows whose request changes its logits (penalties, logit_bias, min_tokens) or samples at random
+    A structured output request's row is masked to what its grammar allows first (in place). Rows
+    whose request changes its logits (penalties, logit_bias, min_tokens) or samples at random
     are processed one at a time, random ones with their own generator, so a seeded request draws
     the same tokens whatever else shares its batch.
     """
+    for row, seq in enumerate(seqs):
+        if seq.grammar is not None:   # before anything, as vLLM applies it: its logprobs see the mask too
+            seq.grammar.mask(logits[row])
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         p = seq.params

@@ -32,25 +32,24 @@ from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
-from worker.errors import DrainingError, InvalidRequestError, invalid
+from worker.errors import DrainingError, invalid
 from worker.multimodal.media import MediaPolicy
-from worker.multimodal.prompt import MultiModalPrompt, build_prompt
+from worker.multimodal.prompt import MultiModalPrompt
 from worker.encode.fetch import EmbedsFetcher
 from worker.encode.parts import PartResolver
 from worker.server.images import ImageResolver
-from worker.server.choice import Choice, ChoiceSpec
+from worker.server.choice import Choice, choice_spec
 from worker.server.generation import Part, collect, events
 from worker.server.metrics import ServerMetrics
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
+from worker.server.prompts import request_prompts
 from worker.server.responses import Kind, ResponseShape
 from worker.server.token_text import TokenStrings
 from worker.sampling_params import SamplingParams
-from common.errors import ChatTemplateError
 from common.openai_wire import error_body
 from neuron_connector.registry import WorkerRecord
 from common.request_body import request_body
-from worker.server.protocol import (GenerateRequest, build_params, check_text_fits, error_for, models_body,
-                                    parse_body, parse_request)
+from worker.server.protocol import GenerateRequest, build_params, error_for, models_body, parse_body, parse_request
 
 logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -203,7 +202,7 @@ class _Worker:
         with self.drain.admitting():
             body = parse_body(await request_body())
             req = parse_request(kind, body, self.model_name)
-            prompts = [await self._prompt(req, p) for p in (req.prompts or [None])]
+            prompts = await self._prompts(req)
             params = [build_params(req, len(p.token_ids), self.max_model_len) for p in prompts]
             prefill_url = remote_url(req.kv_transfer_params)
             parts = await self._start(req, prompts, params)
@@ -212,11 +211,11 @@ class _Worker:
             prompt = prompts[0]
             prefill = (self.remote_prefills.start(prefill_url, g.request_id, request.path, body) if prompt.spans else
                        self.remote_prefills.start(prefill_url, g.request_id, "/v1/completions",
-                                                  {"prompt": prompt.token_ids, **req.sampling}))
+                                                  {"prompt": prompt.token_ids, **req.wire_sampling()}))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         # A decode leg awaits its first output (the pulled KV) before the headers go out, so a
         # failed transfer is a plain HTTP error the proxy can act on, not a 200 stream.
-        if _is_decode_leg(req):
+        if req.is_decode_leg:
             parts[0].first = await self._first(parts[0].stream, prefill)
         if not req.stream:
             return await self._collect(shape, req, parts)
@@ -240,7 +239,7 @@ class _Worker:
                     request_id = f"{g.request_id}-{index}" if many else g.request_id
                     stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded,
                                                               req.kv_transfer_params, prompt.spans or None)
-                    choice = Choice(self._spec(req, index, prompt, i), self.strings)
+                    choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)
                     parts.append(Part(choice, stream, self.metrics.timer(len(prompt.token_ids)), i,
                                       len(prompt.token_ids)))
         except BaseException:
@@ -249,36 +248,12 @@ class _Worker:
             raise
         return parts
 
-    def _spec(self, req: GenerateRequest, index: int, prompt: MultiModalPrompt, prompt_index: int) -> ChoiceSpec:
-        assert self.strings is not None
-        echo_text = None
-        if req.echo and req.kind == "completion":
-            text = req.prompts[prompt_index]
-            echo_text = text if isinstance(text, str) else self.strings.decode(text)   # specials shown, as vLLM
-        elif req.echo and req.messages[-1]["role"] == "assistant":
-            echo_text = req.messages[-1]["content"]
-        return ChoiceSpec(index, req.kind, prompt.token_ids, echo_text, echo_prompt_logprobs=req.echo,
-                          hide_output=req.hide_output, num_logprobs=req.num_logprobs)
-
-    async def _prompt(self, req: GenerateRequest, text: str | list[int] | None) -> MultiModalPrompt:
-        """The prompt of a chat request (`text` None) or of one completions prompt."""
+    async def _prompts(self, req: GenerateRequest) -> list[MultiModalPrompt]:
         engine = self.async_engine.llm_engine
         assert engine is not None and self.images is not None
-        tokenizer = engine.tokenizer
-        if req.kind == "chat":
-            try:
-                rendered = tokenizer.apply_chat_template(req.messages)
-            except ChatTemplateError as exc:
-                raise InvalidRequestError(str(exc)) from exc
-            check_text_fits(req, len(rendered), tokenizer.min_tokens(rendered), self.max_model_len)
-            return build_prompt(tokenizer, rendered, await self.images.resolve(req.media, _is_decode_leg(req)))
-        if isinstance(text, str):
-            check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
-            return MultiModalPrompt(tokenizer.encode(text, add_bos=True), [])
-        assert text is not None
-        return MultiModalPrompt(text, [])  # the engine checks the ids against its vocabulary
+        return await request_prompts(req, engine.tokenizer, self.images, self.max_model_len)
 
-    async def _first(self, stream: RequestStream, prefill: asyncio.Task[None] | None) -> RequestOutput:
+    async def _first(self, stream: RequestStream, prefill: asyncio.Task[Any] | None) -> RequestOutput:
         """A decode leg's first output; with a remote prefill (decode_first), its failure if that comes first."""
         async with self._disconnect_counted():
             try:
@@ -321,10 +296,6 @@ class _Worker:
             async for event in events(shape, parts, req.include_usage, req.continuous_usage, failed):
                 yield event
         self._count(outcome[0] if outcome else parts[-1].choice.finish_reason or "none")
-
-
-def _is_decode_leg(req: GenerateRequest) -> bool:
-    return (req.kv_transfer_params or {}).get("role") == "decode"
 
 
 def _json(body: dict, status: int) -> Response:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.request import RequestOutput
+from worker.server.protocol import GenerateRequest
 from worker.server.logprobs_wire import Position, chat_logprobs, completion_logprobs, positions, prompt_logprobs
 from worker.server.responses import ChoiceBody, Kind
 from worker.server.token_text import TokenStrings
@@ -28,6 +29,20 @@ class ChoiceSpec:
     echo_prompt_logprobs: bool = False  # completions echo: the prompt's tokens lead the logprobs
     hide_output: bool = False
     num_logprobs: int | None = None     # per output token; None: no logprobs
+    tokens_as_ids: bool = False         # logprobs name tokens "token_id:<id>"
+
+
+def choice_spec(req: GenerateRequest, index: int, prompt_ids: list[int], prompt_index: int,
+                strings: TokenStrings) -> ChoiceSpec:
+    """What choice `index` of `req` (of its prompt `prompt_index`) shows."""
+    echo_text = None
+    if req.echo and req.kind == "completion":
+        text = req.prompts[prompt_index]
+        echo_text = text if isinstance(text, str) else strings.decode(text)   # special tokens shown, as vLLM
+    elif req.echo and req.messages[-1]["role"] == "assistant":
+        echo_text = req.messages[-1]["content"]
+    return ChoiceSpec(index, req.kind, prompt_ids, echo_text, echo_prompt_logprobs=req.echo,
+                      hide_output=req.hide_output, num_logprobs=req.num_logprobs, tokens_as_ids=req.tokens_as_ids)
 
 
 @dataclass
@@ -70,9 +85,10 @@ class Choice:
         k = self.spec.num_logprobs
         if k is None:
             return None
+        strings = self.strings.as_ids() if self.spec.tokens_as_ids else self.strings
         if self.spec.kind == "chat":
-            return chat_logprobs(items, self.strings, k)
-        body = completion_logprobs(items, self.strings, k, self._text_offset)
+            return chat_logprobs(items, strings, k)
+        body = completion_logprobs(items, strings, k, self._text_offset)
         if body["tokens"]:
             self._text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
         return body

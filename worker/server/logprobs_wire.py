@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from worker.model.logprobs import TokenLogprobs
-from worker.server.token_text import MAX_CONTEXT, TokenStrings
+from worker.server.token_text import MAX_CONTEXT, TokenText
 
 FLOOR = -9999.0   # what -inf is shown as (JSON has no infinity)
 
@@ -50,7 +50,7 @@ def _ranked(entry: TokenLogprobs) -> dict[int, tuple[float, int]]:
     return found
 
 
-def completion_logprobs(items: Sequence[Position], strings: TokenStrings, num_top: int,
+def completion_logprobs(items: Sequence[Position], strings: TokenText, num_top: int,
                         text_offset: int = 0) -> dict[str, Any]:
     """The completions `logprobs` object of `items`; the first token's text starts at `text_offset`."""
     offsets, logprobs, tokens, tops = [], [], [], []
@@ -71,7 +71,7 @@ def completion_logprobs(items: Sequence[Position], strings: TokenStrings, num_to
     return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens, "top_logprobs": tops}
 
 
-def chat_logprobs(items: Sequence[Position], strings: TokenStrings, num_top: int) -> dict[str, Any]:
+def chat_logprobs(items: Sequence[Position], strings: TokenText, num_top: int) -> dict[str, Any]:
     """The chat `logprobs` object of `items`; each lists its first `num_top` entries as alternatives."""
     content = []
     for p in items:
@@ -87,7 +87,7 @@ def chat_logprobs(items: Sequence[Position], strings: TokenStrings, num_top: int
     return {"content": content}
 
 
-def prompt_logprobs(items: Sequence[Position], strings: TokenStrings) -> list[dict[str, Any] | None]:
+def prompt_logprobs(items: Sequence[Position], strings: TokenText) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs` field: per prompt token, null or {token id: logprob, rank, decoded_token}."""
     return [None if p.entry is None else
             {str(tid): {"logprob": max(lp, FLOOR), "rank": rank, "decoded_token": strings.shown(tid, p.context)}
@@ -95,7 +95,7 @@ def prompt_logprobs(items: Sequence[Position], strings: TokenStrings) -> list[di
             for p in items]
 
 
-def _text(p: Position, strings: TokenStrings) -> str:
+def _text(p: Position, strings: TokenText) -> str:
     return strings.raw(p.token_id) if p.raw_text else strings.shown(p.token_id, p.context)
 
 

@@ -17,6 +17,7 @@ from worker.multimodal.prompt import IMAGE_MARKER
 from worker.sampling_params import SamplingParams
 from worker.server.responses import Kind
 from worker.server.sampling_wire import opt as _opt, parse_sampling
+from worker.server.structured_wire import parse_grammar
 
 MAX_PROMPTS = 1024   # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -29,10 +30,9 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1,),
     "bad_words": _EMPTY, "logits_processors": _EMPTY, "allowed_token_ids": (), "logprob_token_ids": _EMPTY,
     "suffix": _EMPTY, "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,),
     "return_token_ids": (False,), "truncate_prompt_tokens": (), "prompt_embeds": (), "priority": (0,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "response_format": ({"type": "text"},), "vllm_xargs": _EMPTY, "tools": _EMPTY, "tool_choice": ("none", "auto"),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "vllm_xargs": _EMPTY, "tools": _EMPTY, "tool_choice": ("none", "auto"),
     "functions": _EMPTY, "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": _EMPTY, "documents": _EMPTY,
@@ -63,6 +63,8 @@ class GenerateRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
     n: int = 1
     echo: bool = False
+    tokens_as_ids: bool = False   # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    structured: dict[str, Any] = field(default_factory=dict)   # the body's constraint fields, as sent
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -77,6 +79,14 @@ class GenerateRequest:
     @property
     def num_logprobs(self) -> int | None:
         return self.sampling.get("logprobs")
+
+    @property
+    def is_decode_leg(self) -> bool:
+        return (self.kv_transfer_params or {}).get("role") == "decode"
+
+    def wire_sampling(self) -> dict[str, Any]:
+        """The sampling fields as a request body spells them (the constraint as the client sent it)."""
+        return {**{k: v for k, v in self.sampling.items() if k != "grammar"}, **self.structured}
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -102,13 +112,18 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     echo = bool(_opt(body, "echo", bool))
     max_tokens = _max_tokens(kind, body, echo)
     sampling = parse_sampling(kind, body, stream)
+    structured = {}
+    if (constraint := parse_grammar(body)) is not None:
+        sampling["grammar"], field_name = constraint
+        structured = {field_name: body[field_name]}
     n = _n(body, sampling)
     media: list[MediaPart] = []
     request = GenerateRequest(
         kind=kind,
         prompts=_parse_prompts(body) if kind == "completion" else [],
         messages=_parse_messages(body, media) if kind == "chat" else [],
-        media=media, max_tokens=max_tokens, sampling=sampling, n=n, echo=echo, stream=stream,
+        media=media, max_tokens=max_tokens, sampling=sampling, n=n, echo=echo,
+        tokens_as_ids=bool(_opt(body, "return_tokens_as_token_ids", bool)), structured=structured, stream=stream,
         include_usage=stream and bool(include_usage), continuous_usage=stream and bool(continuous),
         kv_transfer_params=_opt(body, "kv_transfer_params", dict),
     )

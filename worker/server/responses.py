@@ -90,7 +90,8 @@ class ResponseShape:
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """Chat: the first chunk of each choice, naming the assistant's role."""
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         return {**self._envelope(self.chunk_object, [choice]), "prompt_token_ids": None, "prompt_text": None}
 
     def chunk(self, c: ChoiceBody) -> dict[str, Any]:

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from common.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 MAX_CONTEXT = 4   # a UTF-8 character spans at most four tokens
+TOKEN_ID_PREFIX = "token_id:"
+
+
+class TokenText(Protocol):
+    def raw(self, token_id: int) -> str: ...
+
+    def shown(self, token_id: int, context: Sequence[int]) -> str: ...
 
 
 class TokenStrings:
@@ -33,6 +40,9 @@ class TokenStrings:
         markers = len(piece) - len(piece.lstrip(self._marker))
         missing = markers - (len(text) - len(text.lstrip(" ")))
         return " " * missing + text if missing > 0 else text
+
+    def as_ids(self) -> TokenIds:
+        return TokenIds(self)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._inner.decode(list(token_ids), skip_special_tokens=False)
@@ -67,3 +77,22 @@ def _space_marker(tokenizer_json: str) -> str | None:
     pre = (json.loads(tokenizer_json).get("pre_tokenizer") or {})
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     return next((s.get("replacement", "\u2581") for s in steps if s.get("type") == "Metaspace"), None)
+
+
+class TokenIds:
+    """Token texts as `return_tokens_as_token_ids` asks: "token_id:<id>", a name no two tokens share."""
+
+    def __init__(self, strings: TokenStrings) -> None:
+        self.decode = strings.decode
+
+    def raw(self, token_id: int) -> str:
+        return f"{TOKEN_ID_PREFIX}{token_id}"
+
+    def shown(self, token_id: int, context: Sequence[int]) -> str:
+        return self.raw(token_id)
+
+
+def parse_token_id(text: str) -> int | None:
+    """The id in a "token_id:<id>" name, else None."""
+    head, _, tail = text.partition(":")
+    return int(tail) if f"{head}:" == TOKEN_ID_PREFIX and tail.isdigit() else None
