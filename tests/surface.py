@@ -7,6 +7,7 @@ separately from the one server they are compared with; everything else must be e
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -157,3 +158,51 @@ def differences(got: Any, want: Any, where: str = "") -> tuple[list[str], float]
             largest = max(largest, diff)
         return found, largest
     return ([] if got == want else [f"{where}: {got!r} != {want!r}"]), 0.0
+
+
+def load_bodies(model: str, count: int) -> list[dict[str, Any]]:
+    """Three prompts, three choices each, constrained to a JSON schema, seeded; every other one streamed."""
+    return [{"model": model, "prompt": PROMPTS[i % 3:] + PROMPTS[:i % 3], "n": 3, "max_tokens": 24,
+             "temperature": 0.8, "seed": i, "stream": i % 2 == 1, **JSON_SCHEMA,
+             **({"stream_options": {"include_usage": True}} if i % 2 else {})} for i in range(count)]
+
+
+def assert_load_equal(model: str, single: str, proxy: str, count: int = 8, concurrency: int = 8) -> None:
+    """load_bodies() through `proxy`, `concurrency` at a time, every one answered (no failure) exactly as
+    `single` answers them one at a time; every complete answer is an object of the schema."""
+    bodies = load_bodies(model, count)
+    want, got = asyncio.run(_answers(single, bodies, 1)), asyncio.run(_answers(proxy, bodies, concurrency))
+    failures = [g for g in got + want if isinstance(g, str)]
+    assert not failures, failures[:2]
+    mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if differences(g, w)[0]]
+    assert not mismatched, f"requests {mismatched} differ: {differences(got[mismatched[0]], want[mismatched[0]])[0][:5]}"
+    answers = [_text_and_finish(choice) for w in want for choice in _choices(w)]
+    assert len(answers) == count * 9
+    ended = [json.loads(text) for text, finish in answers if finish == "stop"]  # the schema's object is complete
+    assert all(set(obj) == {"color", "size"} and obj["color"] in ("red", "green", "blue") for obj in ended)
+
+
+async def _answers(url: str, bodies: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any] | str]:
+    """Each body's answer as seen_whole() / seen_stream() see it, or the error body of a failed one."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(body: dict[str, Any]) -> dict[str, Any] | str:
+            async with gate:
+                if not body["stream"]:
+                    reply = await client.post(url + C, json=body)
+                    return seen_whole(reply.json()) if reply.status_code == 200 else reply.text
+                async with client.stream("POST", url + C, json=body) as reply:
+                    raw = (await reply.aread()).decode()
+                return seen_stream(raw) if reply.status_code == 200 else raw
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def _choices(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(answer["choices"].values()) if isinstance(answer["choices"], dict) else answer["choices"]
+
+
+def _text_and_finish(choice: dict[str, Any]) -> tuple[str, str]:
+    """A whole answer's choice or a stream's assembled one."""
+    if "finish" in choice:
+        return choice["text"], choice["finish"][0][0]
+    return choice["text"], choice["finish_reason"]

@@ -18,7 +18,7 @@ import pytest
 from tests.di.workers import worker_pair
 from tests.helpers import wait_until
 from tests.lm_eval_check import assert_same_scores, evaluate
-from tests.surface import PREFILL_ALONE, SHAPES, assert_shape_equal
+from tests.surface import PREFILL_ALONE, SHAPES, assert_load_equal, assert_shape_equal
 from tests.vllm.client import metric
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, proxied_1p1d, start_proxy
@@ -95,7 +95,7 @@ def test_proxy_usage_counts_the_whole_completion(stack) -> None:
 # shapes take the same paths (tests/vllm/test_openai_surface.py runs every one over vLLM by default).
 FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "json-schema",
                "stop-strings")
-REFUSED = ("json-schema", "best-of")  # our worker does not serve structured output or best_of
+REFUSED = ("best-of",)  # our worker does not serve best_of
 
 
 @pytest.mark.parametrize("shape", [s if s in FAST_SHAPES else pytest.param(s, marks=pytest.mark.slow)
@@ -108,6 +108,12 @@ def test_request_shape_equals_one_worker(stack, shape: str) -> None:
         assert_shape_equal(client, "neuron-di-builtin", both.url, proxy.url, shape, REFUSED)
     if shape in PREFILL_ALONE:  # no decode leg, no KV moved
         assert metric(decode.url, "neuron_di_kv_pulls_total") == pulls
+
+
+@pytest.mark.slow  # tests/vllm/test_openai_surface.py runs it over vLLM workers by default
+def test_prompt_lists_n3_json_schema_at_concurrency_8(stack) -> None:
+    proxy, _, _, both = stack
+    assert_load_equal("neuron-di-builtin", both.url, proxy.url)
 
 
 @pytest.mark.slow  # tests/vllm/test_lm_eval.py runs it over vLLM workers by default
