@@ -15,6 +15,9 @@ from tests.vllm.test_parity import kv_usage_back_to_zero
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e .[test])")
+# About 15 s (lm-eval's imports included): its paths, echo + logprobs on the prefill worker alone and lists of
+# token-id prompts disaggregated, are tests/vllm/test_openai_surface.py's by default.
+pytestmark = pytest.mark.slow
 
 
 def test_lm_eval_scores_through_the_proxy_equal_one_vllm_server(reference: Stack, neuron_stack: Stack,

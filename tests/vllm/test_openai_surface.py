@@ -17,8 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh insta
 
 # Seconds of the default suite: the shapes whose paths a default one takes (fan-out, the seam, the prefill
 # worker alone; JSON schema: the concurrency test below) run with --full.
-FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "usage",
-               "stop-strings")
+FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "stop-strings")
 
 
 @pytest.mark.parametrize("shape", [s if s in FAST_SHAPES else pytest.param(s, marks=pytest.mark.slow)
