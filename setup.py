@@ -39,6 +39,8 @@ setup(
             "pytest-timeout>=2.3,<3",
             "hypothesis>=6.100,<7",
             "transformers>=4.45,<6",
+            # lm-evaluation-harness's local-completions model, against the proxy (tests/vllm/test_lm_eval.py).
+            "lm-eval[api]>=0.4.13,<0.5",
         ],
         "nixl": ["nixl>=0.5,<2"],
         "bench": ["matplotlib>=3.8,<4", "transformers>=4.45,<6"],
