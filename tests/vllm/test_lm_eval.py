@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from examples.serving_stack import Stack
-from examples.vllm_stack import SERVED_NAME
+from stack.serving import Stack
+from stack.vllm import SERVED_NAME
 from tests.lm_eval_check import assert_same_scores, evaluate
 from tests.surface import LOGPROB_TOLERANCE
 from tests.vllm.test_parity import kv_usage_back_to_zero

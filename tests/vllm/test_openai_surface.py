@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from examples.serving_stack import Stack
-from examples.vllm_stack import SERVED_NAME
+from stack.serving import Stack
+from stack.vllm import SERVED_NAME
 from tests.surface import PREFILL_ALONE, SHAPES, assert_load_equal, assert_shape_equal
 from tests.vllm.client import metric
 from tests.vllm.test_parity import kv_usage_back_to_zero
