@@ -1,9 +1,11 @@
 """Errors of the modules the proxy and the worker share.
 
     CommonError
-    └── TokenizerError
-        ├── TokenizerLoadError   the tokenizer files are missing or malformed
-        └── ChatTemplateError    the messages do not fit the chat template (a bad request)
+    ├── TokenizerError
+    │   ├── TokenizerLoadError   the tokenizer files are missing or malformed
+    │   └── ChatTemplateError    the messages do not fit the chat template (a bad request)
+    └── RegistrationError        a worker record is malformed, or registering it in etcd failed
+                                 (etcd unreachable, lease lost: neuron_connector.registry)
 """
 from __future__ import annotations
 
@@ -21,4 +23,8 @@ class TokenizerLoadError(TokenizerError):
 
 
 class ChatTemplateError(TokenizerError, ValueError):
+    pass
+
+
+class RegistrationError(CommonError):
     pass

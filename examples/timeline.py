@@ -22,9 +22,7 @@ from typing import Any, Sequence
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.timeline import SPANS, merged  # noqa: E402
+from common.timeline import SPANS, merged
 
 Records = dict[str, dict[str, Any]]   # source -> one request's record there
 

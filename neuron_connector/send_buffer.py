@@ -117,7 +117,7 @@ class SendBuffer:
         if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
         with self._lock:
-            held = self._table.publish(request_id, list(block_ids), output_token, time.monotonic())
+            self._table.publish(request_id, list(block_ids), output_token, time.monotonic())
         self.timeline.mark(request_id, PUBLISHED)
         self._service.wake()  # a held lookup of it is answered now (or, released already, its blocks freed)
 

@@ -6,7 +6,8 @@ from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
 from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
-from neuron_connector.registry import KV_PROTOCOLS, VLLM_SERVER, RegistrationError, WorkerRecord
+from common.errors import RegistrationError
+from common.worker_record import KV_PROTOCOLS, VLLM_SERVER, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
 __all__ = ["KV_PROTOCOLS", "VLLM_SERVER", "WorkerPool", "WorkerRecord", "completed", "contradiction", "pick", "shows_draining",

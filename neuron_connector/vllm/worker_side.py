@@ -12,10 +12,11 @@ import torch
 
 from common.kv_secret import describe_plane, resolve_secret
 from common.timeline import PULL_REPORTED, Timeline
+from common.worker_record import VLLM_SERVER, WorkerRecord
 from neuron_connector.errors import ConnectorError
 from neuron_connector.pulls import PullState
 from neuron_connector.recv_buffer import RecvBuffer
-from neuron_connector.registry import VLLM_SERVER, Registration, WorkerRecord
+from neuron_connector.registry import Registration
 from neuron_connector.send_buffer import SendBuffer
 from neuron_connector.status import StatusServer
 from neuron_connector.vllm.config import NeuronConnectorConfig

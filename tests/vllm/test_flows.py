@@ -18,8 +18,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from examples.serving_stack import Stack
-from tests.helpers import EtcdServer
+from stack.etcd import EtcdServer
+from stack.serving import Stack
 from tests.proxy.conftest import Server, start_proxy
 from tests.vllm.client import Seen, answers, body, metric
 from tests.vllm.conftest import OPTIONS

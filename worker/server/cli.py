@@ -17,7 +17,7 @@ from hypercorn.config import Config as HypercornConfig
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
 from common.roles import DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
-from worker.encode import flags as embeds_flags
+from worker.multimodal import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -194,9 +194,9 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
 
 
 def embeds_region(args: argparse.Namespace) -> Callable[[int, Any], Any]:
-    """Makes a prefill worker's region of embedding rows (worker/encode/rows.py) once the model is known."""
+    """Makes a prefill worker's region of embedding rows (worker/multimodal/rows.py) once the model is known."""
     def make(hidden_size: int, dtype: Any) -> Any:
-        from worker.encode.rows import RowRegion, rows_in
+        from worker.multimodal.rows import RowRegion, rows_in
 
         return RowRegion(args.kv_transport, args.kv_host, hidden_size, dtype,
                          rows_in(args.embeds_region_mb, hidden_size, dtype), args.kv_secret)
@@ -233,7 +233,7 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
     """Once the engine runs (a prefill's kv port is known only then), puts this worker's record in its
     GET /health answer and, with --etcd, registers it in etcd (revoked when a drain starts, or at exit)."""
     from neuron_connector import Registration, WorkerRecord
-    from neuron_connector.registry import OUR_SERVER
+    from common.worker_record import OUR_SERVER
 
     worker = app.extensions["neuron_di_worker"]
     holder: list[Registration] = []
