@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from proxy.requests import COMPLETIONS, CHAT, parse_request, prefill_body, prefill_token_used
-from proxy.stitch import StreamStitcher
+from proxy.stitch import StreamStitcher, merge_bodies
 from proxy.workers import VLLM_SERVER, WorkerRecord
 
 VLLM_PREFILL = WorkerRecord("prefill", "127.0.0.1", 8100, server=VLLM_SERVER)
@@ -46,3 +46,13 @@ def test_decode_gives_every_token_when_prefills_is_not_used() -> None:
     deltas = [p["choices"][0]["delta"] for p in payloads]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "A"}, {"content": "B"}]
     assert stitcher.first_token_matched is None   # nothing to check it against
+
+
+def test_a_whole_answer_keeps_decodes_first_token_when_prefills_is_not_used() -> None:
+    prefill = {"choices": [{"index": 0, "text": "x", "logprobs": {"tokens": ["x"], "token_logprobs": [-3.0]}}],
+               "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+    decode = {"choices": [{"index": 0, "text": "AB", "logprobs": {"tokens": ["A", "B"], "token_logprobs": [-1.0, -2.0]}}],
+              "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+    merged = merge_bodies("cmpl-u", prefill, decode, prefill_token=False)
+    assert merged["choices"] == decode["choices"] and merged["id"] == "cmpl-u"
+    assert merged["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
