@@ -1,9 +1,10 @@
 """Errors of the modules the proxy and the worker share.
 
     CommonError
-    └── TokenizerError
-        ├── TokenizerLoadError   the tokenizer files are missing or malformed
-        └── ChatTemplateError    the messages do not fit the chat template (a bad request)
+    ├── TokenizerError
+    │   ├── TokenizerLoadError   the tokenizer files are missing or malformed
+    │   └── ChatTemplateError    the messages do not fit the chat template (a bad request)
+    └── ListenError              a server cannot listen on its address (the port is in use, ...)
 """
 from __future__ import annotations
 
@@ -21,4 +22,8 @@ class TokenizerLoadError(TokenizerError):
 
 
 class ChatTemplateError(TokenizerError, ValueError):
+    pass
+
+
+class ListenError(CommonError, OSError):
     pass

@@ -148,7 +148,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._main, args=(loop, ready), name=self._thread_name,
                                         daemon=True)
         self._thread.start()
-        await ready
+        try:
+            await ready
+        except BaseException:
+            # The thread is on its way out; joined here, it has let go of the half-built engine before the
+            # caller goes on (a process exiting while a daemon thread frees tensors aborts).
+            await loop.run_in_executor(None, self._thread.join, 30.0)
+            raise
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
-from common.roles import DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
+from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, secret_id
+from common.listen import hypercorn_bind, listen_socket
+from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
 from worker.encode import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
@@ -50,14 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
     server = parser.add_argument_group("server")
     server.add_argument("--role", choices=WORKER_ROLES, default="both",
-                        help="both: prefill and decode here; prefill/decode: one side of disaggregated serving; "
-                             "encode: loads image parts and keeps their embeddings for prefill workers to pull")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+                        help="both: prefill and decode here (default); prefill/decode: one side of disaggregated "
+                             "serving; encode: loads image parts and keeps their embeddings for prefill workers "
+                             "to pull")
+    server.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to listen on (default {DEFAULT_HOST}, this host only, as every server of the "
+                             "stack; 0.0.0.0 serves other hosts too)")
     server.add_argument("--advertise-host", default=None,
                         help="address others reach this worker at, registered in etcd and shown in GET /health "
                              "(default: --host; give one when --host is 0.0.0.0)")
-    server.add_argument("--port", type=_port, default=8100, help="HTTP port (default 8100)")
-    server.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads")
+    server.add_argument("--port", type=_port, default=None,
+                        help="HTTP port (default by role: " + ", ".join(f"{port} for {role}" for role, port in
+                                                                         DEFAULT_HTTP_PORTS.items()) + ")")
+    server.add_argument("--threads", type=_positive, default=None,
+                        help="torch intra-op threads (default: torch's own, one per core)")
     server.add_argument("--drain-timeout", "--shutdown-grace", dest="drain_timeout", type=float,
                         default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds a drain (SIGTERM or POST /drain) may take: the worker leaves etcd, refuses "
@@ -134,6 +141,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
     embeds_flags.check(parser, args)
+    if args.port is None:
+        args.port = DEFAULT_HTTP_PORTS[args.role]
     try:
         args.kv_secret = resolve_secret(args.kv_secret_file)
     except KVSecretError as exc:
@@ -166,25 +175,33 @@ def hypercorn_config(host: str, port: int) -> HypercornConfig:
     return config
 
 
-async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> bool:
     """Serves until a drain (SIGTERM, SIGINT or POST /drain, see worker/server/drain.py) is over; then
-    hypercorn stops and the engine thread is joined."""
+    hypercorn stops and the engine thread is joined. True if a second signal cut the drain short.
+
+    The HTTP port is bound first and the engine started before hypercorn runs, so a port in use or
+    a failed start (model, KV port) ends the worker with one line saying why."""
+    listener = listen_socket(args.host, args.port)
+    server = hypercorn_config(args.host, args.port)
+    server.bind = [hypercorn_bind(listener)]
     if args.role == ENCODE_ROLE:
         from worker.encode.serve import run_encode_server
-        return await run_encode_server(args, engine_config, hypercorn_config(args.host, args.port),
-                                       media_policy(args))
+        await run_encode_server(args, engine_config, server, media_policy(args))
+        return False
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
 
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
                      drain_timeout=args.drain_timeout, media_policy=media_policy(args),
                      embeds_region=embeds_region(args) if args.role == "prefill" else None)
-    drain = app.extensions["neuron_di_worker"].drain
+    worker = app.extensions["neuron_di_worker"]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, drain.start)
+        loop.add_signal_handler(sig, worker.drain.signal)
     _publish_record(app, args, engine_config)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
-    await serve(app, hypercorn_config(args.host, args.port), shutdown_trigger=drain.done.wait)
+    await worker.startup()
+    await serve(app, server, shutdown_trigger=worker.drain.done.wait)
+    return worker.drain.forced
 
 
 def media_policy(args: argparse.Namespace) -> MediaPolicy:
@@ -239,11 +256,13 @@ def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineCon
 
     async def publish() -> None:
         engine = worker.async_engine.llm_engine
-        kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
+        kv_port = engine.kv_connector.kv_port if engine_config.role == "prefill" else 0  # a signal plane of its own
         worker.record = WorkerRecord(role=engine_config.role, host=args.advertise_host or args.host,
                                      http_port=args.port, kv_host=args.kv_host, kv_port=kv_port,
                                      engine_id=args.engine_id, transfer={"backend": args.kv_transport},
-                                     model=engine.model_name)
+                                     model=engine.model_name,
+                                     kv_secret_id=secret_id(args.kv_secret) if engine.kv_connector else "",
+                                     dtype=engine_config.dtype)
         if args.etcd is None:
             return
         registration = Registration(args.etcd, worker.record, ttl=args.etcd_ttl)
@@ -267,11 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        asyncio.run(run_server(args, engine_config))
+        forced = asyncio.run(run_server(args, engine_config))
     except Exception as exc:  # startup failures (bad model path, port in use) end with a message, not a trace
         logger.error("worker failed: %s", exc)
         return 1
-    return 0
+    return 1 if forced else 0
 
 
 if __name__ == "__main__":
