@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 import aetcd
 
 from neuron_connector.registry import KEY_PREFIX, RegistrationError
-from proxy.errors import UpstreamError
+from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shows_draining, shown_record
 
@@ -40,6 +40,7 @@ class HealthChecks:
         self._kv_ports_given = frozenset(kv_ports_given)
         self.problems: dict[str, str] = {}  # static worker key -> how it contradicts the command line
         self._silent_rounds: dict[str, int] = {}  # worker key -> health checks in a row it did not answer
+        self._seen: set[str] = set()  # the workers found healthy at least once
 
     async def run(self, interval: float) -> None:
         """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
@@ -50,19 +51,32 @@ class HealthChecks:
     async def round(self) -> None:
         workers = self._pool.all()
         answers = await asyncio.gather(*(self._health(w) for w in workers))
-        for worker, answer in zip(workers, answers):
+        for worker, (answer, why) in zip(workers, answers):
             if self._pool.retired(worker.key):
                 if answer is None:
                     self._pool.remove(worker.key, f"{_GONE} and it stopped answering")
                 continue
-            record = None if answer is None or shows_draining(answer) else self._checked(worker, answer)
-            if self._pool.mark(worker.key, record is not None):
-                log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
+            if answer is not None and shows_draining(answer):
+                why = "it drains (it takes no new request)"
+            record = None if why else self._checked(worker, answer)
+            where = f"{worker.role} worker {worker.address}"
+            why = why and f"{where}: {why}"
+            if self._pool.mark(worker.key, record is not None, why or self.problems.get(worker.key, "")):
+                self._log_change(worker, record is not None, why)
             self._count_silence(worker, answer is None)
             if record is not None and record != worker:
-                log.info("worker %s: signal plane %s:%d, engine id %r (as the worker shows itself)",
-                         worker.address, record.kv_host, record.kv_port, record.engine_id)
+                plane = f"signal plane {record.kv_host}:{record.kv_port}, " if record.role == "prefill" else ""
+                log.info("%s: %sengine id %r (as the worker shows itself)", where, plane, record.engine_id)
                 self._pool.add(record)
+
+    def _log_change(self, worker: WorkerRecord, healthy: bool, why: str) -> None:
+        if healthy:
+            again = worker.key in self._seen
+            self._seen.add(worker.key)
+            (log.warning if again else log.info)("%s worker %s is healthy%s", worker.role, worker.address,
+                                                 " again" if again else "")
+        elif why:  # a contradiction is logged where it is found
+            (log.warning if worker.key in self._seen else log.info)("%s", why)
 
     def _count_silence(self, worker: WorkerRecord, silent: bool) -> None:
         """A worker silent for LOST_AFTER_FAILED_CHECKS rounds in a row is gone: its legs in flight end.
@@ -74,13 +88,15 @@ class HealthChecks:
         if rounds == LOST_AFTER_FAILED_CHECKS:
             self._pool.lose(worker.key, f"stopped answering its health checks ({rounds} in a row)")
 
-    async def _health(self, worker: WorkerRecord) -> bytes | None:
-        """The body of the worker's 200 answer to GET /health; None for any other outcome."""
+    async def _health(self, worker: WorkerRecord) -> tuple[bytes | None, str]:
+        """The body of the worker's 200 answer to GET /health, or None and why there is none."""
         try:
             reply = await self._clients(worker).get("/health", self._timeout)
-        except UpstreamError:
-            return None
-        return reply.body if reply.status == 200 else None
+        except UpstreamTimeout:
+            return None, f"no answer to GET /health within {self._timeout:g} s"
+        except UpstreamError as exc:
+            return None, str(exc).removeprefix(f"{worker.role} worker {worker.address}: ")
+        return (reply.body, "") if reply.status == 200 else (None, f"GET /health answered HTTP {reply.status}")
 
     def _checked(self, worker: WorkerRecord, health: bytes) -> WorkerRecord | None:
         """The record to use for a worker that answered `health`; None if it contradicts the command line."""
