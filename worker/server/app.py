@@ -31,7 +31,7 @@ from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
-from worker.errors import DrainingError, InvalidRequestError, invalid
+from worker.errors import DrainingError, InvalidRequestError, WorkerError, invalid
 from worker.multimodal.media import MediaPolicy
 from worker.multimodal.prompt import MultiModalPrompt, build_prompt
 from worker.encode.fetch import EmbedsFetcher
@@ -108,6 +108,9 @@ class _Worker:
         self.remote_prefills = RemotePrefills()  # decode_first: the prefill legs this decode worker sends
 
     async def startup(self) -> None:
+        """Starts the engine; `python -m worker` calls it before serving, hypercorn's lifespan then skips it."""
+        if self.metrics is not None:
+            return
         await self.async_engine.start()
         engine = self.async_engine.llm_engine
         assert engine is not None  # start() returned, so the engine was built
@@ -137,7 +140,10 @@ class _Worker:
         return await self._serve("chat")
 
     async def models(self) -> Response:
-        return jsonify(models_body(self.model_name, self.max_model_len, self.created))
+        engine = self.async_engine.llm_engine
+        assert engine is not None
+        return jsonify(models_body(self.model_name, self.max_model_len, self.created, engine.config.dtype,
+                                   engine.model_config.hidden_size))
 
     async def start_drain(self) -> Response:
         self.drain.start()
@@ -168,7 +174,7 @@ class _Worker:
     async def error(self, exc: Exception) -> Response:
         status, body, headers = error_for(exc)
         if status >= 500 and not isinstance(exc, DrainingError):  # a drain's refusals are expected
-            logger.error("request %s failed", g.get("request_id"), exc_info=exc)
+            _log_failure(f"request {g.get('request_id')}", exc)
         self._count(str(status))
         response = _json(body, status)
         response.headers.update(headers)
@@ -288,7 +294,7 @@ class _Worker:
                         first = False
             except Exception as exc:  # headers are sent: the error travels as an event (as vLLM does)
                 status, body, _ = error_for(exc)  # no headers: they are sent already
-                logger.error("stream %s failed", shape.request_id, exc_info=exc)
+                _log_failure(f"stream {shape.request_id}", exc)
                 self._count(str(status))
                 yield sse_event(body)
                 yield DONE_EVENT
@@ -297,6 +303,15 @@ class _Worker:
             yield sse_event(shape.usage_chunk(usage(out.num_prompt_tokens, out.num_output_tokens)))
         self._count(out.finish_reason or "none")
         yield DONE_EVENT
+
+
+def _log_failure(what: str, exc: BaseException) -> None:
+    """One line for the worker's own errors, which say what went wrong (a failed KV transfer names its peer);
+    a traceback for anything else, which is a bug."""
+    if isinstance(exc, WorkerError):
+        logger.error("%s failed: %s", what, exc)
+    else:
+        logger.error("%s failed", what, exc_info=exc)
 
 
 def _is_decode_leg(req: GenerateRequest) -> bool:
