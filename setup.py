@@ -5,8 +5,9 @@ setup(
     name="neuron-di",
     version="0.1.0",
     description="Prefill/decode disaggregated LLM inference: proxy, KV connector, transfer engine, reference worker.",
-    python_requires=">=3.10",
-    packages=find_packages(include=["common*", "proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*"]),
+    python_requires=">=3.11,<3.12",  # what CI runs (common/request_body.py needs 3.11: asyncio.timeout)
+    packages=find_packages(include=["common*", "proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*",
+                                    "stack*", "benchmarks*", "faults*"]),
     package_data={"worker": ["model/assets/**/*", "py.typed"]},
     include_package_data=True,
     # Native hot loops, each optional: without a C compiler the same results come from a
@@ -30,6 +31,7 @@ setup(
         "prometheus-client>=0.20,<0.27",
         "tqdm>=4.66,<5",
         "openai>=1.40,<4",
+        "llguidance>=1.0,<2",   # structured output (JSON schema, regex, choice): a Rust wheel, no dependencies
     ],
     extras_require={
         "test": [
@@ -37,6 +39,8 @@ setup(
             "pytest-timeout>=2.3,<3",
             "hypothesis>=6.100,<7",
             "transformers>=4.45,<6",
+            # lm-evaluation-harness's local-completions model, against the proxy (tests/vllm/test_lm_eval.py).
+            "lm-eval[api]>=0.4.13,<0.5",
         ],
         "nixl": ["nixl>=0.5,<2"],
         "bench": ["matplotlib>=3.8,<4", "transformers>=4.45,<6"],

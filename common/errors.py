@@ -4,7 +4,9 @@
     ├── TokenizerError
     │   ├── TokenizerLoadError   the tokenizer files are missing or malformed
     │   └── ChatTemplateError    the messages do not fit the chat template (a bad request)
-    └── ListenError              a server cannot listen on its address (the port is in use, ...)
+    ├── ListenError              a server cannot listen on its address (the port is in use, ...)
+    └── RegistrationError        a worker record is malformed, or registering it in etcd failed
+                                 (etcd unreachable, lease lost: neuron_connector.registry)
 """
 from __future__ import annotations
 
@@ -26,4 +28,8 @@ class ChatTemplateError(TokenizerError, ValueError):
 
 
 class ListenError(CommonError, OSError):
+    pass
+
+
+class RegistrationError(CommonError):
     pass

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import openai
 
-from serving_stack import StackError, StackOptions, start_di
+from stack.serving import StackError, StackOptions, start_di
 
 # The built-in model is a small byte-level model trained on Python sources: it continues code.
 PROMPTS = ("import os\nimport sys\n\n\ndef main():\n    ", "class Stack:\n    def __init__(self):\n        ")

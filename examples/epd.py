@@ -4,7 +4,7 @@
 
 Writes embeddings files (seeded [n, hidden] tensors, .safetensors and .pt in turn) into a temporary
 directory, starts an encode, a prefill and a decode worker behind the proxy (`--encode`) and a `both`
-worker on the built-in model (examples/epd_stack.py), and sends chat requests with those images as
+worker on the built-in model (stack/epd.py), and sends chat requests with those images as
 `image_url` parts to the proxy and to the `both` worker: greedy and seeded sampling, streamed and not.
 The proxy has each request's images encoded first; the prefill worker pulls their rows through the
 transfer engine. Prints a table per image count and exits 1 if any answer differs, 3 if the stack
@@ -20,13 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import torch
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-
-from examples.epd_stack import start_epd  # noqa: E402
-from examples.serving_stack import StackError, StackOptions  # noqa: E402
+from stack.epd import start_epd
+from stack.serving import StackError, StackOptions
 
 Answer = tuple[int, str, Any]  # HTTP status, text, finish reason (or the error body)
 

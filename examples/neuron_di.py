@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Sequence
 import httpx
 from tqdm import tqdm
 
-from di_stats import Completion, diverging_at, first_mismatch, format_summary, summarize
-from serving_stack import StackError, StackOptions, start_di
+from benchmarks.di_stats import Completion, diverging_at, first_mismatch, format_summary, summarize
+from stack.serving import StackError, StackOptions, start_di
 
 if TYPE_CHECKING:
     from transfer.layout import KVLayout

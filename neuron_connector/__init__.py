@@ -1,8 +1,8 @@
 """neuron_connector: the worker's side of disaggregated inference.
 
 Prefill workers serve KV lookups with a `SendBuffer`; decode workers pull with a
-`RecvBuffer`; both register a `WorkerRecord` in etcd with a `Registration`, which the proxy
-reads back and watches (`proxy.discovery.EtcdDiscovery`).
+`RecvBuffer`; both register a `WorkerRecord` (common.worker_record) in etcd with a `Registration`, which the
+proxy reads back and watches (`proxy.discovery.EtcdDiscovery`).
 
     # prefill
     # secret: bytes from common.kv_secret.resolve_secret, or None (unauthenticated)
@@ -26,32 +26,16 @@ reads back and watches (`proxy.discovery.EtcdDiscovery`).
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
+from common.errors import RegistrationError
 from common.roles import DEFAULT_KV_PORT
+from common.worker_record import WorkerRecord
 from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, EngineIdInUse, EngineMismatch, HandshakeError, IntegrityError,
-    LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout, RegistrationError, Unauthorized, UnknownRequest)
+    LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout, Unauthorized, UnknownRequest)
 from neuron_connector.pulls import PullState, PullStatus
-from neuron_connector.registry import Registration, WorkerRecord
-
-# The buffers need the transfer engine (and torch); the proxy only needs records and
-# registration, so they are imported on first use.
-_LAZY = {"RecvBuffer": "neuron_connector.recv_buffer", "SendBuffer": "neuron_connector.send_buffer",
-         "SendStats": "neuron_connector.send_buffer"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'neuron_connector' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-if TYPE_CHECKING:
-    from neuron_connector.recv_buffer import RecvBuffer
-    from neuron_connector.send_buffer import SendBuffer, SendStats
+from neuron_connector.recv_buffer import RecvBuffer
+from neuron_connector.registry import Registration
+from neuron_connector.send_buffer import SendBuffer, SendStats
 
 __all__ = [
     "DEFAULT_KV_PORT",

@@ -12,9 +12,10 @@
     ├── PullTimeout         the prefill peer had no finished request for the id before the deadline
     ├── IntegrityError      the blocks a pull received do not match the checksum the prefill peer sent
     ├── PeerUnavailable     the prefill peer could not be reached
-    ├── RegistrationError   etcd registration failed (etcd unreachable, lease lost)
     ├── UnknownRequest      a request id this side does not know
     └── DuplicateRequest    a request id that is already published or already being pulled
+
+Registering a worker in etcd raises common.errors.RegistrationError, as reading a malformed record does.
 """
 from __future__ import annotations
 
@@ -56,10 +57,6 @@ class IntegrityError(ConnectorError):
 
 
 class PeerUnavailable(ConnectorError):
-    pass
-
-
-class RegistrationError(ConnectorError):
     pass
 
 

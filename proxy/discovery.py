@@ -7,7 +7,8 @@ from typing import Callable, Iterable
 
 import aetcd
 
-from neuron_connector.registry import KEY_PREFIX, RegistrationError
+from common.errors import RegistrationError
+from common.worker_record import KEY_PREFIX
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shows_draining, shown_record

@@ -34,8 +34,7 @@ class InFlightLegs:
             lost = self._lost.pop(task, None)
             if lost is None:
                 raise  # cancelled for another reason: client gone, other leg failed, shutdown
-            if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is answered here
-                task.uncancel()
+            task.uncancel()  # this cancellation is answered here
             raise lost from exc
         finally:
             self._lost.pop(task, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
-from scheduler import chain_hash
+from common.block_hash import chain_hash
 
 DEFAULT_BLOCK_SIZE = 16  # the worker's --block-size default
 DEFAULT_CAPACITY = 16384  # blocks remembered per decode worker (8 bytes of hash each, plus the dict's share)

@@ -7,7 +7,8 @@ from typing import Callable, Iterable, Sequence
 
 from common.kv_secret import NO_SECRET_ID
 from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
-from neuron_connector.registry import KV_PROTOCOLS, RegistrationError, WorkerRecord
+from common.errors import RegistrationError
+from common.worker_record import KV_PROTOCOLS, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
 __all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "kv_secret_mismatches", "pick",

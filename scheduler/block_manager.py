@@ -1,11 +1,10 @@
 """Allocation of KV blocks to sequences, with reference counts and optional prefix caching."""
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.block_hash import chain_hash
 from scheduler.sequence import Sequence, blocks_for
 
 
@@ -16,18 +15,6 @@ class Block:
     hash: int | None = None          # chained hash of a full block's tokens, None while partial
     token_ids: list[int] = field(default_factory=list)
     media: tuple[tuple[int, int, str], ...] = ()   # the image spans it holds (Sequence.block_media)
-
-
-def chain_hash(token_ids: list[int], prev_hash: int | None, media: tuple[tuple[int, int, str], ...] = ()) -> int:
-    """Hash of a full block folding in the hash of everything before it and the images it holds
-    (placeholder token ids are the same for every image: only the digests tell them apart)."""
-    h = hashlib.blake2b(digest_size=8)
-    if prev_hash is not None:
-        h.update(prev_hash.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    for start, length, digest in media:
-        h.update(f"|{start},{length},{digest}".encode())
-    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
@@ -68,7 +55,7 @@ class BlockManager:
         prev_hash: int | None = None
         for i in range(seq.num_blocks):
             # The block holding the last token is always computed: its logits are needed.
-            if not self.enable_prefix_caching or (i + 1) * self.block_size >= len(seq):
+            if not (self.enable_prefix_caching and seq.reads_prefix_cache) or (i + 1) * self.block_size >= len(seq):
                 break
             token_ids, media = seq.block(i), seq.block_media(i)
             h = chain_hash(token_ids, prev_hash, media)

@@ -23,6 +23,11 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 pip_install() { "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 if [ ! -x "$ROOT/.venv/bin/python" ]; then
+  # setup.py requires the Python CI runs: say so before pip fails on torch for another one.
+  if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    echo "bootstrap.sh: neuron-di needs Python 3.11; $PYTHON is $("$PYTHON" -V 2>&1). Set PYTHON=python3.11" >&2
+    return 2 2>/dev/null || exit 2
+  fi
   "$PYTHON" -m venv "$ROOT/.venv"
 fi
 stamp="$ROOT/.venv/.neuron-di-${EXTRAS:-base}"

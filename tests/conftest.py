@@ -4,7 +4,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers import EtcdServer
+from stack.etcd import EtcdServer
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

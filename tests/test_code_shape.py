@@ -1,4 +1,5 @@
-"""The shape of the code: no import cycles among the project's modules, no oversized files.
+"""The shape of the code: imports point down the packages' order, no import cycles among the project's
+modules, no oversized files, no `sys.path` edits.
 
 Pure and fast: the sources are parsed with `ast`, nothing is imported.
 """
@@ -8,11 +9,21 @@ import ast
 from pathlib import Path
 from typing import Iterator
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-IMPORTING = ("common", "proxy", "neuron_connector", "transfer", "scheduler", "worker", "proxy_server.py")
-SIZED = IMPORTING + ("examples", "tests", "scripts")
+# The packages of ours, lowest first: each imports only the layers before it. Beside them, `proxy` (and
+# its entry point) and `stack` import only `common`; only `worker` of the layers uses `scheduler`; what
+# measures, breaks, teaches and checks the system imports everything. The README's layout shows the same.
+LAYERS = ("common", "transfer", "scheduler", "neuron_connector", "worker")
+ON_COMMON = ("proxy", "proxy_server", "stack")
+ON_EVERYTHING = ("benchmarks", "faults", "examples", "tests")
+SCHEDULER_USERS = ("worker", "benchmarks", "tests")
+OURS = LAYERS + ON_COMMON + ON_EVERYTHING
+IMPORTING = tuple(f"{name}.py" if name == "proxy_server" else name for name in OURS)   # where each one's code is
+SIZED = IMPORTING + ("scripts",)
 MAX_LINES = 400
-_TRY = (ast.Try, getattr(ast, "TryStar", ast.Try))  # try/except* is Python 3.11+
+_TRY = (ast.Try, ast.TryStar)
 
 
 def sources(roots: tuple[str, ...]) -> Iterator[Path]:
@@ -134,3 +145,57 @@ def test_no_file_over_the_line_limit() -> None:
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in sources(SIZED)}
     over = [f"{path}: {lines} lines" for path, lines in sorted(sizes.items()) if lines > MAX_LINES]
     assert not over, f"files over {MAX_LINES} lines:\n  " + "\n  ".join(over)
+
+
+def may_import(package: str) -> tuple[str, ...]:
+    """The packages of ours `package` may import, itself aside."""
+    if package in LAYERS:
+        allowed = LAYERS[:LAYERS.index(package)]
+    elif package in ON_COMMON:
+        allowed = ("common", "proxy") if package == "proxy_server" else ("common",)
+    else:
+        allowed = OURS
+    return tuple(p for p in allowed if p != package and (p != "scheduler" or package in SCHEDULER_USERS))
+
+
+def every_import(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, top-level package) of every import in `path`, in functions and `if TYPE_CHECKING:` blocks too:
+    an import made late is still a dependency."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            top = (node.module or "").split(".")[0] if not node.level else (package or [""])[0]
+            yield node.lineno, top
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_imports_point_down_the_layers(package: str) -> None:
+    allowed = may_import(package)
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {top}"
+             for path in sources((IMPORTING[OURS.index(package)],))
+             for line, top in every_import(path) if top in OURS and top != package and top not in allowed]
+    owner = " (scheduler is the worker's alone)" if any(w.endswith(" scheduler") for w in wrong) else ""
+    assert not wrong, (f"{package} may import only {', '.join(allowed) or 'nothing of ours'}{owner}:\n  "
+                       + "\n  ".join(wrong))
+
+
+def test_every_package_has_its_place_in_the_order() -> None:
+    """A package the order does not place escapes the rule above; a place with no package is a stale rule."""
+    on_disk = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | {"examples"}
+    on_disk |= {p.stem for p in ROOT.glob("*.py") if p.name != "setup.py"}
+    assert not on_disk - set(OURS), f"packages with no place in the order: {sorted(on_disk - set(OURS))}"
+    assert not set(OURS) - on_disk, f"places in the order with no package: {sorted(set(OURS) - on_disk)}"
+
+
+def test_no_sys_path_edits() -> None:
+    """Code imports installed packages (or runs from the repo root as `python -m`); it never edits sys.path."""
+    edits = [f"{path.relative_to(ROOT)}:{node.lineno}"
+             for path in sources(SIZED + ("setup.py",))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Attribute) and node.attr == "path"
+             and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert not edits, "sys.path used in:\n  " + "\n  ".join(edits)

@@ -6,14 +6,15 @@ from typing import Sequence
 
 import httpx
 
-from examples.serving_stack import StackOptions, worker_args
-from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok, wait_until
+from stack.serving import StackOptions, worker_args
+from stack.serving import Process, free_port, wait_healthy
+from tests.helpers import wait_until
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class WorkerProcess:
-    """`python -m worker --role ROLE` (the command line examples/serving_stack.py builds) on free ports."""
+    """`python -m worker --role ROLE` (the command line stack/serving.py builds) on free ports."""
 
     def __init__(self, role: str = "both", transport: str = "shm", extra: Sequence[str] = (),
                  port: int | None = None, kv_port: int | None = None) -> None:
@@ -23,9 +24,9 @@ class WorkerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         args = worker_args(role, self.port, StackOptions(kv_transport=transport),
                            self.kv_port if role != "both" else None)
-        self.proc: ManagedProcess = python_process([*args, *self.extra], name=f"{role}-worker", env=WORKER_ENV)
+        self.proc: Process = Process(f"{role}-worker", [*args, *self.extra], env=WORKER_ENV)
         try:
-            wait_http_ok(f"{self.url}/health", self.proc, timeout=120.0)
+            wait_healthy(f"{self.url}/health", [self.proc], 120.0)
         except BaseException:
             self.proc.stop()
             raise

@@ -61,15 +61,6 @@ class TransferEngine:
             self._bind(Region.allocate(layout, name))
             return self._region.tensor  # type: ignore[union-attr]
 
-    def register_region(self, tensor: torch.Tensor, layout: KVLayout) -> None:
-        """Registers an existing contiguous CPU tensor of `layout.shape` as the pool."""
-        with self._lock:
-            self._check_open()
-            self._check_unregistered()
-            if self.backend == "shm":
-                raise TransferError("the shm backend shares only pools made by allocate_region")
-            self._bind(Region(layout, tensor))
-
     def unregister_region(self) -> None:
         """Stops offering the pool; queued transfers fail with RegionNotRegistered."""
         with self._lock:

@@ -12,7 +12,8 @@ from common.kv_secret import describe_plane, resolve_secret
 from neuron_connector.errors import ConnectorError
 from neuron_connector.pulls import PullState
 from neuron_connector.recv_buffer import RecvBuffer
-from neuron_connector.registry import Registration, WorkerRecord
+from common.worker_record import WorkerRecord
+from neuron_connector.registry import Registration
 from neuron_connector.send_buffer import SendBuffer
 from neuron_connector.vllm.config import NeuronConnectorConfig
 from neuron_connector.vllm.plan import StepOrders

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import torch
 
-from tests.helpers import free_port
+from stack.serving import free_port
 from worker import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 

@@ -7,7 +7,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from tests.helpers import free_port, wait_until
+from stack.serving import free_port
+
+from tests.helpers import wait_until
 from worker import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 

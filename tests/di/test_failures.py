@@ -11,7 +11,8 @@ import pytest
 
 from tests.di.workers import decode_body, prefill_body, worker_pair
 from tests.worker_process import WorkerProcess
-from tests.helpers import free_port, wait_until
+from stack.serving import free_port
+from tests.helpers import wait_until
 
 ABORT_TIMEOUT_S = 3
 PULL_TIMEOUT_S = 3

@@ -12,7 +12,7 @@ import torch
 import worker.engine.kv_connector as kv_connector_module
 from tests.di.test_engine_pair import run_pair, wait_all_free
 from tests.di.test_parity import body, pair_answers, prompts
-from tests.helpers import free_port
+from stack.serving import free_port
 from tests.neuron_connector.kv import corrupting_engine
 from tests.worker_process import WorkerProcess
 from worker import EngineConfig, KVTransferError, LLMEngine, SamplingParams

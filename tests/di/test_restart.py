@@ -42,7 +42,7 @@ def test_restarted_worker_is_reconnected(victim: str, secured: bool, want: list,
                "decode": WorkerProcess("decode", "tcp", extra + (["--engine-id", "decode-kept"] if secured else []))}
     try:
         assert one_request(workers["prefill"], workers["decode"]) == want
-        workers[victim].proc.kill9()
+        workers[victim].proc.kill()
         workers[victim] = workers[victim].restarted()
         assert one_request(workers["prefill"], workers["decode"]) == want
         for worker in workers.values():
@@ -59,7 +59,7 @@ def test_etcd_key_appears_and_vanishes_after_kill9(etcd_server) -> None:
         records = wait_until(lambda: registered_workers(etcd_server.endpoint, "prefill"), timeout=10)
         assert [(r.host, r.http_port, r.kv_port, r.model) for r in records] == [
             ("127.0.0.1", prefill.port, prefill.kv_port, "neuron-di-builtin")]
-        prefill.proc.kill9()
+        prefill.proc.kill()
         wait_until(lambda: not registered_workers(etcd_server.endpoint, "prefill"), timeout=ttl + 5)
     finally:
         prefill.stop()

@@ -13,10 +13,10 @@ import torch
 from tests.encode.embeds_files import HIDDEN, rows, write_images
 from tests.helpers import wait_until
 from tests.worker_process import WorkerProcess
-from worker.encode.errors import EmbedsTransferError
-from worker.encode.fetch import EmbedsFetcher
-from worker.encode.ref import EmbedsRef
-from worker.encode.rows import RowRegion
+from worker.multimodal.errors import EmbedsTransferError
+from worker.multimodal.fetch import EmbedsFetcher
+from worker.multimodal.ref import EmbedsRef
+from worker.multimodal.rows import RowRegion
 from worker.multimodal.embeds import digest
 
 

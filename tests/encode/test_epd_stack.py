@@ -1,5 +1,5 @@
 """EPD through the proxy: a real encode, prefill and decode worker behind the real proxy, against one `both`
-worker that loads the same image files itself (examples/epd_stack.py)."""
+worker that loads the same image files itself (stack/epd.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from examples.epd import answer_all, chat_body
-from examples.epd_stack import start_epd
-from examples.serving_stack import Stack, StackOptions
-from examples.worker_metrics import wait_blocks_free
+from stack.epd import start_epd
+from stack.serving import Stack, StackOptions
+from stack.worker_metrics import wait_blocks_free
 from tests.encode.embeds_files import write_images
 from tests.helpers import wait_until
 from tests.proxy.conftest import start_proxy

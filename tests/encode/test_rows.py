@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.encode.errors import RegionFull
-from worker.encode.rows import BLOCK_BYTES, RowRegion, row_layout, rows_per_block
+from worker.multimodal.errors import RegionFull
+from worker.multimodal.rows import BLOCK_BYTES, RowRegion, row_layout, rows_per_block
 
 
 def test_blocks_are_runs_of_whole_rows_of_about_block_bytes() -> None:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.examples.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
+from tests.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
 
 
 @needs_di
 def test_demo_answers_every_request_and_stops_the_stack():
-    result = run_script("demo_1p1d.py", "--max-tokens", "6", "--kv-transport", "tcp")
+    result = run_script("examples/demo_1p1d.py", "--max-tokens", "6", "--kv-transport", "tcp")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert out.count("=== completion (") == 2 and out.count("+ 6 completion tokens)") == 2
@@ -21,13 +21,13 @@ def test_demo_answers_every_request_and_stops_the_stack():
 @needs_di
 @pytest.mark.slow  # test_neuron_di.py's Ctrl-C test covers the stack's signal handling by default
 def test_ctrl_c_stops_the_whole_stack(tmp_path):
-    status, out = interrupted_run(tmp_path / "demo.log", "demo_1p1d.py", "--max-tokens", "200", marker="serving ")
+    status, out = interrupted_run(tmp_path / "demo.log", "examples/demo_1p1d.py", "--max-tokens", "200", marker="serving ")
     assert status == 130, out
     assert "interrupted; every process was stopped" in out
     assert not any(listening(port) for port in stack_ports(out))
 
 
 def test_demo_reports_a_stack_that_cannot_start(tmp_path):
-    result = run_script("demo_1p1d.py", "--model", str(tmp_path / "missing"))
+    result = run_script("examples/demo_1p1d.py", "--model", str(tmp_path / "missing"))
     assert result.returncode == 1
     assert "demo failed: the " in result.stderr and "worker exited with status" in result.stderr

@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.examples.script_runs import needs_di
-from tests.helpers import ROOT, free_port, wait_until
+from tests.script_runs import needs_di
+from stack.serving import free_port
+from tests.helpers import ROOT, wait_until
 
 LAUNCH_1P1D = ROOT / "examples" / "launch_1p1d.sh"
 LAUNCH_XPYD = ROOT / "examples" / "launch_xpyd.sh"

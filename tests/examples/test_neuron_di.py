@@ -6,9 +6,9 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from di_stats import Completion, blocks_for, diverging_at, first_mismatch, format_summary, summarize, transfer_time
-from neuron_di import PROMPTS, encode_prompts
-from tests.examples.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
+from benchmarks.di_stats import Completion, blocks_for, diverging_at, first_mismatch, format_summary, summarize, transfer_time
+from examples.neuron_di import PROMPTS, encode_prompts
+from tests.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
 from worker.model.loader import builtin_model_path, load_config
 
 
@@ -60,7 +60,7 @@ def test_summary_without_and_with_transfer_time():
 @needs_di
 @pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.slow)])
 def test_neuron_di_outputs_match_the_non_disaggregated_run(transport):
-    result = run_script("neuron_di.py", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "2",
+    result = run_script("examples/neuron_di.py", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "2",
                             "--kv-transport", transport)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "outputs match: 3 prompts" in result.stdout
@@ -78,13 +78,13 @@ def test_neuron_di_outputs_match_the_non_disaggregated_run(transport):
 
 
 def test_bad_arguments_exit_2_before_starting_anything():
-    result = run_script("neuron_di.py", "--max-tokens", "0")
+    result = run_script("examples/neuron_di.py", "--max-tokens", "0")
     assert result.returncode == 2 and "must be at least 1, got 0" in result.stderr
 
 
 @needs_di
 def test_ctrl_c_during_generation_stops_every_process(tmp_path):
-    status, out = interrupted_run(tmp_path / "neuron_di.log", "neuron_di.py", "--max-tokens", "400",
+    status, out = interrupted_run(tmp_path / "neuron_di.log", "examples/neuron_di.py", "--max-tokens", "400",
                                   "--concurrency", "1", marker="DI generate")
     assert status == 130, out
     assert "interrupted; every process was stopped" in out

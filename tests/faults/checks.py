@@ -1,7 +1,7 @@
 """The checks every fault scenario's result must pass."""
 from __future__ import annotations
 
-from fault_judge import ScenarioResult
+from faults.judge import ScenarioResult
 
 
 def assert_clean(result: ScenarioResult) -> None:

@@ -1,4 +1,4 @@
-"""examples/fault_campaign.py: its table and exit status, and (behind --full) its whole default run."""
+"""faults/campaign.py: its table and exit status, and (behind --full) its whole default run."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import fault_campaign
-from fault_judge import ScenarioResult
-from fault_load import Tally
-from fault_scenarios import SCENARIOS
-from tests.examples.script_runs import script_env
+from faults import campaign as fault_campaign
+from faults.judge import ScenarioResult
+from faults.load import Tally
+from faults.scenarios import SCENARIOS
+from tests.script_runs import script_env
 from tests.helpers import ROOT
 
 
@@ -54,7 +54,7 @@ def test_unknown_scenario_is_refused() -> None:
 @pytest.mark.timeout(60 * 60)
 def test_full_campaign_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "campaign.json"
-    done = subprocess.run([sys.executable, "examples/fault_campaign.py", "--json", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "faults.campaign", "--json", str(out)], cwd=ROOT,
                           env=script_env(), capture_output=True, text=True, timeout=55 * 60)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads(out.read_text())["results"]

@@ -16,8 +16,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from fault_load import Load, LoadSize, Reference, Tally, prompts
-from tests.helpers import EtcdServer, wait_until
+from faults.load import Load, LoadSize, Reference, Tally, prompts
+from stack.etcd import EtcdServer
+from tests.helpers import wait_until
 from tests.proxy.conftest import Server, proxied_2p2d
 from tests.proxy.registration import registered_workers
 from tests.worker_process import WorkerProcess

@@ -6,10 +6,10 @@ from typing import Iterator
 
 import pytest
 
-from fault_inputs import HTTP_CASES, ZMQ_BAD_FRAMES
-from fault_judge import Campaign
-from fault_scenarios import SCENARIOS
-from fault_stacks import ABORT_TIMEOUT_S, FaultStack, start_1p1d
+from faults.inputs import HTTP_CASES, ZMQ_BAD_FRAMES
+from faults.judge import Campaign
+from faults.scenarios import SCENARIOS
+from faults.stacks import ABORT_TIMEOUT_S, FaultStack, start_1p1d
 from tests.faults.checks import assert_clean
 from tests.faults.conftest import SMALL
 

@@ -6,9 +6,9 @@ from typing import Iterator
 
 import pytest
 
-from fault_judge import Campaign
-from fault_scenarios import SCENARIOS
-from fault_stacks import FaultStack, start_2p2d
+from faults.judge import Campaign
+from faults.scenarios import SCENARIOS
+from faults.stacks import FaultStack, start_2p2d
 from tests.faults.checks import assert_clean
 from tests.faults.conftest import SMALL
 

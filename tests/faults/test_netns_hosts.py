@@ -15,12 +15,9 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers import ROOT, wait_until
-
-sys.path.insert(0, str(ROOT / "examples"))
-
-from netns_hosts import Host, NetnsUnavailable, TwoHosts, check_available, ip, reap_stale_namespaces  # noqa: E402
-from netns_wire import LinkState, Wire  # noqa: E402
+from faults.netns_hosts import Host, NetnsUnavailable, TwoHosts, check_available, ip, reap_stale_namespaces
+from faults.netns_wire import LinkState, Wire
+from tests.helpers import wait_until
 
 
 @pytest.mark.parametrize("command", [{"loss_pct": 101}, {"delay_ms": -1}, {"up": "no"}, {"jitter_ms": 3}])

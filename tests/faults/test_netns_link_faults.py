@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from fault_campaign import run_campaign
-from fault_load import LoadSize
-from netns_hosts import NetnsUnavailable, check_available
+from faults.campaign import run_campaign
+from faults.load import LoadSize
+from faults.netns_hosts import NetnsUnavailable, check_available
 from tests.faults.checks import assert_clean
 
 LINK_SCENARIOS = ["link_delay_loss_two_hosts", "link_cut_two_hosts"]

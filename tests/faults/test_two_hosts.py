@@ -1,4 +1,4 @@
-"""Prefill and decode on two hosts (network namespaces joined by a cable, examples/netns_hosts.py),
+"""Prefill and decode on two hosts (network namespaces joined by a cable, faults/netns_hosts.py),
 the fault campaign's two-host topology: `auto` moves KV over tcp between them, answers equal a
 single `both` worker's, and faults on the cable (delay, loss, a cut while KV moves) end every
 request exactly or with a clear error, with no request left hanging and no KV block left in use.
@@ -11,11 +11,11 @@ from typing import Iterator
 import httpx
 import pytest
 
-from fault_judge import Campaign, ScenarioResult
-from fault_load import LoadSize
-from fault_stacks import FaultStack
-from netns_faults import PULL_TIMEOUT_S, LinkFault, link_fault, start_two_hosts
-from netns_hosts import NetnsUnavailable, check_available
+from faults.judge import Campaign, ScenarioResult
+from faults.load import LoadSize
+from faults.stacks import FaultStack
+from faults.two_hosts import PULL_TIMEOUT_S, LinkFault, link_fault, start_two_hosts
+from faults.netns_hosts import NetnsUnavailable, check_available
 from tests.faults.checks import assert_clean
 
 # Past the pull deadline, the proxy's answer and some queueing: a request still unanswered then hangs.

@@ -15,13 +15,15 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from fault_load import Load, LoadSize, Reference, Tally
-from netns_faults import DECODE_PORT, KV_PORT, PREFILL_PORT, PROXY_PORT, worker_on
-from netns_hosts import NetnsUnavailable, TwoHosts, check_available
-from serving_load import LoadSpec, make_requests
-from serving_stack import Stack, StackOptions, proxy_args, started, wait_healthy
-from tests.helpers import EtcdServer, wait_until
-from worker_metrics import wait_blocks_free
+from faults.load import Load, LoadSize, Reference, Tally
+from faults.two_hosts import DECODE_PORT, KV_PORT, PREFILL_PORT, PROXY_PORT, worker_on
+from faults.netns_hosts import NetnsUnavailable, TwoHosts, check_available
+from benchmarks.serving_load import LoadSpec, make_requests
+from stack.serving import Stack, StackOptions, proxy_args, started, wait_healthy
+from stack.etcd import EtcdServer
+from stack.serving import wait_healthy
+from tests.helpers import wait_until
+from stack.worker_metrics import wait_blocks_free
 
 OPTIONS = StackOptions(kv_transport="auto")
 LOAD = LoadSpec(num_prompts=24, input_len=(20, 400), output_len=(4, 10), seed=5, request_timeout_s=120.0)

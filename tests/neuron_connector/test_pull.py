@@ -195,7 +195,7 @@ def test_release_frees_a_request_never_pulled_published_or_not(pair: Pair) -> No
 
 
 def test_no_prefill_listening_fails_with_peer_unavailable(shm_pair: Pair) -> None:
-    from tests.helpers import free_port
+    from stack.serving import free_port
     port = free_port()
     shm_pair.recv.request_pull("lost", "127.0.0.1", port, [0], deadline_s=0.5)
     status = wait_terminal(shm_pair.recv, "lost", timeout=10)

@@ -7,7 +7,9 @@ import tempfile
 import pytest
 
 from neuron_connector import Registration, RegistrationError, WorkerRecord
-from tests.helpers import EtcdServer, ManagedProcess, free_port, python_process, wait_until
+from stack.etcd import EtcdServer, etcd_args, etcd_binary
+from stack.serving import Process, free_port
+from tests.helpers import wait_until
 from tests.proxy.registration import registered_workers
 
 
@@ -85,15 +87,15 @@ def test_bad_endpoint_and_record() -> None:
 
 
 def test_killed_process_vanishes_within_ttl(etcd_server: EtcdServer) -> None:
-    proc = python_process(["-m", "neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
-                           "--role", "decode", "--http-port", "8200", "--kv-port", "14600",
-                           "--ttl", "2"], name="register-demo")
+    proc = Process("register-demo", ["-m", "tests.neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
+                                     "--role", "decode", "--http-port", "8200", "--kv-port", "14600",
+                                     "--ttl", "2"])
     try:
         wait_until(lambda: "registered" in proc.output(), timeout=30, what="registration")
         records = registered_workers(etcd_server.endpoint)
         assert [(r.role, r.http_port, r.kv_port, r.engine_id) for r in records] == [
             ("decode", 8200, 14600, "decode-127.0.0.1-8200")]
-        proc.kill9()
+        proc.kill()
         # TTL 2 s plus etcd's expiry sweep: it must vanish well within 2 + 5 s.
         wait_until(lambda: registered_workers(etcd_server.endpoint) == [], timeout=7,
                    what="the lease of the killed process to expire")
@@ -102,8 +104,8 @@ def test_killed_process_vanishes_within_ttl(etcd_server: EtcdServer) -> None:
 
 
 def test_demo_unregisters_on_sigterm(etcd_server: EtcdServer) -> None:
-    proc = python_process(["-m", "neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
-                           "--role", "prefill", "--http-port", "8101", "--ttl", "30"], name="register-demo")
+    proc = Process("register-demo", ["-m", "tests.neuron_connector.register_demo", "--etcd", etcd_server.endpoint,
+                                     "--role", "prefill", "--http-port", "8101", "--ttl", "30"])
     try:
         wait_until(lambda: "registered" in proc.output(), timeout=30, what="registration")
         assert _keys(etcd_server.endpoint) == ["/workers/prefill/127.0.0.1/8101"]
@@ -115,17 +117,10 @@ def test_demo_unregisters_on_sigterm(etcd_server: EtcdServer) -> None:
         proc.stop()
 
 
-def _fresh_etcd_on(port: int) -> tuple[ManagedProcess, str]:
+def _fresh_etcd_on(port: int) -> tuple[Process, str]:
     """An etcd with empty data on a given client port: the old one's leases are gone."""
     data_dir = tempfile.mkdtemp(prefix="etcd-")
-    peer = free_port()
-    endpoint = f"127.0.0.1:{port}"
-    proc = ManagedProcess([shutil.which("etcd") or "/usr/bin/etcd", "--name", "again", "--data-dir", data_dir,
-                           "--listen-client-urls", f"http://{endpoint}", "--advertise-client-urls",
-                           f"http://{endpoint}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                           "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                           "--initial-cluster", f"again=http://127.0.0.1:{peer}"], name="etcd-again")
-    return proc, data_dir
+    return Process("etcd-again", etcd_args("again", data_dir, port), program=etcd_binary()), data_dir
 
 
 def test_reregisters_under_a_new_lease_after_etcd_comes_back(etcd_server: EtcdServer) -> None:

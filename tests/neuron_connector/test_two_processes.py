@@ -10,23 +10,23 @@ import torch
 
 from neuron_connector import LayoutMismatch, PullState, RecvBuffer
 from neuron_connector.errors import EngineMismatch
-from tests.helpers import ManagedProcess, free_port, python_process, wait_until
+from stack.serving import Process, free_port
+from tests.helpers import wait_until
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, seeded, wait_terminal
 
 
-def kill9_and_reap(proc: ManagedProcess) -> None:
+def kill9_and_reap(proc: Process) -> None:
     """SIGKILL leaves the process's shm pool behind (nobody unlinks it); the test does."""
     pid = proc.pid
-    proc.kill9()
+    proc.kill()
     for name in os.listdir("/dev/shm"):
         if f"-{pid}-" in name:
             os.unlink(os.path.join("/dev/shm", name))
 
 
-def start_prefill(port: int, *extra: str, backend: str = "shm") -> ManagedProcess:
-    proc = python_process(["-m", "tests.neuron_connector.prefill_proc", "--port", str(port),
-                           "--backend", backend, *extra], name="prefill",
-                          env={"OMP_NUM_THREADS": "1"})
+def start_prefill(port: int, *extra: str, backend: str = "shm") -> Process:
+    proc = Process("prefill", ["-m", "tests.neuron_connector.prefill_proc", "--port", str(port),
+                               "--backend", backend, *extra], env={"OMP_NUM_THREADS": "1"})
     def ready() -> bool:
         if proc.proc.poll() is not None:
             raise AssertionError(f"prefill exited:\n{proc.output()[-3000:]}")

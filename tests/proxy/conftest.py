@@ -8,7 +8,7 @@ from typing import Callable, Iterator, Sequence
 import httpx
 import pytest
 
-from tests.helpers import ManagedProcess, free_port, python_process, wait_http_ok
+from stack.serving import Process, free_port, wait_healthy
 from tests.worker_process import WorkerProcess
 
 
@@ -16,7 +16,7 @@ from tests.worker_process import WorkerProcess
 class Server:
     """A started process and the port it serves on."""
 
-    process: ManagedProcess
+    process: Process
     port: int
 
     @property
@@ -33,17 +33,17 @@ def start_fake_worker(role: str, etcd: str | None = None, kv_port: int | None = 
     args = ["-m", "tests.proxy.fake_worker", "--role", role, "--port", str(port)]
     args += ["--etcd", etcd, "--lease-ttl", str(lease_ttl)] if etcd else []
     args += ["--kv-port", str(kv_port)] if kv_port else []
-    server = Server(python_process(args, name=f"fake-{role}"), port)
-    wait_http_ok(f"{server.url}/health", server.process, timeout=30)
+    server = Server(Process(f"fake-{role}", args), port)
+    wait_healthy(f"{server.url}/health", [server.process], 30)
     return server
 
 
 def start_proxy(args: Sequence[str], wait: bool = True) -> Server:
     port = free_port()
-    proc = python_process(["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), *args], name="proxy")
+    proc = Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), *args])
     server = Server(proc, port)
     if wait:
-        wait_http_ok(f"{server.url}/health", proc, timeout=30)
+        wait_healthy(f"{server.url}/health", [proc], 30)
     return server
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from proxy import ConfigError, NoWorkers, WorkerPool, WorkerRecord, parse_args
 from proxy.encode import image_parts, with_embeds
-from tests.helpers import EtcdServer, wait_until
+from stack.etcd import EtcdServer
+from tests.helpers import wait_until
 from tests.proxy.conftest import start_proxy
 from tests.worker_process import WorkerProcess
 

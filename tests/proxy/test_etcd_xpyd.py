@@ -8,7 +8,9 @@ from typing import Callable
 
 import httpx
 
-from tests.helpers import EtcdServer, wait_until
+from stack.etcd import EtcdServer
+
+from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_fake_worker, start_proxy
 
 
@@ -55,7 +57,7 @@ def test_2p2d_spread_kill_and_join(etcd_server: EtcdServer, servers: Callable[[S
     assert sorted(_legs(decodes).values()) == [10, 10]
 
     dead, survivor = decodes
-    dead.process.kill9()
+    dead.process.kill()
     _wait_workers(proxy, "decode", 1, 1)  # its lease expired: the key is gone from etcd
     before = _legs([survivor])[survivor.port]
     _send(proxy, 10)
@@ -95,7 +97,7 @@ def test_etcd_loss_keeps_the_last_known_workers(etcd_server: EtcdServer,
     servers(start_fake_worker("prefill", etcd_server.endpoint))
     servers(start_fake_worker("decode", etcd_server.endpoint))
     _wait_workers(proxy, "decode", 1, 1)
-    etcd_server.process.kill9()
+    etcd_server.process.kill()
     wait_until(lambda: "keeping 2 known workers" in proxy.process.output(), timeout=20,
                what="the proxy noticing etcd is gone")
     _send(proxy, 5)

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from proxy.flows import STRATEGIES
-from tests.helpers import free_port, send_and_leave, wait_until
+from stack.serving import free_port
+from tests.helpers import send_and_leave, wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import GREEDY, request_body
 from tests.worker_process import WorkerProcess
@@ -116,7 +117,7 @@ def test_prefill_killed_mid_request_is_a_502_naming_it_and_decode_frees_its_bloc
     with ThreadPoolExecutor(1) as pool:
         reply: Future[tuple[int, list[Any]]] = pool.submit(_post, f"{proxy.url}{path}", body)
         wait_until(lambda: _waits_on_prefill(stack, proxy, strategy), timeout=DEADLINE_S, what="request on prefill")
-        prefill.proc.kill9()
+        prefill.proc.kill()
         status, payloads = reply.result(timeout=DEADLINE_S)
     assert status == 502, payloads  # before any token: a status, even streamed
     message = payloads[0]["error"]["message"]
@@ -137,7 +138,7 @@ def test_decode_killed_mid_stream_is_an_error_event_and_prefill_frees_its_blocks
     with ThreadPoolExecutor(1) as pool:
         reply: Future[tuple[int, list[Any]]] = pool.submit(_post, f"{proxy.url}{path}", body, streaming)
         assert streaming.wait(DEADLINE_S), "no tokens streamed"
-        decode.proc.kill9()
+        decode.proc.kill()
         status, payloads = reply.result(timeout=DEADLINE_S)
     assert status == 200 and payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
     error = payloads[-2]["error"]

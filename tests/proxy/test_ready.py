@@ -5,7 +5,9 @@ from typing import Callable
 
 import httpx
 
-from tests.helpers import free_port, wait_until
+from stack.serving import free_port
+
+from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_fake_worker, start_proxy
 
 

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from tests.helpers import free_port
+from stack.serving import free_port
 from tests.proxy.conftest import Server, start_proxy
 from tests.worker_process import WorkerProcess
 

@@ -11,6 +11,7 @@ import torch
 from tests.helpers import wait_until
 from tests.transfer.conftest import LAYOUT, PROCESS_BACKENDS, shm_segments
 from tests.transfer.peer_proc import block_bytes
+from transfer.region import Region
 from transfer.sockio import PUSH_BUFFER_BYTES
 from transfer import (BackendUnavailable, CompletionToken, InvalidBlocks, KVLayout, LayoutMismatch,
                       PeerLost, TransferError, available_backends, create_transfer_engine, wire)
@@ -105,31 +106,21 @@ def test_auto_uses_shm_on_the_same_host_and_tcp_for_tcp_only_peers(make_engine) 
     assert engine.peer_backend(engine.connect(foreign)) == "tcp"
 
 
-def test_register_existing_tensor(make_engine) -> None:
+def test_a_pool_is_registered_once_and_must_fit_its_layout(make_engine) -> None:
     engine = create_transfer_engine("tcp")
     try:
-        pool = torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype)
-        engine.register_region(pool, LAYOUT)
+        pool = engine.allocate_region(LAYOUT)
         other = make_engine("tcp", seed=5)
         peer = other.connect(engine.descriptor())
         other.queue_transfer_with_token(peer, [9], [4]).wait(10)
         assert block_bytes(pool, [4]) == block_bytes(other._region.tensor, [9])
         with pytest.raises(TransferError, match="already registered"):
-            engine.register_region(pool, LAYOUT)
+            engine.allocate_region(LAYOUT)
         engine.unregister_region()
         with pytest.raises(LayoutMismatch):
-            engine.register_region(pool[:1], LAYOUT)
+            Region(LAYOUT, pool[:1])
         with pytest.raises(LayoutMismatch):
-            engine.register_region(pool.float(), LAYOUT)
-    finally:
-        engine.close()
-
-
-def test_shm_shares_only_its_own_pools() -> None:
-    engine = create_transfer_engine("shm")
-    try:
-        with pytest.raises(TransferError, match="allocate_region"):
-            engine.register_region(torch.zeros(LAYOUT.shape, dtype=LAYOUT.torch_dtype), LAYOUT)
+            Region(LAYOUT, pool.float())
     finally:
         engine.close()
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import python_process, wait_until
+from stack.serving import Process
+
+from tests.helpers import wait_until
 from tests.transfer.conftest import LAYOUT, OUR_PIDS, PROCESS_BACKENDS, shm_segments
 from tests.transfer.peer_proc import block_bytes, exit_without_close
 from transfer import (KVLayout, PeerLost, RegionNotRegistered, TransferEngine, TransferTimeout)
@@ -165,7 +167,7 @@ def test_pool_of_a_killed_owner_is_reaped_by_the_next_allocation(make_engine, ma
 def test_connecting_to_a_dead_unreaped_owner_is_peer_lost(make_engine) -> None:
     """A killed owner that its parent has not reaped yet still has a pid, and its segment is
     gone (another link or the reaper removed it): that is a lost peer, not an unregistered pool."""
-    owner = python_process(["-c", _OWNER], name="shm-owner")
+    owner = Process("shm-owner", ["-c", _OWNER])
     try:
         line = wait_until(lambda: owner.output().partition("\n")[0] if "\n" in owner.output() else None,
                           timeout=60, what="owner's descriptor")

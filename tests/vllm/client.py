@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Sequence
 
 import httpx
 
-from examples.vllm_stack import SERVED_NAME
+from stack.vllm import SERVED_NAME
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,9 @@ from typing import Iterator
 
 import pytest
 
-from examples.serving_stack import Stack
-from examples.vllm_stack import VllmOptions, start_colocated, start_neuron_1p1d
-from tests.helpers import EtcdServer
+from stack.serving import Stack
+from stack.vllm import VllmOptions, start_colocated, start_neuron_1p1d
+from stack.etcd import EtcdServer
 from worker.model.loader import builtin_model_path
 
 # Short timeouts, so that the failure tests (test_stack_failures, run last) see them expire.

@@ -6,8 +6,8 @@ from typing import Iterator
 
 import pytest
 
-from examples.serving_stack import Stack
-from examples.vllm_stack import start_nixl_1p1d
+from stack.serving import Stack
+from stack.vllm import start_nixl_1p1d
 from tests.vllm.conftest import OPTIONS
 from tests.vllm.test_parity import ENDPOINTS, assert_answers_like_reference
 

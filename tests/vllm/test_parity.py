@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from examples.serving_stack import Stack
-from examples.vllm_stack import SERVED_NAME
-from tests.helpers import EtcdServer, wait_until
+from stack.serving import Stack
+from stack.vllm import SERVED_NAME
+from stack.etcd import EtcdServer
+from tests.helpers import wait_until
 from tests.proxy.registration import registered_workers
 from tests.vllm.client import answers, body, metric
 

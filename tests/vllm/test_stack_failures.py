@@ -10,8 +10,9 @@ import uuid
 import httpx
 import pytest
 
-from examples.serving_stack import Stack
-from tests.helpers import free_port, python_process, wait_http_ok, wait_until
+from stack.serving import Stack
+from stack.serving import Process, free_port, wait_healthy
+from tests.helpers import wait_until
 from tests.vllm.client import body, metric
 from tests.vllm.conftest import ABORT_TIMEOUT, PULL_TIMEOUT
 
@@ -64,10 +65,10 @@ def test_unpulled_blocks_are_freed_after_the_abort_timeout(stack: Stack) -> None
 def test_layout_mismatch_is_refused_at_handshake(stack: Stack) -> None:
     """Our own decode worker (its own pool layout) against vLLM's prefill: refused, both layouts named."""
     port = free_port()
-    worker = python_process(["-m", "worker", "--role", "decode", "--host", "127.0.0.1", "--port", str(port),
-                             "--threads", "1"], name="our-decode")
+    worker = Process("our-decode", ["-m", "worker", "--role", "decode", "--host", "127.0.0.1", "--port", str(port),
+                                    "--threads", "1"])
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", worker, timeout=60)
+        wait_healthy(f"http://127.0.0.1:{port}/health", [worker], 60)
         uid = uuid.uuid4().hex   # as the proxy sends it: the leg's request id is X-Request-Id
         payload = {"model": "neuron-di-builtin", "prompt": "hello", "max_tokens": 4,
                    "kv_transfer_params": {"role": "decode", "request_id": uid,

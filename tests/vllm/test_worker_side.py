@@ -11,7 +11,8 @@ import torch
 from neuron_connector.vllm import NeuronConnectorConfig
 from neuron_connector.vllm.plan import Publish, Pull, Release, StepOrders
 from neuron_connector.vllm.worker_side import TransferResults, WorkerSide
-from tests.helpers import free_port, wait_until
+from stack.serving import free_port
+from tests.helpers import wait_until
 from tests.vllm.test_connector_logic import vllm_like_caches
 
 

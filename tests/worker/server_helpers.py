@@ -8,7 +8,7 @@ import httpx
 from hypercorn.asyncio import serve
 from quart import Quart
 
-from tests.helpers import free_port, wait_http_ok
+from stack.serving import free_port, wait_healthy
 from worker.server.cli import hypercorn_config
 
 class InProcessServer:
@@ -21,7 +21,7 @@ class InProcessServer:
         self._stop = asyncio.Event()
         self._thread = threading.Thread(target=self._run, args=(app,), daemon=True)
         self._thread.start()
-        wait_http_ok(f"{self.url}/health", timeout=120.0)
+        wait_healthy(f"{self.url}/health", timeout_s=120.0)
 
     def _run(self, app: Quart) -> None:
         asyncio.set_event_loop(self._loop)

@@ -14,7 +14,9 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import free_port, wait_until
+from stack.serving import free_port
+
+from tests.helpers import wait_until
 from tests.worker.multimodal_helpers import (SNIPPETS, MediaHTTPServer, data_url, image_part, pt_bytes, rows,
                                              safetensors_bytes, text_part, write, write_snippet_images)
 from tests.worker_process import WorkerProcess

@@ -8,7 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import ROOT, free_port, wait_until
+from stack.serving import free_port
+
+from tests.helpers import ROOT, wait_until
 from tests.worker.server_helpers import metric
 from tests.worker_process import WorkerProcess
 from worker.server.cli import parse_args

@@ -1,9 +1,9 @@
-"""Image embeddings kept in a registered memory region and moved by the transfer engine.
+"""The encode role (`python -m worker --role encode`): an HTTP server that loads and checks image parts, keeps
+their rows in a registered region until a prefill worker pulls them, and answers with metadata only.
 
-    rows.RowRegion      a registered region of embedding rows with a contiguous-range allocator
-    store.EmbedsStore   encode side: rows waiting to be pulled, freed once pulled or after a timeout
-    ref.EmbedsRef       the metadata an encode worker answers with (shape, dtype, aux, digest, where)
-    fetch.EmbedsFetcher prefill side: pulls the rows of an EmbedsRef into its own region
-    parts.PartResolver  a worker's image parts of both kinds (image_url loaded, image_embeds pulled)
-    app, serve, flags   the encode worker's HTTP server (`python -m worker --role encode`) and its flags
+    app     the encode worker's HTTP server: POST /v1/encode, POST /v1/embeds/pull, GET /health
+    store   the rows waiting to be pulled, freed once pulled or after a timeout
+    serve   starting it from the worker's command line (and registering it in etcd)
+
+The rows' region, the metadata it answers with and the prefill side's pull are worker/multimodal's.
 """

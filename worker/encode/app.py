@@ -23,16 +23,16 @@ from quart import Quart, Response, g, jsonify
 
 from common.openai_wire import error_body, load_object
 from common.request_body import request_body
-from neuron_connector.registry import WorkerRecord
+from common.worker_record import WorkerRecord
 from transfer import TransferError
-from worker.encode.errors import EmbedsTransferError, UnknownHandle
-from worker.encode.ref import EmbedsRef
-from worker.encode.rows import RowRegion
+from worker.multimodal.errors import EmbedsTransferError, UnknownHandle
+from worker.multimodal.ref import EmbedsRef
+from worker.multimodal.rows import RowRegion
 from worker.encode.store import EmbedsStore
 from worker.errors import invalid
 from worker.multimodal.embeds import image_embeds
 from worker.multimodal.media import MediaPolicy, download_client, load_part
-from worker.server.app import _echo_request_id, _take_request_id
+from worker.server.request_id import use_request_ids
 from worker.server.protocol import error_for
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,7 @@ def create_encode_app(settings: EncodeSettings, base_url: str) -> Quart:
     worker = _EncodeWorker(settings, base_url)
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)
-    app.before_request(_take_request_id)
-    app.after_request(_echo_request_id)
+    use_request_ids(app)
     app.register_error_handler(Exception, worker.error)
     app.add_url_rule("/v1/encode", "encode", worker.encode, methods=["POST"])
     app.add_url_rule("/v1/embeds/pull", "pull", worker.pull, methods=["POST"])

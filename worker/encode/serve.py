@@ -13,8 +13,8 @@ from common.roles import ENCODE_ROLE
 from neuron_connector import Registration, WorkerRecord
 from worker.config import EngineConfig
 from worker.encode.app import EncodeSettings, create_encode_app
-from worker.encode.ref import DTYPES
-from worker.encode.rows import rows_in
+from worker.multimodal.ref import DTYPES
+from worker.multimodal.rows import rows_in
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config
 from worker.multimodal.media import MediaPolicy
 

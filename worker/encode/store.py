@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.encode.errors import UnknownHandle
-from worker.encode.rows import RowRegion, Slot
+from worker.multimodal.errors import UnknownHandle
+from worker.multimodal.rows import RowRegion, Slot
 
 
 @dataclass(frozen=True, slots=True)

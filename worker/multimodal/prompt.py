@@ -1,15 +1,16 @@
-"""A chat prompt with images: the template renders each image part as IMAGE_MARKER, and each marker
-becomes n positions of PLACEHOLDER_TOKEN_ID whose input embeddings are the image's n rows.
+"""A chat prompt with images: the chat parser keeps each image part as a MediaPart and renders it as
+IMAGE_MARKER, and each marker becomes n positions of PLACEHOLDER_TOKEN_ID whose input embeddings are the
+image's n rows.
 
 The placeholder's token id never reaches the model (its embedding row is replaced) nor the output
 (it is only in the prompt); 0 exists in every vocabulary. The prefix cache keys blocks on the
-images' digests as well as the token ids (scheduler/block_manager.py), so equal placeholder ids
+images' digests as well as the token ids (common/block_hash.py), so equal placeholder ids
 never make two different images share KV.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.errors import invalid
 
@@ -19,6 +20,16 @@ if TYPE_CHECKING:   # the chat parser imports IMAGE_MARKER from here: no torch, 
 
 IMAGE_MARKER = "<|neuron_di_image|>"
 PLACEHOLDER_TOKEN_ID = 0
+MEDIA_PART_TYPES = ("image_url", "image_embeds")  # image_embeds: made by an encode worker (worker/encode/)
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """A chat content part that is not text, in prompt order; the message's text holds IMAGE_MARKER in its place."""
+
+    param: str              # where it was, e.g. "messages[0].content[1]": errors about it name this
+    type: str               # one of MEDIA_PART_TYPES
+    value: dict[str, Any]   # the part's object under its type, e.g. {"url": ...} for image_url
 
 
 @dataclass(frozen=True)

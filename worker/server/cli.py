@@ -18,7 +18,7 @@ from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, sec
 from common.listen import hypercorn_bind, listen_socket
 from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
-from worker.encode import flags as embeds_flags
+from worker.multimodal import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -211,9 +211,9 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
 
 
 def embeds_region(args: argparse.Namespace) -> Callable[[int, Any], Any]:
-    """Makes a prefill worker's region of embedding rows (worker/encode/rows.py) once the model is known."""
+    """Makes a prefill worker's region of embedding rows (worker/multimodal/rows.py) once the model is known."""
     def make(hidden_size: int, dtype: Any) -> Any:
-        from worker.encode.rows import RowRegion, rows_in
+        from worker.multimodal.rows import RowRegion, rows_in
 
         return RowRegion(args.kv_transport, args.kv_host, hidden_size, dtype,
                          rows_in(args.embeds_region_mb, hidden_size, dtype), args.kv_secret)

@@ -1,0 +1,115 @@
+"""A multi-turn chat load: conversations whose every turn resends the whole conversation so far.
+
+Turn 1's prompt is a system text every conversation shares plus the conversation's own opening;
+turn k's prompt is turn k-1's prompt + its answer + new user text, as a chat client sends it.
+Prompts are text (the answer comes back as text), built from words of an ASCII vocabulary, so
+the same seed gives the same conversations (and, greedy, the same answers) on every stack. A
+conversation runs its turns one after the other; `max_concurrency` conversations run at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from benchmarks.serving_load import stream_body
+from benchmarks.serving_metrics import RequestResult
+
+WORDS = ("def", "return", "self", "value", "list", "for", "in", "if", "else", "print", "class", "import",
+         "data", "item", "index", "count", "result", "while", "true", "none", "the", "and", "with", "user")
+
+
+@dataclass(frozen=True, slots=True)
+class MultiturnSpec:
+    """N conversations of T turns; text lengths in characters, answers in tokens (inclusive ranges)."""
+
+    num_conversations: int
+    num_turns: int
+    system_chars: int = 400
+    opening_chars: tuple[int, int] = (200, 400)
+    user_chars: tuple[int, int] = (40, 120)
+    output_len: tuple[int, int] = (16, 48)
+    max_concurrency: int = 4
+    seed: int = 0
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.num_conversations < 1 or self.num_turns < 1 or self.max_concurrency < 1:
+            raise ValueError("conversations, turns and max_concurrency must be at least 1")
+        for name in ("opening_chars", "user_chars", "output_len"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name}: need 1 <= min <= max, got {low}..{high}")
+        if self.system_chars < 0:
+            raise ValueError("system_chars must be at least 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """What the user says: the opening (after the shared system text), then one text per later turn."""
+
+    opening: str
+    user_turns: tuple[str, ...]
+    output_lens: tuple[int, ...]          # answer length of every turn
+
+
+def _text(rng: random.Random, num_chars: int) -> str:
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < num_chars:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)
+
+
+def make_conversations(spec: MultiturnSpec) -> tuple[str, list[Conversation]]:
+    """The shared system text and every conversation, the same for the same seed."""
+    rng = random.Random(spec.seed)
+    system = _text(rng, spec.system_chars) + "\n" if spec.system_chars else ""
+    conversations = []
+    for i in range(spec.num_conversations):
+        opening = f"conversation {i}: " + _text(rng, rng.randint(*spec.opening_chars))
+        users = tuple("\nuser: " + _text(rng, rng.randint(*spec.user_chars)) + "\nassistant:"
+                      for _ in range(spec.num_turns - 1))
+        lens = tuple(rng.randint(*spec.output_len) for _ in range(spec.num_turns))
+        conversations.append(Conversation(opening + "\nassistant:", users, lens))
+    return system, conversations
+
+
+def turn_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def run_conversation(client: httpx.AsyncClient, url: str, model: str, system: str,
+                           conversation: Conversation, timeout_s: float) -> list[RequestResult]:
+    """Every turn in order; a failed turn ends the conversation (the next prompt would lack its answer)."""
+    prompt, results = system + conversation.opening, []
+    for turn, output_len in enumerate(conversation.output_lens):
+        if turn:
+            prompt += results[-1].text + conversation.user_turns[turn - 1]
+        result = await stream_body(client, url, turn_body(model, prompt, output_len),
+                                   RequestResult(len(prompt), output_len), timeout_s)
+        results.append(result)
+        if not result.ok:
+            break
+    return results
+
+
+async def run_multiturn(base_url: str, model: str, spec: MultiturnSpec) -> tuple[list[RequestResult], float]:
+    """Runs every conversation (`max_concurrency` at once); the turns' results and the run's duration."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    system, conversations = make_conversations(spec)
+    gate = asyncio.Semaphore(spec.max_concurrency)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(spec.request_timeout_s), limits=limits) as client:
+        async def one(conversation: Conversation) -> list[RequestResult]:
+            async with gate:
+                return await run_conversation(client, url, model, system, conversation, spec.request_timeout_s)
+
+        t0 = time.perf_counter()
+        per_conversation: Sequence[list[RequestResult]] = await asyncio.gather(*(one(c) for c in conversations))
+    results = [r for turns in per_conversation for r in turns]
+    return results, time.perf_counter() - t0

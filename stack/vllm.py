@@ -1,0 +1,133 @@
+"""Starting `vllm serve` stacks on this machine's cores: colocated, 1P1D with NeuronConnector,
+1P1D with vLLM's NixlConnector, each behind our proxy. The vLLM flags live here and nowhere else.
+
+vLLM runs from this interpreter (`python -m vllm.entrypoints.cli.main serve`); each server
+is pinned to one core, its OpenMP threads bound to that core, and stopped on the way out.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.roles import DEFAULT_KV_PORT
+from stack.serving import Stack, StackOptions, free_port, start_proxy, started, wait_healthy
+
+SERVED_NAME = "model"
+
+
+@dataclass(frozen=True, slots=True)
+class VllmOptions:
+    """What every vLLM server of a stack shares."""
+
+    model: str
+    cores: tuple[int, int] = (0, 1)
+    max_model_len: int = 2048
+    num_blocks: int = 256                  # KV blocks of 128 tokens per server
+    kv_transport: str = "auto"             # NeuronConnector's transport
+    extra_config: dict[str, Any] = field(default_factory=dict)   # more NeuronConnector settings
+    startup_timeout_s: float = 300.0
+
+
+def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None) -> list[str]:
+    """A DI server (`kv_config` given) prefills whole prompts: on vLLM's CPU build a seeded
+    request prefilled in chunks kills the engine, and the proxy seeds sampled requests."""
+    args = ["-m", "vllm.entrypoints.cli.main", "serve", options.model, "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+            "--max-model-len", str(options.max_model_len), "--num-gpu-blocks-override", str(options.num_blocks),
+            "--uvicorn-log-level", "warning"]
+    if kv_config is not None:
+        args += ["--no-enable-chunked-prefill", "--kv-transfer-config", json.dumps(kv_config)]
+    return args
+
+
+def neuron_kv_config(role: str, options: VllmOptions, kv_port: int = DEFAULT_KV_PORT,
+                     etcd: str | None = None, http_port: int = 0) -> dict[str, Any]:
+    """NeuronConnector for `role` prefill or decode; with `etcd`, registered there under `http_port`."""
+    extra = {"kv_transport": options.kv_transport, "kv_port": kv_port, **options.extra_config}
+    if etcd:
+        extra.update(etcd=etcd, http_port=http_port)
+    return {"kv_connector": "NeuronConnector", "kv_connector_module_path": "neuron_connector.vllm",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_connector_extra_config": extra}
+
+
+def nixl_kv_config() -> dict[str, Any]:
+    """vLLM's own NixlConnector over host memory (the only way it runs without a GPU)."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def start_server(stack: Stack, name: str, options: VllmOptions, port: int, core: int,
+                 kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1",
+                **(env or {})}
+    stack.start(name, serve_args(options, port, kv_config), core, vllm_env)
+    stack.worker_urls[name] = f"http://127.0.0.1:{port}"
+
+
+def wait_servers(stack: Stack, options: VllmOptions) -> None:
+    for url in stack.worker_urls.values():
+        wait_healthy(f"{url}/health", stack.processes, options.startup_timeout_s)
+
+
+def _proxy(stack: Stack, options: VllmOptions, args: list[str]) -> None:
+    start_proxy(stack, args, StackOptions(startup_timeout_s=options.startup_timeout_s))
+
+
+def start_colocated(options: VllmOptions, proxied: bool = False) -> Stack:
+    """One plain `vllm serve` on the first core (the baseline a user runs today)."""
+    def build(stack: Stack) -> None:
+        port = free_port()
+        start_server(stack, "vllm", options, port, options.cores[0])
+        wait_servers(stack, options)
+        stack.url = stack.worker_urls["vllm"]
+        if proxied:
+            _proxy(stack, options, ["--mode", "colocated", "--worker", f"127.0.0.1:{port}"])
+
+    return started(build)
+
+
+def start_colocated_pair(options: VllmOptions) -> Stack:
+    """Two plain `vllm serve` replicas, one per core, behind our proxy round-robining them (what a
+    vLLM user runs today on these cores)."""
+    def build(stack: Stack) -> None:
+        ports = [free_port() for _ in options.cores]
+        for i, (port, core) in enumerate(zip(ports, options.cores)):
+            start_server(stack, f"vllm {i}", options, port, core)
+        wait_servers(stack, options)
+        _proxy(stack, options, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]])
+
+    return started(build)
+
+
+def start_neuron_1p1d(options: VllmOptions, etcd: str | None = None) -> Stack:
+    """Prefill and decode `vllm serve` with NeuronConnector, one core each, behind our proxy
+    (which finds them in etcd when `etcd` is given, else from its command line)."""
+    def build(stack: Stack) -> None:
+        prefill, decode, kv_port = free_port(), free_port(), free_port()
+        start_server(stack, "prefill", options, prefill, options.cores[0],
+                     neuron_kv_config("prefill", options, kv_port, etcd, prefill))
+        start_server(stack, "decode", options, decode, options.cores[1],
+                     neuron_kv_config("decode", options, etcd=etcd, http_port=decode))
+        stack.kv_ports["prefill"] = kv_port
+        wait_servers(stack, options)
+        # `vllm serve` shows no record on GET /health (our worker does): the proxy needs the KV port.
+        _proxy(stack, options, ["--etcd", etcd] if etcd else [
+            "--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill), "--prefill-kv-port", str(kv_port),
+            "--decode-ip", "127.0.0.1", "--decode-port", str(decode)])
+
+    return started(build)
+
+
+def start_nixl_1p1d(options: VllmOptions) -> Stack:
+    """Prefill and decode `vllm serve` with NixlConnector, one core each, behind our proxy
+    driving vLLM's own handoff (`--kv-protocol nixl`)."""
+    def build(stack: Stack) -> None:
+        prefill, decode = free_port(), free_port()
+        for name, port, core in (("prefill", prefill, options.cores[0]), ("decode", decode, options.cores[1])):
+            start_server(stack, name, options, port, core, nixl_kv_config(),
+                         {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        wait_servers(stack, options)
+        _proxy(stack, options, ["--kv-protocol", "nixl", "--prefill-ip", "127.0.0.1", "--prefill-port",
+                                str(prefill), "--decode-ip", "127.0.0.1", "--decode-port", str(decode)])
+
+    return started(build)
