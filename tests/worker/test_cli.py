@@ -12,7 +12,8 @@ import pytest
 
 from common.roles import DEFAULT_HTTP_PORTS
 from proxy.config import build_parser as proxy_parser
-from tests.helpers import ROOT, free_port
+from stack.serving import free_port
+from tests.helpers import ROOT
 from worker.server.cli import build_parser as worker_parser, parse_args
 
 
