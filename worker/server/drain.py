@@ -32,6 +32,7 @@ class Drain:
         self.timeout = timeout
         self.leave: Callable[[], None] | None = None  # blocking; revokes the etcd lease (cli.py sets it)
         self.started = False
+        self.refusing: str | None = None  # why new requests are refused while the worker stays up (a role change)
         self.done = asyncio.Event()
         self._admitting = 0  # requests between the draining check and their admission by the engine
         self._task: asyncio.Task[None] | None = None
@@ -47,9 +48,9 @@ class Drain:
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
         """Wraps a new request until the engine admitted it; DrainingError once the drain started."""
-        if self.started:
-            raise DrainingError("this worker is draining and takes no new requests; send the request to "
-                                "another worker")
+        if self.started or self.refusing:
+            why = "is draining and takes no new requests" if self.started else f"takes no new requests: {self.refusing}"
+            raise DrainingError(f"this worker {why}; send the request to another worker")
         self._admitting += 1
         try:
             yield
@@ -62,14 +63,18 @@ class Drain:
         return self._admitting == 0 and (
             stats is None or stats.num_running + stats.num_waiting + stats.num_transferring == 0)
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until idle(), the engine stops or `timeout` seconds pass; whether it is idle."""
+        deadline = time.monotonic() + timeout
+        while not self.idle() and self.engine.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        return self.idle()
+
     async def _run(self) -> None:
         try:
             if self.leave is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.leave)
-            deadline = time.monotonic() + self.timeout
-            while not self.idle() and self.engine.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_S)
-            if not self.idle():
+            if not await self.wait_idle(self.timeout):
                 logger.warning("drain timeout (%g s) reached: ending the requests still in flight", self.timeout)
                 self.engine.close_soon()
             else:
