@@ -40,11 +40,11 @@ class PlannerConfig:
     decode_per_seq_s: float = 0.00055
 
     def __post_init__(self) -> None:
-        positive = {"--ttft-target-ms": self.ttft_target_s, "--itl-target-ms": self.itl_target_s,
-                    "--interval": self.interval_s, "--prefill-tokens-per-s": self.prefill_tokens_per_s}
-        for flag, value in positive.items():
+        positive = {"--ttft-target-ms": (self.ttft_target_s, 1000), "--itl-target-ms": (self.itl_target_s, 1000),
+                    "--interval": (self.interval_s, 1), "--prefill-tokens-per-s": (self.prefill_tokens_per_s, 1)}
+        for flag, (value, scale) in positive.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{flag} must be a positive number, got {value!r}")
+                raise ConfigError(f"{flag} must be a positive number, got {value * scale:g}")
         if not isinstance(self.budget, int) or self.budget < 2:
             raise ConfigError(f"--budget must be an integer of at least 2 (a prefill and a decode worker), "
                               f"got {self.budget!r}")
