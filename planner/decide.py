@@ -8,8 +8,9 @@ ITL target). Boring on purpose:
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to `utilization_target`,
   so the band between the two thresholds absorbs noise and a steady load never flips a count back;
 - nothing within `cooldown_s` of the last change, nothing without figures;
-- each role within its bounds, both within the budget: split in proportion to their needs, and a split
-  at the budget moves only when the proportion has moved by more than HOLD_SPLIT workers.
+- each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
+  and needs past the budget split it in proportion; a split at the budget moves only when the proportion
+  has moved by more than HOLD_SPLIT workers.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
                                           state.low_streak[i], figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
-    target = _within_budget(wanted, current, config)
+    needs = {role: _need(role, loads[role], config) for role in ROLES}
+    target = _within_budget(wanted, needs, current, config)
     changed = target != current
     new_state = PlannerState(now if changed else state.last_change_at, (0, 0) if changed else tuple(streaks))
     verb = f"{current} -> {target}" if changed else f"hold {current}"
@@ -101,7 +103,7 @@ def _role_target(role: str, role_load: float, pressure: str | None, count: int, 
                  config: PlannerConfig) -> tuple[int, int, str]:
     """(workers wanted, intervals under utilization_down so far, why) for one role."""
     low, high = config.bounds(role)
-    to_target = min(max(math.ceil(role_load / config.utilization_target), low), high)
+    to_target = _need(role, role_load, config)
     utilization = role_load / count if count else math.inf
     described = f"load {role_load:.2f} ({utilization:.0%} of {count})"
     if count < low:
@@ -120,14 +122,22 @@ def _role_target(role: str, role_load: float, pressure: str | None, count: int, 
     return count, 0, f"{described}{f', {pressure} (not explained by load)' if pressure else ''}: steady"
 
 
-def _within_budget(wanted: dict[str, int], current: Counts, config: PlannerConfig) -> Counts:
-    """`wanted`, or when it exceeds the budget a split of the budget in proportion to it (held near the
-    current split when that is at the budget already)."""
+def _need(role: str, role_load: float, config: PlannerConfig) -> int:
+    """Workers that run `role_load` at utilization_target, within the role's bounds."""
+    low, high = config.bounds(role)
+    return min(max(math.ceil(role_load / config.utilization_target), low), high)
+
+
+def _within_budget(wanted: dict[str, int], needs: dict[str, int], current: Counts, config: PlannerConfig) -> Counts:
+    """`wanted`, or when it exceeds the budget a split of the budget in proportion to the needs (held near
+    the current split when that is at the budget already)."""
     target = Counts(wanted["prefill"], wanted["decode"])
     if target.total <= config.budget:
         return target
+    if needs["prefill"] + needs["decode"] <= config.budget:   # the growing role takes the other's spare workers
+        return Counts(needs["prefill"], needs["decode"])
     (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
-    ideal = config.budget * target.prefill / target.total
+    ideal = config.budget * needs["prefill"] / (needs["prefill"] + needs["decode"])
     ideal = min(max(ideal, low_p, config.budget - high_d), high_p, config.budget - low_d)
     if current.total == config.budget and abs(ideal - current.prefill) <= HOLD_SPLIT:
         return current
