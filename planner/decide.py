@@ -9,7 +9,7 @@ ITL target). Boring on purpose:
   so the band between the two thresholds absorbs noise and a steady load never flips a count back;
 - nothing within `cooldown_s` of the last change, nothing without figures;
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
-  and needs past the budget split it in proportion; a split at the budget moves only when the proportion
+  and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
   has moved by more than HOLD_SPLIT workers.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from planner.config import PlannerConfig
 from planner.figures import Counts, Figures, RoleFigures
 
 ROLES = ("prefill", "decode")
-HOLD_SPLIT = 0.75   # workers: a split at the budget follows the needs' proportion only past this distance
+HOLD_SPLIT = 1.0   # workers: a split at the budget follows the loads' proportion only past this distance
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     needs = {role: _need(role, loads[role], config) for role in ROLES}
-    target = _within_budget(wanted, needs, current, config)
+    target = _within_budget(wanted, needs, loads, current, config)
     changed = target != current
     new_state = PlannerState(now if changed else state.last_change_at, (0, 0) if changed else tuple(streaks))
     verb = f"{current} -> {target}" if changed else f"hold {current}"
@@ -128,16 +128,17 @@ def _need(role: str, role_load: float, config: PlannerConfig) -> int:
     return min(max(math.ceil(role_load / config.utilization_target), low), high)
 
 
-def _within_budget(wanted: dict[str, int], needs: dict[str, int], current: Counts, config: PlannerConfig) -> Counts:
-    """`wanted`, or when it exceeds the budget a split of the budget in proportion to the needs (held near
-    the current split when that is at the budget already)."""
+def _within_budget(wanted: dict[str, int], needs: dict[str, int], loads: dict[str, float], current: Counts,
+                   config: PlannerConfig) -> Counts:
+    """`wanted`; or when it exceeds the budget, the needs if they fit, else a split of the budget in
+    proportion to the loads (held where it is when that is at the budget and near the proportion)."""
     target = Counts(wanted["prefill"], wanted["decode"])
     if target.total <= config.budget:
         return target
     if needs["prefill"] + needs["decode"] <= config.budget:   # the growing role takes the other's spare workers
         return Counts(needs["prefill"], needs["decode"])
     (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
-    ideal = config.budget * needs["prefill"] / (needs["prefill"] + needs["decode"])
+    ideal = config.budget * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
     ideal = min(max(ideal, low_p, config.budget - high_d), high_p, config.budget - low_d)
     if current.total == config.budget and abs(ideal - current.prefill) <= HOLD_SPLIT:
         return current
