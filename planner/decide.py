@@ -15,7 +15,7 @@ ITL target). Boring on purpose:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from planner.config import PlannerConfig
 from planner.figures import Counts, Figures, RoleFigures
@@ -41,8 +41,9 @@ class Decision:
 
 
 def decide(figures: Figures | None, current: Counts, state: PlannerState, config: PlannerConfig,
-           now: float, missing: str = "no figures") -> tuple[Decision, PlannerState]:
-    """The target counts for `current` given the interval's `figures` (None: hold, because `missing`)."""
+           now: float, missing: str = "no figures", fixed_fleet: bool = False) -> tuple[Decision, PlannerState]:
+    """The target counts for `current` given the interval's `figures` (None: hold, because `missing`).
+    A `fixed_fleet` (workers flip, none start or stop) keeps its total: only the split moves."""
     if figures is None:
         return Decision(current, False, f"hold: {missing}"), state
     loads = {role: load(role, figures.role(role), config) for role in ROLES}
@@ -59,6 +60,8 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
         streaks.append(streak)
     needs = {role: _need(role, loads[role], config) for role in ROLES}
     target = _within_budget(wanted, needs, loads, current, config)
+    if fixed_fleet:
+        target = _same_total(target, loads, current, config)
     changed = target != current
     new_state = PlannerState(now if changed else state.last_change_at, (0, 0) if changed else tuple(streaks))
     verb = f"{current} -> {target}" if changed else f"hold {current}"
@@ -137,10 +140,30 @@ def _within_budget(wanted: dict[str, int], needs: dict[str, int], loads: dict[st
         return target
     if needs["prefill"] + needs["decode"] <= config.budget:   # the growing role takes the other's spare workers
         return Counts(needs["prefill"], needs["decode"])
+    return _split(config.budget, loads, current, config)
+
+
+def _split(total: int, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
+    """`total` workers in proportion to the loads, each role within its bounds; `current` if it has that
+    total and is within HOLD_SPLIT of the proportion."""
     (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
-    ideal = config.budget * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
-    ideal = min(max(ideal, low_p, config.budget - high_d), high_p, config.budget - low_d)
-    if current.total == config.budget and abs(ideal - current.prefill) <= HOLD_SPLIT:
+    ideal = total * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
+    ideal = min(max(ideal, low_p, total - high_d), high_p, total - low_d)
+    if current.total == total and abs(ideal - current.prefill) <= HOLD_SPLIT:
         return current
     prefill = round(ideal)
-    return replace(target, prefill=prefill, decode=config.budget - prefill)
+    return Counts(prefill, total - prefill)
+
+
+def _same_total(target: Counts, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
+    """`target` with `current`'s total: a role that grows takes workers from the other; the split of a
+    fleet too small for both needs follows the loads; spare workers stay where they are."""
+    grows = [role for role in ROLES if target.of(role) > current.of(role)]
+    if target.total > current.total or len(grows) == 2:
+        return _split(current.total, loads, current, config)
+    if not grows:
+        return current
+    role = grows[0]
+    other_low = config.bounds("decode" if role == "prefill" else "prefill")[0]
+    count = min(target.of(role), current.total - other_low)
+    return Counts(count, current.total - count) if role == "prefill" else Counts(current.total - count, count)

@@ -43,7 +43,8 @@ class Planner:
             decision = Decision(fleet.counts(), False, "hold: changes under way: " + ", ".join(
                 f"{m.address} {m.state} ({m.role})" for m in fleet.changing))
         else:
-            decision, self.state = decide(figures, fleet.counts(), self.state, self.config, time.time(), why)
+            decision, self.state = decide(figures, fleet.counts(), self.state, self.config, time.time(), why,
+                                          fixed_fleet=not self.connector.can_scale)
         (log.info if decision.changed else log.debug)("%s", decision.reason)
         if decision.changed:
             actions = plan(fleet, decision.target, self.connector.can_flip)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 class Connector(Protocol):
-    can_flip: bool
+    can_flip: bool    # moves workers between roles
+    can_scale: bool   # starts and stops workers
 
     async def fleet(self) -> Fleet: ...
 

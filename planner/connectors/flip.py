@@ -25,6 +25,7 @@ class RoleFlipper:
     `flip` connector (a fixed fleet: nothing is started or stopped)."""
 
     can_flip = True
+    can_scale = False
 
     def __init__(self, etcd: EtcdWorkers, timeout_s: float, client: httpx.AsyncClient | None = None) -> None:
         self.etcd = etcd

@@ -32,6 +32,7 @@ def default_api() -> Any:
 
 class KubernetesConnector:
     can_flip = False
+    can_scale = True
 
     def __init__(self, etcd: EtcdWorkers, namespace: str, deployments: dict[str, str], api: Any = None) -> None:
         self.etcd, self.namespace, self.deployments = etcd, namespace, deployments

@@ -62,6 +62,7 @@ class LocalConnector:
         self.start_timeout_s = start_timeout_s
         self.flipper = flipper
         self.can_flip = flipper is not None
+        self.can_scale = True
         self.log_dir = log_dir or tempfile.gettempdir()
         self.client = httpx.AsyncClient(timeout=10.0)
         self.starting: dict[str, Start] = {}

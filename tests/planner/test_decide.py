@@ -31,11 +31,13 @@ def figures(loads: tuple[float, float], counts: Counts, config: PlannerConfig = 
         decode=RoleFigures(counts.decode, generated_tokens_per_s=load_d * capacity, busy_fraction=1.0))
 
 
-def run(loads: list[tuple[float, float]], start: Counts, config: PlannerConfig = CONFIG) -> list[Counts]:
+def run(loads: list[tuple[float, float]], start: Counts, config: PlannerConfig = CONFIG,
+        fixed: bool = False) -> list[Counts]:
     """The fleet's counts after each interval, the decision applied at once."""
     counts, state, history = start, PlannerState(), []
     for i, interval_loads in enumerate(loads):
-        decision, state = decide(figures(interval_loads, counts, config), counts, state, config, i * config.interval_s)
+        decision, state = decide(figures(interval_loads, counts, config), counts, state, config, i * config.interval_s,
+                                 fixed_fleet=fixed)
         counts = decision.target
         history.append(counts)
     return history
@@ -109,3 +111,17 @@ def test_at_the_budget_the_split_follows_the_needs() -> None:
 def test_a_bad_target_or_budget_names_its_flag(change: dict, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         replace(CONFIG, **change)
+
+
+@settings(max_examples=200, deadline=None)
+@given(load, load, counts)
+def test_a_fixed_fleet_keeps_its_total(load_p: float, load_d: float, start: Counts) -> None:
+    """Role flips only: the split moves, the number of workers never does."""
+    history = run([(load_p, load_d)] * 30, start, fixed=True)
+    assert all(c.total == start.total and c.prefill >= 1 and c.decode >= 1 for c in history)
+
+
+def test_a_fixed_fleet_flips_a_decode_worker_to_prefill_when_prompts_grow() -> None:
+    config = replace(CONFIG, min_samples=1)
+    history = run([(0.2, 0.3)] * 10 + [(1.0, 0.1)] * 10, Counts(1, 2), config, fixed=True)
+    assert history[9] == Counts(1, 2) and history[-1] == Counts(2, 1)
