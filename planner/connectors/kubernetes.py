@@ -17,6 +17,7 @@ from planner.errors import ConnectorError
 from planner.fleet import EtcdWorkers, Fleet, Member
 
 log = logging.getLogger("planner.kubernetes")
+MERGE_PATCH = "application/merge-patch+json"   # the body sets spec.replicas and nothing else
 
 
 def default_api() -> Any:
@@ -67,19 +68,19 @@ class KubernetesConnector:
             if count != self.replicas.get(role):
                 name = self.deployments[role]
                 await self._call(self.api.patch_namespaced_deployment_scale, name, self.namespace,
-                                 {"spec": {"replicas": count}})
+                                 {"spec": {"replicas": count}}, _content_type=MERGE_PATCH)
                 log.info("deployment %s/%s scaled to %d replicas", self.namespace, name, count)
         self.replicas = replicas
 
     async def progress(self) -> None:
         """Nothing to follow: the Deployment controller does, and `fleet()` reads where it is."""
 
-    async def _call(self, method: Any, *args: Any) -> Any:
+    async def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
         try:
-            return await asyncio.to_thread(method, *args)
+            return await asyncio.to_thread(method, *args, **kwargs)
         except ApiException as exc:
             raise ConnectorError(f"Kubernetes API {method.__name__} {args[0]!r} in namespace {self.namespace!r}: "
                                  f"{exc.status} {exc.reason}") from exc
