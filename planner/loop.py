@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,13 @@ class Planner:
         await self.connector.progress()
         fleet = await self.connector.fleet()
         figures, why = await self.observer.figures(fleet.serving())
+        # Changes under way count as done (a stopping worker no more), so none is made twice; only serving
+        # workers are flipped or stopped.
+        decision, self.state = decide(figures, fleet.counts(), self.state, self.config, time.time(), why,
+                                      fixed_fleet=not self.connector.can_scale)
         if fleet.changing:
-            decision = Decision(fleet.counts(), False, "hold: changes under way: " + ", ".join(
+            decision = replace(decision, reason=decision.reason + "; under way: " + ", ".join(
                 f"{m.address} {m.state} ({m.role})" for m in fleet.changing))
-        else:
-            decision, self.state = decide(figures, fleet.counts(), self.state, self.config, time.time(), why,
-                                          fixed_fleet=not self.connector.can_scale)
         (log.info if decision.changed else log.debug)("%s", decision.reason)
         if decision.changed:
             actions = plan(fleet, decision.target, self.connector.can_flip)
