@@ -7,7 +7,7 @@ ITL target). Boring on purpose:
   to `utilization_target`; never on fewer than `min_samples` requests;
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to `utilization_target`,
   so the band between the two thresholds absorbs noise and a steady load never flips a count back;
-- nothing within `cooldown_s` of the last change, nothing without figures;
+- no step down within `cooldown_s` of the last change, nothing without figures;
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
   and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
   has moved by more than HOLD_SPLIT workers.
@@ -47,9 +47,7 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     if figures is None:
         return Decision(current, False, f"hold: {missing}"), state
     loads = {role: load(role, figures.role(role), config) for role in ROLES}
-    if state.last_change_at is not None and now - state.last_change_at < config.cooldown_s:
-        left = config.cooldown_s - (now - state.last_change_at)
-        return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), state
+    cooling = state.last_change_at is not None and now - state.last_change_at < config.cooldown_s
     wanted: dict[str, int] = {}
     streaks: list[int] = []
     reasons: list[str] = []
@@ -62,6 +60,9 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     target = _within_budget(wanted, needs, loads, current, config)
     if fixed_fleet:
         target = _same_total(target, loads, current, config)
+    if cooling and (target.prefill < current.prefill or target.decode < current.decode):
+        left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
+        return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), state
     changed = target != current
     new_state = PlannerState(now if changed else state.last_change_at, (0, 0) if changed else tuple(streaks))
     verb = f"{current} -> {target}" if changed else f"hold {current}"
@@ -73,18 +74,20 @@ def load(role: str, figures: RoleFigures, config: PlannerConfig) -> float:
     if role == "prefill":
         speed = figures.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
         return figures.prompt_tokens_per_s / speed
-    return figures.generated_tokens_per_s / decode_capacity(figures, config)
+    batch, tokens_per_s = decode_capacity(figures, config)
+    # Tokens produced lag behind a growing demand; the streams in flight show it at once.
+    return max(figures.generated_tokens_per_s / tokens_per_s, (figures.running + figures.waiting) / batch)
 
 
-def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> float:
-    """Tokens per second one decode worker yields with its step time at the ITL target: the step time's
-    slope from the profile, its intercept measured where the workers decoded."""
+def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> tuple[float, float]:
+    """(Batch, tokens per second) of one decode worker with its step time at the ITL target: the step
+    time's slope from the profile, its intercept measured where the workers decoded."""
     slope, base = config.decode_per_seq_s, config.decode_base_s
     if figures.decode_step_s is not None and figures.decode_batch:
         base = max(figures.decode_step_s - slope * figures.decode_batch, 0.0)
     batch = config.max_batch if slope <= 0 else (config.itl_target_s - base) / slope
     batch = min(max(batch, 1.0), float(config.max_batch))
-    return batch / (base + slope * batch)
+    return batch, batch / (base + slope * batch)
 
 
 def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:

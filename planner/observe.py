@@ -1,8 +1,9 @@
 """Reads the live figures: the proxy's /metrics (TTFT, ITL, the prefill queue where one exists) and every
 serving worker's (load, KV use, measured speed), each against its previous read.
 
-No guesses: a page that cannot be read, a worker read for the first time, a counter that went back
-(a restart) or a previous read older than `max_age_s` make the interval's figures None, with why.
+No guesses: a page that cannot be read, a counter that went back (a restart) or a previous read older
+than `max_age_s` make the interval's figures None, with why. A worker read for the first time counts
+from its second read on.
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ class Observer:
         if failed:
             return None, "metrics missing (" + "; ".join(failed) + ")"
         now = dict(zip(urls, reads))
-        new = [url for url in urls if url not in before]
-        if new:
-            return None, f"first read of {', '.join(new)}"
+        if self.proxy_url not in before:
+            return None, "first read of the proxy's metrics"
+        members = [m for m in members if m.url in before]   # one read first: a worker new to the fleet counts next time
+        urls = [self.proxy_url] + [m.url for m in members]
         stale = [url for url in urls if now[url].at - before[url].at > self.max_age_s]   # type: ignore[union-attr]
         if stale:
             return None, f"previous read older than {self.max_age_s:g} s: {', '.join(stale)}"

@@ -21,7 +21,7 @@ def figures(loads: tuple[float, float], counts: Counts, config: PlannerConfig = 
     their targets when a role runs past 95% of its capacity."""
     load_p, load_d = loads
     busy_p, busy_d = load_p / max(counts.prefill, 1), load_d / max(counts.decode, 1)
-    capacity = decode_capacity(RoleFigures(0), config)
+    _, capacity = decode_capacity(RoleFigures(0), config)
     return Figures(
         window_s=config.interval_s, samples=samples,
         ttft_s=config.ttft_target_s * (2.0 if busy_p > 0.95 else 0.5),
@@ -88,12 +88,15 @@ def test_no_action_on_too_few_samples_or_without_figures() -> None:
     assert not decision.changed and decision.reason == "hold: metrics missing (http://w: HTTP 500)"
 
 
-def test_cooldown_holds_after_a_change() -> None:
+def test_cooldown_holds_steps_down_after_a_change_not_steps_up() -> None:
     start = Counts(1, 1)
     decision, state = decide(figures((3.0, 0.5), start), start, PlannerState(), CONFIG, 0.0)
     assert decision.changed and decision.target.prefill == 5
-    later, _ = decide(figures((9.0, 0.5), decision.target), decision.target, state, CONFIG, 10.0)
+    down = replace(CONFIG, scale_down_after=1)
+    later, _ = decide(figures((0.2, 0.5), decision.target), decision.target, state, down, 10.0)
     assert not later.changed and "cooling down" in later.reason
+    later, _ = decide(figures((5.0, 0.5), decision.target), decision.target, state, CONFIG, 10.0)
+    assert later.changed and later.target.prefill == 8
 
 
 def test_at_the_budget_the_split_follows_the_needs() -> None:
