@@ -6,7 +6,8 @@ ITL target). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
   to `utilization_target`; never on fewer than `min_samples` requests;
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to `utilization_target`,
-  so the band between the two thresholds absorbs noise and a steady load never flips a count back;
+  so the band between the two thresholds absorbs noise and a steady load never flips a count back; the
+  fleet shrinks only once every role is under it (till then a role's spare workers wait for the other);
 - no step down within `cooldown_s` of the last change, nothing without figures;
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
   and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
@@ -58,7 +59,8 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
         streaks.append(streak)
     needs = {role: _need(role, loads[role], config) for role in ROLES}
     target = _within_budget(wanted, needs, loads, current, config)
-    if fixed_fleet:
+    busy = any(loads[role] / max(current.of(role), 1) >= config.utilization_down for role in ROLES)
+    if fixed_fleet or (busy and target.total < current.total):   # spare workers stay while any role is busy
         target = _same_total(target, loads, current, config)
     if cooling and (target.prefill < current.prefill or target.decode < current.decode):
         left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]

@@ -93,7 +93,7 @@ def test_cooldown_holds_steps_down_after_a_change_not_steps_up() -> None:
     decision, state = decide(figures((3.0, 0.5), start), start, PlannerState(), CONFIG, 0.0)
     assert decision.changed and decision.target.prefill == 5
     down = replace(CONFIG, scale_down_after=1)
-    later, _ = decide(figures((0.2, 0.5), decision.target), decision.target, state, down, 10.0)
+    later, _ = decide(figures((0.2, 0.1), decision.target), decision.target, state, down, 10.0)
     assert not later.changed and "cooling down" in later.reason
     later, _ = decide(figures((5.0, 0.5), decision.target), decision.target, state, CONFIG, 10.0)
     assert later.changed and later.target.prefill == 8
@@ -128,3 +128,13 @@ def test_a_fixed_fleet_flips_a_decode_worker_to_prefill_when_prompts_grow() -> N
     config = replace(CONFIG, min_samples=1)
     history = run([(0.2, 0.3)] * 10 + [(1.0, 0.1)] * 10, Counts(1, 2), config, fixed=True)
     assert history[9] == Counts(1, 2) and history[-1] == Counts(2, 1)
+
+
+def test_spare_workers_wait_while_the_other_role_is_busy() -> None:
+    """A busy fleet keeps its size: the idle role's workers stay for the next shift; once both roles are
+    idle it shrinks."""
+    config = replace(CONFIG, scale_down_after=2)
+    busy = run([(0.2, 5.0)] * 12, Counts(6, 6), config)
+    assert busy[-1].total == 12
+    idle = run([(0.2, 0.3)] * 12, Counts(6, 6), config)
+    assert idle[-1] == Counts(1, 1)
