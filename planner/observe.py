@@ -26,11 +26,12 @@ QUEUE_WAIT = "neuron_di_prefill_queue_wait_seconds"
 class Observer:
     """Keeps the previous read of each page; `figures()` gives the interval since then."""
 
-    def __init__(self, proxy_url: str, percentile_q: float, max_age_s: float, timeout_s: float = 5.0) -> None:
+    def __init__(self, proxy_url: str, percentile_q: float, max_age_s: float, timeout_s: float = 5.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.proxy_url = proxy_url.rstrip("/")
         self.q = percentile_q
         self.max_age_s = max_age_s
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
         self._before: dict[str, Scrape] = {}
 
     async def close(self) -> None:
