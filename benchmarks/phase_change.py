@@ -28,8 +28,8 @@ class Phase:
 
 PHASES = (
     Phase("chat", 4.0, (100, 300), (30, 60)),
-    Phase("documents", 3.0, (2000, 3000), (8, 16)),
-    Phase("generations", 1.8, (100, 300), (100, 300)),
+    Phase("documents", 3.6, (2000, 3000), (8, 16)),
+    Phase("generations", 2.1, (100, 300), (100, 300)),
     Phase("chat again", 4.0, (100, 300), (30, 60)),
     Phase("quiet", 0.6, (100, 300), (30, 60)),
 )
