@@ -80,6 +80,8 @@ class RoleFlip:
         except Exception as exc:  # noqa: BLE001 - whatever failed, the worker must not stay refusing forever
             logger.exception("changing role %s -> %s failed", old, role)
             error = f"{type(exc).__name__}: {exc}"
+            if not self.engine.is_alive():   # no engine of either role could be built: the worker ends
+                self.drain.start()
         finally:
             self.last = FlipOutcome(role, error is None, time.monotonic() - started, error)
             self.target = None
