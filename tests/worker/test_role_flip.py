@@ -55,6 +55,13 @@ def stack() -> Iterator[tuple[str, str, dict[str, str], str]]:
         etcd.stop()
 
 
+async def _answers(url: str, requests: list) -> list[str]:
+    """The mock `both` worker's answers, asked concurrently."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        replies = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body(r, False)) for r in requests))
+    return [reply.json()["choices"][0]["text"] for reply in replies]
+
+
 def _health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()
 
@@ -84,7 +91,7 @@ def test_a_decode_worker_becomes_a_prefill_worker_under_load(stack: tuple) -> No
     proxy, both, workers, etcd = stack
     flipped = workers["decode-1"]
     engine_id = _health(flipped)["worker"]["engine_id"]
-    requests = prompts(48, seed=11, input_len=(20, 400), output_len=(8, 40))
+    requests = prompts(32, seed=11, input_len=(20, 400), output_len=(8, 40))
     load = Load(proxy, requests, LoadSize(len(requests), 6))
 
     async def run() -> None:
@@ -109,9 +116,8 @@ def test_a_decode_worker_becomes_a_prefill_worker_under_load(stack: tuple) -> No
     second = Load(proxy, more, LoadSize(len(more), 4))
     asyncio.run(second.run())
     tally = Tally()
-    for outcome, request in zip(load.outcomes + second.outcomes, requests + more):
-        want = httpx.post(f"{both}/v1/completions", json=body(request, False), timeout=60).json()
-        tally.add(outcome, want["choices"][0]["text"])   # type: ignore[arg-type]
+    for outcome, want in zip(load.outcomes + second.outcomes, asyncio.run(_answers(both, requests + more))):
+        tally.add(outcome, want)   # type: ignore[arg-type]
     assert tally.ok == len(requests) + len(more), (tally.problems, tally.errors)
     assert not any(wait_blocks_free(workers, 30).values())
     httpx.post(f"{flipped}/role", json={"role": "decode"}, timeout=10)   # back, for the other tests
