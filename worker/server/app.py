@@ -26,7 +26,6 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from quart import Quart, Response, g, jsonify, make_response, request
-from werkzeug.exceptions import Conflict
 
 from worker.server.async_engine import AsyncEngine, RequestStream
 from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
@@ -171,15 +170,8 @@ class _Worker:
         role = parse_body(await request_body()).get("role")
         if self.role_flip is None:
             raise invalid("this worker cannot change role (it was not started by `python -m worker`)", "role")
-        if self.drain.started:
-            raise DrainingError("this worker is draining; it changes role no more")
-        if self.role_flip.target is not None:
-            raise Conflict(f"this worker is changing role to {self.role_flip.target} already")
-        current = self.role_flip.role
-        if not self.role_flip.check(role):
-            return jsonify({"status": "unchanged", "role": current})
-        self.role_flip.start(role)
-        return _json({"status": "changing_role", "from": current, "to": role}, 202)
+        body, status = self.role_flip.request(role)
+        return _json(body, status)
 
     async def abort_request(self) -> Response:
         rid = parse_body(await request_body()).get("rid")

@@ -14,8 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from werkzeug.exceptions import Conflict
+
 from common.roles import DISAGGREGATED_ROLES
-from worker.errors import invalid
+from worker.errors import DrainingError, invalid
 from worker.server.async_engine import AsyncEngine
 from worker.server.drain import Drain
 
@@ -64,6 +66,19 @@ class RoleFlip:
             raise invalid(f"this worker serves role {self.role!r}: only prefill and decode workers change role",
                           "role")
         return role != self.role
+
+    def request(self, role: Any) -> tuple[dict[str, Any], int]:
+        """POST /role: the answer's body and status once the change started (or is not due); DrainingError
+        while the worker drains, 409 while another change runs, InvalidRequestError for a role it cannot take."""
+        if self.drain.started:
+            raise DrainingError("this worker is draining; it changes role no more")
+        if self.target is not None:
+            raise Conflict(f"this worker is changing role to {self.target} already")
+        current = self.role
+        if not self.check(role):
+            return {"status": "unchanged", "role": current}, 200
+        self.start(role)
+        return {"status": "changing_role", "from": current, "to": role}, 202
 
     def start(self, role: str) -> None:
         """Starts the change (the caller checked it and that no drain or other change runs)."""
