@@ -93,6 +93,7 @@ def test_the_planner_flips_a_decode_worker_to_prefill_under_load(
         wait_until(lambda: decisions.read_text().count("\n") >= before + 3, timeout=30, what="three new intervals")
         assert all(w.proc.proc.poll() is None for w in workers) and [w.proc.pid for w in workers] == pids
         assert _roles(etcd_server.endpoint) == {"prefill": 2, "decode": 1}
+        _check_bad_role_requests(workers[0].url)
         with Reference() as reference:
             tally = Tally()
             asyncio.run(tally.add_load(short_load, reference))
@@ -103,3 +104,13 @@ def test_the_planner_flips_a_decode_worker_to_prefill_under_load(
     finally:
         planner.stop()
         print(planner.output()[-4000:])
+
+
+def _check_bad_role_requests(url: str) -> None:
+    """POST /role refuses what a worker cannot do, naming `role`, and answers `unchanged` for its own role."""
+    for payload in ({"role": "encode"}, {}):
+        reply = httpx.post(f"{url}/role", json=payload, timeout=10)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "role", reply.text
+        assert "`role` must be one of ['prefill', 'decode']" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{url}/role", json={"role": "prefill"}, timeout=10)
+    assert reply.status_code == 200 and reply.json() == {"status": "unchanged", "role": "prefill"}

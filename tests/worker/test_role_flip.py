@@ -20,6 +20,9 @@ from stack.worker_metrics import wait_blocks_free
 from tests.helpers import wait_until
 from tests.proxy.registration import registered_workers
 
+# The planner's real-process test (tests/planner/test_role_flip_stack.py) flips a worker under load by
+# default; these run with --full.
+pytestmark = pytest.mark.slow
 MOCK = ["--engine", "mock", "--threads", "1", "--kv-transport", "shm", "--mock-decode-base-ms", "20",
         "--drain-timeout", "30", "--etcd-ttl", "3"]
 
