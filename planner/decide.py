@@ -47,7 +47,7 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     A `fixed_fleet` (workers flip, none start or stop) keeps its total: only the split moves."""
     if figures is None:
         return Decision(current, False, f"hold: {missing}"), state
-    loads = {role: load(role, figures.role(role), config) for role in ROLES}
+    loads = {role: load(role, figures, config) for role in ROLES}
     cooling = state.last_change_at is not None and now - state.last_change_at < config.cooldown_s
     wanted: dict[str, int] = {}
     streaks: list[int] = []
@@ -57,7 +57,9 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
                                           state.low_streak[i], figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
-    needs = {role: _need(role, loads[role], config) for role in ROLES}
+    # What each role needs: a growing role what it asked for (an SLO miss may ask one more than its load).
+    needs = {role: max(_need(role, loads[role], config), wanted[role] if wanted[role] > current.of(role) else 0)
+             for role in ROLES}
     target = _within_budget(wanted, needs, loads, current, config)
     busy = any(loads[role] / max(current.of(role), 1) >= config.utilization_down for role in ROLES)
     if fixed_fleet or (busy and target.total < current.total):   # spare workers stay while any role is busy
@@ -71,22 +73,26 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     return Decision(target, changed, f"{verb}: {'; '.join(reasons)}", loads), new_state
 
 
-def load(role: str, figures: RoleFigures, config: PlannerConfig) -> float:
+def load(role: str, figures: Figures, config: PlannerConfig) -> float:
     """Workers' worth of `role` the interval's demand needs, each at 100% utilization."""
+    own = figures.role(role)
     if role == "prefill":
-        speed = figures.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
-        return figures.prompt_tokens_per_s / speed
-    batch, tokens_per_s = decode_capacity(figures, config)
+        speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
+        return own.prompt_tokens_per_s / speed
+    batch, tokens_per_s = decode_capacity(own, config, figures.itl_s)
     # Tokens produced lag behind a growing demand; the streams in flight show it at once.
-    return max(figures.generated_tokens_per_s / tokens_per_s, (figures.running + figures.waiting) / batch)
+    return max(own.generated_tokens_per_s / tokens_per_s, (own.running + own.waiting) / batch)
 
 
-def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> tuple[float, float]:
-    """(Batch, tokens per second) of one decode worker with its step time at the ITL target: the step
-    time's slope from the profile, its intercept measured where the workers decoded."""
+def decode_capacity(figures: RoleFigures, config: PlannerConfig, itl_s: float | None = None) -> tuple[float, float]:
+    """(Batch, tokens per second) of one decode worker with its token gap at the ITL target: the step
+    time's slope from the profile, its intercept measured where the workers decoded: from their step time,
+    or from the ITL percentile at their batch where that is longer (the time between steps counts too)."""
     slope, base = config.decode_per_seq_s, config.decode_base_s
     if figures.decode_step_s is not None and figures.decode_batch:
         base = max(figures.decode_step_s - slope * figures.decode_batch, 0.0)
+    if itl_s is not None and figures.workers and figures.running:
+        base = max(base, itl_s - slope * figures.running / figures.workers)
     batch = config.max_batch if slope <= 0 else (config.itl_target_s - base) / slope
     batch = min(max(batch, 1.0), float(config.max_batch))
     return batch, batch / (base + slope * batch)

@@ -25,7 +25,7 @@ def figures(loads: tuple[float, float], counts: Counts, config: PlannerConfig = 
     return Figures(
         window_s=config.interval_s, samples=samples,
         ttft_s=config.ttft_target_s * (2.0 if busy_p > 0.95 else 0.5),
-        itl_s=config.itl_target_s * (1.5 if busy_d > 0.95 else 0.6),
+        itl_s=config.itl_target_s * (1.5 if busy_d > 0.95 else 0.6),   # the model's decode batch is not shown
         prefill=RoleFigures(counts.prefill, prompt_tokens_per_s=load_p * config.prefill_tokens_per_s,
                             busy_fraction=min(busy_p, 1.0), prefill_tokens_per_busy_s=config.prefill_tokens_per_s),
         decode=RoleFigures(counts.decode, generated_tokens_per_s=load_d * capacity, busy_fraction=1.0))
