@@ -79,20 +79,19 @@ def load(role: str, figures: Figures, config: PlannerConfig) -> float:
     if role == "prefill":
         speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
         return own.prompt_tokens_per_s / speed
-    batch, tokens_per_s = decode_capacity(own, config, figures.itl_s)
+    batch, tokens_per_s = decode_capacity(own, config)
     # Tokens produced lag behind a growing demand; the streams in flight show it at once.
     return max(own.generated_tokens_per_s / tokens_per_s, (own.running + own.waiting) / batch)
 
 
-def decode_capacity(figures: RoleFigures, config: PlannerConfig, itl_s: float | None = None) -> tuple[float, float]:
+def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> tuple[float, float]:
     """(Batch, tokens per second) of one decode worker with its token gap at the ITL target: the step
-    time's slope from the profile, its intercept measured where the workers decoded: from their step time,
-    or from the ITL percentile at their batch where that is longer (the time between steps counts too)."""
+    time's slope from the profile; its intercept the profile's, or the one measured where the workers
+    decoded if that is longer (the profile's may include what a step alone does not: the time between
+    steps, the proxy)."""
     slope, base = config.decode_per_seq_s, config.decode_base_s
     if figures.decode_step_s is not None and figures.decode_batch:
-        base = max(figures.decode_step_s - slope * figures.decode_batch, 0.0)
-    if itl_s is not None and figures.workers and figures.running:
-        base = max(base, itl_s - slope * figures.running / figures.workers)
+        base = max(figures.decode_step_s - slope * figures.decode_batch, base)
     batch = config.max_batch if slope <= 0 else (config.itl_target_s - base) / slope
     batch = min(max(batch, 1.0), float(config.max_batch))
     return batch, batch / (base + slope * batch)
