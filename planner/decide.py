@@ -22,7 +22,7 @@ from planner.config import PlannerConfig
 from planner.figures import Counts, Figures, RoleFigures
 
 ROLES = ("prefill", "decode")
-HOLD_SPLIT = 1.0   # workers: a split at the budget follows the loads' proportion only past this distance
+HOLD_SPLIT = 1.5   # workers: a split at the budget follows the loads' proportion only past this distance
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,10 @@ def _role_target(role: str, role_load: float, pressure: str | None, count: int, 
     if utilization > config.utilization_up or explained:
         if not enough:
             return count, 0, f"{described}: too few samples to scale up"
-        wanted = min(max(to_target, count + 1 if explained else to_target), high)
+        # A miss the load explains grows the role by half (at least one), as far as the load keeps the new
+        # workers over utilization_down: a steady load never takes them back.
+        jump = max(count + 1, min(math.ceil(count * 1.5), math.floor(role_load / config.utilization_down)))
+        wanted = min(max(to_target, jump if explained else to_target), high)
         return wanted, 0, f"{described}{f', {pressure}' if explained else ''}: up"
     if utilization < config.utilization_down and to_target < count and pressure is None:
         if streak + 1 >= config.scale_down_after:
