@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         slo.add_argument(f"--max-{role}", type=int, default=None, help=f"most {role} workers (default: the budget)")
     rules = parser.add_argument_group("the decision's rules")
     rules.add_argument("--interval", type=float, default=5.0, help="seconds between decisions (default 5)")
+    rules.add_argument("--window", type=float, default=None,
+                       help="seconds of metrics each decision reads, smoothing short intervals (default 3 intervals)")
     rules.add_argument("--cooldown", type=float, default=20.0, help="seconds after a change with no other (default 20)")
     rules.add_argument("--min-samples", type=int, default=10,
                        help="requests an interval must have seen before it may scale up (default 10)")
@@ -120,7 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, P
 async def run(args: argparse.Namespace, config: PlannerConfig) -> None:
     etcd = EtcdWorkers(args.etcd)
     connector = connector_from(args, etcd)
-    observer = Observer(args.proxy_url, config.percentile, max_age_s=3 * config.interval_s + 5)
+    window = args.window if args.window is not None else 3 * config.interval_s
+    observer = Observer(args.proxy_url, config.percentile, max_age_s=window + 3 * config.interval_s + 5,
+                        window_s=window)
     planner = Planner(config, connector, observer, args.state_file, args.decisions)
     task = asyncio.create_task(planner.run())
     loop = asyncio.get_running_loop()

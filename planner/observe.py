@@ -24,15 +24,17 @@ QUEUE_WAIT = "neuron_di_prefill_queue_wait_seconds"
 
 
 class Observer:
-    """Keeps the previous read of each page; `figures()` gives the interval since then."""
+    """Keeps the reads of each page over the last `window_s` seconds; `figures()` gives what happened since
+    the oldest of them (at least the previous read), so that a short interval's noise is smoothed."""
 
     def __init__(self, proxy_url: str, percentile_q: float, max_age_s: float, timeout_s: float = 5.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, window_s: float = 0.0) -> None:
         self.proxy_url = proxy_url.rstrip("/")
         self.q = percentile_q
         self.max_age_s = max_age_s
+        self.window_s = window_s
         self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
-        self._before: dict[str, Scrape] = {}
+        self._history: list[dict[str, Scrape]] = []   # the reads within the window, oldest first
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -41,7 +43,7 @@ class Observer:
         """The figures of the serving `members` since the last call, or (None, why not)."""
         urls = [self.proxy_url] + [m.url for m in members]
         reads = await asyncio.gather(*(self._read(url) for url in urls))
-        before, self._before = self._before, {url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)}
+        before = self._remember({url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)})
         failed = [f"{url}: {read}" for url, read in zip(urls, reads) if isinstance(read, str)]
         if failed:
             return None, "metrics missing (" + "; ".join(failed) + ")"
@@ -69,6 +71,17 @@ class Observer:
         wait, _ = percentile(proxy_now, proxy_before, QUEUE_WAIT, self.q)
         return Figures(window, samples, ttft, itl, roles["prefill"], roles["decode"],
                        None if depth is None else int(depth), wait), "ok"
+
+    def _remember(self, current: dict[str, Scrape]) -> dict[str, Scrape]:
+        """Each page's oldest read within the window (at least its previous one); keeps `current` for later."""
+        history, at = self._history, time.monotonic()
+        kept = [read for read in history[:-1] if read and at - min(s.at for s in read.values()) <= self.window_s]
+        kept += history[-1:]
+        before: dict[str, Scrape] = {}
+        for read in reversed(kept):   # newest first: an older read of the same page overrides
+            before.update(read)
+        self._history = kept + [current]
+        return before
 
     async def _read(self, url: str) -> Scrape | str:
         """The page's Scrape, or what went wrong."""

@@ -91,3 +91,22 @@ def test_missing_reset_or_stale_metrics_give_no_figures(fault: str, why: str) ->
     step["n"] = 2
     figures, reason = asyncio.run(obs.figures(WORKERS))
     assert figures is None and reason.startswith(why)
+
+
+@pytest.mark.parametrize("window_s, samples", [(0.0, 20), (60.0, 40)])
+def test_a_window_reads_back_past_the_previous_read(window_s: float, samples: int) -> None:
+    step = {"n": 0}
+
+    def pages(url: str) -> tuple[int, str]:
+        n = step["n"]
+        return 200, proxy_page(20 * n) if url == PROXY else worker_page(3000.0 * n, 2.0 * n)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        status, text = pages(f"{request.url.scheme}://{request.url.host}:{request.url.port}")
+        return httpx.Response(status, text=text)
+
+    obs = Observer(PROXY, 0.9, 120.0, transport=httpx.MockTransport(handle), window_s=window_s)
+    for n in range(3):
+        step["n"] = n
+        figures, _ = asyncio.run(obs.figures(WORKERS))
+    assert figures is not None and figures.samples == samples
