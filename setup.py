@@ -31,6 +31,7 @@ setup(
         "prometheus-client>=0.20,<0.27",
         "tqdm>=4.66,<5",
         "openai>=1.40,<4",
+        "llguidance>=1.0,<2",   # structured output (JSON schema, regex, choice): a Rust wheel, no dependencies
     ],
     extras_require={
         "test": [
@@ -38,6 +39,8 @@ setup(
             "pytest-timeout>=2.3,<3",
             "hypothesis>=6.100,<7",
             "transformers>=4.45,<6",
+            # lm-evaluation-harness's local-completions model, against the proxy (tests/vllm/test_lm_eval.py).
+            "lm-eval[api]>=0.4.13,<0.5",
             "kubernetes>=31,<38",
             "kubernetes-validate>=1.30,<2",
         ],

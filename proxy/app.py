@@ -16,7 +16,8 @@ from proxy.conditional_route import ConditionalRouter
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, HealthChecks
 from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
-from proxy.forward import Forwarder, JSONAnswer
+from proxy.answers import JSONAnswer
+from proxy.forward import Forwarder
 from proxy.metrics import Metrics
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
 from proxy.upstream import AiohttpUpstream, Upstream

@@ -3,8 +3,9 @@
 Disaggregated: the flow (proxy/flows.py) the strategy and the prefill worker's kv_protocol call
 for starts the legs: a prefill answer (one token, not streamed) and a decode leg, stitched into
 one answer whichever flow started them; or, decode_first, one leg to decode, relayed. Single leg:
-colocated workers, a request for one token (prefill answers it), or one conditional
-disaggregation keeps local (its decode worker serves it whole).
+colocated workers, what the prefill worker serves whole (one token, an echoed prompt, prompt
+logprobs), or one conditional disaggregation keeps local (its decode worker serves it whole). A
+request for several answers (prompts, choices) is one such request per answer (proxy/fanned.py).
 """
 from __future__ import annotations
 
@@ -13,20 +14,22 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Any, AsyncGenerator, Callable, Iterator
 
 from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
 from proxy.abandon import Abandoner
+from proxy.answers import Answer, JSONAnswer, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
 from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable, to_http
 from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
                          spawn, stitched_flow)
+from proxy.fanned import answer_all
+from proxy.fanout import fan_out
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
-from proxy.requests import ClientRequest, leg_seed
+from proxy.requests import ClientRequest, leg_seed, prefill_alone
 from proxy.sse import SSEDecoder, encode_raw
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.upstream import Upstream
@@ -35,19 +38,6 @@ from proxy.workers import WorkerPool, WorkerRecord
 log = logging.getLogger("proxy.forward")
 _END = object()  # marks the normal end of a streamed leg in its queue
 _QUEUE_EVENTS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class JSONAnswer:
-    body: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class StreamAnswer:
-    events: AsyncGenerator[bytes, None]
-
-
-Answer = JSONAnswer | StreamAnswer
 
 
 class Forwarder:
@@ -83,11 +73,19 @@ class Forwarder:
             task.cancel()
 
     async def handle(self, request: ClientRequest) -> Answer:
-        """The answer to `request`; one a draining worker refused (nothing of it started, nothing sent to the
-        client yet) is sent once more, to other workers (a decode leg alone is resent, see _start_decode).
-        Disaggregated, image parts are encoded first, on an encode worker (proxy/encode.py)."""
-        if not self._colocated:
-            request = await encode_images(request, self._pool, self._clients)
+        """The answer to `request`. Disaggregated, image parts are encoded first, on an encode worker
+        (proxy/encode.py), and a request for several answers is one request per answer (proxy/fanned.py)."""
+        if self._colocated:
+            return await self._retried(request)
+        request = await encode_images(request, self._pool, self._clients)
+        parts = fan_out(request)
+        if parts is not None:
+            return await answer_all(request, parts, self._retried)
+        return await self._retried(request)
+
+    async def _retried(self, request: ClientRequest) -> Answer:
+        """One a draining worker refused (nothing of it started, nothing sent to the client yet) is sent once
+        more, to other workers (a decode leg alone is resent, see _start_decode)."""
         try:
             return await self._route(request)
         except UpstreamStatus as exc:
@@ -99,7 +97,7 @@ class Forwarder:
     async def _route(self, request: ClientRequest) -> Answer:
         if self._colocated:
             return await self._single(self._pool.next("both"), request)
-        if request.max_tokens == 1:
+        if prefill_alone(request):
             return await self._single(self._pool.next("prefill"), request)
         decode = None
         if self._conditional is not None:
@@ -187,7 +185,8 @@ class Forwarder:
             _cancel(leg)  # EOS at token one: decode has nothing to add
             return prefill_answer(response_id, first)
         rest = json_object(await leg.task, leg.worker)
-        self._first_token(leg.worker, first_token_repeated(first, rest))
+        if (matched := first_token_repeated(first, rest)) is not None:
+            self._first_token(leg.worker, matched)
         return merge_bodies(response_id, first, rest)
 
     def _first_token(self, decode: WorkerRecord, matched: bool) -> None:

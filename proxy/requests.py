@@ -10,6 +10,9 @@ from proxy.errors import BadRequest
 from proxy.workers import WorkerRecord
 
 SEED_RANGE = 2**31  # seeds the proxy draws lie in [0, SEED_RANGE)
+# At most this many answers (prompts x choices) per request: each is a disaggregated request of its own.
+MAX_ANSWERS = 256
+GREEDY_TEMPERATURE = 1e-5  # a temperature below it samples greedily (vLLM's bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,9 @@ class ClientRequest:
     max_tokens: int | None
     include_usage: bool
     seed: int | None
+    n: int = 1
+    num_prompts: int = 1
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
 
 def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> ClientRequest:
@@ -51,20 +57,48 @@ def parse_request(endpoint: Endpoint, raw: bytes, disaggregated: bool) -> Client
         raise BadRequest("'model' must be a non-empty string", "model")
     if endpoint.is_chat:
         _check_messages(body.get("messages"))
+        num_prompts = 1
     else:
-        _check_prompt(body.get("prompt"))
+        num_prompts = len(prompts(_check_prompt(body.get("prompt"))))
     stream = _optional(body, "stream", bool, False)
     options = _optional(body, "stream_options", dict, {})
-    include_usage = _optional(options, "include_usage", bool, False)
+    include_usage = _optional(options, "include_usage", bool, False) and stream
+    continuous = include_usage and _optional(options, "continuous_usage_stats", bool, False)
     max_tokens = _max_tokens(body, endpoint)
     seed = _seed(body)
+    n = _optional(body, "n", int, 1)
+    if n < 1:
+        raise BadRequest("'n' must be a positive integer", "n")
     if disaggregated:
-        for name in ("n", "best_of"):
-            if _optional(body, name, int, 1) != 1:
-                raise BadRequest("only one choice per request (n=1) is supported by the disaggregated proxy", name)
-        if _optional(body, "echo", bool, False):
-            raise BadRequest("'echo' is not supported by the disaggregated proxy", "echo")
-    return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage and stream, seed)
+        _check_answers(body, n, num_prompts)
+    return ClientRequest(endpoint, body, model, stream, max_tokens, include_usage, seed, n, num_prompts, continuous)
+
+
+def _check_answers(body: dict[str, Any], n: int, num_prompts: int) -> None:
+    """What a worker would refuse of a request for several answers, though not of each answer alone (n=1),
+    which is what the workers get; and a bound on how many legs one request makes."""
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, (int, float)) and temperature < GREEDY_TEMPERATURE:
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {n}", "n")
+    if n * num_prompts > MAX_ANSWERS:
+        raise BadRequest(f"at most {MAX_ANSWERS} answers (prompts x n) per request, asked for {n * num_prompts}",
+                         "n" if n > 1 else "prompt")
+
+
+def prefill_alone(request: ClientRequest) -> bool:
+    """Whether the prefill worker serves the request whole, without a decode leg or moving KV: one token at
+    most, or what only a prefill computes (the prompt echoed, prompt logprobs), or beam search (whose beams
+    share one prompt pass, not a stream to stitch)."""
+    body = request.body
+    return (request.max_tokens is not None and request.max_tokens <= 1) or bool(body.get("echo")) \
+        or body.get("prompt_logprobs") is not None or bool(body.get("use_beam_search"))
+
+
+def prompts(prompt: Any) -> list[Any]:
+    """A completion request's prompts: a string or a list of token ids is one, a list of either is several."""
+    if isinstance(prompt, str) or (prompt and not isinstance(prompt[0], (str, list))):
+        return [prompt]
+    return list(prompt)
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
@@ -89,19 +123,19 @@ def _max_tokens(body: dict[str, Any], endpoint: Endpoint) -> int | None:
     names = ("max_completion_tokens", "max_tokens") if endpoint.is_chat else ("max_tokens",)
     values = [(name, _optional(body, name, int, None)) for name in names]
     for name, value in values:
-        if value is not None and value < 1:
-            raise BadRequest(f"'{name}' must be a positive integer", name)
+        if value is not None and value < 0:
+            raise BadRequest(f"'{name}' must be a non-negative integer", name)
     return next((value for _, value in values if value is not None), None)
 
 
-def _check_prompt(prompt: Any) -> None:
+def _check_prompt(prompt: Any) -> Any:
     if isinstance(prompt, str) and prompt:
-        return
+        return prompt
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt) or _token_ids(prompt):
-            return
+            return prompt
         if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
-            return
+            return prompt
     raise BadRequest("'prompt' must be a non-empty string, list of strings or list of token ids", "prompt")
 
 
@@ -135,11 +169,16 @@ def _seeded(body: dict[str, Any], seed: int | None) -> dict[str, Any]:
 
 
 def prefill_body(request: ClientRequest, seed: int | None, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
-    """A prefill leg: the client's body, one token, not streamed."""
+    """A prefill leg: the client's body, one token, not streamed. `min_tokens` above 1 becomes 1, which
+    bans the same for that one token (ending the answer there), and a worker refuses a `min_tokens` above
+    `max_tokens`."""
     body = {**_seeded(request.body, seed), "max_tokens": 1, "stream": False,
             "kv_transfer_params": kv_transfer_params}
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 1:
+        body["min_tokens"] = 1
     body.pop("stream_options", None)
     return body
 

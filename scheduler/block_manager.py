@@ -55,7 +55,7 @@ class BlockManager:
         prev_hash: int | None = None
         for i in range(seq.num_blocks):
             # The block holding the last token is always computed: its logits are needed.
-            if not self.enable_prefix_caching or (i + 1) * self.block_size >= len(seq):
+            if not (self.enable_prefix_caching and seq.reads_prefix_cache) or (i + 1) * self.block_size >= len(seq):
                 break
             token_ids, media = seq.block(i), seq.block_media(i)
             h = chain_hash(token_ids, prev_hash, media)

@@ -246,10 +246,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        """Appends each sampled token; finishes sequences on EOS or max_tokens."""
+        """Appends each sampled token; finishes sequences on EOS, a stop token or max_tokens."""
         for seq, token_id in zip(seqs, token_ids):
             seq.token_ids.append(token_id)
-            if not seq.ignore_eos and token_id in self.eos_token_ids:
+            if (not seq.ignore_eos and token_id in self.eos_token_ids) or token_id in seq.stop_token_ids:
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= seq.max_tokens:
                 self.finish(seq, "length")

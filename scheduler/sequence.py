@@ -29,6 +29,8 @@ class Sequence:
     ignore_eos: bool = False
     block_size: int = 16
     remote_kv: bool = False          # prefill: hold blocks until pulled; decode: pull the prompt's KV
+    stop_token_ids: frozenset[int] = frozenset()   # tokens that end it as EOS does (even with ignore_eos)
+    reads_prefix_cache: bool = True  # False: every prompt position is computed (its logits are wanted)
     # Prompt positions whose input is an embedding, not a token: (start, length, digest) per image,
     # sorted and disjoint. The prefix cache keys blocks on them too.
     mm_spans: tuple[tuple[int, int, str], ...] = ()

@@ -13,7 +13,8 @@ A request may steer it with a body field `fake` (the proxy passes unknown fields
 (`"prefill"`, `"decode"`, `"single"`): `{"status": 500}`, `{"hang": true}`,
 `{"delay": seconds_per_token}`, `{"die_after": n}` (os._exit after n chunks),
 `{"first_token": text}` (a different first token), `{"no_handoff": true}` (a NixlConnector
-prefill answer without `kv_transfer_params`).
+prefill answer without `kv_transfer_params`); `{"by_prompt": {PROMPT: {...}}}` steers the legs of
+one prompt (a string) otherwise.
 
     python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT --lease-ttl 2]
 """
@@ -72,7 +73,11 @@ class FakeWorker:
         uid = request.headers.get("X-Request-Id", "")
         self.legs.append({"uid": uid, "leg": leg, "kv_transfer_params": kv, "max_tokens": body.get("max_tokens"),
                           "stream": bool(body.get("stream")), "user": body.get("user"), "body": body})
-        steer = (body.get("fake") or {}).get(leg, {})
+        fake = body.get("fake") or {}
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            fake = {**fake, **(fake.get("by_prompt") or {}).get(prompt, {})}
+        steer = fake.get(leg, {})
         self.active += 1
         try:
             if "status" in steer:

@@ -115,6 +115,43 @@ def test_client_disconnect_before_the_first_token_cancels_both_legs(pair: Pair) 
     _cancelled_and_idle(pair.decode, body["user"])
 
 
+def _all_cancelled_and_idle(server: Server, user: str, count: int) -> None:
+    """The worker saw the proxy drop `count` legs of this client request, and holds no request any more."""
+    def done() -> bool:
+        state = server.state()
+        uids = {leg["uid"] for leg in state["legs"] if leg["user"] == user}
+        return len(uids & set(state["cancelled"])) == count and state["active"] == 0
+    wait_until(done, timeout=10, what=f"{count} legs of {user} cancelled on {server.url}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_one_failed_answer_of_several_fails_the_request_and_cancels_the_others(pair: Pair, stream: bool) -> None:
+    body = {**_body({"decode": {"hang": True}, "by_prompt": {"b": {"decode": {"status": 503}}}}, stream),
+            "prompt": ["a", "b", "c"]}
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=body, timeout=30)
+    if reply.status_code == 200:  # streamed, answers started with prefill's tokens: the error ends the stream
+        assert stream
+        events = _sse(reply.text)
+        assert reply.status_code == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert "decode worker" in events[-2]["error"]["message"]
+    else:
+        assert reply.status_code == 502 and "decode worker" in reply.json()["error"]["message"]
+    _all_cancelled_and_idle(pair.decode, body["user"], 2)  # a's and c's; b's answered its 503
+    assert pair.prefill.state()["active"] == 0
+
+
+def test_client_disconnect_mid_stream_of_several_answers_cancels_every_decode_leg(pair: Pair) -> None:
+    body = {**_body({"decode": {"delay": 0.3}}, stream=True, max_tokens=50), "prompt": ["a", "b"], "n": 2,
+            "temperature": 0.5}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", f"{pair.proxy.url}/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            firsts = [json.loads(next(line for line in lines if line.startswith("data: "))[6:]) for _ in range(4)]
+            assert {c["choices"][0]["index"] for c in firsts} == {0, 1, 2, 3}  # each answer's first token
+    _all_cancelled_and_idle(pair.decode, body["user"], 4)
+    wait_until(lambda: _inflight(pair, pair.decode, "decode") == 0, timeout=10, what="in-flight gauge back to 0")
+
+
 BAD_BODIES: list[tuple[str, bytes]] = [
     ("not json", b"{nope"),
     ("not an object", b"[1, 2]"),
@@ -123,12 +160,12 @@ BAD_BODIES: list[tuple[str, bytes]] = [
     ("no prompt", json.dumps({"model": "m"}).encode()),
     ("empty prompt", json.dumps({"model": "m", "prompt": ""}).encode()),
     ("prompt of dicts", json.dumps({"model": "m", "prompt": [{"a": 1}]}).encode()),
-    ("max_tokens zero", json.dumps({"model": "m", "prompt": "x", "max_tokens": 0}).encode()),
+    ("max_tokens negative", json.dumps({"model": "m", "prompt": "x", "max_tokens": -1}).encode()),
     ("max_tokens string", json.dumps({"model": "m", "prompt": "x", "max_tokens": "5"}).encode()),
     ("max_tokens bool", json.dumps({"model": "m", "prompt": "x", "max_tokens": True}).encode()),
     ("stream not bool", json.dumps({"model": "m", "prompt": "x", "stream": "yes"}).encode()),
-    ("n above one", json.dumps({"model": "m", "prompt": "x", "n": 2}).encode()),
-    ("best_of above one", json.dumps({"model": "m", "prompt": "x", "best_of": 3}).encode()),
+    ("n zero", json.dumps({"model": "m", "prompt": "x", "n": 0}).encode()),
+    ("more than 256 answers", json.dumps({"model": "m", "prompt": ["x"] * 100, "n": 3}).encode()),
     ("seed above int64", json.dumps({"model": "m", "prompt": "x", "seed": 2**100}).encode()),
     ("nested beyond the recursion limit", b"[" * 100_000 + b"]" * 100_000),
     ("nested 500 levels in an unknown key",

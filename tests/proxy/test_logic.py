@@ -107,6 +107,7 @@ def test_chat_stitcher_checks_the_first_content_delta_not_the_role_chunk() -> No
 def test_whole_answers_first_token_check() -> None:
     assert first_token_repeated(PREFILL, {"choices": [{"text": " A B C"}]})
     assert not first_token_repeated(PREFILL, {"choices": [{"text": " Z B C"}]})
+    assert first_token_repeated(PREFILL, {"choices": [{"text": " "}]}) is None  # cut short by a stop string
     chat_prefill = {"choices": [{"message": {"role": "assistant", "content": " A"}}]}
     assert first_token_repeated(chat_prefill, {"choices": [{"message": {"role": "assistant", "content": " A B"}}]})
     assert not first_token_repeated(chat_prefill, {"choices": [{"message": {"role": "assistant", "content": "B"}}]})
@@ -164,7 +165,11 @@ def test_nixl_leg_bodies_are_vllms_handoff() -> None:
 
 
 @pytest.mark.parametrize("body,param,message", [
-    ({"best_of": 3}, "best_of", "only one choice per request"),
+    ({"n": 0}, "n", "'n' must be a positive integer"),
+    ({"n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling, got 2"),
+    ({"n": 257}, "n", "at most 256 answers (prompts x n) per request, asked for 257"),
+    ({"prompt": ["a", "b"], "n": 129}, "n", "at most 256 answers"),
+    ({"prompt": [[1]] * 257}, "prompt", "at most 256 answers"),
     ({"seed": 2**63}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
     ({"seed": -2**63 - 1}, "seed", "'seed' must be an int in [-2**63, 2**63)"),
 ])

@@ -1,6 +1,7 @@
 """--kv-protocol nixl: vLLM's NixlConnector handoff, prefill first, then decode with what prefill answered."""
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -115,3 +116,25 @@ def test_a_failing_decode_is_502_whole_and_an_sse_error_streamed(nixl_pair: Pair
     assert len(lines) == 3 and lines[-1] == "data: [DONE]"
     assert '"text":" w' in lines[0]  # prefill's token went out first
     assert f"decode worker 127.0.0.1:{nixl_pair.decode.port}: answered HTTP 500" in lines[1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_list_of_prompts_is_one_handoff_per_prompt(nixl_pair: Pair, stream: bool) -> None:
+    prompts = ["first prompt", "second one", "third"]
+    body = {"model": "fake-model", "prompt": prompts, "max_tokens": 4, "stream": stream, "user": uuid.uuid4().hex}
+    reply = httpx.post(f"{nixl_pair.proxy.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200
+    if stream:
+        texts = ["", "", ""]
+        for line in reply.text.splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    else:
+        texts = [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+    direct = [httpx.post(f"{nixl_pair.single.url}/v1/completions", json={**body, "prompt": p, "stream": False},
+                         timeout=30).json()["choices"][0]["text"] for p in prompts]
+    assert texts == direct
+    legs = [leg for leg in nixl_pair.decode.state()["legs"] if leg["user"] == body["user"]]
+    assert sorted(leg["body"]["prompt"] for leg in legs) == sorted(prompts)
+    assert len({leg["uid"] for leg in legs}) == 3  # each its own handoff

@@ -17,6 +17,9 @@ import pytest
 
 from tests.di.workers import worker_pair
 from tests.helpers import wait_until
+from tests.lm_eval_check import assert_same_scores, evaluate
+from tests.surface import PREFILL_ALONE, SHAPES, assert_load_equal, assert_shape_equal
+from tests.vllm.client import metric
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, proxied_1p1d, start_proxy
 
@@ -88,6 +91,40 @@ def test_proxy_usage_counts_the_whole_completion(stack) -> None:
     assert (got.prompt_tokens, got.completion_tokens) == (want.prompt_tokens, want.completion_tokens)
 
 
+# Logprobs at the seam, several answers, the prefill worker alone, sampling parameters, a refusal; the other
+# shapes take the same paths (tests/vllm/test_openai_surface.py runs every one over vLLM by default).
+FAST_SHAPES = ("logprobs", "chat-n", "prompt-list", "echo-max-tokens-0", "sampling", "json-schema",
+               "stop-strings")
+REFUSED = ("best-of",)  # our worker does not serve best_of
+
+
+@pytest.mark.parametrize("shape", [s if s in FAST_SHAPES else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in SHAPES])
+def test_request_shape_equals_one_worker(stack, shape: str) -> None:
+    """Greedy and seeded, streamed and not; what our worker refuses is its 400 either way."""
+    proxy, _, decode, both = stack
+    pulls = metric(decode.url, "neuron_di_kv_pulls_total")
+    with httpx.Client(timeout=120) as client:
+        assert_shape_equal(client, "neuron-di-builtin", both.url, proxy.url, shape, REFUSED)
+    if shape in PREFILL_ALONE:  # no decode leg, no KV moved
+        assert metric(decode.url, "neuron_di_kv_pulls_total") == pulls
+
+
+@pytest.mark.slow  # tests/vllm/test_openai_surface.py runs it over vLLM workers by default
+def test_prompt_lists_n3_json_schema_at_concurrency_8(stack) -> None:
+    proxy, _, _, both = stack
+    assert_load_equal("neuron-di-builtin", both.url, proxy.url)
+
+
+@pytest.mark.slow  # tests/vllm/test_lm_eval.py runs it over vLLM workers by default
+def test_lm_eval_scores_through_the_proxy_equal_one_worker(stack, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e .[test])")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    proxy, _, _, both = stack
+    assert_same_scores(evaluate(proxy.url, "neuron-di-builtin", tmp_path),
+                       evaluate(both.url, "neuron-di-builtin", tmp_path), tolerance=1e-3)
+
+
 @pytest.mark.slow  # tests/proxy/test_flows.py sends 16 at once in every flow by default
 def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
     proxy, _, _, both = stack
@@ -107,10 +144,10 @@ def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
 def test_unsupported_parameter_is_the_workers_400_through_the_proxy(stack) -> None:
     proxy = stack[0]
     reply = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
-                       json={"model": "neuron-di-builtin", "prompt": PROMPT, "presence_penalty": 0.5, **SAMPLING})
+                       json={"model": "neuron-di-builtin", "prompt": PROMPT, "use_beam_search": True, **SAMPLING})
     assert reply.status_code == 400
-    assert reply.json()["error"]["param"] == "presence_penalty"
-    assert reply.json()["error"]["message"].startswith("`presence_penalty` is not supported by this server")
+    assert reply.json()["error"]["param"] == "use_beam_search"
+    assert reply.json()["error"]["message"].startswith("`use_beam_search` is not supported by this server")
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ def run_one(engine: LLMEngine, request_id: str, ids: list[int], spans: list) -> 
     while True:
         step = engine.scheduler.schedule()
         cached = step.chunks[0].start if cached is None else cached   # the prefill starts after the cached blocks
-        token_ids = engine.runner.run(step)
+        token_ids = engine.runner.run(step).token_ids
         engine.scheduler.postprocess(step.sampled, token_ids)
         tokens += token_ids
         if engine.scheduler.is_finished():

@@ -8,6 +8,7 @@ import torch
 
 from tests.worker.conftest import make_hf_checkpoint
 from worker import EngineConfig, LLMEngine, SamplingParams
+from worker.model import runner
 from worker.model.layers import paged_decode
 
 PROMPTS = [[256, 100, 101, 102, 32, 120, 40, 41, 58, 10, 32, 32],
@@ -164,3 +165,29 @@ def test_checkpoints_we_save_load_in_transformers(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = ours.compute_logits(ours(ids, torch.arange(ids.shape[1]).unsqueeze(0)))[0]
     assert torch.allclose(hf_logits(hf_model(tmp_path), PROMPTS[2]), expected, atol=1e-4, rtol=0)
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each output token's logprob and top alternatives, and every prompt token's, are log-softmax of
+    transformers' logits on the same sequence (greedy, so the tokens are transformers' too)."""
+    monkeypatch.setattr(runner, "PROMPT_LOGITS_ROWS", 5)   # the prompt's logits made five rows at a time
+    hf = hf_model(checkpoint)
+    engine = engine_for(checkpoint)
+    engine.add_request("lp", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3,
+                                                         prompt_logprobs=2))
+    outputs = []
+    while not (outputs and outputs[-1].finished):
+        outputs += engine.step()
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    expected = torch.log_softmax(hf_logits(hf, PROMPTS[0] + tokens), dim=-1)
+    prompt_entries = outputs[0].prompt_logprobs
+    assert prompt_entries[0] is None and len(prompt_entries) == len(PROMPTS[0])
+    entries = [(p, e) for p, e in enumerate(prompt_entries[1:])] + \
+              [(len(PROMPTS[0]) - 1 + i, o.logprobs[0]) for i, o in enumerate(outputs)]
+    for position, entry in entries:   # position's logits give the next token's entry
+        row = expected[position]
+        mine = float(row[entry.token_id])
+        assert entry.logprob == pytest.approx(mine, abs=1e-4)
+        assert int((row > mine + 1e-4).sum()) < entry.rank <= int((row >= mine - 1e-4).sum())
+        assert [t for t, _ in entry.top] == row.topk(len(entry.top)).indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(row.topk(len(entry.top)).values.tolist(), abs=1e-4)

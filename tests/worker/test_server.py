@@ -78,7 +78,8 @@ def test_chat_streamed_text_equals_one_shot_text_with_usage(client: openai.OpenA
 def test_token_id_prompt_is_accepted_and_deterministic(worker: WorkerProcess) -> None:
     body = {"prompt": [5, 17, 42, 99, 7], "max_tokens": 6, **GREEDY, **LONG}
     first, second = (httpx.post(f"{worker.url}/v1/completions", json=body).json() for _ in range(2))
-    assert first["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    assert first["usage"] == {"prompt_tokens": 5, "total_tokens": 11, "completion_tokens": 6,
+                              "prompt_tokens_details": None, "completion_tokens_details": None}   # vLLM's shape
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
 
 
@@ -184,19 +185,21 @@ def error(message: str, param: str | None) -> dict:
 BAD_REQUESTS = [
     ("completions", b"{not json", None, "request body is not valid JSON"),
     ("completions", b"[1, 2]", None, "request body must be a JSON object"),
-    ("completions", {"max_tokens": 3}, "prompt", "`prompt` must be a string or a non-empty list of token ids"),
-    ("completions", {"prompt": 7}, "prompt", "`prompt` must be a string or a non-empty list of token ids"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt", "only one prompt per request is supported"),
+    ("completions", {"max_tokens": 3}, "prompt", "`prompt` must be a string, a non-empty list of token ids"),
+    ("completions", {"prompt": 7}, "prompt", "`prompt` must be a string, a non-empty list of token ids"),
+    ("completions", {"prompt": ["a", 3]}, "prompt", "`prompt` must be a string, a non-empty list of token ids"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
     ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", "`max_tokens` must be of type integer"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, "temperature", "`temperature` must be of type number"),
     ("completions", {"prompt": "hi", "stop": 3}, "stop", "`stop` must be a string or a list of strings"),
-    ("completions", {"prompt": "hi", "n": 2}, "n", "only n=1 is supported"),
+    ("completions", {"prompt": "hi", "n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling"),
     ("completions", {"prompt": "hi", "seed": 2**100}, "seed", "seed must be an int in [-2**63, 2**63)"),
     ("completions", b"[" * 100_000 + b"]" * 100_000, None, "request body is nested more than 64 levels deep"),
     ("completions", {"prompt": "hi", "best_of": 3}, "best_of", "`best_of` is not supported by this server"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5},
-     "presence_penalty", "`presence_penalty` is not supported by this server"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
+     "presence_penalty", "presence_penalty must be a number in [-2, 2], got 3.0"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"grammar": "x"}},
+     "structured_outputs", "`structured_outputs.grammar` is not supported by this server"),
     ("completions", {"prompt": "hi", "model": "gpt-17"}, "model", "The model `gpt-17` does not exist."),
     ("completions", {"prompt": [1, -4]}, None, "prompt token ids must be ints in [0, "),
     ("chat/completions", {"messages": []}, "messages", "`messages` must be a non-empty list"),

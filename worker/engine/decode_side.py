@@ -32,6 +32,7 @@ class DecodeSide(DisaggregatedRole):
                 skip_sample(self.parts.vocab_size, request.params, request.generator)
                 self.kv.pulled(len(request.block_table) - request.num_cached_blocks, request.num_cached_blocks)
                 scheduler.transfer_done(request, token_id)
+                request.advance(token_id)   # the prefill's token is this request's first output
                 outputs.append(self.parts.emit(request, token_id))
         for request_id, error in results.failed:
             if (request := self._pulled(request_id)) is not None:

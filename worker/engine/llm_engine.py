@@ -20,10 +20,12 @@ from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
 from worker.engine.roles import EngineParts, EngineRole
 from worker.engine.step_counters import StepCounters
-from worker.errors import InvalidRequestError, QueueFullError
+from worker.errors import InvalidRequestError, QueueFullError, invalid
+from worker.model.grammar import GrammarCompiler
 from worker.model.loaded import CheckpointModel, LoadedModel
+from worker.model.logprobs import TokenLogprobs
 from worker.multimodal.embeds import ImageEmbeds, check_spans
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PoolAllocator = Callable[[KVLayout], torch.Tensor]
 ROLE_SIDES: dict[str, type[EngineRole]] = {"both": EngineRole, "prefill": PrefillSide, "decode": DecodeSide}
@@ -77,6 +79,7 @@ class LLMEngine:
         ), eos_token_ids=self.tokenizer.eos_token_ids)
         parts = EngineParts(self.scheduler, self.requests, self._output, self.model_config.vocab_size)
         self.role = ROLE_SIDES[config.role](parts, kv_connector)
+        self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._rng = random.Random(config.seed)
         self._generate_ids = itertools.count()
         self.counters = StepCounters()
@@ -114,14 +117,20 @@ class LLMEngine:
         self._validate(request_id, prompt_token_ids, params)
         spans = check_spans(mm or [], len(prompt_token_ids), self.model_config.hidden_size, self.kv_layout.torch_dtype)
         leg = self.role.leg(request_id, kv_transfer_params)
+        if leg.pull_target is not None and params.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs cannot be computed by a decode leg, whose prompt KV is pulled: "
+                          "the prefill worker computes them", "prompt_logprobs")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        wants_prompt_logprobs = params.prompt_logprobs is not None
         request = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos, block_size=self.config.block_size, params=params,
+            stop_token_ids=frozenset(params.stop_token_ids), reads_prefix_cache=not wants_prompt_logprobs,
             generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
             remote_kv=leg.remote_kv, pull_target=leg.pull_target,
-            mm=tuple(mm or ()), mm_spans=spans,
+            mm=tuple(mm or ()), mm_spans=spans, prompt_logprobs=[None] if wants_prompt_logprobs else None,
+            grammar=self._grammars.matcher(params.grammar, "response_format") if params.grammar else None,
         )
         try:
             self.scheduler.add(request)
@@ -147,6 +156,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum model length {self.max_model_len}")
+        _check_token_ids(params, vocab)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; the next step() reports it once.
@@ -167,11 +177,15 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if step:
             started = time.perf_counter()
-            token_ids = self.runner.run(step)
+            result = self.runner.run(step)
             self.counters.count(step, time.perf_counter() - started)
+            for seq, first, entries in result.prompt_logprobs:
+                seq.add_prompt_logprobs(first, entries)
             seqs: list[Request] = step.sampled   # type: ignore[assignment]  # it schedules only Requests
-            self.scheduler.postprocess(seqs, token_ids)
-            outputs.extend(self._output(seq, token_id) for seq, token_id in zip(seqs, token_ids))
+            self.scheduler.postprocess(seqs, result.token_ids)
+            for seq, token_id in zip(seqs, result.token_ids):
+                seq.advance(token_id)
+            outputs.extend(self._output(*out) for out in zip(seqs, result.token_ids, result.logprobs))
             self.role.after_step(seqs)
         return outputs
 
@@ -186,21 +200,37 @@ class LLMEngine:
         """Stops the KV connector's thread (role prefill or decode); the engine is unusable after."""
         self.role.close()
 
-    def _output(self, request: Request, token_id: int) -> RequestOutput:
+    def _output(self, request: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """The RequestOutput of `request`'s newest token; a request done and holding no blocks leaves the table."""
         # A prefill leg's text goes on on the decode worker: hand out only what a streaming
         # server would for this token, so the proxy can swap in the decode worker's copy of it.
         # (A decode leg is remote_kv only until its KV arrived, before its first output.)
         done = request.finished_generating
-        delta = request.detokenizer.step(request.output_token_ids, done and not request.remote_kv)
+        stop_token = self._stop_token(request, token_id) if done else None
+        text_ids = request.output_token_ids[:-1] if stop_token is not None else request.output_token_ids
+        delta = request.detokenizer.step(text_ids, done and not request.remote_kv)
+        eos = stop_token is not None and not request.ignore_eos and stop_token in self.tokenizer.eos_token_ids
+        stop_reason = None if stop_token is None or eos else stop_token   # vLLM names stop token ids, not EOS
         if request.detokenizer.stopped:
             self.scheduler.finish(request, "stop")
             request.finish_reason = "stop"  # a stop string wins over max_tokens on the same token
-            done = True
+            stop_reason, done = request.detokenizer.stop_string, True
         if done and request.is_finished:
             self.requests.remove(request.request_id)
+        p = request.params
+        first = request.num_output_tokens == 1
         return RequestOutput(request.request_id, [token_id], delta, done,
-                             request.finish_reason, request.num_prompt_tokens, request.num_output_tokens)
+                             request.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
+                             stop_reason=stop_reason, logprobs=None if p.logprobs is None else [logprobs],
+                             prompt_logprobs=request.prompt_logprobs if first else None)
+
+    def _stop_token(self, request: Request, token_id: int) -> int | None:
+        """`token_id` if it ended the request as EOS or a stop token id does (vLLM leaves its text out);
+        an EOS id given in stop_token_ids counts as EOS unless ignore_eos."""
+        if request.finish_reason != "stop" or request.detokenizer.stopped:
+            return None
+        eos = not request.ignore_eos and token_id in self.tokenizer.eos_token_ids
+        return token_id if eos or token_id in request.stop_token_ids else None
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or blocks still held for (or by) a transfer."""
@@ -237,6 +267,19 @@ class LLMEngine:
             for request_id in unfinished:
                 self.abort_request(request_id)
         return list(tokens.values())
+
+
+def _check_token_ids(params: SamplingParams, vocab: int) -> None:
+    """The token ids and logprob counts of `params` against the vocabulary (vLLM's limits and wording)."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+        if outside := [t for t in ids if not 0 <= t < vocab]:
+            raise invalid(f"token_id(s) {outside} in {name} contain out-of-vocab token ids. "
+                          f"Vocabulary size: {vocab}", name)
+    for name, label in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        wanted = getattr(params, name)
+        if wanted is not None and (vocab if wanted == -1 else wanted) > MAX_LOGPROBS:
+            raise invalid(f"Requested {label} logprobs of {vocab if wanted == -1 else wanted}, which is "
+                          f"greater than max allowed: {MAX_LOGPROBS}", name)
 
 
 def _checked_pool(pool: torch.Tensor, layout: KVLayout) -> torch.Tensor:

@@ -18,6 +18,7 @@ from scheduler import ScheduledStep
 from worker.mock.cost_model import CostModel
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config
 from worker.model.model_config import ModelConfig
+from worker.model.runner import StepResult
 from worker.model.tokenizer import load_tokenizer
 
 MAX_POSITIONS = 1 << 17   # no position is computed: the context is bounded by the KV pool only
@@ -66,7 +67,7 @@ class MockRunner:
         self.offsets = torch.arange(block_size, dtype=torch.int64)
         self.weights = torch.zeros(0, dtype=torch.int64)
 
-    def run(self, step: ScheduledStep) -> list[int]:
+    def run(self, step: ScheduledStep) -> StepResult:
         started = time.perf_counter()
         for chunk in step.chunks:
             positions = torch.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=torch.int64)
@@ -74,7 +75,7 @@ class MockRunner:
             self.slots[self._slots(chunk.seq.block_table, positions), 0] = ids
         tokens = [self._next_token(seq.block_table, len(seq)) for seq in step.sampled]
         time.sleep(max(0.0, started + self.cost.step_seconds(step) - time.perf_counter()))
-        return tokens
+        return StepResult(tokens, [None] * len(tokens), [])
 
     def _slots(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(block_table, dtype=torch.int64)[positions // self.block_size]

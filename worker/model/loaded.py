@@ -17,14 +17,14 @@ from scheduler import ScheduledStep
 from worker.model.llama import LlamaForCausalLM
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
 from worker.model.model_config import ModelConfig
-from worker.model.runner import ModelRunner
+from worker.model.runner import ModelRunner, StepResult
 from worker.model.tokenizer import load_tokenizer
 
 
 class StepRunner(Protocol):
-    """Computes one scheduled step: the token sampled for each of `step.sampled`, in order."""
+    """Computes one scheduled step: the token sampled for each of `step.sampled`, in order, and the logprobs asked for."""
 
-    def run(self, step: ScheduledStep) -> list[int]: ...
+    def run(self, step: ScheduledStep) -> StepResult: ...
 
 
 class LoadedModel(Protocol):
@@ -56,4 +56,4 @@ class CheckpointModel:
                    load_model(path, config, dtype))
 
     def runner(self, kv_pool: torch.Tensor, block_size: int) -> ModelRunner:
-        return ModelRunner(self.model.to(kv_pool.device), kv_pool, block_size)
+        return ModelRunner(self.model.to(kv_pool.device), kv_pool, block_size, tuple(self.tokenizer.eos_token_ids))

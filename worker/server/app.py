@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
@@ -32,23 +33,27 @@ from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
-from worker.errors import DrainingError, InvalidRequestError, invalid
+from worker.errors import DrainingError, invalid
 from worker.multimodal.media import MediaPolicy
-from worker.multimodal.prompt import MultiModalPrompt, build_prompt
+from worker.multimodal.prompt import MultiModalPrompt
 from worker.multimodal.fetch import EmbedsFetcher
 from worker.multimodal.parts import PartResolver
 from worker.multimodal.images import ImageResolver
-from worker.server.metrics import RequestTimer, ServerMetrics
+from worker.server.choice import Choice, choice_spec
+from worker.server.generation import Part, collect, events
+from worker.server.metrics import ServerMetrics
 from worker.server.registrar import Registrar
 from worker.server.role_flip import EngineMaker, RoleFlip
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
+from worker.server.prompts import request_prompts
 from worker.server.request_id import use_request_ids
-from common.errors import ChatTemplateError
-from common.openai_wire import DONE_EVENT, error_body, sse_event
+from worker.server.responses import Kind, ResponseShape
+from worker.server.token_text import TokenStrings
+from worker.sampling_params import SamplingParams
+from common.openai_wire import error_body
 from common.worker_record import WorkerRecord
 from common.request_body import request_body
-from worker.server.protocol import (GenerateRequest, Kind, ResponseShape, build_params, check_text_fits, error_for,
-                                    models_body, parse_body, parse_request, usage)
+from worker.server.protocol import GenerateRequest, build_params, error_for, models_body, parse_body, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ def create_app(engine_config: EngineConfig, *,
     A drain, once over, sets the worker's `drain.done`: the server should stop then.
     """
     app = Quart(__name__)
+    app.json.sort_keys = False  # bodies keep vLLM's key order
     worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout,
                      media_policy or MediaPolicy(), embeds_region, registrar, make_engine)
     app.before_serving(worker.startup)
@@ -107,6 +113,7 @@ class _Worker:
         self.max_model_len = 0
         self.created = int(time.time())
         self.remote_prefills = RemotePrefills()  # decode_first: the prefill legs this decode worker sends
+        self.strings: TokenStrings | None = None  # the texts logprobs show for tokens
 
     @property
     def record(self) -> WorkerRecord | None:
@@ -118,6 +125,7 @@ class _Worker:
         assert engine is not None  # start() returned, so the engine was built
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.metrics = ServerMetrics(self.model_name)
+        self.strings = TokenStrings(engine.tokenizer)
         hidden, dtype = engine.model_config.hidden_size, engine.kv_layout.torch_dtype
         if self.embeds_region is not None:
             self.region = await asyncio.to_thread(self.embeds_region, hidden, dtype)
@@ -228,46 +236,58 @@ class _Worker:
         with self.drain.admitting():
             body = parse_body(await request_body())
             req = parse_request(kind, body, self.model_name)
-            prompt = await self._prompt(req)
-            params = build_params(req, len(prompt.token_ids), self.max_model_len)
+            prompts = await self._prompts(req)
+            params = [build_params(req, len(p.token_ids), self.max_model_len) for p in prompts]
             prefill_url = remote_url(req.kv_transfer_params)
-            stream = await self.async_engine.generate(g.request_id, prompt.token_ids, params, req.kv_transfer_params,
-                                                      prompt.spans or None)
+            parts = await self._start(req, prompts, params)
         prefill = None
         if prefill_url:  # image rows are the prefill worker's to fetch: it gets the client's chat body then
+            prompt = prompts[0]
             prefill = (self.remote_prefills.start(prefill_url, g.request_id, request.path, body) if prompt.spans else
                        self.remote_prefills.start(prefill_url, g.request_id, "/v1/completions",
-                                                  {"prompt": prompt.token_ids, **req.sampling}))
-        timer = self.metrics.timer(len(prompt.token_ids))
+                                                  {"prompt": prompt.token_ids, **req.wire_sampling()}))
         shape = ResponseShape(kind, g.request_id, self.model_name)
         # A decode leg awaits its first output (the pulled KV) before the headers go out, so a
         # failed transfer is a plain HTTP error the proxy can act on, not a 200 stream.
-        first = await self._first(stream, prefill) if _is_decode_leg(req) else None
+        if req.is_decode_leg:
+            parts[0].first = await self._first(parts[0].stream, prefill)
         if not req.stream:
-            return await self._collect(shape, req, stream, timer, first)
-        response = await make_response(self._events(shape, req, stream, timer, first),
+            return await self._collect(shape, req, parts)
+        response = await make_response(self._events(shape, req, parts),
                                        {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         response.timeout = None  # generation may outlast Quart's 60 s response timeout
         return response
 
-    async def _prompt(self, req: GenerateRequest) -> MultiModalPrompt:
+    async def _start(self, req: GenerateRequest, prompts: list[MultiModalPrompt],
+                     params: list[SamplingParams]) -> list[Part]:
+        """Admits one engine request per choice (id `X-Request-Id`, or `{id}-{index}` for several; choice i
+        of a prompt seeded seed + i, as vLLM seeds them); one refused aborts those admitted."""
+        assert self.metrics is not None and self.strings is not None
+        many = req.n * len(prompts) > 1
+        parts: list[Part] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                for j in range(req.n):
+                    index = i * req.n + j
+                    seeded = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
+                    request_id = f"{g.request_id}-{index}" if many else g.request_id
+                    stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded,
+                                                              req.kv_transfer_params, prompt.spans or None)
+                    choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)
+                    parts.append(Part(choice, stream, self.metrics.timer(len(prompt.token_ids)), i,
+                                      len(prompt.token_ids)))
+        except BaseException:
+            for part in parts:
+                part.stream.abort()
+            raise
+        return parts
+
+    async def _prompts(self, req: GenerateRequest) -> list[MultiModalPrompt]:
         engine = self.async_engine.llm_engine
         assert engine is not None and self.images is not None
-        tokenizer = engine.tokenizer
-        if req.kind == "chat":
-            try:
-                text = tokenizer.apply_chat_template(req.messages)
-            except ChatTemplateError as exc:
-                raise InvalidRequestError(str(exc)) from exc
-            check_text_fits(req, len(text), tokenizer.min_tokens(text), self.max_model_len)
-            return build_prompt(tokenizer, text, await self.images.resolve(req.media, _is_decode_leg(req)))
-        if isinstance(req.prompt, str):
-            check_text_fits(req, len(req.prompt), tokenizer.min_tokens(req.prompt), self.max_model_len)
-            return MultiModalPrompt(tokenizer.encode(req.prompt, add_bos=True), [])
-        assert req.prompt is not None
-        return MultiModalPrompt(req.prompt, [])  # the engine checks the ids against its vocabulary
+        return await request_prompts(req, engine.tokenizer, self.images, self.max_model_len)
 
-    async def _first(self, stream: RequestStream, prefill: asyncio.Task[None] | None) -> RequestOutput:
+    async def _first(self, stream: RequestStream, prefill: asyncio.Task[Any] | None) -> RequestOutput:
         """A decode leg's first output; with a remote prefill (decode_first), its failure if that comes first."""
         async with self._disconnect_counted():
             try:
@@ -276,17 +296,11 @@ class _Worker:
                 stream.abort()
                 raise
 
-    async def _collect(self, shape: ResponseShape, req: GenerateRequest, stream: RequestStream,
-                       timer: RequestTimer, first: RequestOutput | None) -> Response:
-        parts: list[str] = []
-        async with self._disconnect_counted(), stream:
-            async for out in _prepend(first, stream):
-                timer.tokens(len(out.new_token_ids))
-                parts.append(out.text_delta)
-        self._count(out.finish_reason or "none")
-        body = shape.full("".join(parts), out.finish_reason,
-                          usage(out.num_prompt_tokens, out.num_output_tokens))
-        if (handoff := self._handoff(req, shape.request_id, out.finish_reason)) is not None:
+    async def _collect(self, shape: ResponseShape, req: GenerateRequest, parts: list[Part]) -> Response:
+        async with self._disconnect_counted():
+            body, finish_reason = await collect(shape, parts)
+        self._count(finish_reason or "none")
+        if (handoff := self._handoff(req, shape.request_id, finish_reason)) is not None:
             body["kv_transfer_params"] = handoff
         return jsonify(body)
 
@@ -303,45 +317,19 @@ class _Worker:
             kv.discard(request_id)
         return kv.handoff(request_id)
 
-    async def _events(self, shape: ResponseShape, req: GenerateRequest, stream: RequestStream,
-                      timer: RequestTimer, first_output: RequestOutput | None) -> AsyncIterator[bytes]:
-        first = True
-        if req.kind == "chat" and _is_decode_leg(req):
-            # A role-only chunk first, as vLLM sends: the chunk of the token prefill sampled (which the DI proxy
-            # drops) then never looks like one, even when that token's text is held back (part of a UTF-8 char).
-            yield sse_event(shape.chunk("", None, True, req.include_usage))
-            first = False
-        async with self._disconnect_counted(), stream:
-            try:
-                async for out in _prepend(first_output, stream):
-                    timer.tokens(len(out.new_token_ids))
-                    # One chunk per token, even when its text is held back (part of a UTF-8
-                    # character, a possible stop string): the DI proxy and ITL counting rely on it.
-                    if out.new_token_ids or out.finished:
-                        yield sse_event(shape.chunk(out.text_delta, out.finish_reason, first, req.include_usage))
-                        first = False
-            except Exception as exc:  # headers are sent: the error travels as an event (as vLLM does)
-                status, body, _ = error_for(exc)  # no headers: they are sent already
-                logger.error("stream %s failed", shape.request_id, exc_info=exc)
-                self._count(str(status))
-                yield sse_event(body)
-                yield DONE_EVENT
-                return
-        if req.include_usage:
-            yield sse_event(shape.usage_chunk(usage(out.num_prompt_tokens, out.num_output_tokens)))
-        self._count(out.finish_reason or "none")
-        yield DONE_EVENT
+    async def _events(self, shape: ResponseShape, req: GenerateRequest, parts: list[Part]) -> AsyncIterator[bytes]:
+        outcome: list[str] = []
 
+        def failed(exc: BaseException) -> dict:
+            status, body, _ = error_for(exc)  # no headers: they are sent already
+            logger.error("stream %s failed", shape.request_id, exc_info=exc)
+            outcome.append(str(status))
+            return body
 
-def _is_decode_leg(req: GenerateRequest) -> bool:
-    return (req.kv_transfer_params or {}).get("role") == "decode"
-
-
-async def _prepend(first: RequestOutput | None, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-    if first is not None:
-        yield first
-    async for out in stream:
-        yield out
+        async with self._disconnect_counted():
+            async for event in events(shape, parts, req.include_usage, req.continuous_usage, failed):
+                yield event
+        self._count(outcome[0] if outcome else parts[-1].choice.finish_reason or "none")
 
 
 def _json(body: dict, status: int) -> Response:

@@ -5,19 +5,21 @@ Nothing here touches sockets, the event loop or the engine, so every rule is tes
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from werkzeug.exceptions import HTTPException
 
-from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, WORKER_DRAINING, error_body, load_object
+from common.openai_wire import WORKER_DRAINING, error_body, load_object
 from worker.errors import (DrainingError, InvalidRequestError, KVTransferError, QueueFullError, RemotePrefillError,
                            invalid)
 from worker.multimodal.prompt import IMAGE_MARKER, MEDIA_PART_TYPES, MediaPart
 from worker.sampling_params import SamplingParams
+from worker.server.responses import Kind
+from worker.server.sampling_wire import opt as _opt, parse_sampling
+from worker.server.structured_wire import parse_grammar
 
-Kind = Literal["completion", "chat"]
+MAX_PROMPTS = 1024   # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 # vLLM's request parameters this server does not implement, each with the values that ask for
 # nothing (vLLM's defaults; null too): any other value is refused rather than silently ignored.
@@ -25,15 +27,12 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 # keys vLLM does not know either are accepted and ignored, as vLLM does.
 _EMPTY = ("", [], {})
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1,), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
-    "logit_bias": _EMPTY, "bad_words": _EMPTY, "stop_token_ids": _EMPTY, "logits_processors": _EMPTY,
-    "allowed_token_ids": (), "logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "echo": (False,),
+    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1,),
+    "bad_words": _EMPTY, "logits_processors": _EMPTY, "allowed_token_ids": (), "logprob_token_ids": _EMPTY,
     "suffix": _EMPTY, "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,),
     "return_token_ids": (False,), "truncate_prompt_tokens": (), "prompt_embeds": (), "priority": (0,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "response_format": ({"type": "text"},), "vllm_xargs": _EMPTY, "tools": _EMPTY, "tool_choice": ("none", "auto"),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "vllm_xargs": _EMPTY, "tools": _EMPTY, "tool_choice": ("none", "auto"),
     "functions": _EMPTY, "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": _EMPTY, "documents": _EMPTY,
@@ -42,18 +41,40 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One validated /v1/completions or /v1/chat/completions body (exactly one prompt, n == 1)."""
+    """One validated /v1/completions or /v1/chat/completions body: n choices of each of its prompts."""
 
     kind: Kind
-    prompt: str | list[int] | None = None  # completions
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: one or more
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
     media: list[MediaPart] = field(default_factory=list)          # chat: its image parts, in order
     max_tokens: int | None = None  # None: the default for the endpoint, bounded by the context
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
+    n: int = 1
+    echo: bool = False
+    tokens_as_ids: bool = False   # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    structured: dict[str, Any] = field(default_factory=dict)   # the body's constraint fields, as sent
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     # Disaggregation handoff (role, peer address); carried through untouched for the prefill/decode roles.
     kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def hide_output(self) -> bool:
+        """Echo with max_tokens 0: the answer is the prompt; the engine still runs one token, as vLLM's does."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.sampling.get("logprobs")
+
+    @property
+    def is_decode_leg(self) -> bool:
+        return (self.kv_transfer_params or {}).get("role") == "decode"
+
+    def wire_sampling(self) -> dict[str, Any]:
+        """The sampling fields as a request body spells them (the constraint as the client sent it)."""
+        return {**{k: v for k, v in self.sampling.items() if k != "grammar"}, **self.structured}
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -72,30 +93,52 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     # Completions add BOS to a text prompt; a chat template writes its own special tokens.
     for name, neutral in {**_UNSUPPORTED, "add_special_tokens": (kind == "completion",)}.items():
         _refuse_unless(body, name, neutral)
-    n = _opt(body, "n", int)
-    if n is not None and n != 1:
-        raise invalid("only n=1 is supported", "n")
     stream = bool(_opt(body, "stream", bool))
     options = _opt(body, "stream_options", dict) or {}
     include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage")
-    _refuse_unless(options, "continuous_usage_stats", (False,), "stream_options.continuous_usage_stats")
+    continuous = _opt(options, "continuous_usage_stats", bool, "stream_options.continuous_usage_stats")
+    echo = bool(_opt(body, "echo", bool))
+    max_tokens = _max_tokens(kind, body, echo)
+    sampling = parse_sampling(kind, body, stream)
+    structured = {}
+    if (constraint := parse_grammar(body)) is not None:
+        sampling["grammar"], field_name = constraint
+        structured = {field_name: body[field_name]}
+    n = _n(body, sampling)
+    media: list[MediaPart] = []
+    request = GenerateRequest(
+        kind=kind,
+        prompts=_parse_prompts(body) if kind == "completion" else [],
+        messages=_parse_messages(body, media) if kind == "chat" else [],
+        media=media, max_tokens=max_tokens, sampling=sampling, n=n, echo=echo,
+        tokens_as_ids=bool(_opt(body, "return_tokens_as_token_ids", bool)), structured=structured, stream=stream,
+        include_usage=stream and bool(include_usage), continuous_usage=stream and bool(continuous),
+        kv_transfer_params=_opt(body, "kv_transfer_params", dict),
+    )
+    if request.kv_transfer_params is not None and (n > 1 or len(request.prompts) > 1):
+        raise invalid("a disaggregated leg (kv_transfer_params) carries one choice of one prompt: send a leg "
+                      "pair per prompt and choice (choice i with seed + i)", "n" if n > 1 else "prompt")
+    return request
+
+
+def _max_tokens(kind: Kind, body: Mapping[str, Any], echo: bool) -> int | None:
     limit = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _opt(body, limit, int)
-    if max_tokens is not None and max_tokens <= 0:
+    if max_tokens is not None and max_tokens <= 0 and not (max_tokens == 0 and echo and kind == "completion"):
         raise invalid(f"{limit} must be at least 1, got {max_tokens}", limit)
-    media: list[MediaPart] = []
-    return GenerateRequest(
-        kind=kind,
-        prompt=_parse_prompt(body) if kind == "completion" else None,
-        messages=_parse_messages(body, media) if kind == "chat" else [],
-        media=media,
-        max_tokens=max_tokens,
-        sampling=_parse_sampling(body),
-        stream=stream,
-        include_usage=stream and bool(include_usage),
-        kv_transfer_params=_opt(body, "kv_transfer_params", dict),
-    )
+    return max_tokens
+
+
+def _n(body: Mapping[str, Any], sampling: Mapping[str, Any]) -> int:
+    n = _opt(body, "n", int)
+    if n is None:
+        return 1
+    if n < 1:
+        raise invalid(f"n must be at least 1, got {n}.", "n")
+    if n > 1 and sampling.get("temperature", 1.0) == 0:
+        raise invalid(f"n must be 1 when using greedy sampling, got {n}.", "n")
+    return n
 
 
 def check_text_fits(request: GenerateRequest, num_chars: int, min_tokens: int, max_model_len: int) -> None:
@@ -110,29 +153,17 @@ def check_text_fits(request: GenerateRequest, num_chars: int, min_tokens: int, m
 def build_params(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
     """SamplingParams for a tokenized prompt; the prompt plus its output must fit the model's context."""
     room = max_model_len - num_prompt_tokens
-    if room <= 0 or (request.max_tokens is not None and request.max_tokens > room):
-        wanted = num_prompt_tokens + (request.max_tokens or 1)
+    wanted_tokens = 1 if request.hide_output else request.max_tokens
+    if room <= 0 or (wanted_tokens is not None and wanted_tokens > room):
+        wanted = num_prompt_tokens + (wanted_tokens or 1)
         raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                       f"{wanted} tokens ({num_prompt_tokens} in the prompt, {wanted - num_prompt_tokens} in "
                       f"the completion). Please reduce the prompt or max_tokens.",
                       "messages" if request.kind == "chat" else "prompt")
     # vLLM's defaults: completions produce 16 tokens, chat may fill the context.
     default = 16 if request.kind == "completion" else room
-    max_tokens = request.max_tokens if request.max_tokens is not None else min(default, room)
+    max_tokens = wanted_tokens if wanted_tokens is not None else min(default, room)
     return SamplingParams(max_tokens=max_tokens, **request.sampling)  # its InvalidRequestError names the field
-
-
-def _opt(body: Mapping[str, Any], key: str, kind: type, param: str | None = None) -> Any:
-    """body[key] if present and not null, checked to be of `kind` (bool is not an int here)."""
-    value = body.get(key)
-    if value is None:
-        return None
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        raise invalid(f"`{param or key}` must be of type {_TYPE_NAMES[kind]}", param or key)
-    return value
 
 
 def _refuse_unless(body: Mapping[str, Any], key: str, neutral: tuple[Any, ...], param: str | None = None) -> None:
@@ -144,35 +175,23 @@ def _refuse_unless(body: Mapping[str, Any], key: str, neutral: tuple[Any, ...], 
     raise invalid(f"`{param or key}` is not supported by this server (accepted: {accepted})", param or key)
 
 
-_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
-
-
-def _parse_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    fields = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "ignore_eos": bool}
-    sampling = {name: value for name, kind in fields.items() if (value := _opt(body, name, kind)) is not None}
-    if sampling.get("top_k") == -1:  # vLLM's spelling of "top-k off"
-        sampling["top_k"] = 0
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        sampling["stop"] = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        sampling["stop"] = list(stop)
-    elif stop is not None:
-        raise invalid("`stop` must be a string or a list of strings", "stop")
-    return sampling
-
-
-def _parse_prompt(body: Mapping[str, Any]) -> str | list[int]:
+def _parse_prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """A completion's prompts: a string or token ids, or a non-empty list of those."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid(f"prompt list length {len(prompt)} exceeds the maximum allowed count of {MAX_PROMPTS}.",
+                          "prompt")
         return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("only one prompt per request is supported", "prompt")
-    raise invalid("`prompt` must be a string or a non-empty list of token ids", "prompt")
+    raise invalid("`prompt` must be a string, a non-empty list of token ids, or a non-empty list of those",
+                  "prompt")
+
+
+def _is_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 def _parse_messages(body: Mapping[str, Any], media: list[MediaPart]) -> list[dict[str, str]]:
@@ -215,61 +234,6 @@ def _check_text(text: str, param: str) -> str:
     if IMAGE_MARKER in text:   # it would be taken for an image's place
         raise invalid(f"{param}: the text must not contain {IMAGE_MARKER!r}", param)
     return text
-
-
-# ---- responses -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResponseShape:
-    """What every body of one response shares: its id, model and creation time."""
-
-    kind: Kind
-    request_id: str
-    model: str
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def id(self) -> str:
-        return f"{CHAT_ID_PREFIX if self.kind == 'chat' else COMPLETION_ID_PREFIX}{self.request_id}"
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def full(self, text: str, finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
-        """The one JSON body of a non-streamed response."""
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            obj = "chat.completion"
-        else:
-            choice, obj = {"index": 0, "text": text}, "text_completion"
-        choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=None)
-        return {**self._envelope(obj, [choice]), "usage": usage}
-
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False,
-              include_usage: bool = False) -> dict[str, Any]:
-        """One streamed chunk; chat's first chunk also carries the assistant role."""
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-            obj = "chat.completion.chunk"
-        else:
-            choice, obj = {"index": 0, "text": text}, "text_completion"
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        body = self._envelope(obj, [choice])
-        if include_usage:
-            body["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
-        return body
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        """The final chunk of a stream with stream_options.include_usage: no choices, only usage."""
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage}
-
-
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
 def models_body(model_name: str, max_model_len: int, created: int) -> dict[str, Any]:
