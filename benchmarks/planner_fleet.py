@@ -15,6 +15,7 @@ from benchmarks.serving_load import completion_body, stream_body
 from benchmarks.serving_metrics import RequestResult
 from stack.etcd import EtcdServer
 from stack.serving import Process, free_port, wait_healthy
+from stack.worker_fleet import start_workers
 
 MODEL = "neuron-di-builtin"
 
@@ -47,13 +48,9 @@ class MockFleet:
     def __post_init__(self) -> None:
         self.etcd = EtcdServer()
         try:
-            for _ in range(self.size):
-                port, kv_port = free_port(), free_port()
-                args = ["-m", "worker", "--role", "decode", "--port", str(port), "--kv-port", str(kv_port),
-                        "--etcd", self.etcd.endpoint, *mock_worker_flags()]
-                self.workers.append((Process(f"worker-{port}", args), f"http://127.0.0.1:{port}"))
-            for process, url in self.workers:
-                wait_healthy(f"{url}/health", [process], 180)
+            self.workers = start_workers(self.size, lambda _, port, kv_port: (f"worker-{port}", [
+                "-m", "worker", "--role", "decode", "--port", str(port), "--kv-port", str(kv_port),
+                "--etcd", self.etcd.endpoint, *mock_worker_flags()]))
             port = free_port()
             self.proxy = Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port),
                                            "--etcd", self.etcd.endpoint, "--health-interval", "1",

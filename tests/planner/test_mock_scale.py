@@ -11,6 +11,7 @@ import pytest
 from faults.load import Load, LoadSize, Tally, body, prompts
 from stack.etcd import EtcdServer
 from stack.serving import Process, free_port, wait_healthy
+from stack.worker_fleet import start_workers, stop_workers
 from stack.worker_metrics import wait_blocks_free
 from tests.helpers import wait_until
 
@@ -20,29 +21,28 @@ SIZE = 24
 
 @pytest.fixture
 def fleet(etcd_server: EtcdServer) -> Iterator[tuple[str, str, dict[str, str]]]:
-    processes: list[Process] = []
-    urls: dict[str, str] = {}
+    def mock(i: int, port: int, kv_port: int) -> tuple[str, list[str]]:
+        role = "prefill" if i < SIZE // 2 else "decode" if i < SIZE else "both"
+        if role == "both":
+            return "mock-both", ["-m", "worker", "--port", str(port), *MOCK]
+        return f"mock-{role}-{i}", ["-m", "worker", "--role", role, "--port", str(port), "--kv-port", str(kv_port),
+                                    "--etcd", etcd_server.endpoint, *MOCK]
+
+    workers = start_workers(SIZE + 1, mock, timeout_s=300)
+    urls = {f"{'prefill' if i < SIZE // 2 else 'decode'}-{i}": url for i, (_, url) in enumerate(workers[:SIZE])}
+    proxy: Process | None = None
     try:
-        for i in range(SIZE):
-            role = "prefill" if i < SIZE // 2 else "decode"
-            port = free_port()
-            processes.append(Process(f"mock-{role}-{i}", ["-m", "worker", "--role", role, "--port", str(port),
-                                                          "--kv-port", str(free_port()), "--etcd",
-                                                          etcd_server.endpoint, *MOCK]))
-            urls[f"{role}-{i}"] = f"http://127.0.0.1:{port}"
-        both = free_port()
-        processes.append(Process("mock-both", ["-m", "worker", "--port", str(both), *MOCK]))
-        for url in [*urls.values(), f"http://127.0.0.1:{both}"]:
-            wait_healthy(f"{url}/health", processes, 300)
-        proxy = free_port()
-        processes.append(Process("proxy", ["proxy_server.py", "--port", str(proxy), "--etcd", etcd_server.endpoint]))
-        proxy_url = f"http://127.0.0.1:{proxy}"
+        port = free_port()
+        proxy = Process("proxy", ["proxy_server.py", "--port", str(port), "--etcd", etcd_server.endpoint])
+        proxy_url = f"http://127.0.0.1:{port}"
+        wait_healthy(f"{proxy_url}/health", [proxy], 60)
         wait_until(lambda: httpx.get(f"{proxy_url}/health", timeout=5).json()["workers"]["decode"]["healthy"] == SIZE // 2,
                    timeout=60, what="the proxy discovering the fleet")
-        yield proxy_url, f"http://127.0.0.1:{both}", urls
+        yield proxy_url, workers[SIZE][1], urls
     finally:
-        for process in reversed(processes):
-            process.stop()
+        if proxy is not None:
+            proxy.stop()
+        stop_workers(workers)
 
 
 @pytest.mark.slow
