@@ -24,7 +24,8 @@ class HealthChecks:
     """GET /health on every known worker: only 200 within `timeout`, not draining, keeps it in rotation.
 
     A retired worker (its etcd record went) stays known while it answers, so that its legs run to
-    their end as it drains; once it stops answering it is removed, and whatever it still had ends.
+    their end as it drains; once it stops answering, or answers as a worker of another role (it changed
+    role, having finished what it had), it is removed, and whatever it still had ends.
 
     A worker given on the command line (`static`) that shows its own record in that answer (our
     `python -m worker` does) must also agree with the command line (see workers.contradiction):
@@ -56,6 +57,8 @@ class HealthChecks:
             if self._pool.retired(worker.key):
                 if answer is None:
                     self._pool.remove(worker.key, f"{_GONE} and it stopped answering")
+                elif (shown := shown_record(answer)) is not None and shown.role != worker.role:
+                    self._pool.remove(worker.key, f"{_GONE}: it serves role {shown.role} now")
                 continue
             if answer is not None and shows_draining(answer):
                 why = "it drains (it takes no new request)"

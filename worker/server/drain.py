@@ -35,6 +35,7 @@ class Drain:
         self.leave: Callable[[], None] | None = None  # blocking; revokes the etcd lease (cli.py sets it)
         self.started = False
         self.forced = False  # a second signal stopped the drain before it was over
+        self.refusing: str | None = None  # why new requests are refused while the worker stays up (a role change)
         self.done = asyncio.Event()
         self._admitting = 0  # requests between the draining check and their admission by the engine
         self._task: asyncio.Task[None] | None = None
@@ -61,9 +62,9 @@ class Drain:
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
         """Wraps a new request until the engine admitted it; DrainingError once the drain started."""
-        if self.started:
-            raise DrainingError("this worker is draining and takes no new requests; send the request to "
-                                "another worker")
+        if self.started or self.refusing:
+            why = "is draining and takes no new requests" if self.started else f"takes no new requests: {self.refusing}"
+            raise DrainingError(f"this worker {why}; send the request to another worker")
         self._admitting += 1
         try:
             yield
@@ -76,21 +77,26 @@ class Drain:
         return self._admitting == 0 and (
             stats is None or stats.num_running + stats.num_waiting + stats.num_transferring == 0)
 
+    async def wait_idle(self, timeout: float, report: bool = False) -> bool:
+        """Waits until idle(), the engine stops, a second signal ends the drain or `timeout` seconds pass;
+        whether it is idle. With `report`, logs what it still waits for at once and every PROGRESS_S."""
+        deadline = time.monotonic() + timeout
+        next_report = time.monotonic()
+        while (not self.idle() and self.engine.is_alive() and not self.done.is_set()
+               and time.monotonic() < deadline):
+            if report and time.monotonic() >= next_report:
+                next_report += PROGRESS_S
+                logger.info("draining: waiting for %s (%.0f s left)", self._waiting_for(), deadline - time.monotonic())
+            await asyncio.sleep(POLL_S)
+        return self.idle()
+
     async def _run(self) -> None:
         try:
             if self.leave is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.leave)
-            deadline = time.monotonic() + self.timeout
-            next_report = time.monotonic()
-            while not self.idle() and self.engine.is_alive() and time.monotonic() < deadline:
-                if time.monotonic() >= next_report:
-                    next_report += PROGRESS_S
-                    logger.info("draining: waiting for %s (%.0f s left)", self._waiting_for(),
-                                deadline - time.monotonic())
-                await asyncio.sleep(POLL_S)
-            if self.done.is_set():
-                return  # stopped by a second signal
-            if not self.idle():
+            if not await self.wait_idle(self.timeout, report=True):
+                if self.done.is_set():
+                    return  # stopped by a second signal
                 logger.warning("drain timeout (%g s) reached: ending the requests still in flight", self.timeout)
                 self.engine.close_soon()
             else:
