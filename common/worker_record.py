@@ -27,8 +27,10 @@ class WorkerRecord:
     line for static workers, where the KV host defaults to the HTTP host, and completes it from
     the record our worker shows in its GET /health answer). `engine_id` is the id the worker's
     signal plane shows in its handshake: a worker registers it; a static one that shows no
-    record has "" (unknown, so nobody checks it). `kv_protocol` is one of KV_PROTOCOLS. Bad
-    fields raise ValueError.
+    record has "" (unknown, so nobody checks it). `kv_protocol` is one of KV_PROTOCOLS.
+    `kv_secret_id` is common.kv_secret.secret_id of the worker's KV secret ("" unknown), so the proxy
+    sees a prefill and a decode worker that cannot authenticate to each other; `dtype` the one the worker
+    computes in (what image embeddings sent to it must be; "" unknown). Bad fields raise ValueError.
     """
 
     role: str
@@ -42,6 +44,8 @@ class WorkerRecord:
     kv_protocol: str = "neuron"
     status_port: int = 0     # where GET /timeline answers if not on the HTTP API (vLLM's); 0 = the HTTP API
     server: str = ""         # OUR_SERVER, VLLM_SERVER or "" (unknown)
+    kv_secret_id: str = ""
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -90,6 +94,7 @@ class WorkerRecord:
                        engine_id=obj.get("engine_id") or "", model=str(obj.get("model") or ""),
                        transfer=dict(obj.get("transfer") or {}),
                        kv_protocol=obj.get("kv_protocol", "neuron"), status_port=int(obj.get("status_port") or 0),
-                       server=str(obj.get("server") or ""))
+                       server=str(obj.get("server") or ""), kv_secret_id=str(obj.get("kv_secret_id") or ""),
+                       dtype=str(obj.get("dtype") or ""))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistrationError(f"malformed worker record {obj!r}: {exc}") from exc

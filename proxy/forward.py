@@ -10,6 +10,7 @@ request for several answers (prompts, choices) is one such request per answer (p
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -144,16 +145,17 @@ class Forwarder:
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
         self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
+        abandon = functools.partial(self._abandoner.abandon, prefill, uid)
         try:
             if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
                 return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
             first, leg = await flow(self._flow_legs, request, prefill, decode, uid, seed)
             token_used = prefill.kv_protocol == "nixl" or prefill_token_used(prefill, seed)
-            answer = await self._answer(request, uid, first, leg, started, token_used)
+            answer = await self._answer(request, uid, first, leg, started, abandon, token_used)
         except BaseException as exc:
             self.timeline.fail(uid, str(exc) or type(exc).__name__)
             if flow is not None:
-                self._abandoner.abandon(prefill, uid)
+                abandon()
             raise
         if isinstance(answer, StreamAnswer):
             return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
@@ -181,9 +183,10 @@ class Forwarder:
         except UpstreamStatus as exc:
             return await self._call(self._elsewhere(worker, exc), path, body, headers)
 
-    async def _answer(self, request: ClientRequest, uid: str, first: dict[str, Any],
-                      leg: DecodeLeg | None, started: float, token_used: bool = True) -> Answer:
-        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give;
+    async def _answer(self, request: ClientRequest, uid: str, first: dict[str, Any], leg: DecodeLeg | None,
+                      started: float, abandon: Callable[[], None], token_used: bool = True) -> Answer:
+        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give; a stream
+        that fails after it began calls `abandon` (prefill's KV may still be held, see proxy/abandon.py);
         without `token_used`, the first token is decode's (prefill's was not sampled as the answer's)."""
         response_id = request.endpoint.id_prefix + uid
         try:
@@ -198,7 +201,8 @@ class Forwarder:
             raise
         if stitcher.finished:
             cancel_leg(leg)  # EOS at token one: decode has nothing to add
-        return StreamAnswer(stitched(stitcher, events, leg, AnswerTimer(self._metrics, started, self.timeline, uid), self._first_token))
+        timer = AnswerTimer(self._metrics, started, self.timeline, uid)
+        return StreamAnswer(stitched(stitcher, events, leg, timer, self._first_token, abandon))
 
     async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None,
                      token_used: bool) -> dict[str, Any]:
@@ -291,5 +295,5 @@ class Forwarder:
             except UpstreamError as exc:
                 log.warning("%s", exc)
                 if isinstance(exc, UpstreamUnavailable) or (isinstance(exc, UpstreamStatus) and exc.draining):
-                    self._pool.mark(worker.key, healthy=False)  # until a health check passes again
+                    self._pool.mark(worker.key, healthy=False, why=str(exc))  # until a health check passes again
                 raise

@@ -18,9 +18,11 @@ END = object()  # marks the normal end of a streamed leg in its queue
 
 
 async def stitched(stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg | None, timer: AnswerTimer,
-                   first_token: Callable[[WorkerRecord, bool], None]) -> AsyncGenerator[bytes, None]:
+                   first_token: Callable[[WorkerRecord, bool], None],
+                   abandon: Callable[[], None]) -> AsyncGenerator[bytes, None]:
     """Prefill's events (`first`), then decode's through `stitcher`; `first_token(decode, matched)` is told
-    whether decode's copy of the first token equals prefill's, as soon as it is known."""
+    whether decode's copy of the first token equals prefill's, as soon as it is known; `abandon()` when the
+    answer fails after it began (a failed decode leg may never have released prefill's KV)."""
     error: str | None = None
     try:
         if stitcher.prefill_token:
@@ -45,6 +47,7 @@ async def stitched(stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg 
             yield event
     except ProxyError as exc:
         error = str(exc)
+        abandon()
         yield error_event(exc)
     finally:
         cancel_leg(leg)  # client gone or answer failed: drop the decode connection
