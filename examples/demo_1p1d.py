@@ -17,11 +17,10 @@ from typing import Sequence
 import openai
 
 from stack.serving import StackError, StackOptions, start_di
+from worker.model.loader import BUILTIN_MODEL_NOTE
 
 # The built-in model is a tiny byte-level model trained on Python's stdlib: it continues code, and answers
 # chat turns with docstring-like sentences.
-BUILTIN_NOTE = ("the built-in model is tiny (~3M parameters, trained for half an hour on Python's standard library): "
-                "its answers read like Python and its docstrings but mean little; --model PATH serves a real one")
 PROMPTS = ("import os\nimport sys\n\n\ndef main():\n    ", "class Stack:\n    def __init__(self):\n        ")
 CHAT = "def add(a, b):"
 # Seeded sampling: varied text that is the same on every run (greedy decoding of a small model loops).
@@ -75,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = client.models.list().data[0].id
             print(f"serving {model}: each request is prefilled on one worker and decoded on the other")
             if args.model is None:
-                print(f"({BUILTIN_NOTE})")
+                print(f"({BUILTIN_MODEL_NOTE})")
             completions(client, model, args.max_tokens)
             chats(client, model, args.max_tokens)
         print("\nstopped the proxy and both workers")

@@ -24,13 +24,12 @@ from tqdm import tqdm
 
 from benchmarks.di_stats import Completion, diverging_at, first_mismatch, format_summary, summarize
 from stack.serving import StackError, StackOptions, start_di
+from worker.model.loader import BUILTIN_MODEL_NOTE
 
 if TYPE_CHECKING:
     from transfer.layout import KVLayout
 
 # The built-in model is a tiny byte-level model trained on Python's stdlib: it continues code.
-BUILTIN_NOTE = ("(the built-in model is tiny, ~3M parameters trained for half an hour on Python's standard library: "
-                "its text reads like Python but means little; what matters is that DI gives exactly the same)")
 PROMPTS = (
     "import os\n",
     "def add(a, b):\n    ",
@@ -142,9 +141,9 @@ def show_outputs(texts: Sequence[str], outputs: Sequence[Completion]) -> None:
 
 
 def report(texts: Sequence[str], reference: Sequence[Completion], di: Sequence[Completion], builtin: bool) -> int:
-    show_outputs(texts, di)
     if builtin:
-        print(f"\n{BUILTIN_NOTE}")
+        print(f"\n({BUILTIN_MODEL_NOTE}; what matters here is that DI gives exactly the same)")
+    show_outputs(texts, di)
     mismatch = first_mismatch(reference, di)
     if mismatch is None:
         print(f"\noutputs match: {len(di)} prompts, the same text and token count as the non-disaggregated run")
