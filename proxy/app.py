@@ -10,7 +10,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import error_body, json_bytes
-from common.request_body import request_body
+from common.request_body import DrainingRequest, request_body
 from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
 from common.timeline import PROXY, Timeline, parse_query
 from proxy.conditional_route import ConditionalRouter
@@ -85,6 +85,7 @@ def client_class(name: str) -> Any:
 def create_app(config: ProxyConfig) -> Quart:
     """The proxy as an ASGI app; serve it with hypercorn (see proxy_server.py)."""
     app = Quart("proxy")
+    app.request_class = DrainingRequest
     state = ProxyState(config)
     app.config["PROXY_STATE"] = state
     app.before_serving(state.start)

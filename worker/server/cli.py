@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill: free KV blocks not pulled within this many seconds (default 60)")
     kv.add_argument("--kv-pull-timeout", type=float, default=30.0,
                     help="decode: fail a request whose KV has not arrived within this many seconds (default 30)")
-    kv.add_argument("--kv-integrity-check", action="store_true",
-                    help="decode: ask the prefill worker for a CRC-32 of the KV blocks it sends and fail the "
-                         "request (kv_transfer_error) when the blocks received do not match")
+    kv.add_argument("--kv-integrity-check", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode: ask the prefill worker for a CRC-32C of the KV blocks it sends and fail the "
+                         "request (kv_transfer_error) when the blocks received do not match (default: on; "
+                         "--no-kv-integrity-check turns it off)")
     kv.add_argument("--prefix-aware-transfer", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: pull only the prompt's KV blocks this worker's prefix cache lacks, and cache the "
                          "pulled ones for the next prompt with that prefix (default: on; needs prefix caching)")
