@@ -55,6 +55,20 @@ def test_tokens_are_deterministic_printable_and_run_to_max_tokens() -> None:
     assert 0 < engine.counters.prefill_tokens <= 167 and engine.counters.decode_seqs == 3 * 23
 
 
+def test_each_token_is_certain_where_logprobs_are_asked_for() -> None:
+    model = MockModel.load(None, CostModel(decode_base_s=0.0, decode_per_seq_s=1e-6, prefill_tokens_per_s=1e9))
+    engine = LLMEngine(EngineConfig(), model=model)
+    engine.add_request("top", [72, 105] * 8, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3))
+    engine.add_request("none", [72, 105] * 8, SamplingParams(max_tokens=4, temperature=0.0))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    top = [(o.new_token_ids[0], o.logprobs) for o in outputs if o.request_id == "top"]
+    assert len(top) == 4 and all(lp is not None and [(e.token_id, e.logprob, e.rank, e.top) for e in lp] ==
+                                 [(t, 0.0, 1, ((t, 0.0),))] for t, lp in top)
+    assert all(o.logprobs is None for o in outputs if o.request_id == "none")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--mock-decode-base-ms", "5"], "the --mock-* flags need --engine mock"),
     (["--engine", "mock", "--mock-prefill-tokens-per-s", "0"], "prefill tokens per second must be positive"),

@@ -3,7 +3,7 @@
 Each step writes every computed position's token id into its KV slot, and a sampled sequence's next
 token is a hash of the token ids its KV blocks hold (positions 0 .. its length): so a decode worker
 whose pulled KV were wrong would answer differently from a `both` worker, as with a real model.
-Tokens are printable, never EOS: a request runs to its max_tokens.
+Tokens are printable, never EOS: a request runs to its max_tokens. Each is certain: its logprob is 0.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from scheduler import ScheduledStep
 from worker.mock.cost_model import CostModel
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config
 from worker.model.model_config import ModelConfig
+from worker.model.logprobs import TokenLogprobs
 from worker.model.runner import StepResult
 from worker.model.tokenizer import load_tokenizer
 
@@ -55,6 +56,13 @@ def _token_choices(config: ModelConfig) -> torch.Tensor:
     return torch.tensor([t for t in ids if t not in config.eos_token_ids], dtype=torch.int64)
 
 
+def _certain(wanted: int | None, token_id: int) -> TokenLogprobs | None:
+    """The logprobs of a token chosen with certainty (the simulated engine's are), where they are asked for."""
+    if wanted is None:
+        return None
+    return TokenLogprobs(token_id, 0.0, 1, ((token_id, 0.0),) if wanted else ())
+
+
 class MockRunner:
     """Runs a step in the time the cost model gives it; tokens from the KV the sequences hold."""
 
@@ -75,7 +83,7 @@ class MockRunner:
             self.slots[self._slots(chunk.seq.block_table, positions), 0] = ids
         tokens = [self._next_token(seq.block_table, len(seq)) for seq in step.sampled]
         time.sleep(max(0.0, started + self.cost.step_seconds(step) - time.perf_counter()))
-        return StepResult(tokens, [None] * len(tokens), [])
+        return StepResult(tokens, [_certain(seq.params.logprobs, token) for seq, token in zip(step.sampled, tokens)], [])
 
     def _slots(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(block_table, dtype=torch.int64)[positions // self.block_size]
