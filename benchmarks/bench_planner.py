@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -120,6 +122,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"phase-change benchmark: {args.workers} simulated workers; SLO TTFT <= {TTFT_TARGET_S:g} s, "
           f"TPOT <= {TPOT_TARGET_S * 1000:g} ms", flush=True)
+    load_before = os.getloadavg()
     fleet = MockFleet(args.workers)
     try:
         statics = [run_static(fleet, p, args) for p in args.static_splits]
@@ -127,6 +130,9 @@ def main() -> None:
     finally:
         fleet.close()
     report = summarize(args, statics, planner)
+    report["run"] = {"command": " ".join(["python -m benchmarks.bench_planner", *sys.argv[1:]]),
+                     "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(),
+                     "cpus": os.cpu_count()}
     print(format_table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
