@@ -39,7 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="the budget: simulated workers (default 12)")
     parser.add_argument("--phase-seconds", type=float, default=None, help="each phase of the planner's run (default 60)")
     parser.add_argument("--static-phase-seconds", type=float, default=None,
-                        help="each phase of a static split's run (default 25)")
+                        help="each phase of a static split's run (default: --phase-seconds; shorter phases than a "
+                             "long generation lasts never let a static split reach the phase's steady state)")
     parser.add_argument("--static-splits", default=None,
                         help="prefill counts of the static splits, comma separated (default: every split)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
@@ -49,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     quick = args.quick
     args.workers = args.workers or (6 if quick else 12)
     args.phase_seconds = args.phase_seconds or (15.0 if quick else 60.0)
-    args.static_phase_seconds = args.static_phase_seconds or (8.0 if quick else 25.0)
+    args.static_phase_seconds = args.static_phase_seconds or args.phase_seconds
     splits = args.static_splits or (f"1,{args.workers // 2},{args.workers - 1}" if quick else
                                     ",".join(str(p) for p in range(1, args.workers)))
     args.static_splits = [int(p) for p in splits.split(",")]
