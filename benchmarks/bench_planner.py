@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from benchmarks.phase_change import (CUT, PHASES, TPOT_TARGET_S, TTFT_TARGET_S, 
                                      rolling_attainment, trace)
 from benchmarks.phase_report import format_table, plot, summarize
 from benchmarks.planner_fleet import MockFleet, replay, worker_template
+from benchmarks.serving_metrics import RequestResult
 from planner.fleet import EtcdWorkers
 from stack.serving import Process
 
@@ -78,7 +80,7 @@ def run_static(fleet: MockFleet, prefill: int, args: argparse.Namespace) -> dict
     print(f"  static {prefill}P{args.workers - prefill}D: " + "  ".join(
         f"{p.name} {s:.0%}" if s is not None else f"{p.name} -" for p, s in zip(PHASES, shares)), flush=True)
     return {"prefill": prefill, "decode": args.workers - prefill, "attainment_by_phase": shares,
-            "requests": len(arrivals), "failed": sum(r.error is not None for r in results)}
+            "requests": len(arrivals), **outcomes(results)}
 
 
 def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -112,9 +114,14 @@ def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> di
     return {"attainment_by_phase": attainment_by_phase(arrivals, results, len(PHASES), seconds=seconds),
             "rolling_attainment": rolling_attainment(arrivals, results, 5.0, len(PHASES) * seconds),
             "changes_by_phase": changes, "changes_after_settle_by_phase": after_settle,
-            "recovery_s_by_phase": recovery, "timeline": timeline, "requests": len(arrivals),
-            "failed": sum(r.error not in (None, CUT) for r in results),
+            "recovery_s_by_phase": recovery, "timeline": timeline, "requests": len(arrivals), **outcomes(results),
             "log_tail": log[-3000:]}
+
+
+def outcomes(results: list[RequestResult]) -> dict[str, Any]:
+    """Requests that failed (by error) and those still running when the run was cut."""
+    errors = Counter(r.error for r in results if r.error not in (None, CUT))
+    return {"failed": sum(errors.values()), "errors": dict(errors), "cut": sum(r.error == CUT for r in results)}
 
 
 def main() -> None:

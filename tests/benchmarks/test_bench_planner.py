@@ -67,3 +67,4 @@ def test_a_compact_run_writes_the_summary(tmp_path: Path) -> None:
     assert report["planner"]["timeline"], "the planner recorded its decisions"
     assert "planner" in done.stdout and "static 1P1D" in done.stdout
     assert report["run"]["command"].endswith(f"--json {out}")
+    assert report["planner"]["failed"] == sum(report["planner"]["errors"].values())
