@@ -15,6 +15,8 @@ import torch
 
 from common.tokenizer import Tokenizer
 from scheduler import ScheduledStep
+from transfer.layout import KVLayout
+from worker.config import EngineConfig
 from worker.mock.cost_model import CostModel
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config
 from worker.model.model_config import ModelConfig
@@ -35,6 +37,7 @@ class MockModel:
     tokenizer: Tokenizer
     name: str
     cost: CostModel
+    real: ModelConfig   # the model simulated: its KV capacity is the simulation's
 
     @classmethod
     def load(cls, model_dir: str | None, cost: CostModel) -> MockModel:
@@ -44,7 +47,17 @@ class MockModel:
         config = replace(real, hidden_size=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
                          head_dim=2, max_position_embeddings=max(real.max_position_embeddings, MAX_POSITIONS),
                          sliding_window=None)
-        return cls(config, load_tokenizer(path, real), BUILTIN_MODEL_NAME if model_dir is None else path.name, cost)
+        return cls(config, load_tokenizer(path, real), BUILTIN_MODEL_NAME if model_dir is None else path.name, cost,
+                   real)
+
+    def with_real_capacity(self, config: EngineConfig) -> EngineConfig:
+        """`config` with the KV blocks the simulated model would have in its `kv_cache_bytes` (when it
+        names no number of blocks): the tiny layout alone would give hundreds of times more."""
+        if config.num_kv_blocks is not None:
+            return config
+        one_block = KVLayout(self.real.num_hidden_layers, 1, config.block_size, self.real.num_key_value_heads,
+                             self.real.head_dim, config.dtype)
+        return replace(config, num_kv_blocks=max(config.kv_cache_bytes // one_block.block_bytes, 1))
 
     def runner(self, kv_pool: torch.Tensor, block_size: int) -> MockRunner:
         return MockRunner(self.cost, kv_pool, block_size, _token_choices(self.config))
