@@ -238,9 +238,10 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: 
     def build() -> LLMEngine:
         config = engine_config if role is None else replace(engine_config, role=role)
         loaded = model
-        if loaded is None and args.cost_model is not None:
+        if args.cost_model is not None:
             from worker.mock.model import MockModel
-            loaded = MockModel.load(config.model, args.cost_model)
+            loaded = loaded or MockModel.load(config.model, args.cost_model)
+            config = loaded.with_real_capacity(config)
         if config.role == "both":
             return LLMEngine(config, model=loaded)
         connector = KVConnector(KVConnectorConfig(
