@@ -17,24 +17,21 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from common.openai_wire import json_bytes
 from common.timeline import RECEIVED, Timeline
 from proxy.abandon import Abandoner
-from proxy.answers import Answer, JSONAnswer, StreamAnswer
+from proxy.answers import Answer, AnswerAssembler, JSONAnswer, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
 from proxy.errors import KV_TRANSFER_ERROR, ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable
-from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
-                         spawn, stitched_flow)
+from proxy.flows import DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, spawn, stitched_flow
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used
 from proxy.sse import SSEDecoder
-from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.explain import explained, stream_error_status
-from proxy.streams import END, cancel_leg, relayed, stitched
+from proxy.streams import END, relayed
 from proxy.timing import REQUEST_ID_HEADER, AnswerTimer, leg_answered, leg_sent
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
@@ -62,6 +59,7 @@ class Forwarder:
         self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
         self._legs = InFlightLegs()
         self._abandoner = Abandoner(clients)
+        self._assembler = AnswerAssembler(metrics, self.timeline)
         self._closing = False
 
     def end_legs(self, worker: WorkerRecord, why: str) -> None:
@@ -156,7 +154,7 @@ class Forwarder:
             legs = LegCalls(self._call, functools.partial(self._start_decode, took=took))
             first, leg = await flow(legs, request, prefill, decode, uid, seed)
             token_used = prefill.kv_protocol == "nixl" or prefill_token_used(prefill, seed)
-            answer = await self._answer(request, uid, first, leg, started, abandon, token_used)
+            answer = await self._assembler.answer(request, uid, first, leg, started, abandon, token_used)
         except BaseException as exc:
             self.timeline.fail(uid, str(exc) or type(exc).__name__)
             if flow is not None:
@@ -187,43 +185,6 @@ class Forwarder:
             return await self._call(worker, path, body, headers, took)
         except UpstreamStatus as exc:
             return await self._call(self._elsewhere(worker, exc), path, body, headers, took)
-
-    async def _answer(self, request: ClientRequest, uid: str, first: dict[str, Any], leg: DecodeLeg | None,
-                      started: float, abandon: Callable[[], None], token_used: bool = True) -> Answer:
-        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give; a stream
-        that fails after it began calls `abandon` (prefill's KV may still be held, see proxy/abandon.py);
-        without `token_used`, the first token is decode's (prefill's was not sampled as the answer's)."""
-        response_id = request.endpoint.id_prefix + uid
-        try:
-            if not request.stream:
-                answer = JSONAnswer(json_bytes(await self._whole(response_id, first, leg, token_used)))
-                self.timeline.finish(uid)
-                return answer
-            stitcher = StreamStitcher(request, response_id, int(time.time()), first, token_used)
-            events = stitcher.first()
-        except BaseException:
-            cancel_leg(leg)
-            raise
-        if stitcher.finished:
-            cancel_leg(leg)  # EOS at token one: decode has nothing to add
-        timer = AnswerTimer(self._metrics, started, self.timeline, uid)
-        return StreamAnswer(stitched(stitcher, events, leg, timer, self._first_token, abandon))
-
-    async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None,
-                     token_used: bool) -> dict[str, Any]:
-        if leg is None or (token_used and prefill_finished(first)):
-            cancel_leg(leg)  # EOS at token one: decode has nothing to add
-            return prefill_answer(response_id, first)
-        rest = json_object(await leg.task, leg.worker)
-        if token_used and (matched := first_token_repeated(first, rest)) is not None:
-            self._first_token(leg.worker, matched)
-        return merge_bodies(response_id, first, rest, token_used)
-
-    def _first_token(self, decode: WorkerRecord, matched: bool) -> None:
-        """Counts one checked first token; a different one means the KV did not arrive intact."""
-        self._metrics.first_token(decode.kv_protocol, matched)
-        if not matched:
-            log.warning("decode worker %s: first token differs from prefill's (KV not intact?)", decode.address)
 
     async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                     took: Took | None = None) -> bytes:
