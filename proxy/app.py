@@ -47,8 +47,7 @@ class ProxyState:
         """The worker's client, made on first use; kept for the app's life (a worker may come back)."""
         client = self._clients.get(worker.address)
         if client is None:
-            client = self._clients[worker.address] = client_class(self.config.http_client)(
-                worker, self.config.timeouts)
+            client = self._clients[worker.address] = AiohttpUpstream(worker, self.config.timeouts)
         return client
 
     def _worker_lost(self, worker: WorkerRecord, why: str) -> None:
@@ -72,14 +71,6 @@ class ProxyState:
                 await task
         await asyncio.gather(*(client.close() for client in self._clients.values()))
         self._clients.clear()
-
-
-def client_class(name: str) -> Any:
-    """The Upstream implementation called `name` ("aiohttp" or "httpx")."""
-    if name == "httpx":
-        from proxy.upstream_httpx import HttpxUpstream
-        return HttpxUpstream
-    return AiohttpUpstream
 
 
 def create_app(config: ProxyConfig) -> Quart:
