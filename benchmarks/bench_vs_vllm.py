@@ -9,6 +9,8 @@ Workloads (model, input / output tokens):
   builtin_128_64     the built-in model, 128 / 64
   bench24m_512_128   the ~24M benchmark model, 512 / 128
   bench24m_2000_64   the ~24M benchmark model, 2000 / 64
+Next to ITL p99 stand stalls per request (gaps longer than 3x the run's median ITL: steps that also
+prefilled) and the largest gap, since p99 swings on how many gaps hold a prompt chunk.
 Ratios are ours over vllm: throughput (req/s), TTFT mean, ITL p99; `worst` is the worst of each
 over the workloads, held against the goals throughput >= 1.2, TTFT mean <= 0.8, ITL p99 <= 1.0.
 
@@ -203,11 +205,17 @@ def goals(worst: dict[str, float | None]) -> dict[str, bool]:
 COLUMNS = [("req/s", "request_throughput", "{:.3f}"), ("out tok/s", "output_throughput", "{:.1f}"),
            ("TTFT mean", "ttft_mean_ms", "{:.1f}"), ("TTFT p99", "ttft_p99_ms", "{:.1f}"),
            ("TPOT mean", "tpot_mean_ms", "{:.2f}"), ("TPOT p99", "tpot_p99_ms", "{:.2f}"),
-           ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"), ("failed", "failed", "{:d}")]
+           ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
+           ("stalls/req", "stalls_per_request", "{:.2f}"), ("max gap", "largest_gap_ms", "{:.1f}"),
+           ("failed", "failed", "{:d}")]
 
 
 def _number(value: float | None) -> str:
     return "null" if value is None else f"{value:.3f}"
+
+
+def _cell(fmt: str, value: Any) -> str:
+    return "null" if value is None else fmt.format(value)
 
 
 def format_table(results: dict[str, dict[str, dict[str, Any]]], ratios: dict[str, dict[str, float | None]]) -> str:
@@ -219,7 +227,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], ratios: dict[str
             if "skipped" in metrics:
                 rows.append(f"{system:8}skipped: {metrics['skipped']}")
             else:
-                rows.append(f"{system:8}" + "".join(f"{fmt.format(metrics[key]):>11}" for _, key, fmt in COLUMNS))
+                rows.append(f"{system:8}" + "".join(f"{_cell(fmt, metrics.get(key)):>11}" for _, key, fmt in COLUMNS))
         rows.append("ours/vllm: " + ", ".join(f"{name} {_number(v)}" for name, v in ratios[workload].items()))
         rows.append("")
     met = goals(ratios["worst"])
