@@ -16,6 +16,7 @@ over the workloads, held against the goals throughput >= 1.2, TTFT mean <= 0.8, 
 
     python -m benchmarks.bench_vs_vllm --quick --workloads builtin_128_64
     python -m benchmarks.bench_vs_vllm --json benchmarks/results/vs_vllm.json
+    python -m benchmarks.bench_vs_vllm --dtype bfloat16 --json benchmarks/results/vs_vllm_bf16.json
     python -m benchmarks.bench_vs_vllm --ours-extra "--max-num-seqs 8" --quick
 
 --quick loads each system for well under a minute (16 prompts, at most 32 output tokens); starting
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-warmups", type=int, help="unmeasured requests first (default 8; --quick 2)")
     p.add_argument("--max-concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="what both servers compute in (ours: --dtype; vLLM: --dtype; default float32)")
     p.add_argument("--ours-extra", action="append", default=[], metavar="FLAGS",
                    help='more flags for our worker, e.g. "--max-num-seqs 8" (repeatable; a lone flag '
                         'as --ours-extra=--flag)')
@@ -126,14 +129,19 @@ def model_dir(model: str) -> str:
     return str(builtin_model_path() if model == "builtin" else create_bench_model())
 
 
+def ours_flags(workload: Workload, args: argparse.Namespace) -> list[str]:
+    """Our worker's flags beyond the stack's own: the workload's context and KV, the dtype, --ours-extra."""
+    return ["--max-model-len", str(workload.max_model_len), "--num-kv-blocks",
+            str(kv_blocks(workload, args.max_concurrency, OUR_BLOCK_SIZE)), "--dtype", args.dtype, *args.ours_extra]
+
+
 def starters(workload: Workload, model: str, args: argparse.Namespace) -> dict[str, Callable[[], Stack]]:
     ours = StackOptions(cores=(args.core, None), model=model, startup_timeout_s=args.startup_timeout)
-    ours_flags = ["--max-model-len", str(workload.max_model_len), "--num-kv-blocks",
-                  str(kv_blocks(workload, args.max_concurrency, OUR_BLOCK_SIZE)), *args.ours_extra]
     vllm = VllmOptions(model=model, cores=(args.core, args.core), max_model_len=workload.max_model_len,
                        num_blocks=kv_blocks(workload, args.max_concurrency, VLLM_BLOCK_SIZE),
-                       startup_timeout_s=args.startup_timeout)
-    return {"ours": lambda: start_both(ours, ours_flags), "vllm": lambda: start_colocated(vllm)}
+                       startup_timeout_s=args.startup_timeout, dtype=args.dtype)
+    flags = ours_flags(workload, args)
+    return {"ours": lambda: start_both(ours, flags), "vllm": lambda: start_colocated(vllm)}
 
 
 def measure(start: Callable[[], Stack], load: ClientLoad, result: Path) -> dict[str, Any]:

@@ -27,13 +27,14 @@ class VllmOptions:
     kv_transport: str = "auto"             # NeuronConnector's transport
     extra_config: dict[str, Any] = field(default_factory=dict)   # more NeuronConnector settings
     startup_timeout_s: float = 300.0
+    dtype: str = "float32"                 # vLLM's --dtype
 
 
 def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None) -> list[str]:
     """A DI server (`kv_config` given) prefills whole prompts: on vLLM's CPU build a seeded
     request prefilled in chunks kills the engine, and the proxy seeds sampled requests."""
     args = ["-m", "vllm.entrypoints.cli.main", "serve", options.model, "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+            "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", options.dtype,
             "--max-model-len", str(options.max_model_len), "--num-gpu-blocks-override", str(options.num_blocks),
             "--uvicorn-log-level", "warning"]
     if kv_config is not None:

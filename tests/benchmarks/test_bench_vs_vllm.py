@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import bench_vs_vllm
 from stack.serving import StackOptions, start_both
+from stack.vllm import VllmOptions, serve_args
 from benchmarks.vllm_bench_client import client_metrics
 
 from tests.script_runs import run_script
@@ -41,6 +42,16 @@ def test_defaults_and_quick() -> None:
     assert (quick.workloads, quick.num_prompts, quick.num_warmups) == (["bench24m_2000_64"], 5, 2)
     assert bench_vs_vllm.lengths(bench_vs_vllm.WORKLOADS["bench24m_2000_64"], quick=True) == (2000, 32)
     assert bench_vs_vllm.lengths(bench_vs_vllm.WORKLOADS["bench24m_2000_64"], quick=False) == (2000, 64)
+
+
+def test_both_servers_compute_in_the_dtype_asked() -> None:
+    workload = bench_vs_vllm.WORKLOADS["builtin_128_64"]
+    assert bench_vs_vllm.parse_args([]).dtype == "float32"
+    args = bench_vs_vllm.parse_args(["--dtype", "bfloat16", "--ours-extra", "--seed 3"])
+    flags = bench_vs_vllm.ours_flags(workload, args)
+    assert flags[-4:] == ["--dtype", "bfloat16", "--seed", "3"]
+    vllm_args = serve_args(VllmOptions(model="m", dtype=args.dtype), 8000)
+    assert vllm_args[vllm_args.index("--dtype") + 1] == "bfloat16"
 
 
 def test_ours_extra_flags_are_split_and_kept_in_order() -> None:
