@@ -6,8 +6,8 @@ Both sides run greedy on the ~24M-parameter benchmark model (random weights, bui
 the cache dir), at each --dtype in turn. Prefill tokens/s = batch * prompt_len / time of a
 1-token generation; decode tokens/s = batch * (new_tokens - 1) / (time of a new_tokens
 generation - that prefill time); long prefill: one 2000-token prompt (512 with --quick), a
-1-token generation. Each point is the best of --repeats runs, ours and transformers
-interleaved. With two dtypes, the table ends with what our engine gains from the second over
+1-token generation. Each point is the best of --repeats runs, ours and transformers at every
+dtype interleaved. With two dtypes, the table ends with what our engine gains from the second over
 the first (bf16 over fp32). Our engine runs as the worker does: chunked prefill, 512 tokens a step.
 """
 from __future__ import annotations
@@ -65,8 +65,9 @@ class Transformers:
 
 
 def measure(runners: dict[str, Runner], batch: int, prompt_len: int, new_tokens: int,
-            repeats: int) -> tuple[dict[str, dict[str, float]], bool]:
-    """Tokens/s per runner and phase, and whether all runners produced the same greedy tokens."""
+            repeats: int) -> tuple[dict[str, dict[str, float]], dict[str, bool]]:
+    """Tokens/s per runner ("ours DTYPE", "transformers DTYPE") and phase, and per dtype whether both
+    runners produced the same greedy tokens."""
     prompts = make_prompts(batch, prompt_len, seed=batch)
     best = {name: {"prefill": float("inf"), "full": float("inf")} for name in runners}
     outputs: dict[str, list[list[int]]] = {}
@@ -81,14 +82,19 @@ def measure(runners: dict[str, Runner], batch: int, prompt_len: int, new_tokens:
     rates = {name: {"prefill": batch * prompt_len / t["prefill"],
                     "decode": batch * (new_tokens - 1) / max(t["full"] - t["prefill"], 1e-9)}
              for name, t in best.items()}
-    return rates, len({json.dumps(o) for o in outputs.values()}) == 1
+    dtypes = {name.split()[-1] for name in runners}
+    same = {d: len({json.dumps(o) for n, o in outputs.items() if n.endswith(d)}) == 1 for d in dtypes if outputs}
+    return rates, same
 
 
-def bench_dtype(path: Path, dtype: str, prompt_len: int, new_tokens: int, long_len: int,
-                repeats: int) -> dict[str, object]:
-    """Every point at one dtype, ours against transformers; prints its rows."""
-    runners: dict[str, Runner] = {"ours": Ours(path, dtype), "transformers": Transformers(path, dtype)}
-    report: dict[str, object] = {}
+def bench(path: Path, dtypes: list[str], prompt_len: int, new_tokens: int, long_len: int,
+          repeats: int) -> dict[str, dict[str, object]]:
+    """Every point, ours against transformers at each dtype, all runners interleaved in each repeat (so
+    load from elsewhere hits every dtype alike, and the dtype ratios hold up on a busy machine); prints rows."""
+    runners: dict[str, Runner] = {}
+    for dtype in dtypes:
+        runners |= {f"ours {dtype}": Ours(path, dtype), f"transformers {dtype}": Transformers(path, dtype)}
+    report: dict[str, dict[str, object]] = {dtype: {} for dtype in dtypes}
     points = [(batch, prompt_len, new_tokens, phase, f"{phase}_b{batch}")
               for batch in (1, 8) for phase in ("prefill", "decode")]
     points.append((1, long_len, 1, "prefill", "long_prefill"))
@@ -96,12 +102,16 @@ def bench_dtype(path: Path, dtype: str, prompt_len: int, new_tokens: int, long_l
     for batch, length, new, phase, key in points:
         if (batch, length) not in measured:
             measured[(batch, length)] = measure(runners, batch, length, new, repeats)
-        rates, same = measured[(batch, length)]
-        ours, ref = rates["ours"][phase], rates["transformers"][phase]
-        report |= {f"{key}_tok_s": ours, f"{key}_transformers_tok_s": ref, f"{key}_ratio_vs_transformers": ours / ref}
-        if new > 1:
-            report[f"b{batch}_same_greedy_tokens"] = same
-        print(f"{dtype:<10}{key:<14}{ours:>12.1f}{ref:>14.1f}{ours / ref:>8.2f}", flush=True)
+        rates, _ = measured[(batch, length)]
+        for dtype in dtypes:
+            ours, ref = rates[f"ours {dtype}"][phase], rates[f"transformers {dtype}"][phase]
+            report[dtype] |= {f"{key}_tok_s": ours, f"{key}_transformers_tok_s": ref,
+                              f"{key}_ratio_vs_transformers": ours / ref}
+            print(f"{dtype:<10}{key:<14}{ours:>12.1f}{ref:>14.1f}{ours / ref:>8.2f}", flush=True)
+    for batch in (1, 8):   # greedy tokens: ours against transformers at each dtype
+        outputs = measured[(batch, prompt_len)][1]
+        for dtype in dtypes:
+            report[dtype][f"b{batch}_same_greedy_tokens"] = outputs.get(dtype)
     return report
 
 
@@ -124,7 +134,7 @@ def main() -> None:
                                  "threads": args.threads, "dtypes": args.dtype, "load_before": os.getloadavg()}
     print(f"{'dtype':<10}{'':<14}{'ours tok/s':>12}{'transformers':>14}{'ratio':>8}   "
           f"(prompt {prompt_len}, new {new_tokens}; long prompt {long_len})")
-    per_dtype = {dtype: bench_dtype(path, dtype, prompt_len, new_tokens, long_len, repeats) for dtype in args.dtype}
+    per_dtype = bench(path, args.dtype, prompt_len, new_tokens, long_len, repeats)
     report |= {f"{dtype}_{key}": value for dtype, rows in per_dtype.items() for key, value in rows.items()}
     if len(args.dtype) == 2:
         first, second = args.dtype
