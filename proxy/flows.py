@@ -20,10 +20,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillHandoff, PrefillParams
+from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillHandoff, PrefillParams, nixl_prefill_params
 from proxy.errors import UpstreamProtocol
 from proxy.requests import (ClientRequest, decode_body, neuron_decode_leg, neuron_decode_params, neuron_prefill_params,
-                            nixl_prefill_params, prefill_body, prefill_token_used)
+                            prefill_body, prefill_token_used)
 from proxy.stitch import prefill_finished
 from proxy.workers import WorkerRecord
 

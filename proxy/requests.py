@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, PrefillParams
-from common.handoff import nixl_prefill_params as nixl_prefill_params  # the flows' and tests' one import site
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, SEED_MAX, SEED_MIN, load_object
 from proxy.errors import BadRequest
 from proxy.workers import VLLM_SERVER, WorkerRecord
