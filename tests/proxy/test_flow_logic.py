@@ -69,6 +69,8 @@ def test_neuron_handoff_is_where_prefills_answer_says_its_blocks_wait() -> None:
                       "remote_engine_id": "p-1"}
     with pytest.raises(UpstreamProtocol, match="name request 'u2', not 'u1'"):
         neuron_handoff({"kv_transfer_params": {**shown, "request_id": "u2"}}, "u1", PREFILL)
+    with pytest.raises(UpstreamProtocol, match="answer's kv_transfer_params.remote_port must be a TCP port"):
+        neuron_handoff({"kv_transfer_params": {**shown, "remote_port": "15000"}}, "u1", PREFILL)
 
 
 class _Legs:
