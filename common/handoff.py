@@ -122,7 +122,27 @@ class DecodeParams:
         return cls(host, port, _opt_request_id(obj), _opt_str(obj, _ENGINE_ID), url.rstrip("/") if url else None)
 
 
-LegParams = PrefillParams | DecodeParams
+@dataclass(frozen=True, slots=True)
+class ForeignParams:
+    """Params without a role: another connector's (such as vLLM's NixlConnector's), kept as they came. A
+    worker of ours of role "both" serves such a request whole; one of role prefill or decode refuses it."""
+
+    params: Mapping[str, Any]
+
+    role = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    @classmethod
+    def parse(cls, obj: Any) -> ForeignParams:
+        obj = _mapping(obj)
+        if obj.get(_ROLE) is not None:
+            raise HandoffError(_ROLE, f"must be absent from another connector's params, got {obj.get(_ROLE)!r}")
+        return cls(dict(obj))
+
+
+LegParams = PrefillParams | DecodeParams | ForeignParams
 
 
 def _expect_role(obj: Any, role: str) -> Mapping[str, Any]:
@@ -132,13 +152,12 @@ def _expect_role(obj: Any, role: str) -> Mapping[str, Any]:
     return obj
 
 
-def parse_leg(obj: Any) -> LegParams | None:
-    """A request's `kv_transfer_params` as a leg of ours; None for params without a role (another
-    connector's, such as vLLM's NixlConnector's, which a worker of ours serves whole)."""
+def parse_leg(obj: Any) -> LegParams:
+    """A request's `kv_transfer_params` as a leg of ours, or as another connector's (no role)."""
     obj = _mapping(obj)
     role = obj.get(_ROLE)
     if role is None:
-        return None
+        return ForeignParams.parse(obj)
     if role == PREFILL:
         return PrefillParams.parse(obj)
     if role == DECODE:

@@ -21,7 +21,7 @@ def leg_params(params: dict[str, Any] | None, our_role: str) -> LegParams | None
     except HandoffError as exc:
         log.warning("%s (in %r); serving without DI", exc, params)
         return None
-    if leg is None or leg.role != our_role:
+    if leg.role != our_role:
         log.warning("kv_transfer_params %r are not for a %s worker; serving without DI", params, our_role)
         return None
     if not leg.request_id:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from common.handoff import (DecodeParams, HandoffError, PrefillHandoff, PrefillParams, nixl_prefill_params,
-                            parse_leg)
+from common.handoff import (DecodeParams, ForeignParams, HandoffError, PrefillHandoff, PrefillParams,
+                            nixl_prefill_params, parse_leg)
 
 DECODE = {"role": "decode", "request_id": "u1", "remote_host": "10.0.0.1", "remote_port": 14600,
           "remote_engine_id": "p-1", "remote_url": "http://10.0.0.1:8100"}
@@ -42,8 +42,10 @@ def test_a_prefill_answers_handoff_round_trips_and_may_say_nothing() -> None:
     assert PrefillHandoff.parse({"remote_block_ids": [1], "remote_host": "h"}) == PrefillHandoff("h")
 
 
-def test_params_without_a_role_are_another_connectors() -> None:
-    assert parse_leg(nixl_prefill_params()) is None and parse_leg({}) is None
+def test_params_without_a_role_are_another_connectors_kept_as_they_came() -> None:
+    foreign = parse_leg(nixl_prefill_params())
+    assert foreign == ForeignParams(nixl_prefill_params()) and foreign.role is None
+    assert foreign.to_dict() == nixl_prefill_params() and parse_leg({}) == ForeignParams({})
 
 
 @pytest.mark.parametrize("obj,key,message", [
@@ -75,6 +77,7 @@ def test_each_bad_leg_names_its_key(obj, key: str | None, message: str) -> None:
 @pytest.mark.parametrize("parse,obj,key", [
     (PrefillParams.parse, DECODE, "role"),
     (DecodeParams.parse, {"role": "prefill"}, "role"),
+    (ForeignParams.parse, {"role": "prefill"}, "role"),
     (PrefillHandoff.parse, {"remote_port": "14600"}, "remote_port"),
     (PrefillHandoff.parse, {"remote_host": 1}, "remote_host"),
     (PrefillHandoff.parse, {"request_id": ["u"]}, "request_id"),

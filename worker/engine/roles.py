@@ -92,7 +92,7 @@ class DisaggregatedRole(EngineRole):
             raise ValueError(f"role {cls.name!r} needs a KV connector of the same role")
 
     def leg(self, request_id: str, params: LegParams | None) -> Leg:
-        """A request that is no leg (no `kv_transfer_params` of ours) is served here whole."""
+        """A request without `kv_transfer_params` is served here whole."""
         if params is None:
             return Leg()
         if params.role != self.name:
