@@ -90,3 +90,13 @@ def test_a_leg_whose_shared_id_differs_from_the_request_id_is_refused() -> None:
         assert "p" not in prefill.requests and prefill.stats().num_waiting == 0
     finally:
         prefill.close()
+
+
+def test_another_connectors_params_are_refused_by_a_prefill_worker() -> None:
+    prefill = prefill_engine()
+    try:
+        with pytest.raises(InvalidRequestError, match="kv_transfer_params.role is None but this worker serves role"):
+            prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), parse_leg({"do_remote_decode": True}))
+        assert "p" not in prefill.requests and prefill.stats().num_waiting == 0
+    finally:
+        prefill.close()
