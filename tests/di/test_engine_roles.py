@@ -81,22 +81,14 @@ def test_a_bug_in_publish_is_not_taken_for_a_transport_failure(monkeypatch) -> N
         prefill.close()
 
 
-def test_a_leg_whose_shared_id_differs_from_the_request_id_is_refused() -> None:
-    prefill = prefill_engine()
-    try:
-        with pytest.raises(InvalidRequestError, match="kv_transfer_params.request_id 'other' is not"):
-            prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1),
-                                parse_leg({"role": "prefill", "request_id": "other"}))
-        assert "p" not in prefill.requests and prefill.stats().num_waiting == 0
-    finally:
-        prefill.close()
-
-
-def test_another_connectors_params_are_refused_by_a_prefill_worker() -> None:
+def test_another_connectors_params_or_a_leg_with_another_shared_id_are_refused() -> None:
     prefill = prefill_engine()
     try:
         with pytest.raises(InvalidRequestError, match="kv_transfer_params.role is None but this worker serves role"):
             prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), parse_leg({"do_remote_decode": True}))
+        with pytest.raises(InvalidRequestError, match="kv_transfer_params.request_id 'other' is not"):
+            prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1),
+                                parse_leg({"role": "prefill", "request_id": "other"}))
         assert "p" not in prefill.requests and prefill.stats().num_waiting == 0
     finally:
         prefill.close()
