@@ -15,13 +15,15 @@ leg that the forwarder stitches; `decode_first` is a single leg the forwarder re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillHandoff, PrefillParams, nixl_prefill_params
 from proxy.errors import UpstreamProtocol
-from proxy.requests import (ClientRequest, decode_body, neuron_decode_params, neuron_prefill_params,
-                            nixl_prefill_params, prefill_body, prefill_token_used)
+from proxy.requests import (ClientRequest, decode_body, neuron_decode_leg, neuron_decode_params, neuron_prefill_params,
+                            prefill_body, prefill_token_used)
 from proxy.stitch import prefill_finished
 from proxy.workers import WorkerRecord
 
@@ -81,7 +83,7 @@ async def prefill_first(legs: LegCalls, request: ClientRequest, prefill: WorkerR
     headers = {"X-Request-Id": uid}
     nixl = prefill.kv_protocol == "nixl"
     # Our prefill worker frees at once the blocks of an answer its token ended: no decode leg will pull them.
-    params = nixl_prefill_params() if nixl else {**neuron_prefill_params(uid), "pulled_on_stop": False}
+    params = nixl_prefill_params() if nixl else PrefillParams(uid, pulled_on_stop=False).to_dict()
     pbody = prefill_body(request, seed, params, nixl or prefill_token_used(prefill, seed))
     first = json_object(await legs.call(prefill, request.endpoint.path, pbody, headers), prefill)
     if prefill_finished(first):
@@ -93,28 +95,32 @@ async def prefill_first(legs: LegCalls, request: ClientRequest, prefill: WorkerR
 def decode_first_body(request: ClientRequest, uid: str, seed: int | None, prefill: WorkerRecord) -> dict[str, Any]:
     """The one leg of decode_first: the client's body, naming the prefill worker decode asks for the KV
     (`remote_url` its HTTP API, the rest its signal plane, as a concurrent decode leg names it)."""
-    return decode_body(request, seed, {**neuron_decode_params(uid, prefill), "remote_url": prefill.base_url})
+    leg = dataclasses.replace(neuron_decode_leg(uid, prefill), remote_url=prefill.base_url)
+    return decode_body(request, seed, leg.to_dict())
 
 
 def neuron_handoff(first: dict[str, Any], uid: str, prefill: WorkerRecord) -> dict[str, Any]:
     """Decode's kv_transfer_params after a neuron prefill answered: where its answer says its blocks are
     (a worker bound to every address is reached at the host the proxy knows); what the answer does not
     say (a `vllm serve` with NeuronConnector says nothing) comes from the prefill worker's record."""
-    params = neuron_decode_params(uid, prefill)
-    shown = first.get("kv_transfer_params")
-    if isinstance(shown, dict):
-        params.update({k: shown[k] for k in ("remote_port", "remote_engine_id") if shown.get(k)})
-        if shown.get("remote_host") and shown["remote_host"] not in _WILDCARD_HOSTS:
-            params["remote_host"] = shown["remote_host"]
-        if shown.get("request_id") not in (None, uid):
-            raise UpstreamProtocol(f"answer's kv_transfer_params name request {shown['request_id']!r}, "
-                                   f"not {uid!r}", prefill.role, prefill.address)
-    return params
+    leg = neuron_decode_leg(uid, prefill)
+    if not isinstance(first.get(KV_TRANSFER_PARAMS), dict):
+        return leg.to_dict()
+    try:
+        shown = PrefillHandoff.parse(first[KV_TRANSFER_PARAMS])
+    except HandoffError as exc:
+        raise UpstreamProtocol(f"answer's {exc}", prefill.role, prefill.address) from exc
+    if shown.request_id not in (None, uid):
+        raise UpstreamProtocol(f"answer's kv_transfer_params name request {shown.request_id!r}, "
+                               f"not {uid!r}", prefill.role, prefill.address)
+    host = shown.host if shown.host and shown.host not in _WILDCARD_HOSTS else leg.host
+    return dataclasses.replace(leg, host=host, port=shown.port or leg.port,
+                               engine_id=shown.engine_id or leg.engine_id).to_dict()
 
 
 def nixl_handoff(first: dict[str, Any], prefill: WorkerRecord) -> dict[str, Any]:
     """The kv_transfer_params in a NixlConnector prefill's answer: what decode needs to pull the KV."""
-    params = first.get("kv_transfer_params")
+    params = first.get(KV_TRANSFER_PARAMS)
     if not isinstance(params, dict):
         raise UpstreamProtocol("answer has no kv_transfer_params object for decode (is it a vLLM worker with "
                                "NixlConnector?)", prefill.role, prefill.address)

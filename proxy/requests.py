@@ -5,6 +5,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, PrefillParams
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, SEED_MAX, SEED_MIN, load_object
 from proxy.errors import BadRequest
 from proxy.workers import VLLM_SERVER, WorkerRecord
@@ -185,10 +186,10 @@ def prefill_body(request: ClientRequest, seed: int | None, kv_transfer_params: d
     whatever stop conditions say, so that its KV is always kept for the decode leg."""
     if token_used:
         body = {**_seeded(request.body, seed), "max_tokens": 1, "stream": False,
-                "kv_transfer_params": kv_transfer_params}
+                KV_TRANSFER_PARAMS: kv_transfer_params}
     else:
         body = {**{k: v for k, v in request.body.items() if k not in _UNUSED_TOKEN_KEYS},
-                "max_tokens": 1, "stream": False, "ignore_eos": True, "kv_transfer_params": kv_transfer_params}
+                "max_tokens": 1, "stream": False, "ignore_eos": True, KV_TRANSFER_PARAMS: kv_transfer_params}
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     min_tokens = body.get("min_tokens")
@@ -200,24 +201,20 @@ def prefill_body(request: ClientRequest, seed: int | None, kv_transfer_params: d
 
 def decode_body(request: ClientRequest, seed: int | None, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """A decode leg: the client's body with the legs' seed and the handoff."""
-    return {**_seeded(request.body, seed), "kv_transfer_params": kv_transfer_params}
+    return {**_seeded(request.body, seed), KV_TRANSFER_PARAMS: kv_transfer_params}
 
 
 def neuron_prefill_params(uid: str) -> dict[str, Any]:
     """Our signal plane, prefill: which request the KV blocks it keeps belong to."""
-    return {"role": "prefill", "request_id": uid}
+    return PrefillParams(uid).to_dict()
 
 
 def neuron_decode_params(uid: str, prefill: WorkerRecord) -> dict[str, Any]:
     """Our signal plane, decode: where to pull the prompt's KV blocks from, and (when the prefill
     registered it) the engine id its handshake must show."""
-    params = {"role": "decode", "request_id": uid, "remote_host": prefill.kv_host, "remote_port": prefill.kv_port}
-    if prefill.engine_id:
-        params["remote_engine_id"] = prefill.engine_id
-    return params
+    return neuron_decode_leg(uid, prefill).to_dict()
 
 
-def nixl_prefill_params() -> dict[str, Any]:
-    """vLLM's NixlConnector, prefill: keep the KV for a remote decode (which learns where from the answer)."""
-    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+def neuron_decode_leg(uid: str, prefill: WorkerRecord) -> DecodeParams:
+    """The decode leg of `uid` as the prefill worker's record places its KV."""
+    return DecodeParams(prefill.kv_host, prefill.kv_port, uid, prefill.engine_id or None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from common.handoff import KV_TRANSFER_PARAMS
 from common.openai_wire import DONE, DONE_EVENT, sse_event
 from proxy.errors import UpstreamError, UpstreamProtocol, UpstreamUnavailable
 from proxy.logprobs import num_entries, with_first_entry, without_first_entry
@@ -43,7 +44,7 @@ def prefill_finished(prefill: dict[str, Any]) -> bool:
 
 def prefill_answer(response_id: str, prefill: dict[str, Any]) -> dict[str, Any]:
     """The non-streamed answer when prefill's token ended it; where its KV lies is not the client's business."""
-    return {**{k: v for k, v in prefill.items() if k != "kv_transfer_params"}, "id": response_id}
+    return {**{k: v for k, v in prefill.items() if k != KV_TRANSFER_PARAMS}, "id": response_id}
 
 
 def merge_bodies(response_id: str, prefill: dict[str, Any], decode: dict[str, Any],

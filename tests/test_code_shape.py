@@ -1,5 +1,5 @@
 """The shape of the code: imports point down the packages' order, no import cycles among the project's
-modules, no oversized files, no `sys.path` edits.
+modules, no oversized files, no `sys.path` edits, the handoff's keys spelled in one module.
 
 Pure and fast: the sources are parsed with `ast`, nothing is imported.
 """
@@ -201,3 +201,21 @@ def test_no_sys_path_edits() -> None:
              if isinstance(node, ast.Attribute) and node.attr == "path"
              and isinstance(node.value, ast.Name) and node.value.id == "sys"]
     assert not edits, "sys.path used in:\n  " + "\n  ".join(edits)
+
+
+# The keys of `kv_transfer_params` (ours and vLLM's NixlConnector's) and the field itself. "role" and
+# "request_id" are keys too, but words every part of the system uses for other things.
+HANDOFF_KEYS = frozenset({"kv_transfer_params", "remote_host", "remote_port", "remote_engine_id", "remote_url",
+                          "remote_block_ids", "do_remote_prefill", "do_remote_decode", "pulled_on_stop"})
+HANDOFF_MODULE = ROOT / "common" / "handoff.py"
+
+
+def test_handoff_keys_are_spelled_only_in_the_handoff_module() -> None:
+    """Outside tests (which check the wire format by its bytes), code builds and reads `kv_transfer_params`
+    through common.handoff's types: no other module has the keys as string literals."""
+    spelled = [f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}"
+               for path in sources(tuple(name for name in SIZED if name != "tests") + ("setup.py",))
+               if path != HANDOFF_MODULE
+               for node in ast.walk(ast.parse(path.read_text(), str(path)))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in HANDOFF_KEYS]
+    assert not spelled, "kv_transfer_params keys spelled outside common/handoff.py:\n  " + "\n  ".join(spelled)

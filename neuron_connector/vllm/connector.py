@@ -121,7 +121,7 @@ class NeuronConnector(KVConnectorBase_V1):
                                    request.num_prompt_tokens, first_token)
         if not held or leg is None or self._plane is None:
             return held, None
-        return held, self._plane.handoff(leg.uid)
+        return held, self._plane.handoff(leg.request_id).to_dict()
 
     # ---- worker side --------------------------------------------------------------------
 

@@ -3,50 +3,31 @@ hold its prompt, and (decode_first) the prefill leg a decode worker sends itself
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
+
+from common.handoff import KV_TRANSFER_PARAMS, HandoffError, LegParams, PrefillParams, parse_leg
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class LegParams:
-    """A request's `kv_transfer_params` as the proxy sends them; `remote_url` (decode_first): the
-    prefill worker's HTTP API, which this decode worker asks for the prompt's KV itself."""
-
-    role: str
-    uid: str
-    host: str = ""
-    port: int = 0
-    engine_id: str | None = None
-    remote_url: str | None = None
-
-    @classmethod
-    def parse(cls, params: dict[str, Any] | None, our_role: str) -> LegParams | None:
-        """The params of a leg for this worker's role; None (logged) when absent or malformed,
-        since a bad request must not stop the engine: it is then served without DI."""
-        if not params or params.get("role") != our_role:
-            if params:
-                log.warning("kv_transfer_params %r are not for a %s worker; serving without DI", params, our_role)
-            return None
-        uid, host, port = params.get("request_id"), params.get("remote_host", ""), params.get("remote_port", 0)
-        if not isinstance(uid, str) or not uid:
-            log.warning("kv_transfer_params %r lack request_id; serving without DI", params)
-            return None
-        if our_role == "prefill":
-            return cls(our_role, uid)
-        if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
-                or not 0 < port < 65536:
-            log.warning("kv_transfer_params %r lack a prefill address; serving without DI", params)
-            return None
-        engine_id, url = params.get("remote_engine_id"), params.get("remote_url")
-        if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
-            log.warning("kv_transfer_params %r name no usable prefill engine; serving without DI", params)
-            return None
-        if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
-            log.warning("kv_transfer_params %r: remote_url is not an http(s) URL; serving without DI", params)
-            return None
-        return cls(our_role, uid, host, port, engine_id, url.rstrip("/") if url else None)
+def leg_params(params: dict[str, Any] | None, our_role: str) -> LegParams | None:
+    """A request's `kv_transfer_params` (as vLLM hands them over) as a leg for this worker's role, with
+    its `request_id`; None (logged) when absent or malformed, since a bad request must not stop the
+    engine: it is then served without DI."""
+    if not params:
+        return None
+    try:
+        leg = parse_leg(params)
+    except HandoffError as exc:
+        log.warning("%s (in %r); serving without DI", exc, params)
+        return None
+    if leg.role != our_role:
+        log.warning("kv_transfer_params %r are not for a %s worker; serving without DI", params, our_role)
+        return None
+    if not leg.request_id:
+        log.warning("kv_transfer_params %r lack request_id; serving without DI", params)
+        return None
+    return leg
 
 
 def prefill_leg_body(model: str, uid: str, prompt_token_ids: list[int]) -> dict[str, Any]:
@@ -54,7 +35,7 @@ def prefill_leg_body(model: str, uid: str, prompt_token_ids: list[int]) -> dict[
     worker samples the first token again itself), so it is greedy (no seeded generator: vLLM's CPU
     build cannot prefill a seeded prompt in chunks) and cannot stop before its one token is sampled."""
     return {"model": model, "prompt": prompt_token_ids, "max_tokens": 1, "temperature": 0.0,
-            "ignore_eos": True, "stream": False, "kv_transfer_params": {"role": "prefill", "request_id": uid}}
+            "ignore_eos": True, "stream": False, KV_TRANSFER_PARAMS: PrefillParams(uid).to_dict()}
 
 
 def blocks_holding(num_tokens: int, block_size: int) -> int:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from common.timeline import ADMITTED, FIRST_STEP
-from neuron_connector.vllm.legs import LegParams, blocks_to_pull, prefill_leg_body, prompt_blocks
+from common.handoff import DecodeParams, LegParams
+from neuron_connector.vllm.legs import blocks_to_pull, leg_params, prefill_leg_body, prompt_blocks
 from neuron_connector.vllm.orders import Mark, Publish, Pull, Release, RemotePrefill, Scheduled, StepOrders
 
 
@@ -48,12 +49,12 @@ class SchedulerPlan:
     def leg(self, request_id: str, params: dict[str, Any] | None) -> LegParams | None:
         """The request's leg params (parsed once per request)."""
         if request_id not in self._legs:
-            leg = LegParams.parse(params, self.role)
+            leg = leg_params(params, self.role)
             if leg is None:
                 return None
             self._legs[request_id] = leg
             if self.role == "prefill":   # the scheduler meets it: its prefill is scheduled from now on
-                self._mark(leg.uid, ADMITTED)
+                self._mark(leg.request_id, ADMITTED)
         return self._legs[request_id]
 
     def matched_tokens(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int,
@@ -65,11 +66,12 @@ class SchedulerPlan:
         if leg is None:
             return 0
         if self.role == "prefill":
-            self._prefills.setdefault(request_id, _Prefill(leg.uid, num_prompt_tokens))
+            self._prefills.setdefault(request_id, _Prefill(leg.request_id, num_prompt_tokens))
             return 0
+        assert isinstance(leg, DecodeParams)
         if first and leg.remote_url is not None and prompt_token_ids is not None:
-            self._orders.prefill.append(RemotePrefill(leg.uid, leg.remote_url,
-                                                      prefill_leg_body(self.model, leg.uid, prompt_token_ids)))
+            body = prefill_leg_body(self.model, leg.request_id, prompt_token_ids)
+            self._orders.prefill.append(RemotePrefill(leg.request_id, leg.remote_url, body))
         if request_id in self._pulled:
             return 0
         return max(0, num_prompt_tokens - num_computed_tokens)
@@ -81,10 +83,10 @@ class SchedulerPlan:
         if leg is None or num_external_tokens <= 0:
             return
         dst = blocks_to_pull(block_ids, num_prompt_tokens, num_external_tokens, self.block_size)
-        self._mark(leg.uid, ADMITTED)
+        self._mark(leg.request_id, ADMITTED)
         self._pulled.add(request_id)
         self._first_step.add(request_id)
-        self._orders.pull.append(Pull(request_id, leg.uid, leg.host, leg.port, dst, leg.engine_id))
+        self._orders.pull.append(Pull(request_id, leg.request_id, leg.host, leg.port, dst, leg.engine_id))
 
     def scheduled(self, steps: Iterable[Scheduled]) -> None:
         """This step runs `steps`: a pulled request's first step is marked, and a prefill leg whose
@@ -92,7 +94,7 @@ class SchedulerPlan:
         for step in steps:
             if step.request_id in self._first_step:
                 self._first_step.discard(step.request_id)
-                self._mark(self._legs[step.request_id].uid, FIRST_STEP)
+                self._mark(self._legs[step.request_id].request_id, FIRST_STEP)
             prefill = self._prefills.get(step.request_id)
             if prefill is None:
                 continue
@@ -119,18 +121,18 @@ class SchedulerPlan:
         self._pulled.discard(request_id)
         self._first_step.discard(request_id)
         if self.role == "decode" and leg is not None and not pulled:
-            self._orders.release.append(Release(leg.uid, leg.host, leg.port))
+            self._orders.release.append(Release(leg.request_id, leg.host, leg.port))
         if self.role != "prefill" or leg is None:
             return False
         if prefill is not None and prefill.published:
             if first_token is None:
-                self._orders.discard.append(leg.uid)
+                self._orders.discard.append(leg.request_id)
             return True
         blocks = prompt_blocks(block_ids, num_prompt_tokens, self.block_size)
         if first_token is None or not blocks:
-            self._orders.discard.append(leg.uid)
+            self._orders.discard.append(leg.request_id)
             return False
-        self._publish(request_id, leg.uid, blocks, first_token)
+        self._publish(request_id, leg.request_id, blocks, first_token)
         return True
 
     def sent(self, request_ids: Iterable[str]) -> None:

@@ -6,10 +6,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from common.handoff import PrefillHandoff
 from common.kv_secret import describe_plane, resolve_secret
 from common.timeline import PULL_REPORTED, Timeline
 from common.worker_record import VLLM_SERVER, WorkerRecord
@@ -49,10 +49,9 @@ class Plane:
     engine_id: str
     status_port: int = 0
 
-    def handoff(self, uid: str) -> dict[str, Any]:
+    def handoff(self, uid: str) -> PrefillHandoff:
         """A prefill answer's kv_transfer_params: where the decode leg pulls `uid`'s blocks from."""
-        return {"remote_host": self.kv_host, "remote_port": self.kv_port, "remote_engine_id": self.engine_id,
-                "request_id": uid}
+        return PrefillHandoff(self.kv_host, self.kv_port, self.engine_id, uid)
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ from typing import Any, Iterator
 
 import torch
 
+from common.handoff import parse_leg
 from stack.serving import free_port
 from worker import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.kv_connector import KVConnector, KVConnectorConfig
@@ -40,9 +41,9 @@ def run_pair(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]],
     for (rid, prompt), p in zip(zip(tokens, prompts), params):
         leg = SamplingParams(max_tokens=1, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
                              ignore_eos=p.ignore_eos)
-        prefill.add_request(rid, prompt, leg, {"role": "prefill", "request_id": rid})
-        decode.add_request(rid, prompt, p, {"role": "decode", "request_id": rid, "remote_host": "127.0.0.1",
-                                            "remote_port": prefill.kv_connector.kv_port})
+        prefill.add_request(rid, prompt, leg, parse_leg({"role": "prefill", "request_id": rid}))
+        decode.add_request(rid, prompt, p, parse_leg({"role": "decode", "request_id": rid, "remote_host": "127.0.0.1",
+                                                      "remote_port": prefill.kv_connector.kv_port}))
     unfinished, deadline = set(tokens), time.monotonic() + 120
     while unfinished:
         assert time.monotonic() < deadline, f"still unfinished: {sorted(unfinished)}"

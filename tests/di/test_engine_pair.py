@@ -6,6 +6,7 @@ from typing import Iterator
 
 import pytest
 
+from common.handoff import parse_leg
 from tests.di.engine_pair import engine_trio, run_pair, wait_all_free
 from worker import InvalidRequestError, LLMEngine, SamplingParams
 
@@ -39,10 +40,10 @@ def test_pair_token_ids_equal_both(engines, sampling: dict) -> None:
 def test_prefill_abort_fails_the_decode_leg_at_once(engines) -> None:
     prefill, decode, _ = engines
     rid = f"aborted-{time.monotonic_ns()}"
-    prefill.add_request(rid, [65] * 40, SamplingParams(max_tokens=1), {"role": "prefill"})
+    prefill.add_request(rid, [65] * 40, SamplingParams(max_tokens=1), parse_leg({"role": "prefill"}))
     prefill.abort_request(rid)
-    decode.add_request(rid, [65] * 40, SamplingParams(max_tokens=4), {
-        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port})
+    decode.add_request(rid, [65] * 40, SamplingParams(max_tokens=4), parse_leg({
+        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port}))
     start, failed = time.monotonic(), None
     while failed is None:
         assert time.monotonic() - start < 10, "the decode leg waited for its deadline"
@@ -59,7 +60,7 @@ def test_an_id_still_published_is_refused(engines) -> None:
     run_pair(prefill, decode, [[70] * 20], [SamplingParams(max_tokens=2)], tag)
     rid = f"{tag}-0"  # pulled a moment ago: remembered for the abort timeout, so a late lookup gets its answer
     with pytest.raises(InvalidRequestError, match="already in use"):
-        prefill.add_request(rid, [70] * 20, SamplingParams(max_tokens=1), {"role": "prefill"})
+        prefill.add_request(rid, [70] * 20, SamplingParams(max_tokens=1), parse_leg({"role": "prefill"}))
     wait_all_free(prefill, decode)
 
 
@@ -69,8 +70,8 @@ def test_decode_abort_has_prefill_free_the_blocks_when_it_publishes(engines, sta
     its abort timeout (60 s)."""
     prefill, decode, _ = engines
     rid, prompt = f"dropped-{stage}-{time.monotonic_ns()}", [66] * 40
-    decode.add_request(rid, prompt, SamplingParams(max_tokens=4), {
-        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port})
+    decode.add_request(rid, prompt, SamplingParams(max_tokens=4), parse_leg({
+        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port}))
     if stage == "pulling":
         decode.step()                                   # admitted: its pull is asking prefill
         assert decode.stats().num_transferring == 1
@@ -79,7 +80,7 @@ def test_decode_abort_has_prefill_free_the_blocks_when_it_publishes(engines, sta
     while decode.has_unfinished_requests():             # a cancelled pull may end a moment later
         assert time.monotonic() < deadline
         decode.step()
-    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), {"role": "prefill"})
+    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), parse_leg({"role": "prefill"}))
     assert [o.finished for o in prefill.step() if o.request_id == rid] == [True]
     published = time.monotonic()
     while prefill.stats().num_blocks_used:

@@ -7,6 +7,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from common.handoff import parse_leg
 from stack.serving import free_port
 
 from tests.helpers import wait_until
@@ -39,11 +40,11 @@ def test_a_pending_pull_sleeps_until_the_connector_wakes_the_engine(pair) -> Non
     woken = threading.Event()
     decode.kv_connector.wake = woken.set
     prompt, params = [40 + i % 50 for i in range(50)], SamplingParams(max_tokens=3, ignore_eos=True)
-    decode.add_request("r", prompt, params, {"role": "decode", "request_id": "r", "remote_host": "127.0.0.1",
-                                             "remote_port": prefill.kv_connector.kv_port})
+    decode.add_request("r", prompt, params, parse_leg({"role": "decode", "request_id": "r", "remote_host": "127.0.0.1",
+                                                       "remote_port": prefill.kv_connector.kv_port}))
     assert decode.step() == []           # admitted: its pull started
     assert decode.wait_hint() is None    # nothing to poll: the RecvBuffer's thread will say when it ends
-    prefill.add_request("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True), {"role": "prefill"})
+    prefill.add_request("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True), parse_leg({"role": "prefill"}))
     first = wait_until(prefill.step, timeout=30, what="the prefill leg's output")
     assert woken.wait(timeout=30), "the finished pull never woke the decode engine"
     outputs = decode.step()   # the pulled first token, then a decode step's second
@@ -58,7 +59,7 @@ def test_a_signal_plane_that_cannot_publish_frees_the_blocks() -> None:
     prefill = prefill_engine()
     try:
         prefill.kv_connector.send.close()   # publish now raises ConnectorError: not serving
-        prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), {"role": "prefill"})
+        prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), parse_leg({"role": "prefill"}))
         outputs = prefill.step()
         assert [(o.request_id, o.finished) for o in outputs] == [("p", True)]
         assert prefill.stats().num_blocks_used == 0
@@ -73,19 +74,21 @@ def test_a_bug_in_publish_is_not_taken_for_a_transport_failure(monkeypatch) -> N
         def broken(*args: object) -> None:
             raise KeyError("a bug")
         monkeypatch.setattr(prefill.kv_connector, "publish", broken)
-        prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), {"role": "prefill"})
+        prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), parse_leg({"role": "prefill"}))
         with pytest.raises(KeyError, match="a bug"):
             prefill.step()
     finally:
         prefill.close()
 
 
-def test_a_leg_whose_shared_id_differs_from_the_request_id_is_refused() -> None:
+def test_another_connectors_params_or_a_leg_with_another_shared_id_are_refused() -> None:
     prefill = prefill_engine()
     try:
+        with pytest.raises(InvalidRequestError, match="kv_transfer_params.role is None but this worker serves role"):
+            prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1), parse_leg({"do_remote_decode": True}))
         with pytest.raises(InvalidRequestError, match="kv_transfer_params.request_id 'other' is not"):
             prefill.add_request("p", [50] * 40, SamplingParams(max_tokens=1),
-                                {"role": "prefill", "request_id": "other"})
+                                parse_leg({"role": "prefill", "request_id": "other"}))
         assert "p" not in prefill.requests and prefill.stats().num_waiting == 0
     finally:
         prefill.close()

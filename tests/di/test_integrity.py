@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from common.handoff import parse_leg
 import worker.engine.kv_connector as kv_connector_module
 from tests.di.test_engine_pair import run_pair, wait_all_free
 from tests.di.test_parity import body, pair_answers, prompts
@@ -70,9 +71,9 @@ def corrupting_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LLMEngine
 def test_a_corrupted_push_fails_the_request_and_frees_its_blocks(corrupting_pair) -> None:
     prefill, decode, checks = corrupting_pair
     rid, prompt = "corrupted", [(5 * i) % 200 + 30 for i in range(70)]
-    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), {"role": "prefill"})
-    decode.add_request(rid, prompt, SamplingParams(max_tokens=4), {
-        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port})
+    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), parse_leg({"role": "prefill"}))
+    decode.add_request(rid, prompt, SamplingParams(max_tokens=4), parse_leg({
+        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port}))
     deadline, failed = time.monotonic() + 30, None
     while failed is None:
         assert time.monotonic() < deadline, "the corrupted pull never ended"

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import pytest
 
+from common.handoff import parse_leg
 from tests.di.engine_pair import engine_trio, run_pair, wait_all_free
 from worker import LLMEngine, SamplingParams
 
@@ -111,8 +112,8 @@ def test_cached_prefix_edges(engines, extra: int, want: tuple[int, int]) -> None
 
 
 def decode_leg(decode: LLMEngine, prefill: LLMEngine, rid: str, prompt: list[int]) -> None:
-    decode.add_request(rid, prompt, SamplingParams(max_tokens=4), {
-        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port})
+    decode.add_request(rid, prompt, SamplingParams(max_tokens=4), parse_leg({
+        "role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port}))
 
 
 def step_until_idle(decode: LLMEngine) -> list:
@@ -130,7 +131,7 @@ def test_a_pull_that_ends_early_frees_its_blocks_and_keeps_the_cached_ones(engin
     run_pair(prefill, decode, [head], [SamplingParams(max_tokens=1, ignore_eos=True)])
     rid, prompt = f"{how}-{time.monotonic_ns()}", head + tokens(3100, 30)
     if how == "prefill_aborts":
-        prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), {"role": "prefill"})
+        prefill.add_request(rid, prompt, SamplingParams(max_tokens=1), parse_leg({"role": "prefill"}))
         prefill.abort_request(rid)
         assert [o.finish_reason for o in prefill.step() if o.request_id == rid] == ["abort"]
     decode_leg(decode, prefill, rid, prompt)

@@ -11,6 +11,7 @@ from typing import Iterator
 import llguidance
 import pytest
 
+from common.handoff import parse_leg
 from tests.di.engine_pair import engine_trio, wait_all_free
 from worker import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 
@@ -41,7 +42,7 @@ def run_one(engine: LLMEngine, params: list[SamplingParams], legs: list[dict | N
     tag = time.monotonic_ns()
     outputs: dict[str, list[RequestOutput]] = {f"{tag}-{i}": [] for i in range(len(PROMPTS))}
     for (rid, prompt), p, leg in zip(zip(outputs, PROMPTS), params, legs):
-        engine.add_request(rid, prompt, p, None if leg is None else {**leg, "request_id": rid})
+        engine.add_request(rid, prompt, p, None if leg is None else parse_leg({**leg, "request_id": rid}))
     while not all(o and o[-1].finished for o in outputs.values()):
         for out in engine.step():
             outputs[out.request_id].append(out)
@@ -54,9 +55,9 @@ def pair(prefill: LLMEngine, decode: LLMEngine, params: SamplingParams) -> tuple
     rids = [f"pair-{tag}-{i}" for i in range(len(PROMPTS))]
     leg = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))   # as the proxy sends it
     for rid, prompt in zip(rids, PROMPTS):
-        prefill.add_request(rid, prompt, leg, {"role": "prefill", "request_id": rid})
-        decode.add_request(rid, prompt, params, {"role": "decode", "request_id": rid, "remote_host": "127.0.0.1",
-                                                 "remote_port": prefill.kv_connector.kv_port})
+        prefill.add_request(rid, prompt, leg, parse_leg({"role": "prefill", "request_id": rid}))
+        decode.add_request(rid, prompt, params, parse_leg({"role": "decode", "request_id": rid, "remote_host": "127.0.0.1",
+                                                           "remote_port": prefill.kv_connector.kv_port}))
     got: dict[str, tuple[list, list]] = {rid: ([], []) for rid in rids}
     deadline = time.monotonic() + 60
     while not all(d and d[-1].finished for _, d in got.values()):
@@ -126,8 +127,8 @@ def test_prompt_logprobs_come_from_a_prefill_engine_and_not_from_a_decode_leg(en
         for a, b, token in zip(g[0].prompt_logprobs[1:], w[0].prompt_logprobs[1:], prompt[1:]):
             assert a.token_id == b.token_id == token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs cannot be computed by a decode leg"):
-        decode.add_request("nope", PROMPTS[0], params, {"role": "decode", "remote_host": "127.0.0.1",
-                                                        "remote_port": prefill.kv_connector.kv_port})
+        decode.add_request("nope", PROMPTS[0], params, parse_leg({"role": "decode", "remote_host": "127.0.0.1",
+                                                                  "remote_port": prefill.kv_connector.kv_port}))
     wait_all_free(prefill, decode)
 
 

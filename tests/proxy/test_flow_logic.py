@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
+from common.handoff import DecodeParams
 from proxy import COMPLETIONS, ConfigError, UpstreamProtocol, WorkerRecord, parse_args, parse_request
 from proxy.flows import (LegCalls, DecodeLeg, concurrent, decode_first_body, neuron_handoff, prefill_first,
                          stitched_flow)
 from proxy.requests import ClientRequest
 from worker.errors import RemotePrefillError
 from worker.server.protocol import error_for
-from worker.server.remote_prefill import remote_url
 
 STATIC = ["--prefill-ip", "10.0.0.1", "--prefill-port", "8100", "--decode-ip", "10.0.0.2", "--decode-port", "8200"]
 PREFILL = WorkerRecord("prefill", "10.0.0.1", 8100, kv_port=14600, engine_id="p-1")
@@ -69,6 +69,8 @@ def test_neuron_handoff_is_where_prefills_answer_says_its_blocks_wait() -> None:
                       "remote_engine_id": "p-1"}
     with pytest.raises(UpstreamProtocol, match="name request 'u2', not 'u1'"):
         neuron_handoff({"kv_transfer_params": {**shown, "request_id": "u2"}}, "u1", PREFILL)
+    with pytest.raises(UpstreamProtocol, match="answer's kv_transfer_params.remote_port must be a TCP port"):
+        neuron_handoff({"kv_transfer_params": {**shown, "remote_port": "15000"}}, "u1", PREFILL)
 
 
 class _Legs:
@@ -109,10 +111,11 @@ def test_prefill_first_starts_decode_with_prefills_handoff_unless_its_token_ende
 
 
 def test_decode_workers_remote_prefill_url_and_its_failure_statuses() -> None:
-    assert remote_url({"role": "decode", "remote_url": "http://10.0.0.1:8100/"}) == "http://10.0.0.1:8100"
-    assert remote_url({"role": "decode"}) is None and remote_url(None) is None
+    leg = {"role": "decode", "remote_host": "10.0.0.1", "remote_port": 14600}
+    assert DecodeParams.parse({**leg, "remote_url": "http://10.0.0.1:8100/"}).remote_url == "http://10.0.0.1:8100"
+    assert DecodeParams.parse(leg).remote_url is None
     with pytest.raises(ValueError, match="remote_url must be an http"):
-        remote_url({"role": "decode", "remote_url": "10.0.0.1:8100"})
+        DecodeParams.parse({**leg, "remote_url": "10.0.0.1:8100"})
     status, body, headers = error_for(RemotePrefillError("remote prefill ... on prefill worker X failed"))
     assert (status, body["error"]["type"], headers) == (502, "kv_transfer_error", {})
     status, _, headers = error_for(RemotePrefillError("... answered HTTP 503", retryable=True))

@@ -13,8 +13,9 @@ from neuron_connector import RegistrationError
 from proxy import (CHAT, COMPLETIONS, KV_PROTOCOLS, BadRequest, ConfigError, NoWorkers, SSEDecoder,
                    StreamStitcher, UpstreamProtocol, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable,
                    WorkerPool, WorkerRecord, parse_args, parse_request, pick, summed_usage, to_http)
+from common.handoff import nixl_prefill_params
 from proxy.requests import (SEED_RANGE, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
-                            nixl_prefill_params, prefill_body)
+                            prefill_body)
 from proxy.stitch import first_token_repeated, prefill_answer
 from proxy.workers import completed, contradiction, shown_record
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from common.handoff import ForeignParams
 from common.openai_wire import sse_event
 from worker.errors import InvalidRequestError, KVTransferError, QueueFullError, WorkerError
 from worker.sampling_params import SamplingParams
@@ -19,7 +20,7 @@ def test_completion_fields_become_sampling_params() -> None:
                                        "top_k": -1, "seed": 7, "stop": "\n", "ignore_eos": True,
                                        "max_tokens": 5, "kv_transfer_params": {"do_remote_decode": True}},
                         MODEL)
-    assert req.prompts == ["hello"] and req.kv_transfer_params == {"do_remote_decode": True}
+    assert req.prompts == ["hello"] and req.leg == ForeignParams({"do_remote_decode": True})
     params = build_params(req, num_prompt_tokens=3, max_model_len=100)
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.stop,
             params.ignore_eos) == (5, 0.0, 0.5, 0, 7, ["\n"], True)
@@ -69,6 +70,8 @@ def test_include_usage_only_applies_to_streams() -> None:
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": ["x", "y"], "kv_transfer_params": {"role": "prefill"}}, "prompt"),
     ({"prompt": "x", "n": 2, "kv_transfer_params": {"role": "decode"}}, "n"),
+    ({"prompt": "x", "kv_transfer_params": {"role": "decode", "remote_port": 1}}, "kv_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": {"role": "both"}}, "kv_transfer_params"),
 ])
 def test_ill_typed_fields_name_their_param(body: dict, param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:

@@ -5,9 +5,8 @@ cache holds already are not pulled: only the blocks after them are.
 """
 from __future__ import annotations
 
-from typing import Any
 
-from worker.engine.kv_connector import PullTarget
+from common.handoff import DecodeParams, LegParams
 from worker.engine.request import Request, RequestOutput
 from worker.engine.roles import DisaggregatedRole, Leg
 from worker.errors import KVTransferError
@@ -19,8 +18,9 @@ class DecodeSide(DisaggregatedRole):
 
     name = "decode"
 
-    def _leg(self, params: dict[str, Any]) -> Leg:
-        return Leg(remote_kv=True, pull_target=PullTarget.parse(params))
+    def _leg(self, params: LegParams) -> Leg:
+        assert isinstance(params, DecodeParams)
+        return Leg(remote_kv=True, pull_target=params)
 
     def before_step(self) -> list[RequestOutput]:
         scheduler = self.parts.scheduler

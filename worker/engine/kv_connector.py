@@ -17,13 +17,14 @@ from typing import Any, Callable
 
 import torch
 
+from common.handoff import DecodeParams, PrefillHandoff
 from common.kv_secret import describe_plane
 from common.roles import DEFAULT_KV_PORT
 from common.timeline import ADMITTED, FIRST_STEP, PULL_REPORTED, Timeline
 from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, IntegrityError, ProtocolError,
                               PullState, RecvBuffer, SendBuffer, UnknownRequest)
 from transfer import KVLayout, TransferError, create_transfer_engine
-from worker.errors import KVTransferError, invalid
+from worker.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -41,29 +42,6 @@ class KVConnectorConfig:
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
     integrity_check: bool = True           # decode: verify every pull with a CRC-32C the prefill sends
     secret: bytes | None = field(default=None, repr=False)   # the shared KV secret; None: unauthenticated
-
-
-@dataclass(frozen=True, slots=True)
-class PullTarget:
-    """Where a decode request's KV comes from, parsed from its `kv_transfer_params`."""
-
-    host: str
-    port: int
-    engine_id: str | None = None   # the prefill worker the proxy picked; checked at the handshake
-
-    @classmethod
-    def parse(cls, params: dict[str, Any]) -> PullTarget:
-        host, port = params.get("remote_host"), params.get("remote_port")
-        engine_id = params.get("remote_engine_id")
-        if not isinstance(host, str) or not host:
-            raise invalid("kv_transfer_params.remote_host must be a non-empty string", "kv_transfer_params")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise invalid(f"kv_transfer_params.remote_port must be a TCP port, got {port!r}",
-                          "kv_transfer_params")
-        if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
-            raise invalid("kv_transfer_params.remote_engine_id must be a non-empty string",
-                          "kv_transfer_params")
-        return cls(host, port, engine_id)
 
 
 @dataclass(slots=True)
@@ -137,10 +115,9 @@ class KVConnector:
         assert self.send is not None
         self.send.publish(request_id, block_ids, output_token)
 
-    def handoff(self, request_id: str) -> dict[str, Any]:
+    def handoff(self, request_id: str) -> PrefillHandoff:
         """Prefill: where a decode worker pulls `request_id`'s blocks from (the kv_transfer_params of the answer)."""
-        return {"remote_host": self.config.kv_host, "remote_port": self.kv_port,
-                "remote_engine_id": self.engine_id, "request_id": request_id}
+        return PrefillHandoff(self.config.kv_host, self.kv_port, self.engine_id, request_id)
 
     def remembers(self, request_id: str) -> bool:
         """Prefill: the id is still published, or remembered so a late lookup of it gets its answer."""
@@ -162,7 +139,7 @@ class KVConnector:
 
     # ---- decode -------------------------------------------------------------------------------
 
-    def start_pull(self, request_id: str, target: PullTarget, block_ids: list[int], num_skipped: int = 0) -> None:
+    def start_pull(self, request_id: str, target: DecodeParams, block_ids: list[int], num_skipped: int = 0) -> None:
         """Pulls the request's blocks after its first `num_skipped` (which this worker holds) into `block_ids`."""
         assert self.recv is not None
         self.timeline.mark(request_id, ADMITTED)
@@ -219,7 +196,7 @@ class KVConnector:
         Either way the prefill worker is told to free the request's blocks."""
         return self.recv is None or self.recv.cancel(request_id)
 
-    def release(self, request_id: str, target: PullTarget) -> None:
+    def release(self, request_id: str, target: DecodeParams) -> None:
         """A request that never started its pull is gone: its prefill worker may free the blocks now."""
         if self.recv is None:
             return

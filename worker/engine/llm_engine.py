@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from scheduler import QueueFull, Scheduler, SchedulerConfig, WillNeverFit
+from common.handoff import LegParams
 from transfer.layout import KVLayout
 from worker.config import EngineConfig
 from worker.engine.decode_side import DecodeSide
@@ -106,18 +107,18 @@ class LLMEngine:
                         mc.head_dim, self.config.dtype)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None,
+                    leg: LegParams | None = None,
                     mm: list[tuple[int, ImageEmbeds]] | None = None) -> None:
         """Queues a request; raises InvalidRequestError or QueueFullError instead of queueing it.
 
-        `kv_transfer_params` (role "prefill" or "decode", as the proxy sends them) make it one
-        leg of a disaggregated request; a worker of role "both" ignores them. `mm` gives prompt
+        `leg` (the parsed `kv_transfer_params`: role "prefill" or "decode") makes it one leg of a
+        disaggregated request; a worker of role "both" ignores it. `mm` gives prompt
         positions start .. start + n - 1 the n rows of an image's embeddings as their input.
         """
         self._validate(request_id, prompt_token_ids, params)
         spans = check_spans(mm or [], len(prompt_token_ids), self.model_config.hidden_size, self.kv_layout.torch_dtype)
-        leg = self.role.leg(request_id, kv_transfer_params)
-        if leg.pull_target is not None and params.prompt_logprobs is not None:
+        role_leg = self.role.leg(request_id, leg)
+        if role_leg.pull_target is not None and params.prompt_logprobs is not None:
             raise invalid("prompt_logprobs cannot be computed by a decode leg, whose prompt KV is pulled: "
                           "the prefill worker computes them", "prompt_logprobs")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -128,7 +129,7 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids), reads_prefix_cache=not wants_prompt_logprobs,
             generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
-            remote_kv=leg.remote_kv, pull_target=leg.pull_target,
+            remote_kv=role_leg.remote_kv, pull_target=role_leg.pull_target,
             mm=tuple(mm or ()), mm_spans=spans, prompt_logprobs=[None] if wants_prompt_logprobs else None,
             grammar=self._grammars.matcher(params.grammar, "response_format") if params.grammar else None,
         )

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from common.handoff import LegParams
 from neuron_connector import ConnectorError
 from worker.engine.request import Request, RequestOutput
 from worker.engine.roles import DisaggregatedRole, Leg
@@ -16,7 +16,7 @@ class PrefillSide(DisaggregatedRole):
 
     name = "prefill"
 
-    def leg(self, request_id: str, params: dict[str, Any] | None) -> Leg:
+    def leg(self, request_id: str, params: LegParams | None) -> Leg:
         leg = super().leg(request_id, params)
         if leg.remote_kv:
             self.kv.admitted(request_id)

@@ -12,7 +12,7 @@ from worker.model.logprobs import TokenLogprobs
 from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from worker.engine.kv_connector import PullTarget
+    from common.handoff import DecodeParams
     from worker.model.grammar import Grammar
     from worker.multimodal.embeds import ImageEmbeds
 
@@ -22,7 +22,7 @@ class Request(Sequence):
     params: SamplingParams
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
-    pull_target: PullTarget | None = None   # decode: where its prompt's KV comes from
+    pull_target: DecodeParams | None = None   # decode: where its prompt's KV comes from
     mm: tuple[tuple[int, ImageEmbeds], ...] = ()   # (start, embeds): input rows of positions start.. (mm_spans)
     # With params.prompt_logprobs: one entry per prompt token computed so far (the first has none).
     prompt_logprobs: list[TokenLogprobs | None] | None = None

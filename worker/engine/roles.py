@@ -8,10 +8,11 @@ here, so every hook does nothing. `PrefillSide` and `DecodeSide` own their conne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from scheduler import Scheduler
-from worker.engine.kv_connector import KVConnector, PullTarget
+from common.handoff import DecodeParams, LegParams
+from worker.engine.kv_connector import KVConnector
 from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
 from worker.errors import InvalidRequestError
@@ -32,7 +33,7 @@ class Leg:
     """How a request takes part: a disaggregated leg (`remote_kv`) or not, and a decode leg's source."""
 
     remote_kv: bool = False
-    pull_target: PullTarget | None = None
+    pull_target: DecodeParams | None = None
 
 
 class EngineRole:
@@ -48,7 +49,7 @@ class EngineRole:
     def check_connector(cls, connector: KVConnector | None) -> None:
         """Raises ValueError unless `connector` suits this role (checked before anything starts)."""
 
-    def leg(self, request_id: str, params: dict[str, Any] | None) -> Leg:
+    def leg(self, request_id: str, params: LegParams | None) -> Leg:
         return Leg()
 
     def before_step(self) -> list[RequestOutput]:
@@ -90,21 +91,21 @@ class DisaggregatedRole(EngineRole):
         if connector is None or connector.role != cls.name:
             raise ValueError(f"role {cls.name!r} needs a KV connector of the same role")
 
-    def leg(self, request_id: str, params: dict[str, Any] | None) -> Leg:
+    def leg(self, request_id: str, params: LegParams | None) -> Leg:
         """A request without `kv_transfer_params` is served here whole."""
         if params is None:
             return Leg()
-        if params.get("role") != self.name:
-            raise InvalidRequestError(f"kv_transfer_params.role is {params.get('role')!r} but this worker "
+        if params.role != self.name:
+            raise InvalidRequestError(f"kv_transfer_params.role is {params.role!r} but this worker "
                                       f"serves role {self.name!r}")
-        shared_id = params.get("request_id")
+        shared_id = params.request_id
         if shared_id is not None and shared_id != request_id:
             # The signal plane looks KV up by the engine's id: a mismatch would pull another request's KV.
             raise InvalidRequestError(f"kv_transfer_params.request_id {shared_id!r} is not this request's id "
                                       f"{request_id!r} (X-Request-Id)")
         return self._leg(params)
 
-    def _leg(self, params: dict[str, Any]) -> Leg:
+    def _leg(self, params: LegParams) -> Leg:
         return Leg(remote_kv=True)
 
     def close(self) -> None:

@@ -46,12 +46,13 @@ from worker.server.generation import Part, collect, events
 from worker.server.metrics import ServerMetrics
 from worker.server.registrar import Registrar
 from worker.server.role_flip import EngineMaker, RoleFlip
-from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
+from worker.server.remote_prefill import RemotePrefills, first_output
 from worker.server.prompts import request_prompts
 from worker.server.request_id import use_request_ids
 from worker.server.responses import Kind, ResponseShape
 from worker.server.token_text import TokenStrings
 from worker.sampling_params import SamplingParams
+from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, PrefillHandoff, PrefillParams
 from common.openai_wire import error_body
 from common.timeline import Timeline, parse_query
 from common.worker_record import WorkerRecord
@@ -266,7 +267,7 @@ class _Worker:
             req = parse_request(kind, body, self.model_name)
             prompts = await self._prompts(req)
             params = [build_params(req, len(p.token_ids), self.max_model_len) for p in prompts]
-            prefill_url = remote_url(req.kv_transfer_params)
+            prefill_url = req.leg.remote_url if isinstance(req.leg, DecodeParams) else None
             parts = await self._start(req, prompts, params)
         prefill = None
         if prefill_url:  # image rows are the prefill worker's to fetch: it gets the client's chat body then
@@ -300,7 +301,7 @@ class _Worker:
                     seeded = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
                     request_id = f"{g.request_id}-{index}" if many else g.request_id
                     stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded,
-                                                              req.kv_transfer_params, prompt.spans or None)
+                                                              req.leg, prompt.spans or None)
                     choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)
                     parts.append(Part(choice, stream, self.metrics.timer(len(prompt.token_ids)), i,
                                       len(prompt.token_ids)))
@@ -329,19 +330,18 @@ class _Worker:
             body, finish_reason = await collect(shape, parts)
         self._count(finish_reason or "none")
         if (handoff := self._handoff(req, shape.request_id, finish_reason)) is not None:
-            body["kv_transfer_params"] = handoff
+            body[KV_TRANSFER_PARAMS] = handoff.to_dict()
         return jsonify(body)
 
-    def _handoff(self, req: GenerateRequest, request_id: str, finish_reason: str | None) -> dict | None:
+    def _handoff(self, req: GenerateRequest, request_id: str, finish_reason: str | None) -> PrefillHandoff | None:
         """A prefill leg's answer says where its KV blocks wait for the decode worker's pull. One whose token
         ended the answer, sent by a proxy that then calls no decode worker (`pulled_on_stop: false`), frees
         its blocks now instead of after the abort timeout."""
         engine = self.async_engine.llm_engine
-        params = req.kv_transfer_params or {}
         kv = engine.kv_connector if engine is not None else None
-        if kv is None or kv.role != "prefill" or params.get("role") != "prefill":
+        if kv is None or kv.role != "prefill" or not isinstance(req.leg, PrefillParams):
             return None
-        if finish_reason == "stop" and params.get("pulled_on_stop") is False:
+        if finish_reason == "stop" and not req.leg.pulled_on_stop:
             kv.discard(request_id)
         return kv.handoff(request_id)
 

@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from common.handoff import LegParams
 from worker.engine.llm_engine import EngineStats, LLMEngine
 from worker.engine.request import RequestOutput
 from worker.errors import WorkerError
@@ -31,7 +32,7 @@ class _Add:
     params: SamplingParams
     sink: _Sink
     admitted: asyncio.Future[None]
-    kv_transfer_params: dict | None = None
+    leg: LegParams | None = None
     mm: list[tuple[int, ImageEmbeds]] | None = None
 
 
@@ -194,7 +195,7 @@ class AsyncEngine:
             logger.error("engine thread did not stop within %.0f s", timeout)
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None,
+                       leg: LegParams | None = None,
                        mm: list[tuple[int, ImageEmbeds]] | None = None) -> RequestStream:
         """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here.
 
@@ -205,7 +206,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         admitted: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, kv_transfer_params, mm))
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, leg, mm))
         try:
             await self._admission(admitted)
         except asyncio.CancelledError:
@@ -335,7 +336,7 @@ class AsyncEngine:
         error: BaseException | None = None
         try:
             engine.add_request(command.request_id, command.prompt_ids, command.params,
-                               command.kv_transfer_params, command.mm)
+                               command.leg, command.mm)
             self._sinks[command.request_id] = command.sink
             self.stats = engine.stats()  # before the caller hears of it: a drain must see it in flight
         except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller

@@ -4,12 +4,14 @@ Nothing here touches sockets, the event loop or the engine, so every rule is tes
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from werkzeug.exceptions import HTTPException
 
+from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, HandoffError, LegParams, parse_leg
 from common.openai_wire import WORKER_DRAINING, error_body, load_object
 from worker.errors import (DrainingError, InvalidRequestError, KVTransferError, QueueFullError, RemotePrefillError,
                            invalid)
@@ -56,8 +58,8 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
-    # Disaggregation handoff (role, peer address); carried through untouched for the prefill/decode roles.
-    kv_transfer_params: dict[str, Any] | None = None
+    # Disaggregation: the leg this request is (kv_transfer_params), None for a whole request.
+    leg: LegParams | None = None
 
     @property
     def hide_output(self) -> bool:
@@ -70,7 +72,7 @@ class GenerateRequest:
 
     @property
     def is_decode_leg(self) -> bool:
-        return (self.kv_transfer_params or {}).get("role") == "decode"
+        return isinstance(self.leg, DecodeParams)
 
     def wire_sampling(self) -> dict[str, Any]:
         """The sampling fields as a request body spells them (the constraint as the client sent it)."""
@@ -113,12 +115,16 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
         media=media, max_tokens=max_tokens, sampling=sampling, n=n, echo=echo,
         tokens_as_ids=bool(_opt(body, "return_tokens_as_token_ids", bool)), structured=structured, stream=stream,
         include_usage=stream and bool(include_usage), continuous_usage=stream and bool(continuous),
-        kv_transfer_params=_opt(body, "kv_transfer_params", dict),
     )
-    if request.kv_transfer_params is not None and (n > 1 or len(request.prompts) > 1):
+    if (params := _opt(body, KV_TRANSFER_PARAMS, dict)) is None:
+        return request
+    if n > 1 or len(request.prompts) > 1:
         raise invalid("a disaggregated leg (kv_transfer_params) carries one choice of one prompt: send a leg "
                       "pair per prompt and choice (choice i with seed + i)", "n" if n > 1 else "prompt")
-    return request
+    try:
+        return dataclasses.replace(request, leg=parse_leg(params))
+    except HandoffError as exc:
+        raise invalid(str(exc), KV_TRANSFER_PARAMS) from exc
 
 
 def _max_tokens(kind: Kind, body: Mapping[str, Any], echo: bool) -> int | None:

@@ -21,25 +21,15 @@ from typing import Any
 
 import httpx
 
+from common.handoff import KV_TRANSFER_PARAMS, PrefillParams
 from worker.engine.request import RequestOutput
-from worker.errors import RemotePrefillError, invalid
+from worker.errors import RemotePrefillError
 from worker.model.logprobs import TokenLogprobs
 from worker.server.async_engine import RequestStream
 from worker.server.token_text import parse_token_id
 
 logger = logging.getLogger(__name__)
-REMOTE_URL = "remote_url"  # the kv_transfer_params key naming the prefill worker's HTTP API
 CONNECT_TIMEOUT_S = 5.0  # the answer itself is bounded by the pull's timeout, which fails the request first
-
-
-def remote_url(params: dict[str, Any] | None) -> str | None:
-    """The prefill worker a decode leg must ask for the KV itself; None for any other request."""
-    url = (params or {}).get(REMOTE_URL)
-    if url is None or (params or {}).get("role") != "decode":
-        return None
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise invalid(f"kv_transfer_params.{REMOTE_URL} must be an http(s) URL, got {url!r}", "kv_transfer_params")
-    return url.rstrip("/")
 
 
 class RemotePrefills:
@@ -57,7 +47,7 @@ class RemotePrefills:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
         body = {**leg, "max_tokens": 1, "stream": False,
-                "kv_transfer_params": {"role": "prefill", "request_id": request_id}}
+                KV_TRANSFER_PARAMS: PrefillParams(request_id).to_dict()}
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         if body.get("min_tokens"):
