@@ -41,6 +41,8 @@ setup(
             "transformers>=4.45,<6",
             # lm-evaluation-harness's local-completions model, against the proxy (tests/vllm/test_lm_eval.py).
             "lm-eval[api]>=0.4.13,<0.5",
+            # The docs site, built with --strict by tests/test_docs.py.
+            "mkdocs>=1.6,<2",
         ],
         "nixl": ["nixl>=0.5,<2"],
         "bench": ["matplotlib>=3.8,<4", "transformers>=4.45,<6"],
