@@ -15,6 +15,8 @@ from typing import Sequence
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from common.errors import ListenError
+from common.listen import hypercorn_bind, listen_socket
 from proxy import ConfigError, ProxyConfig, create_app, parse_args
 
 
@@ -24,10 +26,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"proxy_server.py: error: {exc}", file=sys.stderr)
         return 2
+    try:  # before anything starts: a port in use is one line, not a traceback after the first health checks
+        listener = listen_socket(config.host, config.port)
+    except ListenError as exc:
+        print(f"proxy_server.py: error: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("hypercorn.error").propagate = False  # hypercorn logs it already
     hyper = Config()
-    hyper.bind = [f"{config.host}:{config.port}"]
+    hyper.bind = [hypercorn_bind(listener)]
+    hyper.errorlog = logging.getLogger("hypercorn.error")  # into our logging setup, printed once
     hyper.keep_alive_timeout = 75  # longer than clients' idle pool timeouts, so we never drop a reused socket
     hyper.keep_alive_max_requests = 1_000_000  # hypercorn's 1000 would make pooled clients reconnect
     hyper.accesslog = None

@@ -7,7 +7,7 @@ setup(
     description="Prefill/decode disaggregated LLM inference: proxy, KV connector, transfer engine, reference worker.",
     python_requires=">=3.11,<3.12",  # what CI runs (common/request_body.py needs 3.11: asyncio.timeout)
     packages=find_packages(include=["common*", "proxy*", "neuron_connector*", "transfer*", "scheduler*", "worker*",
-                                    "stack*", "benchmarks*", "faults*"]),
+                                    "stack*", "benchmarks*", "faults*", "planner*"]),
     package_data={"worker": ["model/assets/**/*", "py.typed"]},
     include_package_data=True,
     # Native hot loops, each optional: without a C compiler the same results come from a
@@ -41,9 +41,13 @@ setup(
             "transformers>=4.45,<6",
             # lm-evaluation-harness's local-completions model, against the proxy (tests/vllm/test_lm_eval.py).
             "lm-eval[api]>=0.4.13,<0.5",
+            "kubernetes>=31,<38",
+            "kubernetes-validate>=1.30,<2",
             # The docs site, built with --strict by tests/test_docs.py.
             "mkdocs>=1.6,<2",
         ],
+        # The planner's kubernetes connector (python -m planner --connector kubernetes)
+        "kubernetes": ["kubernetes>=31,<38"],
         "nixl": ["nixl>=0.5,<2"],
         "bench": ["matplotlib>=3.8,<4", "transformers>=4.45,<6"],
     },

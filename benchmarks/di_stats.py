@@ -74,6 +74,9 @@ class TransferSummary:
         return 1000 * self.transfer_seconds / self.num_transfers
 
 
+SMALL_TRANSFER_BYTES = 64 * 2**20  # below this a transfer's fixed cost outweighs its copying time
+
+
 def summarize(prompt_lengths: Iterable[int], block_size: int, block_bytes: int,
               metrics_text: str | None) -> TransferSummary:
     """Blocks and bytes from the prompts; time and transfer count from the decode worker's metrics."""
@@ -109,7 +112,16 @@ def format_summary(summary: TransferSummary, block_bytes: int, extra: Sequence[t
     else:
         rows += [("transfer time", f"{summary.transfer_seconds * 1000:.1f} ms total, "
                                    f"{summary.ms_per_transfer or 0:.2f} ms per transfer"),
-                 ("throughput", f"{summary.gb_per_s or 0:.3f} GB/s")]
+                 ("throughput", f"{summary.gb_per_s or 0:.3f} GB/s" + _small_transfers(summary))]
     rows += extra
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _small_transfers(summary: TransferSummary) -> str:
+    """A note when transfers are too small for their rate to mean bandwidth."""
+    per_transfer = summary.num_bytes / max(summary.num_transfers or summary.num_requests, 1)
+    if per_transfer >= SMALL_TRANSFER_BYTES:
+        return ""
+    return (f" (transfers of {per_transfer / 1e6:.2f} MB: their fixed cost, not bandwidth, sets this; "
+            "examples/bench_transfer.py measures bandwidth on 64 MiB-1 GiB)")

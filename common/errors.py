@@ -4,6 +4,7 @@
     ├── TokenizerError
     │   ├── TokenizerLoadError   the tokenizer files are missing or malformed
     │   └── ChatTemplateError    the messages do not fit the chat template (a bad request)
+    ├── ListenError              a server cannot listen on its address (the port is in use, ...)
     └── RegistrationError        a worker record is malformed, or registering it in etcd failed
                                  (etcd unreachable, lease lost: neuron_connector.registry)
 """
@@ -23,6 +24,10 @@ class TokenizerLoadError(TokenizerError):
 
 
 class ChatTemplateError(TokenizerError, ValueError):
+    pass
+
+
+class ListenError(CommonError, OSError):
     pass
 
 

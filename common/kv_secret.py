@@ -15,7 +15,9 @@ import stat
 from typing import Any
 
 SECRET_FILE_ENV = "NEURON_DI_KV_SECRET_FILE"
+NO_SECRET_ID = "none"
 _NONCE_BYTES = 16
+_ID_SALT, _ID_ROUNDS = b"neuron-di KV secret id", 100_000
 
 
 class KVSecretError(ValueError):
@@ -42,6 +44,15 @@ def resolve_secret(path: str | None) -> bytes | None:
     """The secret from `path`, else from the file named by NEURON_DI_KV_SECRET_FILE, else None."""
     path = path or os.environ.get(SECRET_FILE_ENV) or None
     return None if path is None else load_secret(path)
+
+
+def secret_id(secret: bytes | None) -> str:
+    """What a worker shows of its KV secret (in its record), so that the proxy can tell whether two workers
+    share one without learning it: NO_SECRET_ID, or 8 bytes of a slow key derivation, which makes guessing
+    a weak secret from it costly (the documented secret is 32 random bytes, which cannot be guessed)."""
+    if secret is None:
+        return NO_SECRET_ID
+    return "pbkdf2:" + hashlib.pbkdf2_hmac("sha256", secret, _ID_SALT, _ID_ROUNDS, dklen=8).hex()
 
 
 def new_nonce() -> str:

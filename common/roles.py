@@ -8,5 +8,10 @@ DISAGGREGATED_ROLES = ("prefill", "decode")
 ENCODE_ROLE = "encode"
 WORKER_ROLES = ROLES + (ENCODE_ROLE,)
 
+# Every server of the stack listens on this host only unless its --host says otherwise.
+DEFAULT_HOST = "127.0.0.1"
+# The HTTP ports the proxy and each worker role listen on unless told otherwise (`both` as `vllm serve`).
+DEFAULT_PROXY_PORT = 8000
+DEFAULT_HTTP_PORTS = {"both": 8000, "prefill": 8100, "decode": 8200, ENCODE_ROLE: 8300}
 # The port a prefill worker's KV signal plane listens on unless told otherwise.
 DEFAULT_KV_PORT = 14579

@@ -23,8 +23,10 @@ class WorkerRecord:
     line for static workers, where the KV host defaults to the HTTP host, and completes it from
     the record our worker shows in its GET /health answer). `engine_id` is the id the worker's
     signal plane shows in its handshake: a worker registers it; a static one that shows no
-    record has "" (unknown, so nobody checks it). `kv_protocol` is one of KV_PROTOCOLS. Bad
-    fields raise ValueError.
+    record has "" (unknown, so nobody checks it). `kv_protocol` is one of KV_PROTOCOLS.
+    `kv_secret_id` is common.kv_secret.secret_id of the worker's KV secret ("" unknown), so the proxy
+    sees a prefill and a decode worker that cannot authenticate to each other; `dtype` the one the worker
+    computes in (what image embeddings sent to it must be; "" unknown). Bad fields raise ValueError.
     """
 
     role: str
@@ -36,6 +38,8 @@ class WorkerRecord:
     model: str = ""
     transfer: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     kv_protocol: str = "neuron"
+    kv_secret_id: str = ""
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -83,6 +87,7 @@ class WorkerRecord:
                        kv_host=obj.get("kv_host") or "", kv_port=int(obj.get("kv_port", DEFAULT_KV_PORT)),
                        engine_id=obj.get("engine_id") or "", model=str(obj.get("model") or ""),
                        transfer=dict(obj.get("transfer") or {}),
-                       kv_protocol=obj.get("kv_protocol", "neuron"))
+                       kv_protocol=obj.get("kv_protocol", "neuron"), kv_secret_id=str(obj.get("kv_secret_id") or ""),
+                       dtype=str(obj.get("dtype") or ""))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistrationError(f"malformed worker record {obj!r}: {exc}") from exc

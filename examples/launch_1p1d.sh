@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Static 1P1D on this host: a prefill worker, a decode worker and the proxy in front of them.
-# Ctrl-C (or SIGTERM) stops everything it started.
+# Ctrl-C (or SIGTERM) stops everything it started; a worker that exits (a drain) is reported.
 set -euo pipefail
 
 usage() {
@@ -8,7 +8,9 @@ usage() {
 usage: examples/launch_1p1d.sh [options]
 
 Starts a prefill worker, a decode worker and the proxy on 127.0.0.1 and serves until Ctrl-C.
-Each option can also be given as the environment variable in brackets.
+A worker that exits (POST /drain, SIGTERM, a crash) is reported; the launcher stops once no
+worker is left. Logs are kept in a directory it names. Each option can also be given as the
+environment variable in brackets.
 
   --model PATH          model directory (MODEL; default: the built-in model)
   --proxy-port N        proxy HTTP port (PROXY_PORT; default 8000)
@@ -41,17 +43,22 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+ports=("$PROXY_PORT" "$PREFILL_PORT" "$DECODE_PORT" "$KV_PORT")
+if [ "$(printf '%s\n' "${ports[@]}" | sort -u | wc -l)" != 4 ]; then
+  echo "the proxy, prefill, decode and KV ports must differ, got ${ports[*]}" >&2; exit 2
+fi
+
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 MODEL_ARGS=()
 if [ -n "$MODEL" ]; then MODEL_ARGS=(--model "$MODEL"); fi
 cd "$ROOT"
 
-start prefill "$PYTHON" -m worker --role prefill --host 127.0.0.1 --port "$PREFILL_PORT" \
+start_worker prefill "$PYTHON" -m worker --role prefill --host 127.0.0.1 --port "$PREFILL_PORT" \
   --kv-port "$KV_PORT" --kv-transport "$KV_TRANSPORT" "${MODEL_ARGS[@]}"
-start decode "$PYTHON" -m worker --role decode --host 127.0.0.1 --port "$DECODE_PORT" \
+start_worker decode "$PYTHON" -m worker --role decode --host 127.0.0.1 --port "$DECODE_PORT" \
   --kv-transport "$KV_TRANSPORT" "${MODEL_ARGS[@]}"
-wait_for prefill http_ok "http://127.0.0.1:$PREFILL_PORT/health"
-wait_for decode http_ok "http://127.0.0.1:$DECODE_PORT/health"
+wait_for prefill worker_up "http://127.0.0.1:$PREFILL_PORT" prefill
+wait_for decode worker_up "http://127.0.0.1:$DECODE_PORT" decode
 # No --prefill-kv-port: the proxy reads the prefill worker's KV port from its GET /health answer.
 start proxy "$PYTHON" proxy_server.py --host 127.0.0.1 --port "$PROXY_PORT" \
   --prefill-ip 127.0.0.1 --prefill-port "$PREFILL_PORT" --decode-ip 127.0.0.1 --decode-port "$DECODE_PORT"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Dynamic xPyD on this host: etcd on loopback, N prefill and M decode workers registering in it,
-# and the proxy discovering them. Ctrl-C (or SIGTERM) stops everything it started.
+# and the proxy discovering them. Ctrl-C (or SIGTERM) stops everything it started; a worker that
+# exits (a drain: POST /drain or SIGTERM to it) is reported and the others keep serving.
 set -euo pipefail
 
 usage() {
@@ -9,7 +10,9 @@ usage: examples/launch_xpyd.sh [options]
 
 Starts etcd (loopback, temporary data dir), N prefill and M decode workers registered in it
 and the proxy discovering them, all on 127.0.0.1, and serves until Ctrl-C. Worker i of a role
-uses base port + i. Each option can also be given as the environment variable in brackets.
+uses base port + i. A worker that exits (POST /drain, SIGTERM, a crash) is reported and the
+others keep serving; the launcher stops once no worker is left. Logs are kept in a directory it
+names. Each option can also be given as the environment variable in brackets.
 
   --num-prefill N       prefill workers (NUM_PREFILL; default 2)
   --num-decode M        decode workers (NUM_DECODE; default 2)
@@ -63,7 +66,8 @@ MODEL_ARGS=()
 if [ -n "$MODEL" ]; then MODEL_ARGS=(--model "$MODEL"); fi
 cd "$ROOT"
 
-# The data dir lives in the log dir, so it goes when the launcher does.
+# etcd's data goes when the launcher does; its log stays with the others.
+SCRATCH_DIRS+=("$LOG_DIR/etcd-data")
 start etcd etcd --name neuron-di --data-dir "$LOG_DIR/etcd-data" \
   --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
   --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
@@ -73,11 +77,11 @@ wait_for etcd http_ok "http://127.0.0.1:$ETCD_PORT/health"
 
 ETCD="127.0.0.1:$ETCD_PORT"
 for ((i = 0; i < NUM_PREFILL; i++)); do
-  start "prefill$i" "$PYTHON" -m worker --role prefill --host 127.0.0.1 --port $((PREFILL_PORT + i)) \
+  start_worker "prefill$i" "$PYTHON" -m worker --role prefill --host 127.0.0.1 --port $((PREFILL_PORT + i)) \
     --kv-port $((KV_PORT + i)) --kv-transport "$KV_TRANSPORT" --etcd "$ETCD" "${MODEL_ARGS[@]}"
 done
 for ((i = 0; i < NUM_DECODE; i++)); do
-  start "decode$i" "$PYTHON" -m worker --role decode --host 127.0.0.1 --port $((DECODE_PORT + i)) \
+  start_worker "decode$i" "$PYTHON" -m worker --role decode --host 127.0.0.1 --port $((DECODE_PORT + i)) \
     --kv-transport "$KV_TRANSPORT" --etcd "$ETCD" "${MODEL_ARGS[@]}"
 done
 start proxy "$PYTHON" proxy_server.py --host 127.0.0.1 --port "$PROXY_PORT" --etcd "$ETCD"

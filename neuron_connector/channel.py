@@ -143,7 +143,9 @@ class RouterChannel:
                 self.port = port
         except zmq.ZMQError as exc:
             self.socket.close(linger=0)
-            raise PeerUnavailable(f"cannot bind the KV signal plane on {host}:{port}: {exc}") from exc
+            hint = " (another process listens there; pick another KV port)" if exc.errno == zmq.EADDRINUSE else ""
+            raise PeerUnavailable(f"cannot bind the KV signal plane on {host}:{port}: "
+                                  f"{zmq.strerror(exc.errno)}{hint}") from exc
 
     def recv(self) -> tuple[bytes, bytes] | None:
         """One (identity, payload) if a message is waiting; malformed frames are skipped."""

@@ -9,7 +9,7 @@ Unanswered handshakes are resent every `resend_after` seconds: the peer may not 
 Each handshake carries our engine id and a fresh client nonce. With a `secret`, our
 kv_map_init proves we hold it, and the peer's KVMapReply must prove it back; a peer that
 cannot, or that runs without a secret while we have one (or the reverse), fails the link
-with Unauthorized.
+with Unauthorized (its kv_map_init still goes out, so the peer logs the refusal on its side).
 """
 from __future__ import annotations
 
@@ -81,14 +81,15 @@ class PeerLink:
             self.fail(kind(f"prefill peer {self.address} refused our handshake as engine {self.engine_id!r}: "
                            f"{reply.message}"))
             return None
+        self._hello = reply
         if reply.authenticated != (self.secret is not None):
             self.fail(Unauthorized(
                 f"prefill peer {self.address} ({reply.engine_id}) requires the KV secret, and this decode "
                 "worker has none (give it --kv-secret-file)" if reply.authenticated else
                 f"prefill peer {self.address} ({reply.engine_id}) runs without the KV secret this decode "
                 "worker has (give it the same --kv-secret-file)"))
-            return None
-        self._hello, self.state, self._sent_at = reply, LinkState.MAP_SENT, now
+            return self._kv_map_init()  # answered by a refusal, which the prefill worker logs too
+        self.state, self._sent_at = LinkState.MAP_SENT, now
         return self._kv_map_init()
 
     def _kv_map_init(self) -> bytes:

@@ -21,7 +21,7 @@ from proxy.forward import Forwarder
 from proxy.metrics import Metrics
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
 from proxy.upstream import AiohttpUpstream, Upstream
-from proxy.workers import WorkerPool, WorkerRecord
+from proxy.workers import WorkerPool, WorkerRecord, kv_secret_mismatches
 
 _JSON = "application/json"
 
@@ -169,13 +169,16 @@ def _health(state: ProxyState) -> dict[str, Any]:
 
 
 def _ready(state: ProxyState) -> Response:
-    """Readiness: 200 once every role the proxy needs has a healthy worker; else 503 naming the roles that
-    have none, and the static workers kept out of rotation because they contradict the command line."""
+    """Readiness: 200 once every role the proxy needs has a healthy worker and no healthy decode worker is
+    known to be unable to authenticate to a healthy prefill worker; else 503 naming the roles that have none
+    and why each of their workers is out of rotation, or the pairs whose KV secrets do not match."""
     missing = [role for role in _needed_roles(state) if not state.pool.healthy(role)]
-    if not missing:
+    mismatches = [] if missing or state.config.colocated else kv_secret_mismatches(
+        state.pool.healthy("prefill"), state.pool.healthy("decode"))
+    if not missing and not mismatches:
         return _json_response({"status": "ready", "workers": _worker_counts(state)}, 200)
-    problems = [problem for _, problem in sorted(state.health.problems.items())]
-    reasons = [f"no healthy {role} worker" for role in missing] + problems
+    reasons = [f"no healthy {role} worker" for role in missing] + list(state.pool.reasons(_needed_roles(state)))
+    reasons += mismatches
     return _json_response(error_body(503, "not ready: " + "; ".join(reasons), "service_unavailable"), 503)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common.errors import TokenizerLoadError
-from common.roles import DEFAULT_KV_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE
+from common.roles import DEFAULT_HOST, DEFAULT_KV_PORT, DEFAULT_PROXY_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE
 from common.tokenizer import Tokenizer
 from proxy.conditional import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_QUEUE, ConditionalPolicy
 from proxy.conditional_route import ConditionalConfig
@@ -28,8 +28,8 @@ class ProxyConfig:
     conditional disaggregation's settings, None when every request is disaggregated.
     """
 
-    host: str = "0.0.0.0"
-    port: int = 8000
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PROXY_PORT
     mode: str = "di"
     workers: tuple[WorkerRecord, ...] = ()
     kv_ports_given: frozenset[str] = frozenset()
@@ -49,9 +49,13 @@ class ProxyConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="proxy_server.py", description="OpenAI-compatible prefill/decode proxy")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mode", choices=("di", "colocated"), default="di")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}, this host only, as every server of the "
+                        "stack; 0.0.0.0 serves other hosts too)")
+    p.add_argument("--port", type=int, default=DEFAULT_PROXY_PORT, help=f"HTTP port (default {DEFAULT_PROXY_PORT})")
+    p.add_argument("--mode", choices=("di", "colocated"), default="di",
+                   help="di: each request to a prefill and a decode worker (default); colocated: each request "
+                        "to one `both` worker (--worker)")
     p.add_argument("--prefill-ip", help="static 1P1D: prefill worker host")
     p.add_argument("--prefill-port", type=int, help="static 1P1D: prefill worker HTTP port")
     p.add_argument("--prefill-kv-port", type=int,
@@ -67,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static encode worker (repeat): chat requests with image parts go to one first")
     p.add_argument("--kv-protocol", choices=KV_PROTOCOLS, default="neuron",
                    help="how the static prefill/decode workers are driven: neuron (our signal plane, both legs "
-                        "at once) or nixl (vLLM's NixlConnector: prefill first, its kv_transfer_params to decode)")
+                        "at once; the default) or nixl (vLLM's NixlConnector: prefill first, its kv_transfer_params "
+                        "to decode)")
     p.add_argument("--disaggregation-strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY,
                    help="how a request's legs go to kv_protocol neuron workers: concurrent (both at once), "
                         "prefill_first (decode starts with prefill's answer) or decode_first (decode alone is "
@@ -75,11 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"--mode colocated ignores it (default {DEFAULT_STRATEGY})")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="colocated worker (repeat)")
     p.add_argument("--etcd", metavar="HOST:PORT", help="discover workers under /workers/ in etcd")
-    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker")
-    p.add_argument("--read-timeout", type=float, default=600.0, help="seconds allowed between two reads")
-    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between worker health checks")
-    p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health check may take")
-    p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker (default 5)")
+    p.add_argument("--read-timeout", type=float, default=600.0,
+                   help="seconds allowed between two reads of a worker's answer (default 600)")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between worker health checks (default 2)")
+    p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health check may take (default 2)")
+    p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp",
+                   help="the library the proxy calls workers with (default aiohttp, the faster here)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds streams may run on after SIGTERM; then they end with an error event (default 5)")
     cond = p.add_argument_group("conditional disaggregation (di mode)")

@@ -9,7 +9,7 @@ import aetcd
 
 from common.errors import RegistrationError
 from common.worker_record import KEY_PREFIX
-from proxy.errors import UpstreamError
+from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shows_draining, shown_record
 
@@ -24,7 +24,8 @@ class HealthChecks:
     """GET /health on every known worker: only 200 within `timeout`, not draining, keeps it in rotation.
 
     A retired worker (its etcd record went) stays known while it answers, so that its legs run to
-    their end as it drains; once it stops answering it is removed, and whatever it still had ends.
+    their end as it drains; once it stops answering, or answers as a worker of another role (it changed
+    role, having finished what it had), it is removed, and whatever it still had ends.
 
     A worker given on the command line (`static`) that shows its own record in that answer (our
     `python -m worker` does) must also agree with the command line (see workers.contradiction):
@@ -41,6 +42,7 @@ class HealthChecks:
         self._kv_ports_given = frozenset(kv_ports_given)
         self.problems: dict[str, str] = {}  # static worker key -> how it contradicts the command line
         self._silent_rounds: dict[str, int] = {}  # worker key -> health checks in a row it did not answer
+        self._seen: set[str] = set()  # the workers found healthy at least once
 
     async def run(self, interval: float) -> None:
         """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
@@ -51,19 +53,34 @@ class HealthChecks:
     async def round(self) -> None:
         workers = self._pool.all()
         answers = await asyncio.gather(*(self._health(w) for w in workers))
-        for worker, answer in zip(workers, answers):
+        for worker, (answer, why) in zip(workers, answers):
             if self._pool.retired(worker.key):
                 if answer is None:
                     self._pool.remove(worker.key, f"{_GONE} and it stopped answering")
+                elif (shown := shown_record(answer)) is not None and shown.role != worker.role:
+                    self._pool.remove(worker.key, f"{_GONE}: it serves role {shown.role} now")
                 continue
-            record = None if answer is None or shows_draining(answer) else self._checked(worker, answer)
-            if self._pool.mark(worker.key, record is not None):
-                log.warning("worker %s %s", worker.address, "is healthy again" if record else "failed its health check")
+            if answer is not None and shows_draining(answer):
+                why = "it drains (it takes no new request)"
+            record = None if why else self._checked(worker, answer)
+            where = f"{worker.role} worker {worker.address}"
+            why = why and f"{where}: {why}"
+            if self._pool.mark(worker.key, record is not None, why or self.problems.get(worker.key, "")):
+                self._log_change(worker, record is not None, why)
             self._count_silence(worker, answer is None)
             if record is not None and record != worker:
-                log.info("worker %s: signal plane %s:%d, engine id %r (as the worker shows itself)",
-                         worker.address, record.kv_host, record.kv_port, record.engine_id)
+                plane = f"signal plane {record.kv_host}:{record.kv_port}, " if record.role == "prefill" else ""
+                log.info("%s: %sengine id %r (as the worker shows itself)", where, plane, record.engine_id)
                 self._pool.add(record)
+
+    def _log_change(self, worker: WorkerRecord, healthy: bool, why: str) -> None:
+        if healthy:
+            again = worker.key in self._seen
+            self._seen.add(worker.key)
+            (log.warning if again else log.info)("%s worker %s is healthy%s", worker.role, worker.address,
+                                                 " again" if again else "")
+        elif why:  # a contradiction is logged where it is found
+            (log.warning if worker.key in self._seen else log.info)("%s", why)
 
     def _count_silence(self, worker: WorkerRecord, silent: bool) -> None:
         """A worker silent for LOST_AFTER_FAILED_CHECKS rounds in a row is gone: its legs in flight end.
@@ -75,13 +92,15 @@ class HealthChecks:
         if rounds == LOST_AFTER_FAILED_CHECKS:
             self._pool.lose(worker.key, f"stopped answering its health checks ({rounds} in a row)")
 
-    async def _health(self, worker: WorkerRecord) -> bytes | None:
-        """The body of the worker's 200 answer to GET /health; None for any other outcome."""
+    async def _health(self, worker: WorkerRecord) -> tuple[bytes | None, str]:
+        """The body of the worker's 200 answer to GET /health, or None and why there is none."""
         try:
             reply = await self._clients(worker).get("/health", self._timeout)
-        except UpstreamError:
-            return None
-        return reply.body if reply.status == 200 else None
+        except UpstreamTimeout:
+            return None, f"no answer to GET /health within {self._timeout:g} s"
+        except UpstreamError as exc:
+            return None, str(exc).removeprefix(f"{worker.role} worker {worker.address}: ")
+        return (reply.body, "") if reply.status == 200 else (None, f"GET /health answered HTTP {reply.status}")
 
     def _checked(self, worker: WorkerRecord, health: bytes) -> WorkerRecord | None:
         """The record to use for a worker that answered `health`; None if it contradicts the command line."""

@@ -39,9 +39,11 @@ class BadRequest(ProxyError):
 
 
 class NoWorkers(ProxyError):
-    def __init__(self, role: str, kv_protocol: str | None = None) -> None:
+    """`reasons`: why each known worker of the role is out of rotation ("prefill worker HOST:PORT: why")."""
+
+    def __init__(self, role: str, kv_protocol: str | None = None, reasons: tuple[str, ...] = ()) -> None:
         driven = f" with kv_protocol {kv_protocol!r}" if kv_protocol else ""
-        super().__init__(f"no healthy {role} worker{driven} is available")
+        super().__init__("; ".join((f"no healthy {role} worker{driven} is available", *reasons)))
         self.role = role
         self.kv_protocol = kv_protocol
 
@@ -64,10 +66,12 @@ class UpstreamStatus(UpstreamError):
 
     def __init__(self, status: int, body: bytes, role: str = "", worker: str = "",
                  retry_after: str | None = None) -> None:
-        super().__init__(f"answered HTTP {status}", role, worker)
         self.status = status
         self.body = body
         self.retry_after = retry_after
+        said = self.error.get("message")
+        super().__init__(f"answered HTTP {status}" + (f": {said}" if isinstance(said, str) and said else ""),
+                         role, worker)
 
     @property
     def draining(self) -> bool:

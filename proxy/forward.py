@@ -10,6 +10,7 @@ request for several answers (prompts, choices) is one such request per answer (p
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -133,11 +134,12 @@ class Forwarder:
         flow = stitched_flow(self._strategy, prefill)
         if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
             return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
+        abandon = functools.partial(self._abandoner.abandon, prefill, uid)
         try:
             first, leg = await flow(self._flow_legs, request, prefill, decode, uid, seed)
-            answer = await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started)
+            answer = await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started, abandon)
         except BaseException:
-            self._abandoner.abandon(prefill, uid)
+            abandon()
             raise
         if isinstance(answer, StreamAnswer):
             return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
@@ -166,8 +168,9 @@ class Forwarder:
             return await self._call(self._elsewhere(worker, exc), path, body, headers)
 
     async def _answer(self, request: ClientRequest, response_id: str, first: dict[str, Any],
-                      leg: DecodeLeg | None, started: float) -> Answer:
-        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give."""
+                      leg: DecodeLeg | None, started: float, abandon: Callable[[], None]) -> Answer:
+        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give; a stream
+        that fails after it began calls `abandon` (prefill's KV may still be held, see proxy/abandon.py)."""
         try:
             if not request.stream:
                 return JSONAnswer(json_bytes(await self._whole(response_id, first, leg)))
@@ -178,7 +181,7 @@ class Forwarder:
             raise
         if stitcher.finished:
             _cancel(leg)  # EOS at token one: decode has nothing to add
-        return StreamAnswer(self._stitched(stitcher, events, leg, started))
+        return StreamAnswer(self._stitched(stitcher, events, leg, started, abandon))
 
     async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None) -> dict[str, Any]:
         if leg is None or prefill_finished(first):
@@ -257,11 +260,11 @@ class Forwarder:
             except UpstreamError as exc:
                 log.warning("%s", exc)
                 if isinstance(exc, UpstreamUnavailable) or (isinstance(exc, UpstreamStatus) and exc.draining):
-                    self._pool.mark(worker.key, healthy=False)  # until a health check passes again
+                    self._pool.mark(worker.key, healthy=False, why=str(exc))  # until a health check passes again
                 raise
 
     async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg | None,
-                        started: float) -> AsyncGenerator[bytes, None]:
+                        started: float, abandon: Callable[[], None]) -> AsyncGenerator[bytes, None]:
         timer = _TokenTimer(self._metrics, started)
         try:
             for event in first:
@@ -282,6 +285,7 @@ class Forwarder:
             for event in stitcher.close():
                 yield event
         except ProxyError as exc:
+            abandon()  # a decode leg that failed (e.g. could not authenticate) may never have released the KV
             yield _error_event(exc)
         finally:
             _cancel(leg)  # client gone or answer failed: drop the decode connection

@@ -7,10 +7,11 @@ Every foreign error is translated here into the UpstreamError tree.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Protocol
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol
 
 import aiohttp
 
@@ -61,10 +62,37 @@ class Upstream(Protocol):
     async def close(self) -> None: ...
 
 
+CUT_MID_ANSWER = "closed the connection in the middle of its answer (the worker stopped or crashed?)"
+CUT_BEFORE_ANSWER = "closed the connection before answering (the worker stopped or crashed?)"
+REFUSED = "connection refused (nothing listens there: the worker is not started yet, or stopped?)"
+
+
+def in_words(exc: BaseException, cut_mid_answer: tuple[type[BaseException], ...] = (),
+             cut_before_answer: tuple[type[BaseException], ...] = ()) -> str:
+    """What a client library's connection error means, in the stack's words (not the library's class names)."""
+    if isinstance(exc, cut_mid_answer):
+        return CUT_MID_ANSWER
+    if isinstance(exc, cut_before_answer):
+        return CUT_BEFORE_ANSWER
+    seen: BaseException | None = exc
+    while seen is not None:  # the OS error under the library's own
+        if isinstance(seen, OSError) and seen.errno == errno.ECONNREFUSED:
+            return REFUSED
+        if isinstance(seen, OSError) and seen.errno is not None and seen.strerror:
+            return f"connection error: {seen.strerror}"
+        seen = seen.__cause__ or seen.__context__
+    return f"connection error: {exc}" if str(exc) else f"connection error ({type(exc).__name__})"
+
+
+def _aiohttp_words(exc: BaseException) -> str:
+    return in_words(exc, (aiohttp.ClientPayloadError,), (aiohttp.ServerDisconnectedError,))
+
+
 @contextmanager
 def translated(worker: WorkerRecord, timeout_types: tuple[type[BaseException], ...],
-               error_types: tuple[type[BaseException], ...]) -> Iterator[None]:
-    """Turns a client library's errors into UpstreamError, naming the worker."""
+               error_types: tuple[type[BaseException], ...],
+               words: Callable[[BaseException], str] = in_words) -> Iterator[None]:
+    """Turns a client library's errors into UpstreamError, naming the worker and saying what happened."""
     try:
         yield
     except UpstreamError:
@@ -72,7 +100,7 @@ def translated(worker: WorkerRecord, timeout_types: tuple[type[BaseException], .
     except timeout_types as exc:
         raise UpstreamTimeout(f"timed out ({type(exc).__name__})", worker.role, worker.address) from exc
     except error_types as exc:
-        raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}", worker.role, worker.address) from exc
+        raise UpstreamUnavailable(words(exc), worker.role, worker.address) from exc
 
 
 _AIOHTTP_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
@@ -87,11 +115,11 @@ class _AiohttpStream:
         self.retry_after = response.headers.get("Retry-After")
 
     async def read(self) -> bytes:
-        with translated(self._worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+        with translated(self._worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS, _aiohttp_words):
             return await self._response.read()
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        with translated(self._worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+        with translated(self._worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS, _aiohttp_words):
             async for chunk in self._response.content.iter_any():
                 yield chunk
 
@@ -107,14 +135,14 @@ class AiohttpUpstream:
             timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read))
 
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:
-        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS, _aiohttp_words):
             async with self._session.post(path, data=json_bytes(payload), headers=json_headers(headers)) as response:
                 return Reply(response.status, await response.read(), response.headers.get("Retry-After"))
 
     @asynccontextmanager
     async def stream(self, path: str, payload: dict[str, Any],
                      headers: dict[str, str]) -> AsyncIterator[_AiohttpStream]:
-        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS, _aiohttp_words):
             response = await self._session.post(path, data=json_bytes(payload), headers=json_headers(headers))
         try:
             yield _AiohttpStream(response, self.worker)
@@ -123,7 +151,7 @@ class AiohttpUpstream:
             response.close()
 
     async def get(self, path: str, timeout: float) -> Reply:
-        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS):
+        with translated(self.worker, _AIOHTTP_TIMEOUTS, _AIOHTTP_ERRORS, _aiohttp_words):
             async with self._session.get(path, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 return Reply(response.status, await response.read())
 

@@ -7,11 +7,17 @@ from typing import Any, AsyncIterator
 import httpx
 
 from common.openai_wire import json_bytes
-from proxy.upstream import Reply, Timeouts, json_headers, translated
+from proxy.upstream import CUT_BEFORE_ANSWER, CUT_MID_ANSWER, Reply, Timeouts, in_words, json_headers, translated
 from proxy.workers import WorkerRecord
 
 _HTTPX_TIMEOUTS = (httpx.TimeoutException,)
 _HTTPX_ERRORS = (httpx.HTTPError, OSError)
+
+
+def _httpx_words(exc: BaseException) -> str:
+    if isinstance(exc, httpx.RemoteProtocolError):  # httpx says which in its message only
+        return CUT_MID_ANSWER if "incomplete" in str(exc) else CUT_BEFORE_ANSWER
+    return in_words(exc)
 
 
 class _HttpxStream:
@@ -22,11 +28,11 @@ class _HttpxStream:
         self.retry_after = response.headers.get("Retry-After")
 
     async def read(self) -> bytes:
-        with translated(self._worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
+        with translated(self._worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS, _httpx_words):
             return await self._response.aread()
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        with translated(self._worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
+        with translated(self._worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS, _httpx_words):
             async for chunk in self._response.aiter_raw():
                 yield chunk
 
@@ -42,7 +48,7 @@ class HttpxUpstream:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000))
 
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:
-        with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
+        with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS, _httpx_words):
             response = await self._client.post(path, content=json_bytes(payload), headers=json_headers(headers))
             return Reply(response.status_code, response.content, response.headers.get("Retry-After"))
 
@@ -50,7 +56,7 @@ class HttpxUpstream:
     async def stream(self, path: str, payload: dict[str, Any],
                      headers: dict[str, str]) -> AsyncIterator[_HttpxStream]:
         request = self._client.build_request("POST", path, content=json_bytes(payload), headers=json_headers(headers))
-        with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
+        with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS, _httpx_words):
             response = await self._client.send(request, stream=True)
         try:
             yield _HttpxStream(response, self.worker)
@@ -58,7 +64,7 @@ class HttpxUpstream:
             await response.aclose()
 
     async def get(self, path: str, timeout: float) -> Reply:
-        with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS):
+        with translated(self.worker, _HTTPX_TIMEOUTS, _HTTPX_ERRORS, _httpx_words):
             response = await self._client.get(path, timeout=timeout)
             return Reply(response.status_code, response.content)
 

@@ -5,13 +5,14 @@ import json
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
+from common.kv_secret import NO_SECRET_ID
 from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
 from common.errors import RegistrationError
 from common.worker_record import KV_PROTOCOLS, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "pick", "shows_draining",
-           "shown_record", "static_worker"]
+__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "kv_secret_mismatches", "pick",
+           "shows_draining", "shown_record", "static_worker"]
 _WILDCARD_HOSTS = ("0.0.0.0", "::")  # a signal plane bound to every address: reach it at the worker's HTTP host
 
 
@@ -60,7 +61,23 @@ def completed(given: WorkerRecord, shown: WorkerRecord) -> WorkerRecord:
     decode legs then name its real KV port and carry its engine id, which the decode side checks."""
     kv_host = given.kv_host if shown.kv_host in _WILDCARD_HOSTS else shown.kv_host
     return replace(given, kv_host=kv_host, kv_port=shown.kv_port, engine_id=shown.engine_id, model=shown.model,
-                   transfer=shown.transfer)
+                   transfer=shown.transfer, kv_secret_id=shown.kv_secret_id)
+
+
+def kv_secret_mismatches(prefills: Iterable[WorkerRecord], decodes: Iterable[WorkerRecord]) -> list[str]:
+    """The pairs of (neuron) prefill and decode workers whose records show they cannot authenticate to each
+    other on the KV plane, in words; workers whose record does not say (vLLM's static ones) are not judged."""
+    decodes = [d for d in decodes if d.kv_protocol == "neuron" and d.kv_secret_id]
+    found = []
+    for p in (p for p in prefills if p.kv_protocol == "neuron" and p.kv_secret_id):
+        for d in (d for d in decodes if d.kv_secret_id != p.kv_secret_id):
+            why = ("the prefill worker requires a KV secret and the decode worker has none"
+                   if d.kv_secret_id == NO_SECRET_ID else
+                   "the decode worker has a KV secret and the prefill worker has none"
+                   if p.kv_secret_id == NO_SECRET_ID else "their KV secrets differ")
+            found.append(f"decode worker {d.address} cannot authenticate to prefill worker {p.address}: {why} "
+                         "(give every worker the same --kv-secret-file)")
+    return found
 
 
 def pick(candidates: Sequence[WorkerRecord], turn: int) -> WorkerRecord:
@@ -83,6 +100,7 @@ class WorkerPool:
         self._on_lost = on_lost
         self._workers: dict[str, WorkerRecord] = {}
         self._down: set[str] = set()
+        self._why: dict[str, str] = {}  # why a worker is out of rotation, in a sentence naming it
         self._retired: set[str] = set()
         self._turns: dict[tuple[str, str | None], int] = {}
         self._healthy: dict[str, list[WorkerRecord]] | None = None
@@ -92,12 +110,14 @@ class WorkerPool:
     def add(self, worker: WorkerRecord) -> None:
         self._workers[worker.key] = worker
         self._down.discard(worker.key)
+        self._why.pop(worker.key, None)
         self._retired.discard(worker.key)
         self._healthy = None
 
     def remove(self, key: str, why: str = "left the pool") -> None:
         worker = self._workers.pop(key, None)
         self._down.discard(key)
+        self._why.pop(key, None)
         self._retired.discard(key)
         self._healthy = None
         if worker is not None:
@@ -107,6 +127,7 @@ class WorkerPool:
         fresh = {w.key: w for w in workers}
         gone = [w for key, w in self._workers.items() if key not in fresh]
         self._down &= fresh.keys()
+        self._why = {key: why for key, why in self._why.items() if key in fresh}
         self._retired &= fresh.keys()
         self._workers = fresh
         self._healthy = None
@@ -116,14 +137,20 @@ class WorkerPool:
     def retire(self, key: str) -> None:
         """Out of rotation for good, its legs left running: `retired` until it is removed (or added anew)."""
         if key in self._workers:
-            self.mark(key, healthy=False)
+            worker = self._workers[key]
+            self.mark(key, healthy=False, why=f"{worker.role} worker {worker.address}: its etcd record is gone")
             self._retired.add(key)
 
     def retired(self, key: str) -> bool:
         return key in self._retired
 
-    def mark(self, key: str, healthy: bool) -> bool:
-        """Puts a worker in or out of rotation (a retired one stays out); True if that changed anything."""
+    def mark(self, key: str, healthy: bool, why: str = "") -> bool:
+        """Puts a worker in or out of rotation (a retired one stays out), out of it because of `why`; True if
+        that changed anything."""
+        if healthy:
+            self._why.pop(key, None)
+        elif why and key in self._workers:
+            self._why[key] = why
         if key not in self._workers or (key not in self._down) == healthy or key in self._retired:
             return False
         if healthy:
@@ -137,7 +164,7 @@ class WorkerPool:
         """The worker is known but gone (`why`): its legs in flight end; it stays known, out of rotation."""
         worker = self._workers.get(key)
         if worker is not None:
-            self.mark(key, healthy=False)
+            self.mark(key, healthy=False, why=f"{worker.role} worker {worker.address}: {why}")
             self._lost(worker, why)
 
     def _lost(self, worker: WorkerRecord, why: str) -> None:
@@ -146,6 +173,12 @@ class WorkerPool:
 
     def all(self) -> list[WorkerRecord]:
         return sorted(self._workers.values(), key=lambda w: w.key)
+
+    def reasons(self, roles: Iterable[str]) -> tuple[str, ...]:
+        """Why each known worker of `roles` that is out of rotation is out, sorted by key."""
+        roles = set(roles)
+        return tuple(self._why.get(w.key) or f"{w.role} worker {w.address}: out of rotation"
+                     for w in self.all() if w.role in roles and w.key in self._down)
 
     def healthy(self, role: str, kv_protocol: str | None = None) -> list[WorkerRecord]:
         """The healthy workers of `role` (and of `kv_protocol`, if given), sorted by key."""
@@ -162,7 +195,7 @@ class WorkerPool:
         """Picks the next healthy worker of `role` (driven by `kv_protocol`, if given); NoWorkers at once if none."""
         candidates = self.healthy(role, kv_protocol)
         if not candidates:
-            raise NoWorkers(role, kv_protocol)
+            raise NoWorkers(role, kv_protocol, self.reasons([role]))
         turn = self._turns.get((role, kv_protocol), 0)
         self._turns[(role, kv_protocol)] = turn + 1
         return pick(candidates, turn)

@@ -106,9 +106,9 @@ def launch(tmp_path):
     for launcher in started:
         if launcher.proc.poll() is None:
             launcher.kill()
-        kept = re.search(r"logs kept in (\S+)", launcher.output())
-        if kept:
-            shutil.rmtree(kept.group(1), ignore_errors=True)
+        logs = re.search(r"logs (?:kept )?in (\S+?);?$", launcher.output(), re.M)
+        if logs:
+            shutil.rmtree(logs.group(1), ignore_errors=True)
 
 
 @pytest.mark.parametrize("script", [LAUNCH_1P1D, LAUNCH_XPYD], ids=["1p1d", "xpyd"])
@@ -117,6 +117,13 @@ def test_help_and_bad_option(script):
     assert shown.returncode == 0 and "--proxy-port" in shown.stdout and "--kv-transport" in shown.stdout
     bad = subprocess.run(["bash", str(script), "--no-such-flag"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown option: --no-such-flag" in bad.stderr
+
+
+def test_1p1d_rejects_two_servers_on_one_port():
+    result = subprocess.run(["bash", str(LAUNCH_1P1D), "--prefill-port", "8200"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2
+    assert "the proxy, prefill, decode and KV ports must differ, got 8000 8200 8200 14579" in result.stderr
 
 
 def test_xpyd_rejects_zero_workers():
@@ -136,7 +143,7 @@ def test_failed_startup_stops_the_other_children(launch, tmp_path):
     assert all(_port_free(int(port)) for port in ports.values())
 
 
-def _serve_one_and_interrupt(launcher: Launcher, proxy_port: int, ports: list[int], ready) -> None:
+def _serve_one(launcher: Launcher, proxy_port: int, ready) -> None:
     url = f"http://127.0.0.1:{proxy_port}"
     wait_until(lambda: launcher.proc.poll() is not None or ready(), timeout=300)
     assert launcher.proc.poll() is None, launcher.output()
@@ -148,11 +155,21 @@ def _serve_one_and_interrupt(launcher: Launcher, proxy_port: int, ports: list[in
     assert reply.json()["usage"]["completion_tokens"] == 4
     launcher.remember_descendants()
     assert len(launcher.descendants) >= 3
+
+
+def _interrupt_stops_everything(launcher: Launcher, ports: list[int]) -> None:
     assert launcher.interrupt() == 130, launcher.output()
     assert all(_gone(pid) for pid in launcher.descendants)
     assert all(_port_free(port) for port in ports), launcher.output()
     logs = re.search(r"logs in (\S+);", launcher.output())
-    assert logs and not Path(logs.group(1)).exists()
+    assert logs and f"logs kept in {logs.group(1)}" in launcher.output()
+    assert {"prefill", "decode", "proxy"} <= {p.stem.rstrip("0123456789") for p in Path(logs.group(1)).glob("*.log")}
+
+
+def _two_free_ports() -> int | None:
+    """A free port whose next port is free too, or None."""
+    port = free_port()
+    return port if _port_free(port + 1) else None
 
 
 def _proxy_sees(proxy_port: int, num_prefill: int, num_decode: int) -> bool:
@@ -167,15 +184,29 @@ def _proxy_sees(proxy_port: int, num_prefill: int, num_decode: int) -> bool:
 def test_launch_1p1d_serves_then_stops_everything_on_ctrl_c(launch):
     ports = {name: free_port() for name in ("PROXY_PORT", "PREFILL_PORT", "DECODE_PORT", "KV_PORT")}
     launcher = launch(LAUNCH_1P1D, ["--kv-transport", "shm"], {k: str(v) for k, v in ports.items()})
-    _serve_one_and_interrupt(launcher, ports["PROXY_PORT"], list(ports.values()),
-                             lambda: "1P1D serving on" in launcher.output())
+    _serve_one(launcher, ports["PROXY_PORT"], lambda: "1P1D serving on" in launcher.output())
+    _interrupt_stops_everything(launcher, list(ports.values()))
 
 
 @needs_di
-def test_launch_xpyd_with_etcd_serves_then_stops_everything_on_ctrl_c(launch):
-    ports = {name: free_port() for name in ("PROXY_PORT", "PREFILL_PORT", "DECODE_PORT", "KV_PORT",
-                                            "ETCD_PORT", "ETCD_PEER_PORT")}
+def test_launch_xpyd_lets_a_drained_worker_go_serves_on_then_stops_everything_on_ctrl_c(launch):
+    ports = {name: free_port() for name in ("PROXY_PORT", "PREFILL_PORT", "KV_PORT", "ETCD_PORT", "ETCD_PEER_PORT")}
+    ports["DECODE_PORT"] = wait_until(_two_free_ports, what="two free ports in a row")
+    ports["DECODE_PORT_1"] = ports["DECODE_PORT"] + 1  # worker i of a role listens on base port + i
     env = {k: str(v) for k, v in ports.items()}
-    launcher = launch(LAUNCH_XPYD, ["--num-prefill", "1", "--num-decode", "1", "--kv-transport", "tcp"], env)
-    _serve_one_and_interrupt(launcher, ports["PROXY_PORT"], list(ports.values()),
-                             lambda: "1P1D serving on" in launcher.output() and _proxy_sees(ports["PROXY_PORT"], 1, 1))
+    launcher = launch(LAUNCH_XPYD, ["--num-prefill", "1", "--num-decode", "2", "--kv-transport", "tcp"], env)
+    _serve_one(launcher, ports["PROXY_PORT"],
+               lambda: "1P2D serving on" in launcher.output() and _proxy_sees(ports["PROXY_PORT"], 1, 2))
+    # Draining one worker, as docs/architecture.md says to take one out without losing a request: it exits 0 and the
+    # launcher lets it go; the fleet serves on with the others.
+    assert httpx.post(f"http://127.0.0.1:{ports['DECODE_PORT']}/drain", timeout=10).status_code == 202
+    wait_until(lambda: "decode0 exited" in launcher.output(), timeout=60, what="the launcher to report the drain")
+    assert "decode0 exited after draining (status 0); the other workers keep serving" in launcher.output()
+    assert launcher.proc.poll() is None, launcher.output()  # not torn down
+    assert not _port_free(ports["DECODE_PORT_1"]) and not _port_free(ports["PROXY_PORT"])
+    for _ in range(2):  # round-robin would have picked the drained worker for one of them
+        reply = httpx.post(f"http://127.0.0.1:{ports['PROXY_PORT']}/v1/completions", timeout=120, json={
+            "model": "neuron-di-builtin", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+    _interrupt_stops_everything(launcher, list(ports.values()))

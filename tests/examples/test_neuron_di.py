@@ -51,7 +51,10 @@ def test_summary_without_and_with_transfer_time():
     assert summary.gb_per_s is None and "not reported" in format_summary(summary, 1000)
     timed = summarize([32], 16, 10**6, _metrics_text("neuron_di_kv_transfer_seconds", [0.001]))
     assert timed.gb_per_s == pytest.approx(2.0) and timed.ms_per_transfer == pytest.approx(1.0)
-    assert "2.000 GB/s" in format_summary(timed, 10**6)
+    shown = format_summary(timed, 10**6)
+    assert "2.000 GB/s (transfers of 2.00 MB: their fixed cost, not bandwidth, sets this;" in shown
+    large = summarize([16 * 2**10], 16, 2**20, _metrics_text("neuron_di_kv_transfer_seconds", [0.1]))
+    assert format_summary(large, 2**20).endswith(f"{large.gb_per_s:.3f} GB/s")
 
 
 @needs_di

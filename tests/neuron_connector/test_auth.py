@@ -88,13 +88,17 @@ def test_a_wrong_secret_is_refused_and_logged(make_pair, caplog: pytest.LogCaptu
     (SECRET, None, "requires the KV secret, and this decode worker has none (give it --kv-secret-file)"),
     (None, SECRET, "runs without the KV secret this decode worker has"),
 ])
-def test_a_secret_on_one_side_only_fails_the_pull(make_pair, p_secret, d_secret, fragment: str) -> None:
+def test_a_secret_on_one_side_only_fails_the_pull_and_the_prefill_side_logs_it(
+        make_pair, p_secret, d_secret, fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     pair = make_pair(p_secret, d_secret)
     pair.send.publish("a", [3], 7)
-    pair.recv.request_pull("a", "127.0.0.1", pair.send.port, [5])
-    status = wait_terminal(pair.recv, "a")
+    with caplog.at_level(logging.WARNING, logger="neuron_connector.send_buffer"):
+        pair.recv.request_pull("a", "127.0.0.1", pair.send.port, [5])
+        status = wait_terminal(pair.recv, "a")
+        wait_until(lambda: pair.send.stats.unauthorized == 1, timeout=10, what="the prefill side's refusal")
     assert isinstance(status.error, Unauthorized) and fragment in status.message, status
     assert f"prefill peer 127.0.0.1:{pair.send.port} (prefill-0)" in status.message
+    assert "refused decode engine 'decode-0'" in caplog.text
 
 
 def test_an_unauthenticated_dealer_can_neither_look_up_nor_release(make_pair, raw_dealer) -> None:

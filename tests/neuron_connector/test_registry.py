@@ -32,7 +32,8 @@ def test_key_appears_with_the_json_and_disappears_on_stop(etcd_server: EtcdServe
         assert json.loads(record.to_json()) == {
             "role": "prefill", "host": "127.0.0.1", "http_port": 8100, "kv_host": "127.0.0.1",
             "kv_port": 14579, "engine_id": "prefill-8100",
-            "transfer": {"engine_id": "prefill-8100", "transports": {}}, "model": "tiny", "kv_protocol": "neuron"}
+            "transfer": {"engine_id": "prefill-8100", "transports": {}}, "model": "tiny", "kv_protocol": "neuron",
+            "kv_secret_id": "", "dtype": ""}
         assert record.key == "/workers/prefill/127.0.0.1/8100"
     finally:
         registration.stop()

@@ -70,8 +70,12 @@ class TestPeerLink:
     def test_a_secret_on_one_side_only_fails_the_link(self, ours: bytes | None, theirs: bool, fragment: str) -> None:
         link = self._link(ours)
         link.due(0)
-        assert link.on_handshake(HandshakeReply(5.0, "p0", {}, "s1", theirs), 0.1) is None
+        sent = link.on_handshake(HandshakeReply(5.0, "p0", {}, "s1", theirs), 0.1)
         assert isinstance(link.error, Unauthorized) and fragment in str(link.error) and "h:1 (p0)" in str(link.error)
+        # Its kv_map_init still goes out (with a proof only if we hold a secret): the peer refuses it and logs that.
+        init = decode_request(sent)
+        assert isinstance(init, KVMapInit) and (init.proof is not None) == (ours is not None)
+        assert link.due(5.0) is None  # failed: nothing more is sent
 
 
 class TestSessionTable:

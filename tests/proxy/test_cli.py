@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from typing import Callable
@@ -40,6 +41,7 @@ def test_sigterm_stops_the_proxy_cleanly(servers: Callable[[Server], Server]) ->
     assert proxy.process.proc.wait(timeout=20) == 0
     output = proxy.process.output()
     assert "Traceback" not in output and "Unclosed" not in output
+    assert output.count(f"Running on http://127.0.0.1:{proxy.port}") == 1
 
 
 def test_unknown_disaggregation_strategy_fails_at_start() -> None:
@@ -50,3 +52,16 @@ def test_unknown_disaggregation_strategy_fails_at_start() -> None:
     assert result.stderr.strip().endswith("proxy_server.py: error: argument --disaggregation-strategy: invalid "
                                           "choice: 'decode-first' (choose from 'concurrent', 'prefill_first', "
                                           "'decode_first')")
+
+
+def test_a_port_in_use_stops_the_proxy_at_once_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "proxy_server.py", "--port", str(port), "--prefill",
+                                 "127.0.0.1:8100", "--decode", "127.0.0.1:8200"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"proxy_server.py: error: cannot listen on 127.0.0.1:{port}: Address already "
+                                     "in use (another server listens there; pick another --port)")

@@ -220,10 +220,12 @@ def test_decode_is_picked_among_workers_of_the_prefills_kv_protocol() -> None:
     assert [pool.next("decode", "neuron") for _ in range(3)] == [neuron[0], neuron[1], neuron[0]]
     assert pool.next("prefill").kv_protocol == "nixl"
     for worker in nixl:
-        pool.mark(worker.key, healthy=False)
+        pool.mark(worker.key, healthy=False, why=f"decode worker {worker.address}: connection refused")
     with pytest.raises(NoWorkers) as failure:
         pool.next("decode", "nixl")
-    assert str(failure.value) == "no healthy decode worker with kv_protocol 'nixl' is available"
+    # Each worker of the role that is out of rotation is named, with why.
+    assert str(failure.value) == ("no healthy decode worker with kv_protocol 'nixl' is available; "
+                                  "decode worker x:1: connection refused; decode worker x:2: connection refused")
     assert to_http(failure.value)[0] == 503
     assert pool.healthy("decode") == neuron
 

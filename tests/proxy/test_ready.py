@@ -28,13 +28,21 @@ def test_a_proxy_started_before_its_workers_is_ready_once_each_role_has_a_health
                                  "--health-interval", "0.2"]))
     reply = _ready(proxy)
     assert reply.status_code == 503
-    assert reply.json() == _not_ready("not ready: no healthy prefill worker; no healthy decode worker")
+    # Each missing worker is named, with why: nothing listens on its port yet.
+    refused = "connection refused (nothing listens there: the worker is not started yet, or stopped?)"
+    assert reply.json() == _not_ready(
+        f"not ready: no healthy prefill worker; no healthy decode worker; decode worker 127.0.0.1:{decode_port}: "
+        f"{refused}; prefill worker 127.0.0.1:{prefill_port}: {refused}")
 
     servers(start_fake_worker("prefill", port=prefill_port))
-    wait_until(lambda: _ready(proxy).json() == _not_ready("not ready: no healthy decode worker"),
+    wait_until(lambda: _ready(proxy).json() == _not_ready(
+        f"not ready: no healthy decode worker; decode worker 127.0.0.1:{decode_port}: {refused}"),
                timeout=20, what="only decode missing")
     servers(start_fake_worker("decode", port=decode_port))
     wait_until(lambda: _ready(proxy).status_code == 200, timeout=20, what="ready")
+    # Up for the first time: news, not a recovery.
+    assert f"INFO proxy.discovery: decode worker 127.0.0.1:{decode_port} is healthy\n" in proxy.process.output()
+    assert "healthy again" not in proxy.process.output()
     assert _ready(proxy).json() == {"status": "ready", "workers": {"both": {"known": 0, "healthy": 0},
                                                            "prefill": {"known": 1, "healthy": 1},
                                                            "decode": {"known": 1, "healthy": 1}}}
@@ -48,6 +56,7 @@ def test_a_colocated_proxy_needs_a_healthy_both_worker(servers: Callable[[Server
     proxy = servers(start_proxy(["--mode", "colocated", "--worker", f"127.0.0.1:{port}", "--health-interval", "0.2"]))
     reply = _ready(proxy)
     assert reply.status_code == 503
-    assert reply.json() == _not_ready("not ready: no healthy both worker")
+    assert reply.json() == _not_ready(f"not ready: no healthy both worker; both worker 127.0.0.1:{port}: connection "
+                                      "refused (nothing listens there: the worker is not started yet, or stopped?)")
     servers(start_fake_worker("both", port=port))
     wait_until(lambda: _ready(proxy).status_code == 200, timeout=20, what="ready")

@@ -36,7 +36,7 @@ def test_the_worker_shows_its_record_on_health(workers) -> None:
     assert health == {"status": "ok", "draining": False, "worker": {
         "role": "prefill", "host": "127.0.0.1", "http_port": prefill.port, "kv_host": "127.0.0.1",
         "kv_port": prefill.kv_port, "engine_id": prefill.engine_id, "model": "neuron-di-builtin",
-        "transfer": {"backend": "shm"}, "kv_protocol": "neuron"}}
+        "transfer": {"backend": "shm"}, "kv_protocol": "neuron", "kv_secret_id": "none", "dtype": "float32"}}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -68,7 +68,7 @@ def test_a_wrong_prefill_kv_port_keeps_the_prefill_worker_out_and_fails_requests
     # At once, not after the decode worker's 30 s pull timeout.
     reply = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": PROMPT, **SAMPLING}, timeout=10)
     assert reply.status_code == 503
-    assert reply.json()["error"]["message"] == "no healthy prefill worker is available"
+    assert reply.json()["error"]["message"] == f"no healthy prefill worker is available; {problem}"
     assert f"{problem}; it stays out of rotation" in proxy.process.output()
 
 

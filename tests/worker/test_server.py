@@ -14,6 +14,7 @@ import pytest
 from tests.helpers import wait_until
 from tests.worker.server_helpers import metric
 from tests.worker_process import WorkerProcess
+from worker.model.loader import builtin_model_path
 
 GREEDY = {"temperature": 0.0}
 LONG = {"ignore_eos": True}
@@ -109,6 +110,13 @@ def test_models_lists_the_served_model(worker: WorkerProcess, client: openai.Ope
     assert model["object"] == "model" and model["max_model_len"] > 0
 
 
+def test_the_dtype_and_hidden_size_image_embeddings_need_are_shown_and_agree_with_the_config(
+        worker: WorkerProcess, model: dict) -> None:
+    config = json.loads((builtin_model_path() / "config.json").read_text())
+    assert (model["dtype"], model["hidden_size"]) == (config["torch_dtype"], config["hidden_size"]) == ("float32", 256)
+    assert httpx.get(f"{worker.url}/health").json()["worker"]["dtype"] == "float32"
+
+
 def test_metrics_has_the_named_series(worker: WorkerProcess) -> None:
     httpx.post(f"{worker.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, **LONG})
     text = httpx.get(f"{worker.url}/metrics").text
@@ -128,7 +136,7 @@ def test_health(worker: WorkerProcess) -> None:
     assert (r.status_code, r.json()) == (200, {"status": "ok", "draining": False, "worker": {
         "role": "both", "host": "127.0.0.1", "http_port": worker.port, "kv_host": "127.0.0.1", "kv_port": 0,
         "engine_id": engine_id, "model": "neuron-di-builtin", "transfer": {"backend": "auto"},
-        "kv_protocol": "neuron"}})
+        "kv_protocol": "neuron", "kv_secret_id": "", "dtype": "float32"}})
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(worker: WorkerProcess, model: dict) -> None:
@@ -224,13 +232,17 @@ def test_bad_request_is_400_then_the_server_still_serves(worker: WorkerProcess, 
 
 def test_prompt_longer_than_the_context_is_400(worker: WorkerProcess, model: dict) -> None:
     n = model["max_model_len"]
-    r = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [5] * (n + 1), "max_tokens": 1})
-    assert r.status_code == 400
-    assert r.json() == error(f"This model's maximum context length is {n} tokens. However, you requested "
-                             f"{n + 2} tokens ({n + 1} in the prompt, 1 in the completion). Please reduce the "
-                             f"prompt or max_tokens.", "prompt")
+    # The same words whatever max_tokens says: a disaggregated request's prefill leg asks for 1 token.
+    for max_tokens in (1, 16):
+        r = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [5] * (n + 1), "max_tokens": max_tokens})
+        assert r.status_code == 400
+        assert r.json() == error(f"This model's maximum context length is {n} tokens. However, the prompt has "
+                                 f"{n + 1} tokens, which leaves no room for a completion. Please reduce the prompt.",
+                                 "prompt")
     r = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [5] * 4, "max_tokens": n})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.status_code == 400 and r.json() == error(
+        f"This model's maximum context length is {n} tokens. However, you requested {n + 4} tokens (4 in the "
+        f"prompt, {n} in the completion). Please reduce the prompt or max_tokens.", "prompt")
 
 
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])

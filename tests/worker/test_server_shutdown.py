@@ -1,4 +1,5 @@
-"""SIGTERM while a request streams: the stream ends with an error event, then [DONE], not a cut connection."""
+"""SIGTERM while a request streams: the stream ends with an error event, then [DONE], not a cut connection;
+a drain says what it waits for, and a second Ctrl-C ends it at once."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import signal
 
 import httpx
 
+from tests.helpers import wait_until
 from tests.worker_process import WorkerProcess
 
 
@@ -29,3 +31,22 @@ def test_sigterm_mid_stream_ends_the_stream_with_an_error_event() -> None:
     assert json.loads(events[-2]) == {"error": {"message": "the engine is shutting down", "type": "server_error",
                                                 "param": None, "code": 500}}
     assert all("choices" in json.loads(event) for event in events[:-2])
+
+
+def test_a_drain_says_what_it_waits_for_and_a_second_ctrl_c_stops_the_worker_now() -> None:
+    worker = WorkerProcess("prefill")
+    try:
+        # A prefill leg nobody pulls: its KV stays held for the --kv-abort-timeout (60 s), and the drain waits.
+        leg = {"prompt": [5, 6, 7], "max_tokens": 1, "kv_transfer_params": {"role": "prefill", "request_id": "held"}}
+        assert httpx.post(f"{worker.url}/v1/completions", json=leg, headers={"X-Request-Id": "held"},
+                          timeout=60).status_code == 200
+        os.kill(worker.proc.pid, signal.SIGINT)
+        wait_until(lambda: "draining: waiting for the KV of 1 request(s) its decode peers have not pulled yet"
+                   in worker.proc.output(), timeout=15, what="the drain's progress line")
+        assert worker.proc.proc.poll() is None
+        os.kill(worker.proc.pid, signal.SIGINT)
+        assert worker.proc.proc.wait(timeout=15) == 1  # not after the abort timeout
+    finally:
+        worker.stop()
+    assert "stopping now, before the drain is over; what it still waited for ends with an error: the KV of 1" \
+        in worker.proc.output()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
-from pathlib import Path
+import time
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -19,11 +19,10 @@ from worker.engine.prefill_side import PrefillSide
 from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
 from worker.engine.roles import EngineParts, EngineRole
+from worker.engine.step_counters import StepCounters
 from worker.errors import InvalidRequestError, QueueFullError, invalid
 from worker.model.grammar import GrammarCompiler
-from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config, load_model
-from worker.model.runner import ModelRunner
-from worker.model.tokenizer import load_tokenizer
+from worker.model.loaded import CheckpointModel, LoadedModel
 from worker.model.logprobs import TokenLogprobs
 from worker.multimodal.embeds import ImageEmbeds, check_spans
 from worker.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -39,6 +38,7 @@ class EngineStats:
     num_blocks_used: int
     num_blocks_total: int
     num_transferring: int = 0   # prefill: finished, blocks held until pulled; decode: pulling
+    counters: StepCounters = field(default_factory=StepCounters)   # a copy of the engine's running totals
 
 
 def zeros_pool(layout: KVLayout) -> torch.Tensor:
@@ -50,26 +50,26 @@ class LLMEngine:
 
     Used from one thread: add_request / abort_request between calls to step(). Roles prefill
     and decode need a `kv_connector`, which also provides the KV pool; the role's hooks
-    (roles.py) run before and after each step.
+    (roles.py) run before and after each step. `model` is a model loaded already (an engine of
+    another role had it, or it is the simulated one); by default the config's checkpoint is loaded.
     """
 
     def __init__(self, config: EngineConfig, allocate_pool: PoolAllocator | None = None,
-                 kv_connector: KVConnector | None = None) -> None:
+                 kv_connector: KVConnector | None = None, model: LoadedModel | None = None) -> None:
         ROLE_SIDES[config.role].check_connector(kv_connector)
         self.config = config
         self.requests = RequestTable()
         self.kv_connector = kv_connector
         if allocate_pool is None and kv_connector is not None:
             allocate_pool = kv_connector.allocate_pool
-        path = Path(config.model) if config.model is not None else builtin_model_path()
-        self.model_config = load_config(path)
-        self.tokenizer = load_tokenizer(path, self.model_config)
-        self.model_name = config.served_model_name or (BUILTIN_MODEL_NAME if config.model is None else path.name)
+        self.model = model or CheckpointModel.load(config.model, getattr(torch, config.dtype))
+        self.model_config = self.model.config
+        self.tokenizer = self.model.tokenizer
+        self.model_name = config.served_model_name or self.model.name
         self.max_model_len = self._max_model_len()
         self.kv_layout = self._kv_layout()
         self.kv_pool = _checked_pool((allocate_pool or zeros_pool)(self.kv_layout), self.kv_layout)
-        model = load_model(path, self.model_config, self.kv_layout.torch_dtype).to(self.kv_pool.device)
-        self.runner = ModelRunner(model, self.kv_pool, config.block_size, tuple(self.tokenizer.eos_token_ids))
+        self.runner = self.model.runner(self.kv_pool, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.kv_layout.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
@@ -82,6 +82,7 @@ class LLMEngine:
         self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._rng = random.Random(config.seed)
         self._generate_ids = itertools.count()
+        self.counters = StepCounters()
 
     def _max_model_len(self) -> int:
         # Full attention equals sliding-window attention while sequences fit in the window.
@@ -175,7 +176,9 @@ class LLMEngine:
         outputs = self.requests.take_aborted() + self.role.before_step()
         step = self.scheduler.schedule()
         if step:
+            started = time.perf_counter()
             result = self.runner.run(step)
+            self.counters.count(step, time.perf_counter() - started)
             for seq, first, entries in result.prompt_logprobs:
                 seq.add_prompt_logprobs(first, entries)
             seqs: list[Request] = step.sampled   # type: ignore[assignment]  # it schedules only Requests
@@ -236,7 +239,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           len(bm.used_block_ids), bm.num_blocks, len(self.scheduler.transferring))
+                           len(bm.used_block_ids), bm.num_blocks, len(self.scheduler.transferring),
+                           replace(self.counters))
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -4,9 +4,11 @@
     POST /v1/chat/completions    messages rendered by the model's chat template; JSON or SSE
     GET  /v1/models              the served model
     GET  /health                 200 while the engine thread runs, else 503; `draining` says whether it drains
-                                 (then no new request is taken); `python -m worker` adds its WorkerRecord as
-                                 `worker` (role, kv_host, kv_port, engine_id, ...)
+                                 or changes role (then no new request is taken); `python -m worker` adds its
+                                 WorkerRecord as `worker` (role, kv_host, kv_port, engine_id, ...); a change of
+                                 role shows as `changing_role` (the role it goes to), then `last_role_change`
     POST /drain                  starts the drain (worker/server/drain.py), as SIGTERM does; 202
+    POST /role                   `{"role": "prefill"|"decode"}` starts a change of role (role_flip.py); 202
     POST /abort_request          `{"rid": id}` ends request `id` (as SGLang's endpoint does): the proxy's
                                  way to end a disaggregated leg whose client left (on a prefill worker,
                                  also KV held for a pull, or a leg that has not arrived yet)
@@ -31,7 +33,7 @@ from worker.server.drain import DEFAULT_TIMEOUT_S, Drain
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request import RequestOutput
-from worker.errors import DrainingError, invalid
+from worker.errors import DrainingError, WorkerError, invalid
 from worker.multimodal.media import MediaPolicy
 from worker.multimodal.prompt import MultiModalPrompt
 from worker.multimodal.fetch import EmbedsFetcher
@@ -40,6 +42,8 @@ from worker.multimodal.images import ImageResolver
 from worker.server.choice import Choice, choice_spec
 from worker.server.generation import Part, collect, events
 from worker.server.metrics import ServerMetrics
+from worker.server.registrar import Registrar
+from worker.server.role_flip import EngineMaker, RoleFlip
 from worker.server.remote_prefill import RemotePrefills, first_output, remote_url
 from worker.server.prompts import request_prompts
 from worker.server.request_id import use_request_ids
@@ -57,18 +61,21 @@ logger = logging.getLogger(__name__)
 def create_app(engine_config: EngineConfig, *,
                engine_factory: Callable[[], LLMEngine] | None = None,
                drain_timeout: float = DEFAULT_TIMEOUT_S, media_policy: MediaPolicy | None = None,
-               embeds_region: Callable[[int, Any], Any] | None = None) -> Quart:
+               embeds_region: Callable[[int, Any], Any] | None = None, registrar: Registrar | None = None,
+               make_engine: EngineMaker | None = None) -> Quart:
     """A Quart app serving one engine; the engine starts in `before_serving` and stops in `after_serving`.
 
     `engine_factory` builds the engine on its thread; the default is `LLMEngine(engine_config)`.
     `media_policy` says where chat image parts may be loaded from (default: no local files).
     `embeds_region(hidden_size, dtype)` makes the RowRegion a prefill worker pulls encoded image parts into.
+    `registrar` shows (and registers) the worker's record once the engine runs; `make_engine(role, model)`
+    builds an engine of another role on the loaded model, for POST /role (without it the route answers 400).
     A drain, once over, sets the worker's `drain.done`: the server should stop then.
     """
     app = Quart(__name__)
     app.json.sort_keys = False  # bodies keep vLLM's key order
     worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout,
-                     media_policy or MediaPolicy(), embeds_region)
+                     media_policy or MediaPolicy(), embeds_region, registrar, make_engine)
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)
     use_request_ids(app)
@@ -78,6 +85,7 @@ def create_app(engine_config: EngineConfig, *,
     app.add_url_rule("/v1/models", "models", worker.models, methods=["GET"])
     app.add_url_rule("/health", "health", worker.health, methods=["GET"])
     app.add_url_rule("/drain", "drain", worker.start_drain, methods=["POST"])
+    app.add_url_rule("/role", "role", worker.change_role, methods=["POST"])
     app.add_url_rule("/abort_request", "abort_request", worker.abort_request, methods=["POST"])
     app.add_url_rule("/metrics", "metrics", worker.metrics_page, methods=["GET"])
     app.extensions["neuron_di_worker"] = worker
@@ -88,21 +96,33 @@ class _Worker:
     """The app's state and route handlers; one per app, so several apps can share a process."""
 
     def __init__(self, factory: Callable[[], LLMEngine], drain_timeout: float, media_policy: MediaPolicy,
-                 embeds_region: Callable[[int, Any], Any] | None) -> None:
+                 embeds_region: Callable[[int, Any], Any] | None, registrar: Registrar | None,
+                 make_engine: EngineMaker | None) -> None:
         self.async_engine = AsyncEngine(factory)
         self.media_policy = media_policy
         self.embeds_region = embeds_region
+        self.region: Any = None
         self.images: PartResolver | None = None
         self.drain = Drain(self.async_engine, drain_timeout)
+        self.registrar = registrar
+        self.role_flip = None if make_engine is None else RoleFlip(
+            self.async_engine, self.drain, make_engine, self.engine_changed, self.publish,
+            registrar.leave if registrar is not None else lambda: None)
         self.metrics: ServerMetrics | None = None
         self.model_name = ""
         self.max_model_len = 0
         self.created = int(time.time())
-        self.record: WorkerRecord | None = None  # set by `python -m worker` once the engine runs (cli.py)
         self.remote_prefills = RemotePrefills()  # decode_first: the prefill legs this decode worker sends
         self.strings: TokenStrings | None = None  # the texts logprobs show for tokens
 
+    @property
+    def record(self) -> WorkerRecord | None:
+        return None if self.registrar is None else self.registrar.record
+
     async def startup(self) -> None:
+        """Starts the engine; `python -m worker` calls it before serving, hypercorn's lifespan then skips it."""
+        if self.metrics is not None:
+            return
         await self.async_engine.start()
         engine = self.async_engine.llm_engine
         assert engine is not None  # start() returned, so the engine was built
@@ -110,15 +130,33 @@ class _Worker:
         self.metrics = ServerMetrics(self.model_name)
         self.strings = TokenStrings(engine.tokenizer)
         hidden, dtype = engine.model_config.hidden_size, engine.kv_layout.torch_dtype
-        region = None if self.embeds_region is None else await asyncio.to_thread(self.embeds_region, hidden, dtype)
+        if self.embeds_region is not None:
+            self.region = await asyncio.to_thread(self.embeds_region, hidden, dtype)
+        self.engine_changed()
+        if self.registrar is not None:
+            self.drain.leave = self.registrar.leave   # a drain leaves the registry first
+            await self.publish()
+
+    def engine_changed(self) -> None:
+        """Attaches the metrics and the image-part resolver to the engine (at start, and after a change of role)."""
+        engine = self.async_engine.llm_engine
+        assert engine is not None and self.metrics is not None
+        hidden, dtype = engine.model_config.hidden_size, engine.kv_layout.torch_dtype
         self.images = PartResolver(ImageResolver(self.media_policy, hidden, dtype),
-                                   None if region is None else EmbedsFetcher(region), engine.config.role == "decode")
+                                   None if self.region is None else EmbedsFetcher(self.region),
+                                   engine.config.role == "decode")
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
             engine.kv_connector.on_integrity_check = self.metrics.integrity_checked
             engine.kv_connector.on_pull = self.metrics.pull_done
 
+    async def publish(self) -> None:
+        if self.registrar is not None:
+            await self.registrar.publish(self.async_engine.llm_engine)
+
     async def shutdown(self) -> None:
+        if self.registrar is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.registrar.leave)
         await self.remote_prefills.close()
         await self.async_engine.stop()
         if self.images is not None:
@@ -133,11 +171,21 @@ class _Worker:
         return await self._serve("chat")
 
     async def models(self) -> Response:
-        return jsonify(models_body(self.model_name, self.max_model_len, self.created))
+        engine = self.async_engine.llm_engine
+        assert engine is not None
+        return jsonify(models_body(self.model_name, self.max_model_len, self.created, engine.config.dtype,
+                                   engine.model_config.hidden_size))
 
     async def start_drain(self) -> Response:
         self.drain.start()
         return _json({"status": "draining"}, 202)
+
+    async def change_role(self) -> Response:
+        role = parse_body(await request_body()).get("role")
+        if self.role_flip is None:
+            raise invalid("this worker cannot change role (it was not started by `python -m worker`)", "role")
+        body, status = self.role_flip.request(role)
+        return _json(body, status)
 
     async def abort_request(self) -> Response:
         rid = parse_body(await request_body()).get("rid")
@@ -149,10 +197,14 @@ class _Worker:
     async def health(self) -> Response:
         if not self.async_engine.is_alive():
             return _json(error_body(503, "the engine is not running", "server_error"), 503)
-        draining = self.drain.started
+        draining = self.drain.started or self.drain.refusing is not None
         body: dict = {"status": "draining" if draining else "ok", "draining": draining}
         if self.record is not None:  # a static proxy learns this worker's role and signal plane from it
             body["worker"] = self.record.to_dict()
+        if self.role_flip is not None and self.role_flip.target is not None:
+            body["changing_role"] = self.role_flip.target
+        if self.role_flip is not None and self.role_flip.last is not None:
+            body["last_role_change"] = self.role_flip.last.to_dict()
         return jsonify(body)
 
     async def metrics_page(self) -> Response:
@@ -164,7 +216,7 @@ class _Worker:
     async def error(self, exc: Exception) -> Response:
         status, body, headers = error_for(exc)
         if status >= 500 and not isinstance(exc, DrainingError):  # a drain's refusals are expected
-            logger.error("request %s failed", g.get("request_id"), exc_info=exc)
+            _log_failure(f"request {g.get('request_id')}", exc)
         self._count(str(status))
         response = _json(body, status)
         response.headers.update(headers)
@@ -276,7 +328,7 @@ class _Worker:
 
         def failed(exc: BaseException) -> dict:
             status, body, _ = error_for(exc)  # no headers: they are sent already
-            logger.error("stream %s failed", shape.request_id, exc_info=exc)
+            _log_failure(f"stream {shape.request_id}", exc)
             outcome.append(str(status))
             return body
 
@@ -290,3 +342,12 @@ def _json(body: dict, status: int) -> Response:
     response = jsonify(body)
     response.status_code = status
     return response
+
+
+def _log_failure(what: str, exc: BaseException) -> None:
+    """One line for the worker's own errors, which say what went wrong (a failed KV transfer names its peer);
+    a traceback for anything else, which is a bug."""
+    if isinstance(exc, WorkerError):
+        logger.error("%s failed: %s", what, exc)
+    else:
+        logger.error("%s failed", what, exc_info=exc)

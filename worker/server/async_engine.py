@@ -49,6 +49,15 @@ class _Wake:
 
 
 @dataclass(frozen=True)
+class _Rebuild:
+    """Replace the idle engine by the first of `factories` that builds one; `built` gets its index."""
+
+    factories: Sequence[Callable[[], LLMEngine]]
+    built: asyncio.Future[int]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
 class _Sink:
     """Where one request's outputs go: a queue owned by an event loop on another thread."""
 
@@ -65,6 +74,15 @@ def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *ar
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
         logger.debug("event loop closed; dropped a delivery")
+
+
+def _settle_int(future: asyncio.Future[int], outcome: int | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
@@ -134,12 +152,13 @@ class AsyncEngine:
     def __init__(self, factory: Callable[[], LLMEngine], thread_name: str = "engine") -> None:
         self._factory = factory
         self._thread_name = thread_name
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake | _Rebuild] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.llm_engine: LLMEngine | None = None
         self.stats: EngineStats | None = None  # refreshed by the engine thread after every change
+        self.rebuild_error: str | None = None  # why the last rebuild's first factory failed
 
     async def start(self) -> None:
         """Builds the engine on its thread (model loading included) and waits until it is ready."""
@@ -148,7 +167,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._main, args=(loop, ready), name=self._thread_name,
                                         daemon=True)
         self._thread.start()
-        await ready
+        try:
+            await ready
+        except BaseException:
+            # The thread is on its way out; joined here, it has let go of the half-built engine before the
+            # caller goes on (a process exiting while a daemon thread frees tensors aborts).
+            await loop.run_in_executor(None, self._thread.join, 30.0)
+            raise
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
@@ -206,60 +231,105 @@ class AsyncEngine:
         """Aborts a request if it is still in flight; safe from any thread, any number of times."""
         self._inbox.put(_Abort(request_id))
 
+    async def rebuild(self, factories: Sequence[Callable[[], LLMEngine]]) -> int:
+        """Closes the engine, which must hold no request, and runs the first of `factories` that builds one;
+        its index. WorkerError if the engine is busy or stopped, or none builds (the thread then stops)."""
+        if not self.is_alive():
+            raise WorkerError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[int] = loop.create_future()
+        self._inbox.put(_Rebuild(list(factories), built, loop))
+        return await built
+
     # ---- engine thread ------------------------------------------------------------------------
 
     def _main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
         try:
-            self.llm_engine = self._factory()
-            self.stats = self.llm_engine.stats()
-            if self.llm_engine.kv_connector is not None:
-                self.llm_engine.kv_connector.wake = lambda: self._inbox.put(_Wake())
+            self._use(self._factory())
         except Exception as exc:  # e.g. ModelLoadError, or a config the model cannot honour
             _deliver(loop, _settle, ready, WorkerError(f"engine failed to start: {exc}"))
             return
         _deliver(loop, _settle, ready, None)
         reason = "the engine is shutting down"
         try:
-            self._loop(self.llm_engine)
+            self._loop()
         except BaseException as exc:  # a bug in this loop must not leave requests hanging
             logger.exception("engine thread crashed")
             reason = f"engine thread crashed: {exc}"
         finally:
             self._stopping.set()
             self._close(WorkerError(reason))
-            self.llm_engine.close()
+            self._engine.close()
 
-    def _loop(self, engine: LLMEngine) -> None:
+    def _use(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        self.stats = engine.stats()
+        if engine.kv_connector is not None:
+            engine.kv_connector.wake = lambda: self._inbox.put(_Wake())
+
+    def _loop(self) -> None:
         failed = False
         while not self._stopping.is_set():
             # After a failed step, wait for a command before retrying instead of spinning on the fault.
-            wait = engine.wait_hint()
-            self._drain(engine, IDLE_WAIT_S if failed or wait is None else wait)
+            wait = self._engine.wait_hint()
+            self._drain(IDLE_WAIT_S if failed or wait is None else wait)
+            engine = self._engine   # a command (a rebuild) may have replaced it
+            if self._stopping.is_set():
+                return
             failed = engine.has_unfinished_requests() and not self._step(engine)
             self.stats = engine.stats()
 
-    def _drain(self, engine: LLMEngine, timeout: float) -> None:
+    @property
+    def _engine(self) -> LLMEngine:
+        assert self.llm_engine is not None   # built before the loop starts, and never unset
+        return self.llm_engine
+
+    def _drain(self, timeout: float) -> None:
         """Runs every queued command, first waiting up to `timeout` seconds for one to arrive."""
         try:
             command = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._run(engine, command)
+            self._run(command)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _run(self, engine: LLMEngine, command: _Add | _Abort | _Stop) -> None:
-        if isinstance(command, _Add):
-            self._add(engine, command)
+    def _run(self, command: _Add | _Abort | _Stop | _Wake | _Rebuild) -> None:
+        if isinstance(command, _Rebuild):
+            self._rebuild(command)
+        elif isinstance(command, _Add):
+            self._add(self._engine, command)
         elif isinstance(command, _Abort):
             # Also for a request that has ended here: a prefill leg's KV may still be held for a pull.
             self._sinks.pop(command.request_id, None)
-            engine.abort_request(command.request_id)
+            self._engine.abort_request(command.request_id)
         elif isinstance(command, _Stop):
             self._stopping.set()
+
+    def _rebuild(self, command: _Rebuild) -> None:
+        old = self._engine
+        if old.has_unfinished_requests() or self._sinks or self._stopping.is_set():
+            _deliver(command.loop, _settle_int, command.built, WorkerError("the engine is busy or stopping"))
+            return
+        old.close()
+        self.rebuild_error = None
+        for index, factory in enumerate(command.factories):
+            try:
+                engine = factory()
+            except Exception as exc:  # noqa: BLE001 - try the next one (the role it had)
+                logger.exception("building an engine failed")
+                self.rebuild_error = self.rebuild_error or str(exc)
+                continue
+            engine.counters = old.counters   # running totals go on across roles
+            self._use(engine)
+            _deliver(command.loop, _settle_int, command.built, index)
+            return
+        self._stopping.set()   # the closed engine stays as `llm_engine` (its names, for the last answers)
+        _deliver(command.loop, _settle_int, command.built,
+                 WorkerError(f"no engine could be built: {self.rebuild_error}"))
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
         error: BaseException | None = None

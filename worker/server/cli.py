@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret
-from common.roles import DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
+from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, secret_id
+from common.listen import hypercorn_bind, listen_socket
+from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
+from worker.mock import flags as mock_flags
 from worker.multimodal import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
 
@@ -50,14 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
     server = parser.add_argument_group("server")
     server.add_argument("--role", choices=WORKER_ROLES, default="both",
-                        help="both: prefill and decode here; prefill/decode: one side of disaggregated serving; "
-                             "encode: loads image parts and keeps their embeddings for prefill workers to pull")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+                        help="both: prefill and decode here (default); prefill/decode: one side of disaggregated "
+                             "serving; encode: loads image parts and keeps their embeddings for prefill workers "
+                             "to pull")
+    server.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to listen on (default {DEFAULT_HOST}, this host only, as every server of the "
+                             "stack; 0.0.0.0 serves other hosts too)")
     server.add_argument("--advertise-host", default=None,
                         help="address others reach this worker at, registered in etcd and shown in GET /health "
                              "(default: --host; give one when --host is 0.0.0.0)")
-    server.add_argument("--port", type=_port, default=8100, help="HTTP port (default 8100)")
-    server.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads")
+    server.add_argument("--port", type=_port, default=None,
+                        help="HTTP port (default by role: " + ", ".join(f"{port} for {role}" for role, port in
+                                                                         DEFAULT_HTTP_PORTS.items()) + ")")
+    server.add_argument("--threads", type=_positive, default=None,
+                        help="torch intra-op threads (default: torch's own, one per core)")
     server.add_argument("--drain-timeout", "--shutdown-grace", dest="drain_timeout", type=float,
                         default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds a drain (SIGTERM or POST /drain) may take: the worker leaves etcd, refuses "
@@ -116,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--etcd", default=None, help="host:port of etcd to register this worker in (optional)")
     kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
     embeds_flags.add_arguments(parser)
+    mock_flags.add_arguments(parser)
     return parser
 
 
@@ -134,6 +143,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
     embeds_flags.check(parser, args)
+    if args.port is None:
+        args.port = DEFAULT_HTTP_PORTS[args.role]
+    args.cost_model = mock_flags.cost_model(parser, args)
     try:
         args.kv_secret = resolve_secret(args.kv_secret_file)
     except KVSecretError as exc:
@@ -166,25 +178,35 @@ def hypercorn_config(host: str, port: int) -> HypercornConfig:
     return config
 
 
-async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> bool:
     """Serves until a drain (SIGTERM, SIGINT or POST /drain, see worker/server/drain.py) is over; then
-    hypercorn stops and the engine thread is joined."""
+    hypercorn stops and the engine thread is joined. True if a second signal cut the drain short.
+
+    The HTTP port is bound first and the engine started before hypercorn runs, so a port in use or
+    a failed start (model, KV port) ends the worker with one line saying why."""
+    listener = listen_socket(args.host, args.port)
+    server = hypercorn_config(args.host, args.port)
+    server.bind = [hypercorn_bind(listener)]
     if args.role == ENCODE_ROLE:
         from worker.encode.serve import run_encode_server
-        return await run_encode_server(args, engine_config, hypercorn_config(args.host, args.port),
-                                       media_policy(args))
+        await run_encode_server(args, engine_config, server, media_policy(args))
+        return False
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
+    from worker.server.registrar import Registrar
 
     app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
                      drain_timeout=args.drain_timeout, media_policy=media_policy(args),
-                     embeds_region=embeds_region(args) if args.role == "prefill" else None)
-    drain = app.extensions["neuron_di_worker"].drain
+                     embeds_region=embeds_region(args) if args.role == "prefill" else None,
+                     registrar=Registrar(lambda engine: worker_record(args, engine), args.etcd, args.etcd_ttl),
+                     make_engine=lambda role, model: engine_factory(args, engine_config, role, model))
+    worker = app.extensions["neuron_di_worker"]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, drain.start)
-    _publish_record(app, args, engine_config)
+        loop.add_signal_handler(sig, worker.drain.signal)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
-    await serve(app, hypercorn_config(args.host, args.port), shutdown_trigger=drain.done.wait)
+    await worker.startup()
+    await serve(app, server, shutdown_trigger=worker.drain.done.wait)
+    return worker.drain.forced
 
 
 def media_policy(args: argparse.Namespace) -> MediaPolicy:
@@ -203,20 +225,29 @@ def embeds_region(args: argparse.Namespace) -> Callable[[int, Any], Any]:
     return make
 
 
-def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Any]:
-    """Builds the engine (with its KV connector for roles prefill and decode) on the engine thread."""
+def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: str | None = None,
+                   model: Any = None) -> Callable[[], Any]:
+    """Builds the engine (with its KV connector for roles prefill and decode) on the engine thread: of `role`
+    (default: the command line's) on `model` (default: loaded from the command line's, or the simulated one)."""
+    from dataclasses import replace
+
     from worker.engine.llm_engine import LLMEngine
     from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
     def build() -> LLMEngine:
-        if engine_config.role == "both":
-            return LLMEngine(engine_config)
+        config = engine_config if role is None else replace(engine_config, role=role)
+        loaded = model
+        if loaded is None and args.cost_model is not None:
+            from worker.mock.model import MockModel
+            loaded = MockModel.load(config.model, args.cost_model)
+        if config.role == "both":
+            return LLMEngine(config, model=loaded)
         connector = KVConnector(KVConnectorConfig(
-            role=engine_config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
+            role=config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
             engine_id=args.engine_id, abort_timeout=args.kv_abort_timeout,
             pull_timeout=args.kv_pull_timeout, secret=args.kv_secret, integrity_check=args.kv_integrity_check))
         try:
-            return LLMEngine(engine_config, kv_connector=connector)
+            return LLMEngine(config, kv_connector=connector, model=loaded)
         except BaseException:
             connector.close()
             raise
@@ -229,34 +260,17 @@ def default_engine_id(port: int) -> str:
     return f"{socket.gethostname()}:{port}:{secrets.token_hex(4)}"
 
 
-def _publish_record(app: Any, args: argparse.Namespace, engine_config: EngineConfig) -> None:
-    """Once the engine runs (a prefill's kv port is known only then), puts this worker's record in its
-    GET /health answer and, with --etcd, registers it in etcd (revoked when a drain starts, or at exit)."""
-    from neuron_connector import Registration, WorkerRecord
+def worker_record(args: argparse.Namespace, engine: Any) -> Any:
+    """The record of this worker running `engine`: its GET /health answer shows it, and with --etcd it is
+    registered in etcd (revoked when a drain or a change of role starts, or at exit)."""
+    from common.worker_record import WorkerRecord
 
-    worker = app.extensions["neuron_di_worker"]
-    holder: list[Registration] = []
-
-    async def publish() -> None:
-        engine = worker.async_engine.llm_engine
-        kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
-        worker.record = WorkerRecord(role=engine_config.role, host=args.advertise_host or args.host,
-                                     http_port=args.port, kv_host=args.kv_host, kv_port=kv_port,
-                                     engine_id=args.engine_id, transfer={"backend": args.kv_transport},
-                                     model=engine.model_name)
-        if args.etcd is None:
-            return
-        registration = Registration(args.etcd, worker.record, ttl=args.etcd_ttl)
-        await asyncio.get_running_loop().run_in_executor(None, registration.start)
-        holder.append(registration)
-        worker.drain.leave = registration.stop  # a drain leaves etcd first
-
-    async def unregister() -> None:
-        for registration in holder:
-            await asyncio.get_running_loop().run_in_executor(None, registration.stop)
-
-    app.before_serving(publish)
-    app.after_serving(unregister)
+    kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
+    return WorkerRecord(role=engine.config.role, host=args.advertise_host or args.host, http_port=args.port,
+                        kv_host=args.kv_host, kv_port=kv_port, engine_id=args.engine_id,
+                        transfer={"backend": args.kv_transport}, model=engine.model_name,
+                        kv_secret_id=secret_id(args.kv_secret) if engine.kv_connector is not None else "",
+                        dtype=engine.config.dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -267,11 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        asyncio.run(run_server(args, engine_config))
+        forced = asyncio.run(run_server(args, engine_config))
     except Exception as exc:  # startup failures (bad model path, port in use) end with a message, not a trace
         logger.error("worker failed: %s", exc)
         return 1
-    return 0
+    return 1 if forced else 0
 
 
 if __name__ == "__main__":

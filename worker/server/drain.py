@@ -3,8 +3,9 @@
 It leaves the registry at once (the proxy stops picking it), refuses new requests with a
 DrainingError (503, which the proxy retries elsewhere), and waits until the engine holds nothing:
 no request running or queued, and on a prefill worker no KV block set still waiting for its decode
-peer's pull (those end pulled or at --kv-abort-timeout). Past the drain timeout the engine stops,
-and what it still held ends with an error. Either way `done` is then set and the server stops.
+peer's pull (those end pulled or at --kv-abort-timeout), saying every few seconds what it still
+waits for. Past the drain timeout, or at a second SIGTERM/SIGINT, the engine stops and what it
+still held ends with an error. Either way `done` is then set and the server stops.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # the command line reads DEFAULT_TIMEOUT_S before torch is im
 logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 POLL_S = 0.05
+PROGRESS_S = 5.0  # how often a drain logs what it still waits for (first at once)
 
 
 class Drain:
@@ -32,6 +34,8 @@ class Drain:
         self.timeout = timeout
         self.leave: Callable[[], None] | None = None  # blocking; revokes the etcd lease (cli.py sets it)
         self.started = False
+        self.forced = False  # a second signal stopped the drain before it was over
+        self.refusing: str | None = None  # why new requests are refused while the worker stays up (a role change)
         self.done = asyncio.Event()
         self._admitting = 0  # requests between the draining check and their admission by the engine
         self._task: asyncio.Task[None] | None = None
@@ -41,15 +45,26 @@ class Drain:
             return
         self.started = True
         logger.info("draining: leaving the registry, taking no new request, finishing what runs "
-                    "(at most %g s)", self.timeout)
+                    "(at most %g s; SIGINT or SIGTERM again stops at once)", self.timeout)
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def signal(self) -> None:
+        """SIGTERM or SIGINT: the first starts the drain, the next one stops the worker now."""
+        if not self.started:
+            self.start()
+        elif not self.done.is_set():
+            logger.warning("stopping now, before the drain is over; what it still waited for ends with an error: %s",
+                           self._waiting_for())
+            self.forced = True
+            self.engine.close_soon()
+            self.done.set()
 
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
         """Wraps a new request until the engine admitted it; DrainingError once the drain started."""
-        if self.started:
-            raise DrainingError("this worker is draining and takes no new requests; send the request to "
-                                "another worker")
+        if self.started or self.refusing:
+            why = "is draining and takes no new requests" if self.started else f"takes no new requests: {self.refusing}"
+            raise DrainingError(f"this worker {why}; send the request to another worker")
         self._admitting += 1
         try:
             yield
@@ -62,17 +77,43 @@ class Drain:
         return self._admitting == 0 and (
             stats is None or stats.num_running + stats.num_waiting + stats.num_transferring == 0)
 
+    async def wait_idle(self, timeout: float, report: bool = False) -> bool:
+        """Waits until idle(), the engine stops, a second signal ends the drain or `timeout` seconds pass;
+        whether it is idle. With `report`, logs what it still waits for at once and every PROGRESS_S."""
+        deadline = time.monotonic() + timeout
+        next_report = time.monotonic()
+        while (not self.idle() and self.engine.is_alive() and not self.done.is_set()
+               and time.monotonic() < deadline):
+            if report and time.monotonic() >= next_report:
+                next_report += PROGRESS_S
+                logger.info("draining: waiting for %s (%.0f s left)", self._waiting_for(), deadline - time.monotonic())
+            await asyncio.sleep(POLL_S)
+        return self.idle()
+
     async def _run(self) -> None:
         try:
             if self.leave is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.leave)
-            deadline = time.monotonic() + self.timeout
-            while not self.idle() and self.engine.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_S)
-            if not self.idle():
+            if not await self.wait_idle(self.timeout, report=True):
+                if self.done.is_set():
+                    return  # stopped by a second signal
                 logger.warning("drain timeout (%g s) reached: ending the requests still in flight", self.timeout)
                 self.engine.close_soon()
             else:
                 logger.info("drained: nothing left in flight")
         finally:
             self.done.set()
+
+    def _waiting_for(self) -> str:
+        """What the drain still waits for, in words."""
+        stats, engine = self.engine.stats, self.engine.llm_engine
+        if stats is None or engine is None:
+            return "the engine to start"
+        held = (f"the KV of {stats.num_transferring} request(s) its decode peers have not pulled yet (freed once "
+                "pulled, or at --kv-abort-timeout)" if engine.config.role == "prefill"
+                else f"{stats.num_transferring} KV pull(s)")
+        parts = [text for count, text in ((stats.num_running, f"{stats.num_running} running request(s)"),
+                                          (stats.num_waiting, f"{stats.num_waiting} queued request(s)"),
+                                          (stats.num_transferring, held),
+                                          (self._admitting, f"{self._admitting} request(s) being admitted")) if count]
+        return ", ".join(parts) or "nothing"

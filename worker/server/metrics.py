@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import time
 
+from typing import Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from worker.engine.llm_engine import EngineStats
+from worker.engine.step_counters import StepCounters
 
 # Latency buckets from 1 ms to ~1 min: a CPU engine's first token can take seconds under load.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -65,11 +70,14 @@ class ServerMetrics:
         self.requests = Counter("neuron_di_requests", "Requests answered, by finish reason or error status.",
                                 [*labels, "outcome"], registry=self.registry)
         self.model_name = model_name
+        self.steps = _StepCollector(model_name)
+        self.registry.register(self.steps)
         for counter in (self.prompt_tokens, self.generation_tokens, self.integrity_checks, self.integrity_failures,
                         self.pulls, self.blocks_pulled, self.bytes_pulled, self.blocks_skipped, self.bytes_skipped):
             counter.labels(model_name)    # shown as 0 before the first request or pull
 
     def observe_stats(self, stats: EngineStats) -> None:
+        self.steps.counters = stats.counters
         self.running.labels(self.model_name).set(stats.num_running)
         self.waiting.labels(self.model_name).set(stats.num_waiting)
         self.transferring.labels(self.model_name).set(stats.num_transferring)
@@ -131,3 +139,30 @@ class RequestTimer:
         for _ in range(count):
             self._metrics.itl.labels(model).observe((now - self._last) / count)
         self._last = now
+
+
+# name, help, StepCounters field: what a planner reads to size prefill and decode fleets
+_STEP_SERIES = (
+    ("neuron_di_engine_busy_seconds", "Seconds the engine spent computing steps.", "busy_seconds"),
+    ("neuron_di_prefill_steps", "Steps that only prefilled.", "prefill_steps"),
+    ("neuron_di_prefill_step_seconds", "Seconds spent in steps that only prefilled.", "prefill_seconds"),
+    ("neuron_di_prefill_step_tokens", "Prompt tokens computed by steps that only prefilled.", "prefill_tokens"),
+    ("neuron_di_decode_steps", "Steps that only decoded.", "decode_steps"),
+    ("neuron_di_decode_step_seconds", "Seconds spent in steps that only decoded.", "decode_seconds"),
+    ("neuron_di_decode_step_seqs", "Sequences decoded by steps that only decoded (their batch sizes, summed).",
+     "decode_seqs"),
+)
+
+
+class _StepCollector(Collector):
+    """The engine's step counters as Prometheus counters (running totals kept by the engine thread)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.counters = StepCounters()
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, attr in _STEP_SERIES:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(getattr(self.counters, attr)))
+            yield family

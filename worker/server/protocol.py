@@ -153,13 +153,17 @@ def check_text_fits(request: GenerateRequest, num_chars: int, min_tokens: int, m
 def build_params(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
     """SamplingParams for a tokenized prompt; the prompt plus its output must fit the model's context."""
     room = max_model_len - num_prompt_tokens
+    param = "messages" if request.kind == "chat" else "prompt"
     wanted_tokens = 1 if request.hide_output else request.max_tokens
-    if room <= 0 or (wanted_tokens is not None and wanted_tokens > room):
-        wanted = num_prompt_tokens + (wanted_tokens or 1)
+    if room <= 0:  # whatever max_tokens says: a disaggregated prefill leg asks for 1 token, the client more
+        raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, the prompt has "
+                      f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the "
+                      "prompt.", param)
+    if wanted_tokens is not None and wanted_tokens > room:
+        wanted = num_prompt_tokens + wanted_tokens
         raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                      f"{wanted} tokens ({num_prompt_tokens} in the prompt, {wanted - num_prompt_tokens} in "
-                      f"the completion). Please reduce the prompt or max_tokens.",
-                      "messages" if request.kind == "chat" else "prompt")
+                      f"{wanted} tokens ({num_prompt_tokens} in the prompt, {wanted_tokens} in the "
+                      "completion). Please reduce the prompt or max_tokens.", param)
     # vLLM's defaults: completions produce 16 tokens, chat may fill the context.
     default = 16 if request.kind == "completion" else room
     max_tokens = wanted_tokens if wanted_tokens is not None else min(default, room)
@@ -236,10 +240,11 @@ def _check_text(text: str, param: str) -> str:
     return text
 
 
-def models_body(model_name: str, max_model_len: int, created: int) -> dict[str, Any]:
+def models_body(model_name: str, max_model_len: int, created: int, dtype: str, hidden_size: int) -> dict[str, Any]:
+    """The served model; `dtype` and `hidden_size` are what image embeddings sent to it must be (rows of)."""
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                         "owned_by": "neuron-di", "root": model_name,
-                                        "max_model_len": max_model_len}]}
+                                        "max_model_len": max_model_len, "dtype": dtype, "hidden_size": hidden_size}]}
 
 
 # ---- errors: the one place where worker errors become HTTP statuses ---------------------------

@@ -1,0 +1,182 @@
+"""The decision: figures in, target counts of prefill and decode workers out. Pure: no I/O, no clock.
+
+Each role's load is how many workers' worth of capacity its demand needs (prefill: prompt tokens per
+second over the measured prefill speed; decode: tokens per second over what one worker yields at the
+ITL target). Boring on purpose:
+- up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
+  to `utilization_target`; never on fewer than `min_samples` requests;
+- down only after `scale_down_after` intervals in a row under `utilization_down`, to `utilization_target`,
+  so the band between the two thresholds absorbs noise and a steady load never flips a count back; the
+  fleet shrinks only once every role is under it (till then a role's spare workers wait for the other);
+- no step down within `cooldown_s` of the last change, nothing without figures;
+- each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
+  and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
+  has moved by more than HOLD_SPLIT workers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.config import PlannerConfig
+from planner.figures import Counts, Figures, RoleFigures
+
+ROLES = ("prefill", "decode")
+HOLD_SPLIT = 1.5   # workers: a split at the budget follows the loads' proportion only past this distance
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerState:
+    """What the decision remembers between intervals."""
+
+    last_change_at: float | None = None
+    low_streak: tuple[int, int] = (0, 0)   # prefill, decode: intervals in a row under utilization_down
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    target: Counts
+    changed: bool
+    reason: str
+    loads: dict[str, float] = field(default_factory=dict)
+
+
+def decide(figures: Figures | None, current: Counts, state: PlannerState, config: PlannerConfig,
+           now: float, missing: str = "no figures", fixed_fleet: bool = False) -> tuple[Decision, PlannerState]:
+    """The target counts for `current` given the interval's `figures` (None: hold, because `missing`).
+    A `fixed_fleet` (workers flip, none start or stop) keeps its total: only the split moves."""
+    if figures is None:
+        return Decision(current, False, f"hold: {missing}"), state
+    loads = {role: load(role, figures, config) for role in ROLES}
+    cooling = state.last_change_at is not None and now - state.last_change_at < config.cooldown_s
+    wanted: dict[str, int] = {}
+    streaks: list[int] = []
+    reasons: list[str] = []
+    for i, role in enumerate(ROLES):
+        count, streak, why = _role_target(role, loads[role], _pressure(role, figures, config), current.of(role),
+                                          state.low_streak[i], figures.samples >= config.min_samples, config)
+        wanted[role], reasons = count, reasons + [f"{role} {why}"]
+        streaks.append(streak)
+    # What each role needs: a growing role what it asked for (an SLO miss may ask one more than its load).
+    needs = {role: max(_need(role, loads[role], config), wanted[role] if wanted[role] > current.of(role) else 0)
+             for role in ROLES}
+    target = _within_budget(wanted, needs, loads, current, config)
+    busy = any(loads[role] / max(current.of(role), 1) >= config.utilization_down for role in ROLES)
+    if fixed_fleet or (busy and target.total < current.total):   # spare workers stay while any role is busy
+        target = _same_total(target, loads, current, config)
+    if cooling and (target.prefill < current.prefill or target.decode < current.decode):
+        left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
+        return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), state
+    changed = target != current
+    new_state = PlannerState(now if changed else state.last_change_at, (0, 0) if changed else tuple(streaks))
+    verb = f"{current} -> {target}" if changed else f"hold {current}"
+    return Decision(target, changed, f"{verb}: {'; '.join(reasons)}", loads), new_state
+
+
+def load(role: str, figures: Figures, config: PlannerConfig) -> float:
+    """Workers' worth of `role` the interval's demand needs, each at 100% utilization."""
+    own = figures.role(role)
+    if role == "prefill":
+        speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
+        return own.prompt_tokens_per_s / speed
+    batch, tokens_per_s = decode_capacity(own, config)
+    # Tokens produced lag behind a growing demand; the streams in flight show it at once.
+    return max(own.generated_tokens_per_s / tokens_per_s, (own.running + own.waiting) / batch)
+
+
+def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> tuple[float, float]:
+    """(Batch, tokens per second) of one decode worker with its token gap at the ITL target: the step
+    time's slope from the profile; its intercept the profile's, or the one measured where the workers
+    decoded if that is longer (the profile's may include what a step alone does not: the time between
+    steps, the proxy)."""
+    slope, base = config.decode_per_seq_s, config.decode_base_s
+    if figures.decode_step_s is not None and figures.decode_batch:
+        base = max(figures.decode_step_s - slope * figures.decode_batch, base)
+    batch = config.max_batch if slope <= 0 else (config.itl_target_s - base) / slope
+    batch = min(max(batch, 1.0), float(config.max_batch))
+    return batch, batch / (base + slope * batch)
+
+
+def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:
+    """Why `role` misses its SLO now (its percentile over the target, a full KV pool, a long queue), or None."""
+    if role == "prefill":
+        if figures.ttft_s is not None and figures.ttft_s > config.ttft_target_s:
+            return f"TTFT p{config.percentile * 100:g} {figures.ttft_s:.2f} s > {config.ttft_target_s:g} s"
+        if figures.queue_wait_s is not None and figures.queue_wait_s > config.ttft_target_s:
+            return f"prefill queue wait {figures.queue_wait_s:.2f} s > {config.ttft_target_s:g} s"
+        return None
+    if figures.itl_s is not None and figures.itl_s > config.itl_target_s:
+        return f"ITL p{config.percentile * 100:g} {figures.itl_s * 1000:.0f} ms > {config.itl_target_s * 1000:g} ms"
+    if figures.decode.kv_used_fraction > config.kv_high:
+        return f"KV {figures.decode.kv_used_fraction:.0%} used"
+    return None
+
+
+def _role_target(role: str, role_load: float, pressure: str | None, count: int, streak: int, enough: bool,
+                 config: PlannerConfig) -> tuple[int, int, str]:
+    """(workers wanted, intervals under utilization_down so far, why) for one role."""
+    low, high = config.bounds(role)
+    to_target = _need(role, role_load, config)
+    utilization = role_load / count if count else math.inf
+    described = f"load {role_load:.2f} ({utilization:.0%} of {count})"
+    if count < low:
+        return to_target, 0, f"{described}: below its minimum"
+    # A miss the load explains: one more worker would not bring it under utilization_down.
+    explained = pressure is not None and role_load / (count + 1) >= config.utilization_down
+    if utilization > config.utilization_up or explained:
+        if not enough:
+            return count, 0, f"{described}: too few samples to scale up"
+        # A miss the load explains grows the role by half (at least one), as far as the load keeps the new
+        # workers over utilization_down: a steady load never takes them back.
+        jump = max(count + 1, min(math.ceil(count * 1.5), math.floor(role_load / config.utilization_down)))
+        wanted = min(max(to_target, jump if explained else to_target), high)
+        return wanted, 0, f"{described}{f', {pressure}' if explained else ''}: up"
+    if utilization < config.utilization_down and to_target < count and pressure is None:
+        if streak + 1 >= config.scale_down_after:
+            return to_target, 0, f"{described}: down"
+        return count, streak + 1, f"{described}: low for {streak + 1} of {config.scale_down_after} intervals"
+    return count, 0, f"{described}{f', {pressure} (not explained by load)' if pressure else ''}: steady"
+
+
+def _need(role: str, role_load: float, config: PlannerConfig) -> int:
+    """Workers that run `role_load` at utilization_target, within the role's bounds."""
+    low, high = config.bounds(role)
+    return min(max(math.ceil(role_load / config.utilization_target), low), high)
+
+
+def _within_budget(wanted: dict[str, int], needs: dict[str, int], loads: dict[str, float], current: Counts,
+                   config: PlannerConfig) -> Counts:
+    """`wanted`; or when it exceeds the budget, the needs if they fit, else a split of the budget in
+    proportion to the loads (held where it is when that is at the budget and near the proportion)."""
+    target = Counts(wanted["prefill"], wanted["decode"])
+    if target.total <= config.budget:
+        return target
+    if needs["prefill"] + needs["decode"] <= config.budget:   # the growing role takes the other's spare workers
+        return Counts(needs["prefill"], needs["decode"])
+    return _split(config.budget, loads, current, config)
+
+
+def _split(total: int, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
+    """`total` workers in proportion to the loads, each role within its bounds; `current` if it has that
+    total and is within HOLD_SPLIT of the proportion."""
+    (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
+    ideal = total * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
+    ideal = min(max(ideal, low_p, total - high_d), high_p, total - low_d)
+    if current.total == total and abs(ideal - current.prefill) <= HOLD_SPLIT:
+        return current
+    prefill = round(ideal)
+    return Counts(prefill, total - prefill)
+
+
+def _same_total(target: Counts, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
+    """`target` with `current`'s total: a role that grows takes workers from the other; the split of a
+    fleet too small for both needs follows the loads; spare workers stay where they are."""
+    grows = [role for role in ROLES if target.of(role) > current.of(role)]
+    if target.total > current.total or len(grows) == 2:
+        return _split(current.total, loads, current, config)
+    if not grows:
+        return current
+    role = grows[0]
+    other_low = config.bounds("decode" if role == "prefill" else "prefill")[0]
+    count = min(target.of(role), current.total - other_low)
+    return Counts(count, current.total - count) if role == "prefill" else Counts(current.total - count, count)

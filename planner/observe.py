@@ -1,0 +1,126 @@
+"""Reads the live figures: the proxy's /metrics (TTFT, ITL, the prefill queue where one exists) and every
+serving worker's (load, KV use, measured speed), each against its previous read.
+
+No guesses: a page that cannot be read, a counter that went back (a restart) or a previous read older
+than `max_age_s` make the interval's figures None, with why. A worker read for the first time counts
+from its second read on.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+import httpx
+
+from planner.figures import Figures, RoleFigures
+from planner.fleet import Member
+from planner.scrape import Scrape, delta, parse, percentile
+
+TTFT = "proxy_time_to_first_token_seconds"
+ITL = "proxy_inter_token_latency_seconds"
+QUEUE_DEPTH = "neuron_di_prefill_queue_depth"          # exported by a proxy with a prefill queue
+QUEUE_WAIT = "neuron_di_prefill_queue_wait_seconds"
+
+
+class Observer:
+    """Keeps the reads of each page over the last `window_s` seconds; `figures()` gives what happened since
+    the oldest of them (at least the previous read), so that a short interval's noise is smoothed."""
+
+    def __init__(self, proxy_url: str, percentile_q: float, max_age_s: float, timeout_s: float = 5.0,
+                 transport: httpx.AsyncBaseTransport | None = None, window_s: float = 0.0) -> None:
+        self.proxy_url = proxy_url.rstrip("/")
+        self.q = percentile_q
+        self.max_age_s = max_age_s
+        self.window_s = window_s
+        self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+        self._history: list[dict[str, Scrape]] = []   # the reads within the window, oldest first
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def figures(self, members: Sequence[Member]) -> tuple[Figures | None, str]:
+        """The figures of the serving `members` since the last call, or (None, why not)."""
+        urls = [self.proxy_url] + [m.url for m in members]
+        reads = await asyncio.gather(*(self._read(url) for url in urls))
+        before = self._remember({url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)})
+        failed = [f"{url}: {read}" for url, read in zip(urls, reads) if isinstance(read, str)]
+        if failed:
+            return None, "metrics missing (" + "; ".join(failed) + ")"
+        now = dict(zip(urls, reads))
+        if self.proxy_url not in before:
+            return None, "first read of the proxy's metrics"
+        members = [m for m in members if m.url in before]   # one read first: a worker new to the fleet counts next time
+        urls = [self.proxy_url] + [m.url for m in members]
+        stale = [url for url in urls if now[url].at - before[url].at > self.max_age_s]   # type: ignore[union-attr]
+        if stale:
+            return None, f"previous read older than {self.max_age_s:g} s: {', '.join(stale)}"
+        proxy_now, proxy_before = now[self.proxy_url], before[self.proxy_url]
+        assert isinstance(proxy_now, Scrape)
+        window = proxy_now.at - proxy_before.at
+        roles = {}
+        for role in ("prefill", "decode"):
+            pairs = [(now[m.url], before[m.url]) for m in members if m.role == role]
+            figures = role_figures(pairs, window)   # type: ignore[arg-type]
+            if figures is None:
+                return None, f"a {role} worker's counters went back (it restarted)"
+            roles[role] = figures
+        ttft, samples = percentile(proxy_now, proxy_before, TTFT, self.q)
+        itl, _ = percentile(proxy_now, proxy_before, ITL, self.q)
+        depth = proxy_now.value(QUEUE_DEPTH)
+        wait, _ = percentile(proxy_now, proxy_before, QUEUE_WAIT, self.q)
+        return Figures(window, samples, ttft, itl, roles["prefill"], roles["decode"],
+                       None if depth is None else int(depth), wait), "ok"
+
+    def _remember(self, current: dict[str, Scrape]) -> dict[str, Scrape]:
+        """Each page's oldest read within the window (at least its previous one); keeps `current` for later."""
+        history, at = self._history, time.monotonic()
+        kept = [read for read in history[:-1] if read and at - min(s.at for s in read.values()) <= self.window_s]
+        kept += history[-1:]
+        before: dict[str, Scrape] = {}
+        for read in reversed(kept):   # newest first: an older read of the same page overrides
+            before.update(read)
+        self._history = kept + [current]
+        return before
+
+    async def _read(self, url: str) -> Scrape | str:
+        """The page's Scrape, or what went wrong."""
+        try:
+            reply = await self._client.get(f"{url}/metrics")
+            if reply.status_code != 200:
+                return f"HTTP {reply.status_code}"
+            return parse(reply.text, time.monotonic())
+        except (httpx.HTTPError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+
+def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleFigures | None:
+    """One role's figures from each worker's (now, before) reads; None if a counter went back."""
+    sums: dict[str, float] = {}
+    for name in ("neuron_di_prompt_tokens_total", "neuron_di_generation_tokens_total",
+                 "neuron_di_engine_busy_seconds_total", "neuron_di_prefill_step_tokens_total",
+                 "neuron_di_prefill_step_seconds_total", "neuron_di_decode_steps_total",
+                 "neuron_di_decode_step_seconds_total", "neuron_di_decode_step_seqs_total"):
+        grown = [delta(now, before, name) for now, before in pairs]
+        if any(g is None for g in grown):
+            return None
+        sums[name] = sum(g for g in grown if g is not None)
+    gauge = {name: [now.value(name) or 0.0 for now, _ in pairs]
+             for name in ("neuron_di_requests_running", "neuron_di_requests_waiting",
+                          "neuron_di_kv_blocks_used", "neuron_di_kv_blocks_total")}
+    kv = [used / total for used, total in zip(gauge["neuron_di_kv_blocks_used"], gauge["neuron_di_kv_blocks_total"])
+          if total > 0]
+    steps = sums["neuron_di_decode_steps_total"]
+    prefill_s = sums["neuron_di_prefill_step_seconds_total"]
+    workers = len(pairs)
+    return RoleFigures(
+        workers=workers,
+        prompt_tokens_per_s=sums["neuron_di_prompt_tokens_total"] / window,
+        generated_tokens_per_s=sums["neuron_di_generation_tokens_total"] / window,
+        busy_fraction=sums["neuron_di_engine_busy_seconds_total"] / window / workers if workers else 0.0,
+        running=sum(gauge["neuron_di_requests_running"]),
+        waiting=sum(gauge["neuron_di_requests_waiting"]),
+        kv_used_fraction=max(kv, default=0.0),
+        prefill_tokens_per_busy_s=sums["neuron_di_prefill_step_tokens_total"] / prefill_s if prefill_s > 0.05 else None,
+        decode_step_s=sums["neuron_di_decode_step_seconds_total"] / steps if steps else None,
+        decode_batch=sums["neuron_di_decode_step_seqs_total"] / steps if steps else None)

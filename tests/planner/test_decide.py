@@ -1,0 +1,143 @@
+"""The decision, pure: property tests over a fleet model whose latency follows its utilization."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.config import PlannerConfig
+from planner.decide import PlannerState, decide, decode_capacity
+from planner.errors import ConfigError
+from planner.figures import Counts, Figures, RoleFigures
+
+CONFIG = PlannerConfig(ttft_target_s=2.0, itl_target_s=0.1, budget=12, cooldown_s=20, interval_s=5,
+                       min_samples=10, scale_down_after=3)
+
+
+def figures(loads: tuple[float, float], counts: Counts, config: PlannerConfig = CONFIG, samples: int = 100) -> Figures:
+    """What a fleet of `counts` reports under `loads` (workers' worth of prefill and decode): latencies miss
+    their targets when a role runs past 95% of its capacity."""
+    load_p, load_d = loads
+    busy_p, busy_d = load_p / max(counts.prefill, 1), load_d / max(counts.decode, 1)
+    _, capacity = decode_capacity(RoleFigures(0), config)
+    return Figures(
+        window_s=config.interval_s, samples=samples,
+        ttft_s=config.ttft_target_s * (2.0 if busy_p > 0.95 else 0.5),
+        itl_s=config.itl_target_s * (1.5 if busy_d > 0.95 else 0.6),   # the model's decode batch is not shown
+        prefill=RoleFigures(counts.prefill, prompt_tokens_per_s=load_p * config.prefill_tokens_per_s,
+                            busy_fraction=min(busy_p, 1.0), prefill_tokens_per_busy_s=config.prefill_tokens_per_s),
+        decode=RoleFigures(counts.decode, generated_tokens_per_s=load_d * capacity, busy_fraction=1.0))
+
+
+def run(loads: list[tuple[float, float]], start: Counts, config: PlannerConfig = CONFIG,
+        fixed: bool = False) -> list[Counts]:
+    """The fleet's counts after each interval, the decision applied at once."""
+    counts, state, history = start, PlannerState(), []
+    for i, interval_loads in enumerate(loads):
+        decision, state = decide(figures(interval_loads, counts, config), counts, state, config, i * config.interval_s,
+                                 fixed_fleet=fixed)
+        counts = decision.target
+        history.append(counts)
+    return history
+
+
+load = st.floats(min_value=0.0, max_value=15.0)
+counts = st.builds(Counts, st.integers(1, 11), st.integers(1, 11)).filter(lambda c: c.total <= 12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(load, load, counts, st.integers(2, 12), st.integers(0, 200))
+def test_never_exceeds_the_budget_or_the_bounds(load_p: float, load_d: float, start: Counts, budget: int,
+                                                samples: int) -> None:
+    config = replace(CONFIG, budget=budget, max_prefill=None, max_decode=None)
+    start = Counts(min(start.prefill, budget - 1), min(start.decode, budget - min(start.prefill, budget - 1)))
+    decision, _ = decide(figures((load_p, load_d), start, config, samples), start, PlannerState(), config, 0.0)
+    assert decision.target.total <= budget
+    assert decision.target.prefill >= 1 and decision.target.decode >= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(load, load, counts, st.floats(min_value=0.0, max_value=0.05))
+def test_never_flaps_under_steady_load(load_p: float, load_d: float, start: Counts, noise: float) -> None:
+    """A steady load (with a few percent of noise) never moves a count back: each role's count only goes one
+    way, in at most two steps (a role that grows first takes the other's spare workers, the rest of which go
+    once the whole fleet is quiet), and then stays."""
+    steady = [(load_p * (1 + noise * (-1) ** i), load_d * (1 - noise * (-1) ** i)) for i in range(60)]
+    history = [start] + run(steady, start)
+    for role in ("prefill", "decode"):
+        values = [c.of(role) for c in history]
+        moves = [b - a for a, b in zip(values, values[1:]) if a != b]
+        assert len(moves) <= 2 and (all(m > 0 for m in moves) or all(m < 0 for m in moves)), (role, values)
+    assert history[-10:] == [history[-1]] * 10
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(min_value=3.0, max_value=6.0), st.floats(min_value=3.0, max_value=6.0),
+       st.floats(min_value=0.05, max_value=0.3))
+def test_scales_down_when_load_drops(load_p: float, load_d: float, drop: float) -> None:
+    history = run([(load_p, load_d)] * 10 + [(load_p * drop, load_d * drop)] * 20, Counts(1, 1))
+    high, low = history[9], history[-1]
+    assert low.total < high.total
+    assert low.prefill >= 1 and low.decode >= 1
+
+
+def test_no_action_on_too_few_samples_or_without_figures() -> None:
+    start = Counts(1, 1)
+    decision, _ = decide(figures((5.0, 5.0), start, samples=3), start, PlannerState(), CONFIG, 0.0)
+    assert not decision.changed and "too few samples" in decision.reason
+    decision, _ = decide(None, start, PlannerState(), CONFIG, 0.0, "metrics missing (http://w: HTTP 500)")
+    assert not decision.changed and decision.reason == "hold: metrics missing (http://w: HTTP 500)"
+
+
+def test_cooldown_holds_steps_down_after_a_change_not_steps_up() -> None:
+    start = Counts(1, 1)
+    decision, state = decide(figures((3.0, 0.5), start), start, PlannerState(), CONFIG, 0.0)
+    assert decision.changed and decision.target.prefill == 5
+    down = replace(CONFIG, scale_down_after=1)
+    later, _ = decide(figures((0.2, 0.1), decision.target), decision.target, state, down, 10.0)
+    assert not later.changed and "cooling down" in later.reason
+    later, _ = decide(figures((5.0, 0.5), decision.target), decision.target, state, CONFIG, 10.0)
+    assert later.changed and later.target.prefill == 8
+
+
+def test_at_the_budget_the_split_follows_the_needs() -> None:
+    """Long prompts at 1P2D within a budget of 3: a decode worker becomes a prefill worker."""
+    config = replace(CONFIG, budget=3, min_samples=1)
+    start = Counts(1, 2)
+    decision, _ = decide(figures((1.0, 0.1), start, config), start, PlannerState(), config, 0.0)
+    assert decision.target == Counts(2, 1)
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(budget=1), "--budget"), (dict(ttft_target_s=0.0), "--ttft-target-ms"),
+    (dict(itl_target_s=float("nan")), "--itl-target-ms"), (dict(min_prefill=8, min_decode=8), "--budget 12"),
+    (dict(max_decode=20), "--max-decode"), (dict(itl_target_s=0.005), "--itl-target-ms")])
+def test_a_bad_target_or_budget_names_its_flag(change: dict, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        replace(CONFIG, **change)
+
+
+@settings(max_examples=200, deadline=None)
+@given(load, load, counts)
+def test_a_fixed_fleet_keeps_its_total(load_p: float, load_d: float, start: Counts) -> None:
+    """Role flips only: the split moves, the number of workers never does."""
+    history = run([(load_p, load_d)] * 30, start, fixed=True)
+    assert all(c.total == start.total and c.prefill >= 1 and c.decode >= 1 for c in history)
+
+
+def test_a_fixed_fleet_flips_a_decode_worker_to_prefill_when_prompts_grow() -> None:
+    config = replace(CONFIG, min_samples=1)
+    history = run([(0.2, 0.3)] * 10 + [(1.0, 0.1)] * 10, Counts(1, 2), config, fixed=True)
+    assert history[9] == Counts(1, 2) and history[-1] == Counts(2, 1)
+
+
+def test_spare_workers_wait_while_the_other_role_is_busy() -> None:
+    """A busy fleet keeps its size: the idle role's workers stay for the next shift; once both roles are
+    idle it shrinks."""
+    config = replace(CONFIG, scale_down_after=2)
+    busy = run([(0.2, 5.0)] * 12, Counts(6, 6), config)
+    assert busy[-1].total == 12
+    idle = run([(0.2, 0.3)] * 12, Counts(6, 6), config)
+    assert idle[-1] == Counts(1, 1)

@@ -1,0 +1,112 @@
+"""Reading the live figures: percentiles from histogram deltas, and no figures (with why) when a page is
+missing, a counter went back, or the previous read is stale. Pages come from httpx's MockTransport."""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import httpx
+import pytest
+
+from planner.fleet import Member
+from planner.observe import Observer
+from planner.scrape import parse, percentile
+
+PROXY = "http://proxy:8000"
+WORKERS = [Member("p:1", "prefill"), Member("d:1", "decode")]
+
+
+def histogram(name: str, counts: dict[str, int]) -> str:
+    lines = [f"# TYPE {name} histogram"]
+    lines += [f'{name}_bucket{{le="{le}"}} {n}' for le, n in counts.items()]
+    total = list(counts.values())[-1]
+    return "\n".join(lines + [f"{name}_count {total}", f"{name}_sum 0"]) + "\n"
+
+
+def proxy_page(first_tokens: int) -> str:
+    return (histogram("proxy_time_to_first_token_seconds", {"0.5": first_tokens // 2, "1.0": first_tokens,
+                                                            "+Inf": first_tokens})
+            + histogram("proxy_inter_token_latency_seconds", {"0.05": 10 * first_tokens, "+Inf": 10 * first_tokens}))
+
+
+def worker_page(prompt_tokens: float, busy: float) -> str:
+    counters = {"neuron_di_prompt_tokens": prompt_tokens, "neuron_di_generation_tokens": prompt_tokens / 10,
+                "neuron_di_engine_busy_seconds": busy, "neuron_di_prefill_step_tokens": prompt_tokens,
+                "neuron_di_prefill_step_seconds": busy, "neuron_di_decode_steps": 0,
+                "neuron_di_decode_step_seconds": 0, "neuron_di_decode_step_seqs": 0}
+    text = "".join(f"# TYPE {n} counter\n{n}_total{{model_name=\"m\"}} {v}\n" for n, v in counters.items())
+    return text + "# TYPE neuron_di_requests_running gauge\nneuron_di_requests_running{model_name=\"m\"} 2\n"
+
+
+def observer(pages: Callable[[str], tuple[int, str]], max_age_s: float = 60.0) -> Observer:
+    def handle(request: httpx.Request) -> httpx.Response:
+        status, text = pages(f"{request.url.scheme}://{request.url.host}:{request.url.port}")
+        return httpx.Response(status, text=text)
+    return Observer(PROXY, 0.9, max_age_s, transport=httpx.MockTransport(handle))
+
+
+def test_percentile_interpolates_within_the_bucket_of_the_delta() -> None:
+    before = parse(histogram("h", {"0.1": 0, "1.0": 0, "+Inf": 0}), 0.0)
+    now = parse(histogram("h", {"0.1": 50, "1.0": 100, "+Inf": 100}), 1.0)
+    value, count = percentile(now, before, "h", 0.9)
+    assert count == 100 and value == pytest.approx(0.1 + 0.9 * 0.8)
+
+
+def test_two_reads_give_each_roles_load_and_the_proxys_percentiles() -> None:
+    step = {"n": 0}
+
+    def pages(url: str) -> tuple[int, str]:
+        n = step["n"]
+        return 200, proxy_page(20 * n) if url == PROXY else worker_page(3000.0 * n, 2.0 * n)
+
+    obs = observer(pages)
+    first, why = asyncio.run(obs.figures(WORKERS))
+    assert first is None and why == "first read of the proxy's metrics"
+    step["n"] = 1
+    figures, why = asyncio.run(obs.figures(WORKERS))
+    assert why == "ok" and figures is not None
+    assert figures.samples == 20 and 0.5 < figures.ttft_s <= 1.0 and figures.itl_s <= 0.05
+    assert figures.prefill.prefill_tokens_per_busy_s == pytest.approx(1500.0)
+    assert figures.prefill.running == 2 and figures.queue_depth is None and figures.queue_wait_s is None
+
+
+@pytest.mark.parametrize("fault, why", [
+    ("missing", "metrics missing (http://d:1: HTTP 500)"),
+    ("reset", "a prefill worker's counters went back (it restarted)"),
+    ("stale", "previous read older than"),
+])
+def test_missing_reset_or_stale_metrics_give_no_figures(fault: str, why: str) -> None:
+    step = {"n": 1}
+
+    def pages(url: str) -> tuple[int, str]:
+        if url == PROXY:
+            return 200, proxy_page(10 * step["n"])
+        if fault == "missing" and url == "http://d:1" and step["n"] == 2:
+            return 500, "no"
+        tokens = 100.0 if fault == "reset" and url == "http://p:1" and step["n"] == 2 else 3000.0 * step["n"]
+        return 200, worker_page(tokens, 2.0 * step["n"])
+
+    obs = observer(pages, max_age_s=-1.0 if fault == "stale" else 60.0)
+    asyncio.run(obs.figures(WORKERS))
+    step["n"] = 2
+    figures, reason = asyncio.run(obs.figures(WORKERS))
+    assert figures is None and reason.startswith(why)
+
+
+@pytest.mark.parametrize("window_s, samples", [(0.0, 20), (60.0, 40)])
+def test_a_window_reads_back_past_the_previous_read(window_s: float, samples: int) -> None:
+    step = {"n": 0}
+
+    def pages(url: str) -> tuple[int, str]:
+        n = step["n"]
+        return 200, proxy_page(20 * n) if url == PROXY else worker_page(3000.0 * n, 2.0 * n)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        status, text = pages(f"{request.url.scheme}://{request.url.host}:{request.url.port}")
+        return httpx.Response(status, text=text)
+
+    obs = Observer(PROXY, 0.9, 120.0, transport=httpx.MockTransport(handle), window_s=window_s)
+    for n in range(3):
+        step["n"] = n
+        figures, _ = asyncio.run(obs.figures(WORKERS))
+    assert figures is not None and figures.samples == samples
