@@ -23,7 +23,8 @@ stalls per request at the rate whose mean running batch is closest to 8, the bat
 requests in flight over the engines decoding them (2 for the colocated systems, else 1).
 JSON (`--json`): `config` (every option and the command line), `slo`, `systems` (per system its
 `rates`, `goodput_rps`, `near_batch`, and `skipped` or `stopped_early` when so) and `ratios`
-(DI goodput over each other system's). Exit status: 0 at least one system measured, 1 none,
+(DI goodput over each other system's, and vLLM 1P1D with NeuronConnector's over two colocated vLLM
+servers'), and `loadavg` before and after the run. Exit status: 0 at least one system measured, 1 none,
 2 bad arguments.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -49,8 +51,10 @@ from stack.vllm import VllmOptions, start_colocated_pair, start_neuron_1p1d, sta
 
 SYSTEMS = ("di_1p1d", "colocated", "vllm_colocated", "vllm_nixl", "vllm_neuron")
 DECODE_ENGINES = {"di_1p1d": 1, "colocated": 2, "vllm_colocated": 2, "vllm_nixl": 1, "vllm_neuron": 1}
-RATIOS = {"di_over_vllm_colocated": "vllm_colocated", "di_over_vllm_nixl": "vllm_nixl",
-          "di_over_colocated": "colocated"}  # DI goodput over this system's
+# Goodput ratios: name -> (numerator system, denominator system).
+RATIOS = {"di_over_vllm_colocated": ("di_1p1d", "vllm_colocated"), "di_over_vllm_nixl": ("di_1p1d", "vllm_nixl"),
+          "di_over_colocated": ("di_1p1d", "colocated"),
+          "vllm_neuron_over_vllm_colocated": ("vllm_neuron", "vllm_colocated")}
 # Unset flags take these values; --quick picks the second.
 # A prompt of 256-1536 tokens is 0.15-0.9 s of prefill on one core (~1850 tok/s for this model), so one
 # prefill worker saturates below 2 req/s; measured here with the cores shared, DI and both colocated
@@ -193,9 +197,9 @@ def run_system(name: str, start: Callable[[], Stack], args: argparse.Namespace) 
 
 
 def report(args: argparse.Namespace, systems: dict[str, dict[str, Any]], argv: Sequence[str]) -> dict[str, Any]:
-    """The JSON document: `config`, `slo`, `systems`, `ratios` (DI goodput over each other system's)."""
-    di = systems.get("di_1p1d", {}).get("goodput_rps")
-    ratios = {name: ratio(di, systems.get(other, {}).get("goodput_rps")) for name, other in RATIOS.items()}
+    """The JSON document: `config`, `slo`, `systems`, `ratios` (goodput ratios, RATIOS)."""
+    ratios = {name: ratio(systems.get(top, {}).get("goodput_rps"), systems.get(bottom, {}).get("goodput_rps"))
+              for name, (top, bottom) in RATIOS.items()}
     config = {k: json_value(v) for k, v in vars(args).items() if k != "specs"}
     config["prompts_per_rate"] = [spec.num_prompts for spec in args.specs]
     config["command"] = shlex.join(["python", "-m", "benchmarks.bench_sweep", *argv])
@@ -221,12 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from worker.model.bench_model import create_bench_model  # torch: only once the command line is good
 
     args.model_dir = str(Path(args.model).resolve()) if args.model else str(create_bench_model())
+    before = os.getloadavg()
     try:
         systems = {name: run_system(name, start, args) for name, start in starters(args).items()
                    if name in args.systems}
     except KeyboardInterrupt:
         return interrupted("bench_sweep.py")
     out = report(args, systems, argv)
+    out["loadavg"] = {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in os.getloadavg()]}
     print_report(out)
     write_json(args.json, out)
     if args.json is not None:

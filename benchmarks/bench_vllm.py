@@ -49,7 +49,8 @@ DEFAULTS = {"input_len": (512, 128), "output_len": (128, 32), "num_prompts": (40
 RATIOS = {"neuron_over_nixl_rps": ("vllm_neuron", "vllm_nixl", "request_throughput"),
           "neuron_over_nixl_ttft_mean": ("vllm_neuron", "vllm_nixl", "ttft_mean_ms"),
           "neuron_over_colocated_rps": ("vllm_neuron", "vllm_colocated", "request_throughput"),
-          "neuron_over_colocated_itl_p99": ("vllm_neuron", "vllm_colocated", "itl_p99_ms")}
+          "neuron_over_colocated_itl_p99": ("vllm_neuron", "vllm_colocated", "itl_p99_ms"),
+          "neuron_over_colocated_ttft_mean": ("vllm_neuron", "vllm_colocated", "ttft_mean_ms")}
 IDLE_CPU = {"neuron_idle_cpu_cores": "vllm_neuron", "nixl_idle_cpu_cores": "vllm_nixl"}
 NO_NIXL = "nixl is not installed here (`import nixl` fails; pip install nixl)"
 SETTLE_S = 2.0  # after the stack is healthy, before the idle window: startup's tail is not idling
@@ -261,11 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     stop_on_sigterm()
+    before = os.getloadavg()
     try:
         systems = run(args)
     except KeyboardInterrupt:
         return interrupted("bench_vllm.py")
     out = report(args, systems, argv)
+    out["loadavg"] = {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in os.getloadavg()]}
     print(format_table(systems, out["ratios"]))
     for name, metrics in systems.items():
         if metrics.get("first_error"):

@@ -121,7 +121,7 @@ def format_sweep_summary(systems: Mapping[str, Mapping[str, Any]], ratios: Mappi
         note = f"skipped: {system['skipped']}" if system.get("skipped") else system.get("stopped_early") or ""
         lines.append(f"{name:<16}{'-' if goodput is None else f'{goodput:g}':>10}  {near_text:<34}{note}")
     for name, value in ratios.items():
-        lines.append(f"{name:<26}{'-' if value is None else f'{value:.2f}':>10}")
+        lines.append(f"{name:<34}{'-' if value is None else f'{value:.2f}':>10}")
     return "\n".join(lines)
 
 

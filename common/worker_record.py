@@ -12,6 +12,10 @@ from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
 # How the proxy drives a worker: "neuron" = our signal plane (both legs at once, decode pulls
 # the KV), "nixl" = vLLM's upstream NixlConnector handoff (prefill first, its answer to decode).
 KV_PROTOCOLS = ("neuron", "nixl")
+# Which server a worker is: our `python -m worker`, or `vllm serve` with NeuronConnector ("" unknown: a
+# static worker that shows no record, which is `vllm serve`). A vLLM decode worker samples the first
+# token again itself.
+OUR_SERVER, VLLM_SERVER = "neuron-di", "vllm"
 KEY_PREFIX = "/workers/"
 
 
@@ -38,6 +42,8 @@ class WorkerRecord:
     model: str = ""
     transfer: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     kv_protocol: str = "neuron"
+    status_port: int = 0     # where GET /timeline answers if not on the HTTP API (vLLM's); 0 = the HTTP API
+    server: str = ""         # OUR_SERVER, VLLM_SERVER or "" (unknown)
     kv_secret_id: str = ""
     dtype: str = ""
 
@@ -87,7 +93,8 @@ class WorkerRecord:
                        kv_host=obj.get("kv_host") or "", kv_port=int(obj.get("kv_port", DEFAULT_KV_PORT)),
                        engine_id=obj.get("engine_id") or "", model=str(obj.get("model") or ""),
                        transfer=dict(obj.get("transfer") or {}),
-                       kv_protocol=obj.get("kv_protocol", "neuron"), kv_secret_id=str(obj.get("kv_secret_id") or ""),
+                       kv_protocol=obj.get("kv_protocol", "neuron"), status_port=int(obj.get("status_port") or 0),
+                       server=str(obj.get("server") or ""), kv_secret_id=str(obj.get("kv_secret_id") or ""),
                        dtype=str(obj.get("dtype") or ""))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistrationError(f"malformed worker record {obj!r}: {exc}") from exc

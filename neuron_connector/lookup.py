@@ -49,7 +49,7 @@ Decision = Union[NotReady, Answer, Start, InProgress]
 @dataclass(slots=True)
 class _Entry:
     block_ids: tuple[int, ...]
-    output_token: int
+    output_token: int | None           # None: not known when published (a vLLM prefill worker's)
     published_at: float
     peer: bytes | None = None          # set once a transfer started
     dst: tuple[int, ...] = ()
@@ -73,7 +73,7 @@ class LookupTable:
     _tombstones: dict[str, _Tombstone] = field(default_factory=dict)
     _releases: list[str] = field(default_factory=list)
 
-    def publish(self, request_id: str, block_ids: list[int], output_token: int, now: float) -> bool:
+    def publish(self, request_id: str, block_ids: list[int], output_token: int | None, now: float) -> bool:
         """Holds the blocks for a lookup; False: released at once, its decode peer gave it up already."""
         if self.known(request_id):
             raise DuplicateRequest(f"request {request_id!r} was already published")
@@ -92,6 +92,10 @@ class LookupTable:
         """
         tomb = self._tombstones.get(request_id)
         return request_id in self._entries or (tomb is not None and not tomb.released)
+
+    def ready(self, request_id: str) -> bool:
+        """Whether a lookup of `request_id` gets a decision now (not NotReady)."""
+        return request_id in self._entries or request_id in self._tombstones
 
     def discard(self, request_id: str, now: float) -> None:
         """The engine aborted the request: release now, or once its running transfer ends."""

@@ -266,7 +266,8 @@ class LookupReply:
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id, "success": self.success}
         if self.success:
-            obj["output_token"] = self.output_token
+            if self.output_token is not None:     # None: the prefill worker does not know it (vLLM's)
+                obj["output_token"] = self.output_token
             obj["block_ids_in_peer_device"] = list(self.block_ids_in_peer_device)
             if self.checksum is not None:
                 obj["checksum"] = self.checksum
@@ -282,7 +283,7 @@ class LookupReply:
         checksum = _get(obj, "checksum", int, None)
         if checksum is not None and not 0 <= checksum < 2**32:
             raise ProtocolError(f"field 'checksum' must be a 32-bit unsigned integer, got {checksum}")
-        return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int),
+        return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int, None),
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum)
 
 

@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from common.timeline import LOOKUP_ANSWERED, PULL_STARTED, Timeline
 from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerLink
@@ -17,7 +18,8 @@ from transfer import KVLayout, TransferError
 
 log = logging.getLogger(__name__)
 
-_MAX_POLL_S = 0.05
+_MAX_POLL_S = 0.05     # while pulls or handshakes are under way
+_IDLE_POLL_S = 1.0     # with none (new work wakes the thread): an idle worker stays idle
 
 
 class RecvBuffer:
@@ -51,8 +53,10 @@ class RecvBuffer:
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str,
                  default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
                  max_backoff: float = 0.02, on_finished: Callable[[str], None] | None = None,
-                 secret: bytes | None = None, integrity_check: bool = False) -> None:
+                 secret: bytes | None = None, integrity_check: bool = False,
+                 timeline: Timeline | None = None) -> None:
         self._engine = transfer_engine
+        self.timeline = timeline if timeline is not None else Timeline("decode")
         self.layout = layout
         self.engine_id = engine_id
         self._secret = secret
@@ -111,6 +115,7 @@ class RecvBuffer:
         with self._lock:
             self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id,
                             skipped_blocks)
+        self.timeline.mark(request_id, PULL_STARTED)
         self._service.wake()
 
     def poll(self, request_id: str) -> PullStatus:
@@ -157,7 +162,8 @@ class RecvBuffer:
             self._sync_channels(poller)
             self._send_due()
             with self._lock:
-                timeout = min(_MAX_POLL_S, self._pulls.next_event(time.monotonic()))
+                busy = len(self._pulls) > 0 or any(not link.ready for link in self._links.values())
+                timeout = min(_MAX_POLL_S if busy else _IDLE_POLL_S, self._pulls.next_event(time.monotonic()))
             for item in poller.poll(timeout):
                 if item is self._service.waker:
                     self._service.waker.drain()
@@ -246,6 +252,8 @@ class RecvBuffer:
         if isinstance(reply, Probe):
             return None
         if isinstance(reply, LookupReply):
+            if reply.success:
+                self.timeline.mark(reply.request_id, LOOKUP_ANSWERED)
             self._pulls.on_reply(reply, now, local_checksum)
         elif isinstance(reply, ErrorReply) and reply.code == HANDSHAKE_REQUIRED:
             link.reset()

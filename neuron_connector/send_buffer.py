@@ -7,24 +7,25 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.kv_secret import verify
+from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
+from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
-    BAD_REQUEST, DECODE_PROOF, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
+    BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
     UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
     Probe, Release, decode_request, handshake_proof, request_fields)
-from neuron_connector.sessions import Session, SessionTable
+from neuron_connector.sessions import SessionTable, proof_refusal
 from transfer import CompletionToken, KVLayout, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
 
 log = logging.getLogger(__name__)
 
-# How often expiry runs when nothing happens. A push that ends wakes the thread through its
-# token's callback: polling running pushes would take the GIL from the engine thread
-# hundreds of times per push while a slow (tcp, loaded host) transfer runs.
-_IDLE_POLL_S = 0.05
+# How often expiry runs when nothing happens: while blocks are held, and while nothing is. A push
+# that ends wakes the thread through its token's callback: polling running pushes would take the
+# GIL from the engine thread hundreds of times per push while a slow (tcp, loaded host) transfer runs.
+_BUSY_POLL_S, _IDLE_POLL_S = 0.05, 1.0
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
 
 
@@ -74,7 +75,7 @@ class SendBuffer:
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
                  transfer_timeout: float = 30.0,
                  on_transfer: Callable[[float, int], None] | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, timeline: Timeline | None = None) -> None:
         self._engine = transfer_engine
         self.layout = layout
         self.engine_id = engine_id
@@ -87,12 +88,14 @@ class SendBuffer:
         self._secret = secret
         self._sessions = SessionTable()                          # only touched by the thread
         self._running: dict[str, _Push] = {}                     # request id -> its running push
+        self._parked: ParkedLookups[LookupAll] = ParkedLookups()  # lookups of requests not published yet
         self._service = ServiceThread()
         self._context = new_context()
         self._router: RouterChannel | None = None
         self._started_at = 0.0
         self.stats = SendStats()
         self.port = kv_port
+        self.timeline = timeline if timeline is not None else Timeline("prefill")
 
     def start(self) -> None:
         """Binds the ROUTER (PeerUnavailable if the port is taken) and starts serving."""
@@ -101,9 +104,10 @@ class SendBuffer:
         self.port = self._router.port
         self._service.start(self._serve, f"kv-send-{self.port}")
 
-    def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
+    def publish(self, request_id: str, block_ids: list[int], output_token: int | None) -> None:
         """Prefill finished: the blocks stay pinned until pulled, released by the decode peer
-        (at once if it did so before) or `abort_timeout` passes.
+        (at once if it did so before) or `abort_timeout` passes. `output_token`: the first token,
+        None when the engine does not know it yet (the decode peer then samples it itself).
 
         Raises DuplicateRequest for an id already published (the first entry stays),
         ConnectorError when the buffer is not serving, ValueError for bad block ids.
@@ -113,9 +117,9 @@ class SendBuffer:
         if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids {list(block_ids)} empty or out of range [0, {self.layout.num_blocks})")
         with self._lock:
-            held = self._table.publish(request_id, list(block_ids), int(output_token), time.monotonic())
-        if not held:
-            self._service.wake()  # its decode peer released it already: free the blocks now
+            self._table.publish(request_id, list(block_ids), output_token, time.monotonic())
+        self.timeline.mark(request_id, PUBLISHED)
+        self._service.wake()  # a held lookup of it is answered now (or, released already, its blocks freed)
 
     def knows(self, request_id: str) -> bool:
         """Whether `publish(request_id, ...)` would be refused as a duplicate."""
@@ -153,11 +157,16 @@ class SendBuffer:
         poller.register(self._router)
         poller.register(self._service.waker)
         while not self._service.stopping:
-            ready = poller.poll(_IDLE_POLL_S)
+            with self._lock:
+                due = self._parked.next_due(time.monotonic())
+                idle = not (self._table.pending() or self._running)
+            ready = poller.poll((_IDLE_POLL_S if idle else _BUSY_POLL_S) if due is None
+                                else max(0.0, min(_BUSY_POLL_S, due)))
             if self._service.waker in ready:
                 self._service.waker.drain()
             if self._router in ready:
                 self._drain_router()
+            self._answer_parked()
             self._check_transfers()
             with self._lock:
                 self._table.expire(time.monotonic())
@@ -214,7 +223,9 @@ class SendBuffer:
 
     def _handshake(self, identity: bytes, message: Handshake) -> HandshakeReply | ErrorReply:
         """Opens the connection's session, unless another live session holds the engine id."""
-        self._drop_gone_sessions(but=identity)
+        assert self._router is not None
+        probe = Probe().to_bytes()
+        self._sessions.drop_gone(lambda rid: self._router.send(rid, probe) is not Delivery.PEER_GONE, but=identity)
         refusal = self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)
         if refusal is not None:
             return refusal
@@ -234,23 +245,12 @@ class SendBuffer:
                           "decode worker holds it; give each decode worker a unique --engine-id",
                           ENGINE_ID_IN_USE, reply_to)
 
-    def _drop_gone_sessions(self, but: bytes) -> None:
-        """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
-        or vanished), so their engine ids are free again. With ROUTER_MANDATORY a send to such a
-        routing id fails at once, while a full queue means the peer is alive; handshakes are rare,
-        so probing every session then is cheap, and the table never outgrows the live sessions."""
-        assert self._router is not None
-        probe = Probe().to_bytes()
-        for identity in self._sessions.routing_ids():
-            if identity != but and self._router.send(identity, probe) is Delivery.PEER_GONE:
-                self._sessions.drop(identity)
-
     def _kv_map_init(self, identity: bytes, message: KVMapInit) -> KVMapReply | ErrorReply:
         session = self._sessions.get(identity)
         if session is None:
             return ErrorReply(f"connection {identity.hex()} sent kv_map_init before a handshake",
                               HANDSHAKE_REQUIRED, KVMapInit.TYPE)
-        refusal = self._check_proof(session, message.proof)
+        refusal = proof_refusal(self._secret, self.engine_id, session, message.proof)
         if refusal is not None:
             self.stats.unauthorized += 1
             log.warning("refused %s: %s", session.describe(), refusal)
@@ -272,22 +272,18 @@ class SendBuffer:
             self._secret, PREFILL_PROOF, session.server_nonce, session.client_nonce, session.engine_id)
         return KVMapReply(self.layout.to_dict(), proof)
 
-    def _check_proof(self, session: Session, proof: str | None) -> str | None:
-        """Why the session's proof of the KV secret is refused, or None when it is accepted."""
-        peer = f"decode engine {session.engine_id!r}"
-        if self._secret is None:
-            return None if proof is None else (
-                f"{peer} proves a KV secret, but prefill {self.engine_id} has none (give both --kv-secret-file)")
-        if proof is None:
-            return (f"{peer} sent no proof of the KV secret that prefill {self.engine_id} requires "
-                    "(give it --kv-secret-file)")
-        if not verify(self._secret, DECODE_PROOF, proof, session.server_nonce, session.client_nonce,
-                      session.engine_id):
-            return f"{peer} failed to prove the KV secret of prefill {self.engine_id} (another secret file?)"
-        return None
+    def _answer_parked(self) -> None:
+        """Held lookups whose request is published now are handled; those held long enough get "not ready"."""
+        with self._lock:
+            ready, expired = self._parked.take(self._table.ready, time.monotonic())
+        for parked in ready:
+            if (reply := self._lookup(parked.identity, parked.message)) is not None:
+                self._reply(parked.identity, reply.to_bytes())
+        for parked in expired:
+            self._reply(parked.identity, LookupReply(parked.message.request_id, False).to_bytes())
 
-    def _lookup(self, identity: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:
-        rid = message.request_id
+    def _lookup(self, routing_id: bytes, message: LookupAll) -> LookupReply | ErrorReply | None:
+        rid, identity = message.request_id, routing_id
         self.stats.lookups += 1
         session = self._sessions.established(identity)
         if session is None:
@@ -302,7 +298,9 @@ class SendBuffer:
             decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device, message.skipped_blocks)
         if isinstance(decision, NotReady):
             self.stats.not_ready += 1
-            return LookupReply(rid, False)
+            with self._lock:
+                self._parked.park(rid, routing_id, message, time.monotonic(), message.timeout_s)
+            return None
         if isinstance(decision, Answer):
             return decision.reply
         if isinstance(decision, InProgress):
@@ -333,11 +331,17 @@ class SendBuffer:
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
+        self.timeline.mark(rid, PUSH_STARTED)
         # The source blocks stay pinned: summing them while they are copied reads what is sent.
         self._running[rid] = _Push(token, started, len(start.src),
                                    self._checksum(rid, start) if checksum else None)
-        token.add_done_callback(lambda _: self._service.wake())
+        token.add_done_callback(lambda _: self._pushed(rid))
         return None
+
+    def _pushed(self, rid: str) -> None:
+        """A push ended (called on the transfer's thread): timed, and this thread woken to answer."""
+        self.timeline.mark(rid, PUSH_DONE)
+        self._service.wake()
 
     def _checksum(self, rid: str, start: Start) -> int | None:
         try:
@@ -357,6 +361,7 @@ class SendBuffer:
                 error = None
             except TransferError as exc:
                 error = f"transfer of {rid!r} failed: {exc}"
+                self.timeline.fail(rid, error)
             if error is None and self._on_transfer is not None:
                 try:
                     self._on_transfer(time.monotonic() - push.started, push.num_blocks)
@@ -386,6 +391,7 @@ class SendBuffer:
             released = self._table.take_releases()
         for rid in released:
             self.stats.released += 1
+            self.timeline.mark(rid, RELEASED)
             try:
                 self._on_release(rid)
             except Exception:  # noqa: BLE001 - an engine callback must not kill the signal plane

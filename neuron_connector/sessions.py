@@ -11,8 +11,10 @@ owner. The owner drops the sessions whose connection is gone, then asks `holder`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from common.kv_secret import new_nonce
+from common.kv_secret import new_nonce, verify
+from neuron_connector.protocol import DECODE_PROOF
 
 
 @dataclass
@@ -79,8 +81,30 @@ class SessionTable:
     def routing_ids(self) -> list[bytes]:
         return list(self._sessions)
 
+    def drop_gone(self, alive: Callable[[bytes], bool], but: bytes) -> None:
+        """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
+        or vanished), so their engine ids are free again; `alive(routing_id)` probes one (with
+        ROUTER_MANDATORY a send to a gone routing id fails at once, while a full queue means the peer
+        is alive; handshakes are rare, so probing every session then is cheap)."""
+        for routing_id in self.routing_ids():
+            if routing_id != but and not alive(routing_id):
+                self.drop(routing_id)
+
     def routing_id_of(self, engine_id: str) -> bytes | None:
         return self._bound.get(engine_id)
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+
+def proof_refusal(secret: bytes | None, engine_id: str, session: Session, proof: str | None) -> str | None:
+    """Why prefill `engine_id` refuses the session's proof of the KV secret, or None when it accepts it."""
+    peer = f"decode engine {session.engine_id!r}"
+    if secret is None:
+        return None if proof is None else (
+            f"{peer} proves a KV secret, but prefill {engine_id} has none (give both --kv-secret-file)")
+    if proof is None:
+        return f"{peer} sent no proof of the KV secret that prefill {engine_id} requires (give it --kv-secret-file)"
+    if not verify(secret, DECODE_PROOF, proof, session.server_nonce, session.client_nonce, session.engine_id):
+        return f"{peer} failed to prove the KV secret of prefill {engine_id} (another secret file?)"
+    return None

@@ -6,12 +6,13 @@ import contextlib
 import time
 from typing import Any, AsyncGenerator
 
-from quart import Quart, Response
+from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import error_body, json_bytes
 from common.request_body import request_body
 from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
+from common.timeline import PROXY, Timeline, parse_query
 from proxy.conditional_route import ConditionalRouter
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, HealthChecks
@@ -34,8 +35,9 @@ class ProxyState:
         self.pool = WorkerPool(config.workers, on_lost=self._worker_lost)
         self.metrics = Metrics()
         self.conditional = ConditionalRouter(config.conditional, self.metrics) if config.conditional else None
+        self.timeline = Timeline(PROXY, registry=self.metrics.registry)
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
-                                   self.conditional)
+                                   self.conditional, self.timeline)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}
@@ -111,6 +113,14 @@ def create_app(config: ProxyConfig) -> Quart:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), 200, content_type="text/plain; version=0.0.4")
+
+    @app.get("/timeline")
+    async def timeline() -> Response:
+        try:
+            uid, n = parse_query(request.args)
+        except ValueError as exc:
+            return _json_response(error_body(400, f"bad query: {exc}", "invalid_request_error", "n"), 400)
+        return _json_response(state.timeline.answer(uid, n), 200)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:

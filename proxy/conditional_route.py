@@ -17,7 +17,7 @@ from proxy.metrics import Metrics
 from proxy.prefix_index import DEFAULT_BLOCK_SIZE, PrefixIndex
 from proxy.prompt_tokens import prompt_token_ids
 from proxy.requests import ClientRequest
-from proxy.workers import WorkerRecord
+from proxy.workers import VLLM_SERVER, WorkerRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +40,12 @@ class ConditionalRouter:
 
     async def local(self, request: ClientRequest, decode: WorkerRecord, prefill_legs: Sequence[int]) -> bool:
         """Whether `decode` serves `request` alone; `prefill_legs`: the legs in flight per healthy prefill
-        worker. A prompt the proxy cannot count goes the remote way."""
+        worker. A prompt the proxy cannot count goes the remote way, and so does a seeded one to a
+        `vllm serve` decode worker: its prefill there may be cut into chunks, which vLLM's CPU build cannot
+        do for a seeded request (it stops its engine), while as a decode leg it computes one token."""
         ids = await asyncio.to_thread(prompt_token_ids, request, self._config.tokenizer)
         path = REMOTE
-        if ids is not None:
+        if ids is not None and not (request.seed is not None and decode.server == VLLM_SERVER):
             index = self._indexes.get(decode.key)
             if index is None:
                 index = self._indexes[decode.key] = PrefixIndex(self._config.block_size)

@@ -63,10 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"else {DEFAULT_KV_PORT}); one the worker contradicts keeps it out of rotation")
     p.add_argument("--decode-ip", help="static 1P1D: decode worker host")
     p.add_argument("--decode-port", type=int, help="static 1P1D: decode worker HTTP port")
+    p.add_argument("--decode-status-port", type=int,
+                   help="static 1P1D: the status port of a `vllm serve` decode worker's NeuronConnector "
+                        "(`status_port` in its kv_connector_extra_config): a KV pull it fails reaches the client "
+                        "as kv_transfer_error naming the prefill peer, not as vLLM's bare HTTP 500")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT[:KV_PORT]",
                    help="static xPyD prefill worker (repeat); KV_PORT as for --prefill-kv-port")
-    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
-                   help="static xPyD decode worker (repeat)")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT[:STATUS_PORT]",
+                   help="static xPyD decode worker (repeat); STATUS_PORT as for --decode-status-port")
     p.add_argument("--encode", action="append", default=[], metavar="HOST:PORT",
                    help="static encode worker (repeat): chat requests with image parts go to one first")
     p.add_argument("--kv-protocol", choices=KV_PROTOCOLS, default="neuron",
@@ -193,13 +197,15 @@ def _static_workers(args: argparse.Namespace) -> tuple[tuple[WorkerRecord, ...],
             _check_port("--prefill-kv-port", args.prefill_kv_port)
         workers.append(_prefill(args.prefill_ip, args.prefill_port, "--prefill-port", protocol,
                                 args.prefill_kv_port, kv_ports_given))
-        workers.append(_worker("decode", args.decode_ip, args.decode_port, "--decode-port", protocol))
+        workers.append(_decode(args.decode_ip, args.decode_port, "--decode-port", protocol, args.decode_status_port))
     for spec in args.prefill:
         host, port, *kv = _split(spec, "--prefill", 3)
         workers.append(_prefill(host, _port(port, "--prefill"), "--prefill", protocol,
                                 _port(kv[0], "--prefill") if kv else None, kv_ports_given))
     for spec in args.decode:
-        workers.append(static_worker("decode", *_host_port(spec, "--decode"), kv_protocol=protocol))
+        host, port, *status = _split(spec, "--decode", 3)
+        workers.append(_decode(host, _port(port, "--decode"), "--decode", protocol,
+                               _port(status[0], "--decode") if status else None))
     if workers and {w.role for w in workers} != set(DISAGGREGATED_ROLES):
         raise ConfigError("di mode needs at least one prefill and one decode worker")
     if encode and not workers:
@@ -217,6 +223,13 @@ def _worker(role: str, host: str, port: int, flag: str, kv_protocol: str,
     return static_worker(role, host, port, kv_port, kv_protocol)
 
 
+def _decode(host: str, port: int, flag: str, kv_protocol: str, status_port: int | None) -> WorkerRecord:
+    if status_port is not None:
+        _check_port(flag if flag == "--decode" else "--decode-status-port", status_port)
+    _check_port(flag, port)
+    return static_worker("decode", host, port, kv_protocol=kv_protocol, status_port=status_port or 0)
+
+
 def _prefill(host: str, port: int, flag: str, kv_protocol: str, kv_port: int | None,
              kv_ports_given: set[str]) -> WorkerRecord:
     """A static prefill worker; its key joins `kv_ports_given` if the command line names its KV port."""
@@ -229,7 +242,8 @@ def _prefill(host: str, port: int, flag: str, kv_protocol: str, kv_port: int | N
 def _split(spec: str, flag: str, max_parts: int) -> list[str]:
     parts = spec.split(":")
     if not 2 <= len(parts) <= max_parts or not parts[0]:
-        raise ConfigError(f"{flag} {spec!r}: expected HOST:PORT" + ("[:KV_PORT]" if max_parts == 3 else ""))
+        tail = {"--prefill": "[:KV_PORT]", "--decode": "[:STATUS_PORT]"}.get(flag, "") if max_parts == 3 else ""
+        raise ConfigError(f"{flag} {spec!r}: expected HOST:PORT{tail}")
     return parts
 
 

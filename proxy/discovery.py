@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import aetcd
 
 from common.errors import RegistrationError
-from common.worker_record import KEY_PREFIX
+from common.worker_record import KEY_PREFIX, VLLM_SERVER
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord, completed, contradiction, shows_draining, shown_record
@@ -42,6 +44,7 @@ class HealthChecks:
         self._kv_ports_given = frozenset(kv_ports_given)
         self.problems: dict[str, str] = {}  # static worker key -> how it contradicts the command line
         self._silent_rounds: dict[str, int] = {}  # worker key -> health checks in a row it did not answer
+        self._servers: dict[str, str] = {}  # static worker key -> the server its GET /v1/models names
         self._seen: set[str] = set()  # the workers found healthy at least once
 
     async def run(self, interval: float) -> None:
@@ -63,6 +66,8 @@ class HealthChecks:
             if answer is not None and shows_draining(answer):
                 why = "it drains (it takes no new request)"
             record = None if why else self._checked(worker, answer)
+            if record is not None and not record.server and worker.key in self._static:
+                record = replace(record, server=await self._server(record))
             where = f"{worker.role} worker {worker.address}"
             why = why and f"{where}: {why}"
             if self._pool.mark(worker.key, record is not None, why or self.problems.get(worker.key, "")):
@@ -101,6 +106,20 @@ class HealthChecks:
         except UpstreamError as exc:
             return None, str(exc).removeprefix(f"{worker.role} worker {worker.address}: ")
         return (reply.body, "") if reply.status == 200 else (None, f"GET /health answered HTTP {reply.status}")
+
+    async def _server(self, worker: WorkerRecord) -> str:
+        """Which server a static worker that shows no record is: `vllm serve` says `owned_by: vllm` in its
+        GET /v1/models answer (a vLLM decode worker samples the first token again itself)."""
+        if worker.key not in self._servers:
+            try:
+                reply = await self._clients(worker).get("/v1/models", self._timeout)
+                owners = {m.get("owned_by") for m in json.loads(reply.body)["data"]} if reply.status == 200 else None
+            except (UpstreamError, ValueError, KeyError, TypeError, AttributeError):
+                owners = None
+            if owners is None:
+                return ""   # asked again at the next round
+            self._servers[worker.key] = VLLM_SERVER if owners == {VLLM_SERVER} else ""
+        return self._servers[worker.key]
 
     def _checked(self, worker: WorkerRecord, health: bytes) -> WorkerRecord | None:
         """The record to use for a worker that answered `health`; None if it contradicts the command line."""

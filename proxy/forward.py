@@ -11,33 +11,35 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, AsyncGenerator, Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from common.openai_wire import DONE, DONE_EVENT, error_body, json_bytes, sse_event
+from common.openai_wire import json_bytes
+from common.timeline import RECEIVED, Timeline
 from proxy.abandon import Abandoner
 from proxy.answers import Answer, JSONAnswer, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
-from proxy.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable, to_http
+from proxy.errors import KV_TRANSFER_ERROR, ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable
 from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
                          spawn, stitched_flow)
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
-from proxy.requests import ClientRequest, leg_seed, prefill_alone
-from proxy.sse import SSEDecoder, encode_raw
+from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used
+from proxy.sse import SSEDecoder
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
+from proxy.explain import explained, stream_error_status
+from proxy.streams import END, cancel_leg, relayed, stitched
+from proxy.timing import REQUEST_ID_HEADER, AnswerTimer, leg_answered, leg_sent
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
 log = logging.getLogger("proxy.forward")
-_END = object()  # marks the normal end of a streamed leg in its queue
 _QUEUE_EVENTS = 256
 
 
@@ -47,8 +49,10 @@ class Forwarder:
     decode worker alone (proxy/conditional.py)."""
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
-                 colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None) -> None:
+                 colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
+                 timeline: Timeline | None = None) -> None:
         self._pool = pool
+        self.timeline = timeline if timeline is not None else Timeline("proxy", registry=metrics.registry)
         self._clients = clients
         self._metrics = metrics
         self._colocated = colocated
@@ -76,26 +80,29 @@ class Forwarder:
     async def handle(self, request: ClientRequest) -> Answer:
         """The answer to `request`. Disaggregated, image parts are encoded first, on an encode worker
         (proxy/encode.py), and a request for several answers is one request per answer (proxy/fanned.py)."""
+        received = time.time()
         if self._colocated:
-            return await self._retried(request)
+            return await self._retried(request, received)
         request = await encode_images(request, self._pool, self._clients)
         parts = fan_out(request)
         if parts is not None:
             return await answer_all(request, parts, self._retried)
-        return await self._retried(request)
+        return await self._retried(request, received)
 
-    async def _retried(self, request: ClientRequest) -> Answer:
+    async def _retried(self, request: ClientRequest, received: float | None = None) -> Answer:
         """One a draining worker refused (nothing of it started, nothing sent to the client yet) is sent once
-        more, to other workers (a decode leg alone is resent, see _start_decode)."""
+        more, to other workers (a decode leg alone is resent, see _start_decode). `received`: when the request
+        arrived (time.time()), now if not given."""
+        received = time.time() if received is None else received
         try:
-            return await self._route(request)
+            return await self._route(request, received)
         except UpstreamStatus as exc:
             if not exc.draining or exc.role == "decode":
                 raise
             log.info("%s: it drains; sending the request to another worker", exc)
-            return await self._route(request)
+            return await self._route(request, received)
 
-    async def _route(self, request: ClientRequest) -> Answer:
+    async def _route(self, request: ClientRequest, received: float) -> Answer:
         if self._colocated:
             return await self._single(self._pool.next("both"), request)
         if prefill_alone(request):
@@ -106,7 +113,7 @@ class Forwarder:
             prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
             if await self._conditional.local(request, decode, prefill_legs):
                 return await self._single(decode, request)
-        return await self._disaggregated(request, decode)
+        return await self._disaggregated(request, received, decode)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
                       uid: str | None = None) -> Answer:
@@ -116,30 +123,39 @@ class Forwarder:
         elsewhere, body = body is not None, request.body if body is None else body
         if not request.stream:
             call = self._call_elsewhere if elsewhere else self._call
-            return JSONAnswer(await call(worker, request.endpoint.path, body, headers))
+            answer = JSONAnswer(await call(worker, request.endpoint.path, body, headers))
+            if uid is not None:
+                self.timeline.finish(uid)
+            return answer
         started = time.perf_counter()
         queue, task = self._open_stream(worker, request.endpoint.path, body, headers, elsewhere)
         # Wait for the first event so that an early failure still gets an HTTP status.
         first = await first_or_failure(asyncio.ensure_future(queue.get()), task)
         if isinstance(first, ProxyError):
             raise first
-        return StreamAnswer(self._relayed(first, queue, task, started))
+        return StreamAnswer(relayed(first, queue, task, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
-    async def _disaggregated(self, request: ClientRequest, decode: WorkerRecord | None = None) -> Answer:
-        """`decode`: the decode worker conditional disaggregation weighed the request against, if it suits."""
+    async def _disaggregated(self, request: ClientRequest, received: float,
+                             decode: WorkerRecord | None = None) -> Answer:
+        """`received`: when the request arrived (time.time()); `decode`: the decode worker conditional
+        disaggregation weighed the request against, if it suits."""
         prefill = self._pool.next("prefill")
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
+        self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
-        if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
-            return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
         abandon = functools.partial(self._abandoner.abandon, prefill, uid)
         try:
+            if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
+                return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
             first, leg = await flow(self._flow_legs, request, prefill, decode, uid, seed)
-            answer = await self._answer(request, request.endpoint.id_prefix + uid, first, leg, started, abandon)
-        except BaseException:
-            abandon()
+            token_used = prefill.kv_protocol == "nixl" or prefill_token_used(prefill, seed)
+            answer = await self._answer(request, uid, first, leg, started, abandon, token_used)
+        except BaseException as exc:
+            self.timeline.fail(uid, str(exc) or type(exc).__name__)
+            if flow is not None:
+                abandon()
             raise
         if isinstance(answer, StreamAnswer):
             return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
@@ -167,30 +183,36 @@ class Forwarder:
         except UpstreamStatus as exc:
             return await self._call(self._elsewhere(worker, exc), path, body, headers)
 
-    async def _answer(self, request: ClientRequest, response_id: str, first: dict[str, Any],
-                      leg: DecodeLeg | None, started: float, abandon: Callable[[], None]) -> Answer:
+    async def _answer(self, request: ClientRequest, uid: str, first: dict[str, Any], leg: DecodeLeg | None,
+                      started: float, abandon: Callable[[], None], token_used: bool = True) -> Answer:
         """Prefill's answer and the decode leg (None: not called) -> the answer one server would give; a stream
-        that fails after it began calls `abandon` (prefill's KV may still be held, see proxy/abandon.py)."""
+        that fails after it began calls `abandon` (prefill's KV may still be held, see proxy/abandon.py);
+        without `token_used`, the first token is decode's (prefill's was not sampled as the answer's)."""
+        response_id = request.endpoint.id_prefix + uid
         try:
             if not request.stream:
-                return JSONAnswer(json_bytes(await self._whole(response_id, first, leg)))
-            stitcher = StreamStitcher(request, response_id, int(time.time()), first)
+                answer = JSONAnswer(json_bytes(await self._whole(response_id, first, leg, token_used)))
+                self.timeline.finish(uid)
+                return answer
+            stitcher = StreamStitcher(request, response_id, int(time.time()), first, token_used)
             events = stitcher.first()
         except BaseException:
-            _cancel(leg)
+            cancel_leg(leg)
             raise
         if stitcher.finished:
-            _cancel(leg)  # EOS at token one: decode has nothing to add
-        return StreamAnswer(self._stitched(stitcher, events, leg, started, abandon))
+            cancel_leg(leg)  # EOS at token one: decode has nothing to add
+        timer = AnswerTimer(self._metrics, started, self.timeline, uid)
+        return StreamAnswer(stitched(stitcher, events, leg, timer, self._first_token, abandon))
 
-    async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None) -> dict[str, Any]:
-        if leg is None or prefill_finished(first):
-            _cancel(leg)  # EOS at token one: decode has nothing to add
+    async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None,
+                     token_used: bool) -> dict[str, Any]:
+        if leg is None or (token_used and prefill_finished(first)):
+            cancel_leg(leg)  # EOS at token one: decode has nothing to add
             return prefill_answer(response_id, first)
         rest = json_object(await leg.task, leg.worker)
-        if (matched := first_token_repeated(first, rest)) is not None:
+        if token_used and (matched := first_token_repeated(first, rest)) is not None:
             self._first_token(leg.worker, matched)
-        return merge_bodies(response_id, first, rest)
+        return merge_bodies(response_id, first, rest, token_used)
 
     def _first_token(self, decode: WorkerRecord, matched: bool) -> None:
         """Counts one checked first token; a different one means the KV did not arrive intact."""
@@ -200,9 +222,11 @@ class Forwarder:
 
     async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
         with self._leg(worker):
+            leg_sent(self.timeline, worker.role, headers)
             reply = await self._clients(worker).post(path, body, headers)
             if reply.status != 200:
-                raise UpstreamStatus(reply.status, reply.body, worker.role, worker.address, reply.retry_after)
+                raise await self._failed(worker, headers, reply.status, reply.body, reply.retry_after)
+            leg_answered(self.timeline, worker.role, headers)
             return reply.body
 
     def _open_stream(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -216,7 +240,7 @@ class Forwarder:
 
     async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                     queue: asyncio.Queue[Any], elsewhere: bool = False) -> None:
-        """Reads one streamed leg into `queue`: SSE payloads, then _END or the error. With `elsewhere`, a
+        """Reads one streamed leg into `queue`: SSE payloads, then END or the error. With `elsewhere`, a
         draining worker's refusal (nothing queued yet) sends the leg to another worker of its role."""
         try:
             try:
@@ -225,7 +249,7 @@ class Forwarder:
                 if not elsewhere:
                     raise
                 await self._pump_from(self._elsewhere(worker, exc), path, body, headers, queue)
-            await queue.put(_END)
+            await queue.put(END)
         except ProxyError as exc:  # NoWorkers too, when a draining worker's leg has nowhere else to go
             await queue.put(exc)
             raise
@@ -237,18 +261,29 @@ class Forwarder:
     async def _pump_from(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                          queue: asyncio.Queue[Any]) -> None:
         with self._leg(worker):
+            leg_sent(self.timeline, worker.role, headers)
             async with self._clients(worker).stream(path, body, headers) as reply:
                 if reply.status != 200:
-                    raise UpstreamStatus(reply.status, await reply.read(), worker.role, worker.address,
-                                         reply.retry_after)
+                    raise await self._failed(worker, headers, reply.status, await reply.read(), reply.retry_after)
                 decoder = SSEDecoder()
                 async for chunk in reply.chunks():
                     for data in decoder.feed(chunk):
+                        leg_answered(self.timeline, worker.role, headers)
+                        if worker.status_port and (status := stream_error_status(data)) is not None:
+                            failed = await self._failed(worker, headers, status, data.encode(), None)
+                            if failed.error.get("type") == KV_TRANSFER_ERROR:  # vLLM failed its stream in-band
+                                raise failed
                         await queue.put(data)
                 for data in decoder.end():
                     await queue.put(data)
                 if decoder.pending:
                     raise UpstreamUnavailable("stream cut in the middle of an event", worker.role, worker.address)
+
+    async def _failed(self, worker: WorkerRecord, headers: dict[str, str], status: int, body: bytes,
+                      retry_after: str | None) -> UpstreamStatus:
+        """A leg's error answer; a vLLM decode worker's bare 500 for a failed KV pull is explained."""
+        exc = UpstreamStatus(status, body, worker.role, worker.address, retry_after)
+        return await explained(exc, worker, headers.get(REQUEST_ID_HEADER), self._clients)
 
     @contextmanager
     def _leg(self, worker: WorkerRecord) -> Iterator[None]:
@@ -262,87 +297,3 @@ class Forwarder:
                 if isinstance(exc, UpstreamUnavailable) or (isinstance(exc, UpstreamStatus) and exc.draining):
                     self._pool.mark(worker.key, healthy=False, why=str(exc))  # until a health check passes again
                 raise
-
-    async def _stitched(self, stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg | None,
-                        started: float, abandon: Callable[[], None]) -> AsyncGenerator[bytes, None]:
-        timer = _TokenTimer(self._metrics, started)
-        try:
-            for event in first:
-                timer.tick()
-                yield event
-            if leg is None or leg.queue is None or stitcher.finished:
-                return  # prefill's token ended the answer
-            checked = False
-            while (item := await leg.queue.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                for event in stitcher.feed(item):
-                    timer.tick()
-                    yield event
-                if not checked and stitcher.first_token_matched is not None:
-                    checked = True  # counted at once, before the client can see the end of the answer
-                    self._first_token(leg.worker, stitcher.first_token_matched)
-            for event in stitcher.close():
-                yield event
-        except ProxyError as exc:
-            abandon()  # a decode leg that failed (e.g. could not authenticate) may never have released the KV
-            yield _error_event(exc)
-        finally:
-            _cancel(leg)  # client gone or answer failed: drop the decode connection
-            timer.done()
-
-    async def _relayed(self, first: Any, queue: asyncio.Queue[Any], task: asyncio.Task[None],
-                       started: float) -> AsyncGenerator[bytes, None]:
-        """A single leg's stream, passed on event by event with one [DONE] at the end."""
-        timer = _TokenTimer(self._metrics, started)
-        item = first
-        try:
-            while item is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                if item != DONE:
-                    timer.tick()
-                    yield encode_raw(item)
-                item = await queue.get()
-            yield DONE_EVENT
-        except ProxyError as exc:
-            yield _error_event(exc)
-        finally:
-            task.cancel()
-            timer.done()
-
-
-class _TokenTimer:
-    """Observes TTFT, inter-token latency and end-to-end latency of one streamed answer."""
-
-    def __init__(self, metrics: Metrics, started: float) -> None:
-        self._metrics = metrics
-        self._started = started
-        self._last: float | None = None
-
-    def tick(self) -> None:
-        now = time.perf_counter()
-        if self._last is None:
-            self._metrics.ttft.observe(now - self._started)
-        else:
-            self._metrics.itl.observe(now - self._last)
-        self._last = now
-
-    def done(self) -> None:
-        self._metrics.e2e.observe(time.perf_counter() - self._started)
-
-
-def _cancel(leg: DecodeLeg | None) -> None:
-    if leg is not None:
-        leg.task.cancel()
-
-
-def _error_event(exc: ProxyError) -> bytes:
-    """After streaming has started the status is sent: the error goes in an SSE event."""
-    status, body, _ = to_http(exc)  # no headers: they are sent already
-    try:
-        payload = json.loads(body)
-    except ValueError:  # a worker's own error body need not be JSON
-        payload = error_body(status, str(exc), "upstream_error")
-    # Re-encoded, not passed on: the body may span lines, an SSE data line must not.
-    return sse_event(payload) + DONE_EVENT

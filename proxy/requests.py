@@ -7,9 +7,10 @@ from typing import Any
 
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, SEED_MAX, SEED_MIN, load_object
 from proxy.errors import BadRequest
-from proxy.workers import WorkerRecord
+from proxy.workers import VLLM_SERVER, WorkerRecord
 
 SEED_RANGE = 2**31  # seeds the proxy draws lie in [0, SEED_RANGE)
+_UNUSED_TOKEN_KEYS = ("seed", "stop", "stop_token_ids", "min_tokens")  # dropped from a prefill leg whose token is not used
 # At most this many answers (prompts x choices) per request: each is a disaggregated request of its own.
 MAX_ANSWERS = 256
 GREEDY_TEMPERATURE = 1e-5  # a temperature below it samples greedily (vLLM's bound)
@@ -168,12 +169,26 @@ def _seeded(body: dict[str, Any], seed: int | None) -> dict[str, Any]:
     return body if seed is None else {**body, "seed": seed}
 
 
-def prefill_body(request: ClientRequest, seed: int | None, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+def prefill_token_used(prefill: WorkerRecord, seed: int | None) -> bool:
+    """Whether the prefill leg's token is the answer's first token: always, but on `vllm serve`. A vLLM prefill
+    worker's leg goes unseeded (vLLM's CPU build stops its engine on a seeded prompt prefilled in chunks,
+    which it does with chunked prefill on, its default), so its token is the answer's for a greedy request
+    only; a sampled request's first token is the decode worker's, which samples it again with the seed."""
+    return prefill.server != VLLM_SERVER or seed is None
+
+
+def prefill_body(request: ClientRequest, seed: int | None, kv_transfer_params: dict[str, Any],
+                 token_used: bool = True) -> dict[str, Any]:
     """A prefill leg: the client's body, one token, not streamed. `min_tokens` above 1 becomes 1, which
     bans the same for that one token (ending the answer there), and a worker refuses a `min_tokens` above
-    `max_tokens`."""
-    body = {**_seeded(request.body, seed), "max_tokens": 1, "stream": False,
-            "kv_transfer_params": kv_transfer_params}
+    `max_tokens`. One whose token is not used (`prefill_token_used`) is unseeded and samples its one token
+    whatever stop conditions say, so that its KV is always kept for the decode leg."""
+    if token_used:
+        body = {**_seeded(request.body, seed), "max_tokens": 1, "stream": False,
+                "kv_transfer_params": kv_transfer_params}
+    else:
+        body = {**{k: v for k, v in request.body.items() if k not in _UNUSED_TOKEN_KEYS},
+                "max_tokens": 1, "stream": False, "ignore_eos": True, "kv_transfer_params": kv_transfer_params}
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     min_tokens = body.get("min_tokens")

@@ -46,10 +46,13 @@ def prefill_answer(response_id: str, prefill: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in prefill.items() if k != "kv_transfer_params"}, "id": response_id}
 
 
-def merge_bodies(response_id: str, prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+def merge_bodies(response_id: str, prefill: dict[str, Any], decode: dict[str, Any],
+                 prefill_token: bool = True) -> dict[str, Any]:
     """The non-streamed answer: decode's body holds every token, prefill's included; the first token's
-    logprobs entry is prefill's."""
+    logprobs entry is prefill's (without `prefill_token`, prefill's token is not the answer's: decode's is)."""
     merged = {**decode, "id": response_id, "usage": summed_usage(prefill.get("usage"), decode.get("usage"))}
+    if not prefill_token:
+        return merged
     first, choices = _first_choice(prefill), decode.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict) and choices[0].get("logprobs"):
         lead = {**choices[0], "logprobs": with_first_entry(choices[0]["logprobs"], first.get("logprobs"))}
@@ -79,32 +82,37 @@ def _text(choice: dict[str, Any]) -> str:
 
 
 class StreamStitcher:
-    """Builds the client's SSE events from prefill's JSON answer and decode's SSE payloads."""
+    """Builds the client's SSE events from prefill's JSON answer and decode's SSE payloads. Without
+    `prefill_token`, prefill's token is not the answer's: every token, the first included, is decode's."""
 
-    def __init__(self, request: ClientRequest, response_id: str, created: int, prefill: dict[str, Any]) -> None:
+    def __init__(self, request: ClientRequest, response_id: str, created: int, prefill: dict[str, Any],
+                 prefill_token: bool = True) -> None:
         self._chat = request.endpoint.is_chat
         self._include_usage = request.include_usage
         self._continuous_usage = request.continuous_usage
         self._head = {"id": response_id, "object": request.endpoint.chunk_object, "created": created,
                       "model": prefill.get("model") or request.model}
         self._prefill = prefill
-        self._first_text = _text(_first_choice(prefill))
+        self.prefill_token = prefill_token
+        self._first_text = _text(_first_choice(prefill)) if prefill_token else ""
         # With stop strings a server holds text back that may turn out to be a stop string's start (and then
         # never shows it): prefill's token's text waits for decode's text, which shows it when a server would.
         self._shown = "" if request.body.get("stop") else self._first_text
         self._decode_len = 0                    # the length of decode's text so far
         self._decode_head = ""                  # its start, until it is as long as prefill's token
         self._sent = len(self._shown)           # how much of it the client has (prefill's token stood for it)
-        self._seam_open = True                  # decode's repeat of prefill's token not seen yet
+        self._seam_open = prefill_token         # decode's repeat of prefill's token not seen yet
         self._first_token_matched: bool | None = None
         self._finished = False
-        self._tokens = 1
+        self._tokens = 1 if prefill_token else 0
         self._decode_usage: dict[str, Any] | None = None
         self._usage_chunk: dict[str, Any] | None = None
 
     def first(self) -> list[bytes]:
         """Prefill's token as the first chunk; the whole stream if that token ended it."""
         choice = _first_choice(self._prefill)
+        if not self.prefill_token:
+            return []
         events = []
         if self._chat:
             # Like a single server: a role-only chunk first, then one chunk per token.
@@ -175,9 +183,10 @@ class StreamStitcher:
     def _choice(self, choice: dict[str, Any]) -> dict[str, Any] | None:
         """Decode's choice as the client gets it; None for one that brings the client nothing."""
         finish = choice.get("finish_reason")
-        if self._seam_open and self._chat and "role" in (choice.get("delta") or {}) and not _text(choice) \
-                and finish is None:
-            return None  # the role chunk was already sent before prefill's token
+        if self._chat and "role" in (choice.get("delta") or {}) and not _text(choice) and finish is None:
+            if self._seam_open:
+                return None  # the role chunk was already sent before prefill's token
+            return {**choice, "index": 0}  # decode's own role chunk: prefill's token is not the answer's
         text = self._advance(_text(choice))
         if self._seam_open:
             self._seam_open = False
@@ -195,7 +204,7 @@ class StreamStitcher:
     def _advance(self, text: str) -> str:
         """Decode's text grows by `text`: the part of it the client has not had yet."""
         start, self._decode_len = self._decode_len, self._decode_len + len(text)
-        if self._first_token_matched is None:  # decode's text as far as prefill's token reaches
+        if self.prefill_token and self._first_token_matched is None:  # decode's text as far as prefill's token reaches
             self._decode_head += text
             if len(self._decode_head) >= len(self._first_text):
                 self._first_token_matched = self._decode_head.startswith(self._first_text)

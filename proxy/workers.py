@@ -8,19 +8,19 @@ from typing import Callable, Iterable, Sequence
 from common.kv_secret import NO_SECRET_ID
 from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
 from common.errors import RegistrationError
-from common.worker_record import KV_PROTOCOLS, WorkerRecord
+from common.worker_record import KV_PROTOCOLS, VLLM_SERVER, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
 
-__all__ = ["KV_PROTOCOLS", "WorkerPool", "WorkerRecord", "completed", "contradiction", "kv_secret_mismatches", "pick",
-           "shows_draining", "shown_record", "static_worker"]
+__all__ = ["KV_PROTOCOLS", "VLLM_SERVER", "WorkerPool", "WorkerRecord", "completed", "contradiction",
+           "kv_secret_mismatches", "pick", "shows_draining", "shown_record", "static_worker"]
 _WILDCARD_HOSTS = ("0.0.0.0", "::")  # a signal plane bound to every address: reach it at the worker's HTTP host
 
 
 def static_worker(role: str, host: str, http_port: int, kv_port: int = DEFAULT_KV_PORT,
-                  kv_protocol: str = "neuron") -> WorkerRecord:
+                  kv_protocol: str = "neuron", status_port: int = 0) -> WorkerRecord:
     """A worker given on the command line; ConfigError for a bad role, address or protocol."""
     try:
-        return WorkerRecord(role, host, http_port, kv_port=kv_port, kv_protocol=kv_protocol)
+        return WorkerRecord(role, host, http_port, kv_port=kv_port, kv_protocol=kv_protocol, status_port=status_port)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -61,7 +61,8 @@ def completed(given: WorkerRecord, shown: WorkerRecord) -> WorkerRecord:
     decode legs then name its real KV port and carry its engine id, which the decode side checks."""
     kv_host = given.kv_host if shown.kv_host in _WILDCARD_HOSTS else shown.kv_host
     return replace(given, kv_host=kv_host, kv_port=shown.kv_port, engine_id=shown.engine_id, model=shown.model,
-                   transfer=shown.transfer, kv_secret_id=shown.kv_secret_id)
+                   transfer=shown.transfer, kv_secret_id=shown.kv_secret_id,
+                   server=shown.server, status_port=shown.status_port)
 
 
 def kv_secret_mismatches(prefills: Iterable[WorkerRecord], decodes: Iterable[WorkerRecord]) -> list[str]:

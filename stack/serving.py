@@ -169,6 +169,7 @@ class Stack:
         self.url = ""
         self.worker_urls: dict[str, str] = {}  # process name -> its HTTP address
         self.kv_ports: dict[str, int] = {}     # prefill process name -> its signal-plane port
+        self.status_urls: dict[str, str] = {}  # worker process name -> where its GET /timeline answers
         self.processes: list[Process] = []  # in start order; stopped in reverse
 
     def start(self, name: str, args: Sequence[str], core: int | None = None,
@@ -177,6 +178,10 @@ class Stack:
         process = Process(name, args, core, env, program, prefix)
         self.processes.append(process)
         return process
+
+    def timeline_urls(self) -> dict[str, str]:
+        """Where the proxy and each worker answer GET /timeline (a vLLM worker: its connector's status server)."""
+        return {"proxy": self.url, **{name: self.status_urls.get(name, url) for name, url in self.worker_urls.items()}}
 
     def process(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)

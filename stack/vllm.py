@@ -26,25 +26,27 @@ class VllmOptions:
     num_blocks: int = 256                  # KV blocks of 128 tokens per server
     kv_transport: str = "auto"             # NeuronConnector's transport
     extra_config: dict[str, Any] = field(default_factory=dict)   # more NeuronConnector settings
+    extra_args: tuple[str, ...] = ()       # more `vllm serve` flags for every server
     startup_timeout_s: float = 300.0
 
 
 def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None) -> list[str]:
-    """A DI server (`kv_config` given) prefills whole prompts: on vLLM's CPU build a seeded
-    request prefilled in chunks kills the engine, and the proxy seeds sampled requests."""
+    """vLLM's defaults (chunked prefill on), a DI server with `kv_config` as its --kv-transfer-config."""
     args = ["-m", "vllm.entrypoints.cli.main", "serve", options.model, "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
             "--max-model-len", str(options.max_model_len), "--num-gpu-blocks-override", str(options.num_blocks),
-            "--uvicorn-log-level", "warning"]
+            "--uvicorn-log-level", "warning", *options.extra_args]
     if kv_config is not None:
-        args += ["--no-enable-chunked-prefill", "--kv-transfer-config", json.dumps(kv_config)]
+        args += ["--kv-transfer-config", json.dumps(kv_config)]
     return args
 
 
 def neuron_kv_config(role: str, options: VllmOptions, kv_port: int = DEFAULT_KV_PORT,
-                     etcd: str | None = None, http_port: int = 0) -> dict[str, Any]:
-    """NeuronConnector for `role` prefill or decode; with `etcd`, registered there under `http_port`."""
-    extra = {"kv_transport": options.kv_transport, "kv_port": kv_port, **options.extra_config}
+                     etcd: str | None = None, http_port: int = 0, status_port: int = 0) -> dict[str, Any]:
+    """NeuronConnector for `role` prefill or decode; with `etcd`, registered there under `http_port`;
+    its status server (GET /timeline) on `status_port` (0: a free one)."""
+    extra = {"kv_transport": options.kv_transport, "kv_port": kv_port, "status_port": status_port,
+             **options.extra_config}
     if etcd:
         extra.update(etcd=etcd, http_port=http_port)
     return {"kv_connector": "NeuronConnector", "kv_connector_module_path": "neuron_connector.vllm",
@@ -104,11 +106,13 @@ def start_neuron_1p1d(options: VllmOptions, etcd: str | None = None) -> Stack:
     (which finds them in etcd when `etcd` is given, else from its command line)."""
     def build(stack: Stack) -> None:
         prefill, decode, kv_port = free_port(), free_port(), free_port()
+        status = {"prefill": free_port(), "decode": free_port()}
         start_server(stack, "prefill", options, prefill, options.cores[0],
-                     neuron_kv_config("prefill", options, kv_port, etcd, prefill))
+                     neuron_kv_config("prefill", options, kv_port, etcd, prefill, status["prefill"]))
         start_server(stack, "decode", options, decode, options.cores[1],
-                     neuron_kv_config("decode", options, etcd=etcd, http_port=decode))
+                     neuron_kv_config("decode", options, etcd=etcd, http_port=decode, status_port=status["decode"]))
         stack.kv_ports["prefill"] = kv_port
+        stack.status_urls = {name: f"http://127.0.0.1:{port}" for name, port in status.items()}
         wait_servers(stack, options)
         # `vllm serve` shows no record on GET /health (our worker does): the proxy needs the KV port.
         _proxy(stack, options, ["--etcd", etcd] if etcd else [

@@ -22,6 +22,7 @@ from transfer.region import Region, ShmSegment, host_identity, unlink_segment
 
 # How long a peer whose segment is missing may take to finish exiting before we call it unregistered.
 _EXIT_GRACE_S = 0.5
+_CALL_BYTES = 64 << 20   # bytes copied per native call, at most (one plane at least)
 
 
 class _ProcessWatch:
@@ -66,10 +67,14 @@ class ShmLink(Link):
         self._check_peer()
         ours = local_ranges(region.layout, runs)
         theirs = remote_ranges(self._layout, runs).offsets
-        # One call per plane: the deadline bounds a stuck copy without a check per chunk.
-        for i in range(0, len(ours), len(runs)):
+        # Planes in native calls of up to _CALL_BYTES each: the deadline is checked between calls, and
+        # each call is one wait for the GIL, which a busy engine thread (vLLM's worker spins between
+        # steps) makes long on a loaded host.
+        per_plane = max(1, int(ours.lengths[:len(runs)].sum()))
+        step = len(runs) * max(1, _CALL_BYTES // per_plane)
+        for i in range(0, len(ours), step):
             remaining(deadline)
-            part = slice(i, i + len(runs))
+            part = slice(i, i + step)
             copy_ranges(self._address, region.address, theirs[part], ours.offsets[part], ours.lengths[part])
         self._check_peer()
 

@@ -33,18 +33,24 @@ class NeuronConnectorConfig:
     pull_timeout: float = 30.0           # decode: fail a pull not done by then
     kv_integrity_check: bool = False     # decode: verify every pull with a checksum the prefill sends
     kv_secret_file: str = ""             # the shared KV secret (mode 600); "" = $NEURON_DI_KV_SECRET_FILE or none
+    idle_wait: float = 0.02              # a step that runs nothing waits this long for a transfer to end
+    status_port: int = 0                 # GET /timeline and /metrics of the connector on kv_host; 0 = a free port, -1 = off
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port must be a TCP port (0 = any free one), got {self.kv_port}")
+        if not -1 <= self.status_port < 65536:
+            raise ValueError(f"status_port must be a TCP port (0 = any free one, -1 = none), got {self.status_port}")
         if self.etcd and not 0 < self.http_port < 65536:
             raise ValueError("kv_connector_extra_config.http_port (this server's --port) is required "
                              "with etcd, so that the proxy can reach this worker")
         for name in ("abort_timeout", "pull_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.idle_wait <= 1:
+            raise ValueError(f"idle_wait must be in [0, 1] s, got {self.idle_wait}")
         if self.etcd_ttl < 1:
             raise ValueError(f"etcd_ttl must be >= 1 s, got {self.etcd_ttl}")
 

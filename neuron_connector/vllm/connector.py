@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorTransferResults)
 from vllm.v1.request import RequestStatus
 
 from neuron_connector.vllm.config import NeuronConnectorConfig
-from neuron_connector.vllm.plan import SchedulerPlan, StepOrders
-from neuron_connector.vllm.worker_side import WorkerSide
+from neuron_connector.vllm.orders import Scheduled, StepOrders
+from neuron_connector.vllm.plan import SchedulerPlan
+from neuron_connector.vllm.worker_side import Plane, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -49,6 +52,13 @@ class NeuronConnectorMetadata(KVConnectorMetadata):
     orders: StepOrders
 
 
+@dataclass
+class NeuronHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What the worker side tells the scheduler side once its signal plane runs."""
+
+    plane: Plane
+
+
 class NeuronConnector(KVConnectorBase_V1):
     """Prefill (kv_producer) publishes finished prompts' blocks on our signal plane; decode
     (kv_consumer) pulls them with lookup_all while the request waits for remote KV."""
@@ -60,17 +70,20 @@ class NeuronConnector(KVConnectorBase_V1):
         self.config = NeuronConnectorConfig.from_vllm(transfer_config.kv_role,
                                                       transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
-        self._plan = SchedulerPlan(self.config.role, block_size) if role == KVConnectorRole.SCHEDULER else None
-        model = vllm_config.model_config.served_model_name
-        self._worker = (WorkerSide(self.config, model if isinstance(model, str) else model[0])
-                        if role == KVConnectorRole.WORKER else None)
+        names = vllm_config.model_config.served_model_name
+        model = names if isinstance(names, str) else names[0]
+        self._plan = (SchedulerPlan(self.config.role, block_size, model)
+                      if role == KVConnectorRole.SCHEDULER else None)
+        self._plane: Plane | None = None   # the scheduler side's copy of the worker side's address
+        self._worker = WorkerSide(self.config, model) if role == KVConnectorRole.WORKER else None
 
     # ---- scheduler side -----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         assert self._plan is not None
         count = self._plan.matched_tokens(request.request_id, request.kv_transfer_params,
-                                          request.num_prompt_tokens, num_computed_tokens)
+                                          request.num_prompt_tokens, num_computed_tokens,
+                                          request.prompt_token_ids)
         return count, count > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -81,15 +94,41 @@ class NeuronConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._plan is not None
-        return NeuronConnectorMetadata(self._plan.take_orders())
+        self._plan.scheduled(scheduled_requests(scheduler_output))
+        orders = self._plan.take_orders()
+        orders.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return NeuronConnectorMetadata(orders)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._plan is not None
+        self._plan.sent(connector_output.finished_sending or ())
+
+    def has_pending_block_frees(self) -> bool:
+        """Published blocks wait for their pull: vLLM waits for them to be freed rather than preempt."""
+        return self._plan is not None and self._plan.holds_blocks()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        shown = [m.plane for m in metadata.values() if isinstance(m, NeuronHandshakeMetadata)]
+        self._plane = shown[0] if shown else None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A prefill leg whose blocks wait for a pull answers with where they wait (prefill_first)."""
         assert self._plan is not None
         capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED and request.output_token_ids
         first_token = request.output_token_ids[0] if capped else None
+        leg = self._plan.leg(request.request_id, request.kv_transfer_params)
         held = self._plan.finished(request.request_id, request.kv_transfer_params, list(block_ids),
                                    request.num_prompt_tokens, first_token)
-        return held, None
+        if not held or leg is None or self._plane is None:
+            return held, None
+        return held, self._plane.handoff(leg.uid)
+
+    # ---- worker side --------------------------------------------------------------------
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        assert self._worker is not None
+        plane = self._worker.plane()
+        return None if plane is None else NeuronHandshakeMetadata(plane)
 
     # ---- worker side --------------------------------------------------------------------
 
@@ -97,11 +136,15 @@ class NeuronConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's orders are carried out at once, before its forward: vLLM calls `start_load_kv` only
+        after the forward of a step without synchronous loads, which would start pulls a step late."""
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None and isinstance(connector_metadata, NeuronConnectorMetadata)
+        self._worker.apply(connector_metadata.orders)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, NeuronConnectorMetadata)
-        self._worker.apply(metadata.orders)
+        """Pulls start when the step's orders are bound (bind_connector_metadata)."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole requests, done before the request is scheduled: nothing to wait for."""
@@ -110,7 +153,9 @@ class NeuronConnector(KVConnectorBase_V1):
         """Blocks are pushed from the pool when the decode peer asks: nothing to save per layer."""
 
     def wait_for_save(self) -> None:
-        """Nothing is saved per step."""
+        """The step's forward is done: publish the prompts it completed."""
+        assert self._worker is not None
+        self._worker.publish_computed()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
@@ -125,3 +170,16 @@ class NeuronConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+
+def scheduled_requests(scheduler_output: SchedulerOutput) -> list[Scheduled]:
+    """The step's requests, with their (new) block ids and computed tokens, from vLLM's scheduler output."""
+    tokens = scheduler_output.num_scheduled_tokens
+    steps = [Scheduled(new.req_id, tuple(new.block_ids[0]) if new.block_ids else (), True, new.num_computed_tokens,
+                       tokens.get(new.req_id, 0)) for new in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, request_id in enumerate(cached.req_ids):
+        blocks = cached.new_block_ids[i]
+        steps.append(Scheduled(request_id, tuple(blocks[0]) if blocks else (), request_id in cached.resumed_req_ids,
+                               cached.num_computed_tokens[i], tokens.get(request_id, 0)))
+    return steps

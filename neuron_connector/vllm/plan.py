@@ -1,118 +1,48 @@
-"""The scheduler side's bookkeeping, sans vLLM: what the worker side must publish, discard, pull or release.
+"""The scheduler side's bookkeeping, sans vLLM: what the worker side must publish, discard, pull, ask
+for or release (orders.py), from vLLM's connector hooks and each step's scheduled requests.
 
-vLLM's scheduler calls the connector's hooks; they turn into `Publish`, `Pull`, `Release` and
-discard orders, handed to the worker side once per step as `StepOrders` (inside vLLM's connector
-metadata). Block ids are vLLM's; request ids pair vLLM's own id with the proxy's `uid`,
-the id both legs share on the signal plane.
+Prefill: a leg's blocks are published in the step that computes the last of its prompt (the worker
+side publishes them once that step's forward is done), not when vLLM reports the request finished:
+an order made then rides in the next step's metadata, and vLLM runs a step's connector hooks after
+its forward; when the next step was another prompt's prefill, the decode worker waited for that
+whole prefill (a gap of 0.3-2 s in its stream) before it could pull.
+Published blocks must stay put until pulled: while any are held, `holds_blocks` tells vLLM not to
+preempt (it waits for those blocks to be released instead).
 """
 from __future__ import annotations
 
-import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Publish:
-    """Prefill finished: hold `block_ids` for the decode peer's lookup of `uid`."""
-
-    request_id: str
-    uid: str
-    block_ids: tuple[int, ...]
-    output_token: int
-
-
-@dataclass(frozen=True, slots=True)
-class Pull:
-    """Decode admitted a request: pull the prompt's KV of `uid` from the prefill peer
-    (`engine_id`: the prefill engine the proxy named, None when it named none)."""
-
-    request_id: str
-    uid: str
-    host: str
-    port: int
-    block_ids: tuple[int, ...]
-    engine_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Decode: a request ended without pulling: the prefill peer at host:port may free `uid`'s blocks."""
-
-    uid: str
-    host: str
-    port: int
+from common.timeline import ADMITTED, FIRST_STEP
+from neuron_connector.vllm.legs import LegParams, blocks_to_pull, prefill_leg_body, prompt_blocks
+from neuron_connector.vllm.orders import Mark, Publish, Pull, Release, RemotePrefill, Scheduled, StepOrders
 
 
 @dataclass(slots=True)
-class StepOrders:
-    """Everything the scheduler side decided since the last step."""
+class _Prefill:
+    """A prefill leg until it finishes: the blocks vLLM gave it, and whether they are published."""
 
-    publish: list[Publish] = field(default_factory=list)
-    discard: list[str] = field(default_factory=list)     # uids ended before they could be published
-    pull: list[Pull] = field(default_factory=list)
-    release: list[Release] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class LegParams:
-    """A request's `kv_transfer_params` as the proxy sends them."""
-
-    role: str
     uid: str
-    host: str = ""
-    port: int = 0
-    engine_id: str | None = None
-
-    @classmethod
-    def parse(cls, params: dict[str, Any] | None, our_role: str) -> LegParams | None:
-        """The params of a leg for this worker's role; None (logged) when absent or malformed,
-        since a bad request must not stop the engine: it is then served without DI."""
-        if not params or params.get("role") != our_role:
-            if params:
-                log.warning("kv_transfer_params %r are not for a %s worker; serving without DI", params, our_role)
-            return None
-        uid, host, port = params.get("request_id"), params.get("remote_host", ""), params.get("remote_port", 0)
-        if not isinstance(uid, str) or not uid:
-            log.warning("kv_transfer_params %r lack request_id; serving without DI", params)
-            return None
-        if our_role == "decode" and (not isinstance(host, str) or not host or isinstance(port, bool)
-                                     or not isinstance(port, int) or not 0 < port < 65536):
-            log.warning("kv_transfer_params %r lack a prefill address; serving without DI", params)
-            return None
-        engine_id = params.get("remote_engine_id") if our_role == "decode" else None
-        if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
-            log.warning("kv_transfer_params %r name no usable prefill engine; serving without DI", params)
-            return None
-        return cls(our_role, uid, host, port, engine_id)
-
-
-def blocks_holding(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def prompt_blocks(block_ids: list[int], num_prompt_tokens: int, block_size: int) -> tuple[int, ...]:
-    """The blocks that hold the prompt's KV (a finished prefill also holds its sampled token's slot)."""
-    return tuple(block_ids[:blocks_holding(num_prompt_tokens, block_size)])
-
-
-def blocks_to_pull(block_ids: list[int], num_prompt_tokens: int, num_external_tokens: int,
-                   block_size: int) -> tuple[int, ...]:
-    """The prompt blocks decode must receive: all but the full blocks its prefix cache supplied."""
-    cached = (num_prompt_tokens - num_external_tokens) // block_size
-    return tuple(block_ids[cached:blocks_holding(num_prompt_tokens, block_size)])
+    num_prompt_tokens: int
+    blocks: list[int] = field(default_factory=list)
+    published: bool = False
 
 
 class SchedulerPlan:
-    """The scheduler side of one worker: requests of its role, orders for the worker side."""
+    """The scheduler side of one worker: requests of its role, orders for the worker side.
+    `model`: the served model name a decode worker's own prefill legs ask for (decode_first)."""
 
-    def __init__(self, role: str, block_size: int) -> None:
+    def __init__(self, role: str, block_size: int, model: str = "") -> None:
         self.role = role
         self.block_size = block_size
+        self.model = model
         self._legs: dict[str, LegParams] = {}
-        self._pulled: set[str] = set()   # a preempted request computes again instead of pulling twice
+        self._pulled: set[str] = set()       # a preempted request computes again instead of pulling twice
+        self._first_step: set[str] = set()   # pulled requests not scheduled since
+        self._prefills: dict[str, _Prefill] = {}
+        self._held: set[str] = set()         # prefill: published, not released yet
         self._orders = StepOrders()
 
     def leg(self, request_id: str, params: dict[str, Any] | None) -> LegParams | None:
@@ -122,12 +52,25 @@ class SchedulerPlan:
             if leg is None:
                 return None
             self._legs[request_id] = leg
+            if self.role == "prefill":   # the scheduler meets it: its prefill is scheduled from now on
+                self._mark(leg.uid, ADMITTED)
         return self._legs[request_id]
 
     def matched_tokens(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int,
-                       num_computed_tokens: int) -> int:
-        """Decode: the prompt tokens the prefill peer supplies (vLLM recomputes the last one)."""
-        if self.role != "decode" or request_id in self._pulled or self.leg(request_id, params) is None:
+                       num_computed_tokens: int, prompt_token_ids: list[int] | None = None) -> int:
+        """Decode: the prompt tokens the prefill peer supplies (vLLM recomputes the last one). A
+        decode_first leg, met for the first time, also sends its prefill leg (`prompt_token_ids`)."""
+        first = request_id not in self._legs
+        leg = self.leg(request_id, params)
+        if leg is None:
+            return 0
+        if self.role == "prefill":
+            self._prefills.setdefault(request_id, _Prefill(leg.uid, num_prompt_tokens))
+            return 0
+        if first and leg.remote_url is not None and prompt_token_ids is not None:
+            self._orders.prefill.append(RemotePrefill(leg.uid, leg.remote_url,
+                                                      prefill_leg_body(self.model, leg.uid, prompt_token_ids)))
+        if request_id in self._pulled:
             return 0
         return max(0, num_prompt_tokens - num_computed_tokens)
 
@@ -138,33 +81,73 @@ class SchedulerPlan:
         if leg is None or num_external_tokens <= 0:
             return
         dst = blocks_to_pull(block_ids, num_prompt_tokens, num_external_tokens, self.block_size)
+        self._mark(leg.uid, ADMITTED)
         self._pulled.add(request_id)
+        self._first_step.add(request_id)
         self._orders.pull.append(Pull(request_id, leg.uid, leg.host, leg.port, dst, leg.engine_id))
+
+    def scheduled(self, steps: Iterable[Scheduled]) -> None:
+        """This step runs `steps`: a pulled request's first step is marked, and a prefill leg whose
+        prompt this step completes is published (once the step's forward is done)."""
+        for step in steps:
+            if step.request_id in self._first_step:
+                self._first_step.discard(step.request_id)
+                self._mark(self._legs[step.request_id].uid, FIRST_STEP)
+            prefill = self._prefills.get(step.request_id)
+            if prefill is None:
+                continue
+            prefill.blocks = list(step.new_blocks) if step.replaced else prefill.blocks + list(step.new_blocks)
+            if not prefill.published and step.num_computed + step.num_tokens >= prefill.num_prompt_tokens:
+                self._publish(step.request_id, prefill.uid,
+                              prompt_blocks(prefill.blocks, prefill.num_prompt_tokens, self.block_size))
+                prefill.published = True
 
     def finished(self, request_id: str, params: dict[str, Any] | None, block_ids: list[int],
                  num_prompt_tokens: int, first_token: int | None) -> bool:
-        """A request ended; True when its blocks stay held for the decode peer.
+        """A request ended; True when its blocks stay held until the worker side releases them.
 
         `first_token` is the token prefill sampled when the request ended at its one-token
-        limit, None when it ended otherwise (stop, abort, error): the peer is told at once.
-        A decode leg that ended before its pull was ordered (say, aborted while it waited)
-        has its prefill peer told to free the blocks; one that pulled is the worker side's.
+        limit, None when it ended otherwise (stop, abort, error): its blocks, published or not,
+        are discarded (a published leg's once any push of them ended). A decode leg that ended
+        before its pull was ordered (say, aborted while it waited) has its prefill peer told to
+        free the blocks; one that pulled is the worker side's.
         """
         leg = self.leg(request_id, params)
         pulled = request_id in self._pulled
+        prefill = self._prefills.pop(request_id, None)
         self._legs.pop(request_id, None)
         self._pulled.discard(request_id)
+        self._first_step.discard(request_id)
         if self.role == "decode" and leg is not None and not pulled:
             self._orders.release.append(Release(leg.uid, leg.host, leg.port))
         if self.role != "prefill" or leg is None:
             return False
+        if prefill is not None and prefill.published:
+            if first_token is None:
+                self._orders.discard.append(leg.uid)
+            return True
         blocks = prompt_blocks(block_ids, num_prompt_tokens, self.block_size)
         if first_token is None or not blocks:
             self._orders.discard.append(leg.uid)
             return False
-        self._orders.publish.append(Publish(request_id, leg.uid, blocks, first_token))
+        self._publish(request_id, leg.uid, blocks, first_token)
         return True
+
+    def sent(self, request_ids: Iterable[str]) -> None:
+        """The worker side released these requests' published blocks (vLLM frees them now)."""
+        self._held.difference_update(request_ids)
+
+    def holds_blocks(self) -> bool:
+        """Whether published blocks wait for their pull (or release): vLLM must not preempt meanwhile."""
+        return bool(self._held)
 
     def take_orders(self) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
         return orders
+
+    def _publish(self, request_id: str, uid: str, blocks: tuple[int, ...], first_token: int | None = None) -> None:
+        self._held.add(request_id)
+        self._orders.publish.append(Publish(request_id, uid, blocks, first_token))
+
+    def _mark(self, uid: str, phase: str) -> None:
+        self._orders.marks.append(Mark(uid, phase, time.time()))

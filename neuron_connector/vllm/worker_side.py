@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from common.kv_secret import describe_plane, resolve_secret
+from common.timeline import PULL_REPORTED, Timeline
+from common.worker_record import VLLM_SERVER, WorkerRecord
 from neuron_connector.errors import ConnectorError
 from neuron_connector.pulls import PullState
 from neuron_connector.recv_buffer import RecvBuffer
-from common.worker_record import WorkerRecord
 from neuron_connector.registry import Registration
 from neuron_connector.send_buffer import SendBuffer
+from neuron_connector.status import StatusServer
 from neuron_connector.vllm.config import NeuronConnectorConfig
-from neuron_connector.vllm.plan import StepOrders
+from neuron_connector.vllm.orders import Publish, StepOrders
+from neuron_connector.vllm.prefill_calls import PrefillCalls
 from neuron_connector.vllm.pool import distinct_layers, kv_layout, rebind
 from transfer import KVLayout, create_transfer_engine
 
@@ -31,12 +36,31 @@ class TransferResults:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
 
+    def any(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+@dataclass(frozen=True, slots=True)
+class Plane:
+    """Where this worker's signal plane and status server listen (the scheduler side learns it)."""
+
+    kv_host: str
+    kv_port: int
+    engine_id: str
+    status_port: int = 0
+
+    def handoff(self, uid: str) -> dict[str, Any]:
+        """A prefill answer's kv_transfer_params: where the decode leg pulls `uid`'s blocks from."""
+        return {"remote_host": self.kv_host, "remote_port": self.kv_port, "remote_engine_id": self.engine_id,
+                "request_id": uid}
+
 
 @dataclass(slots=True)
 class _PendingPull:
     request_id: str
     aborted: bool = False
     start_error: str | None = None
+    prefill_error: str | None = None   # decode_first: its prefill leg failed
 
 
 class WorkerSide:
@@ -56,6 +80,15 @@ class WorkerSide:
         self._finished_seen: set[str] = set()     # published request ids vLLM reported finished
         self._unreported: set[str] = set()        # released, waiting for vLLM to report them finished
         self._pulls: dict[str, _PendingPull] = {}  # uid -> pull
+        self._computed: list[Publish] = []        # prefill: publish once this step's forward is done
+        self._prefill_calls: PrefillCalls | None = None   # decode: decode_first's prefill legs
+        self._prefill_failures: dict[str, str] = {}       # uid -> why its prefill leg failed
+        self._failures_lock = threading.Lock()
+        self._activity = threading.Event()   # a buffer thread has something to report
+        self._idle = False                   # the current step runs no tokens
+        self.timeline = Timeline(config.role)
+        self.status: StatusServer | None = None
+        self.engine_id = ""
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Moves vLLM's caches onto our registered pool and starts serving the signal plane."""
@@ -66,24 +99,31 @@ class WorkerSide:
             secret = resolve_secret(cfg.kv_secret_file or None)
             self._transfer = create_transfer_engine(cfg.kv_transport, host=cfg.kv_host, secret=secret)
             rebind(layers, self._transfer.allocate_region(self.layout))
-            engine_id = cfg.engine_id or self._transfer.transfer_id
+            engine_id = self.engine_id = cfg.engine_id or self._transfer.transfer_id
             if cfg.role == "prefill":
                 self.send = SendBuffer(self._transfer, self.layout, engine_id, cfg.kv_host, cfg.kv_port,
-                                       on_release=self._released.put, abort_timeout=cfg.abort_timeout,
-                                       transfer_timeout=cfg.pull_timeout, secret=secret)
+                                       on_release=self._on_release, abort_timeout=cfg.abort_timeout,
+                                       transfer_timeout=cfg.pull_timeout, secret=secret, timeline=self.timeline)
                 self.send.start()
             else:
                 self.recv = RecvBuffer(self._transfer, self.layout, engine_id, default_timeout=cfg.pull_timeout,
-                                       secret=secret, integrity_check=cfg.kv_integrity_check)
+                                       on_finished=lambda _: self._activity.set(),
+                                       secret=secret, integrity_check=cfg.kv_integrity_check,
+                                       timeline=self.timeline)
                 self.recv.start()
+                self._prefill_calls = PrefillCalls(self._prefill_failed, cfg.pull_timeout + 5)
+            if cfg.status_port >= 0:
+                self.status = StatusServer(self.timeline, cfg.kv_host, cfg.status_port)
+                self.status.start()
             if cfg.etcd:
                 self._registration = Registration(cfg.etcd, self._record(engine_id), ttl=cfg.etcd_ttl)
                 self._registration.start()
         except BaseException:
             self.close()
             raise
-        log.info("NeuronConnector %s: %s pool %s over %s%s", cfg.role, engine_id, self.layout.describe(),
-                 self._transfer.backend, f", signal plane on port {self.send.port}" if self.send else "")
+        log.info("NeuronConnector %s: %s pool %s over %s%s%s", cfg.role, engine_id, self.layout.describe(),
+                 self._transfer.backend, f", signal plane on port {self.send.port}" if self.send else "",
+                 f", status (GET /timeline, /metrics) on port {self.status.port}" if self.status else "")
         log.info("%s", describe_plane(cfg.kv_host, self.send.port if self.send else None,
                                       self._transfer.descriptor()["transports"], secret))
 
@@ -91,23 +131,31 @@ class WorkerSide:
         cfg = self.config
         return WorkerRecord(role=cfg.role, host=cfg.http_host or cfg.kv_host, http_port=cfg.http_port,
                             kv_host=cfg.kv_host, kv_port=self.send.port if self.send else 0,
-                            engine_id=engine_id, model=self.model, transfer={"backend": cfg.kv_transport})
+                            engine_id=engine_id, model=self.model, transfer={"backend": cfg.kv_transport},
+                            status_port=self.status.port if self.status else 0, server=VLLM_SERVER)
+
+    def plane(self) -> Plane | None:
+        """Where the signal plane listens, once registered (the scheduler side's handoffs name it)."""
+        if self.send is None and self.recv is None:
+            return None
+        return Plane(self.config.kv_host, self.send.port if self.send else 0, self.engine_id,
+                     self.status.port if self.status else 0)
 
     # ---- once per step ------------------------------------------------------------------
 
     def apply(self, orders: StepOrders) -> None:
-        """Carries out the scheduler side's orders; a failure fails that request, not the engine."""
-        for item in orders.publish:
-            assert self.send is not None
-            self._published[item.uid] = item.request_id
-            try:
-                self.send.publish(item.uid, list(item.block_ids), item.output_token)
-            except (ConnectorError, ValueError) as exc:
-                log.warning("could not publish %s (%s) for its decode peer: %s", item.request_id, item.uid, exc)
-                self._released.put(item.uid)
+        """Carries out the scheduler side's orders; a failure fails that request, not the engine.
+        Publishing waits for `publish_computed`, once the step's forward computed the blocks."""
+        self._idle = orders.idle
+        for mark in orders.marks:
+            self.timeline.mark(mark.uid, mark.phase, mark.at)
+        self._computed += orders.publish
         for uid in orders.discard:
             if self.send is not None:
                 self.send.discard(uid)
+        for order in orders.prefill:
+            assert self._prefill_calls is not None
+            self._prefill_calls.send(order)
         for pull in orders.pull:
             assert self.recv is not None
             pending = self._pulls[pull.uid] = _PendingPull(pull.request_id)
@@ -118,13 +166,47 @@ class WorkerSide:
                 pending.start_error = f"the pull could not start: {exc}"   # reported by results()
         for release in orders.release:
             assert self.recv is not None
+            with self._failures_lock:
+                self._prefill_failures.pop(release.uid, None)
             try:
                 self.recv.release(release.uid, release.host, release.port)
             except ConnectorError as exc:   # the prefill peer's abort timeout frees the blocks then
                 log.warning("could not tell prefill %s:%s to release %s: %s", release.host, release.port,
                             release.uid, exc)
 
+    def publish_computed(self) -> None:
+        """The step's forward is done: the prompts it completed are published for their decode peers."""
+        computed, self._computed = self._computed, []
+        for item in computed:
+            assert self.send is not None
+            self._published[item.uid] = item.request_id
+            try:
+                self.send.publish(item.uid, list(item.block_ids), item.output_token)
+            except (ConnectorError, ValueError) as exc:
+                log.warning("could not publish %s (%s) for its decode peer: %s", item.request_id, item.uid, exc)
+                self._released.put(item.uid)
+
+    def _on_release(self, uid: str) -> None:
+        self._released.put(uid)
+        self._activity.set()
+
+    def _prefill_failed(self, uid: str, message: str) -> None:
+        with self._failures_lock:
+            self._prefill_failures[uid] = message
+        self._activity.set()
+
     def results(self, finished_req_ids: set[str]) -> TransferResults:
+        """What ended since the last step. A step that ran nothing (vLLM steps on while requests wait for
+        KV or for their blocks to be released) first waits up to `idle_wait` for something to end, so
+        that the engine loop does not spin a core and starve the threads that move the KV."""
+        self._activity.clear()
+        results = self._collect(finished_req_ids)
+        if self._idle and self.config.idle_wait > 0 and not results.any():
+            self._activity.wait(self.config.idle_wait)
+            results = self._collect(finished_req_ids)
+        return results
+
+    def _collect(self, finished_req_ids: set[str]) -> TransferResults:
         results = TransferResults()
         if self.send is not None:
             self._sent(finished_req_ids, results)
@@ -162,15 +244,26 @@ class WorkerSide:
                 continue
             del self._pulls[uid]
             results.finished_recving.add(pull.request_id)
+            self.timeline.mark(uid, PULL_REPORTED)
             if state is PullState.FAILED:
                 results.failed_recving.add(pull.request_id)
+                self.timeline.fail(uid, message or "the KV pull failed")
                 if not pull.aborted:
                     log.warning("KV pull of %s (%s) failed: %s", pull.request_id, uid, message)
 
     def _poll(self, uid: str, pull: _PendingPull) -> tuple[PullState, str]:
+        if pull.start_error is None and self._prefill_failures:
+            with self._failures_lock:
+                failure = self._prefill_failures.pop(uid, None)
+            if failure is not None and self.recv.cancel(uid):  # type: ignore[union-attr]
+                pull.start_error = failure     # our blocks are free: fail it now
+            elif failure is not None:
+                pull.prefill_error = failure   # the peer may be writing: fail it once the pull ends
         if pull.start_error is not None:
             return PullState.FAILED, pull.start_error
         status = self.recv.poll(uid)  # type: ignore[union-attr]
+        if status.state is PullState.FAILED and pull.prefill_error is not None:
+            return status.state, pull.prefill_error
         return status.state, status.message
 
     def pending(self) -> int:
@@ -178,6 +271,12 @@ class WorkerSide:
         return len(self._published) + len(self._unreported) + len(self._pulls)
 
     def close(self) -> None:
+        if self._prefill_calls is not None:
+            self._prefill_calls.close()
+            self._prefill_calls = None
+        if self.status is not None:
+            self.status.close()
+            self.status = None
         if self._registration is not None:
             self._registration.stop()
             self._registration = None

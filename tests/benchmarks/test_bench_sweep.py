@@ -110,7 +110,8 @@ def test_report_ratios_tables_and_plot(tmp_path: Path) -> None:
                "vllm_nixl": bench_sweep.skipped("nixl is not installed here")}
     out = bench_sweep.report(args, systems, argv)
     assert out["slo"] == SLO_ARGS
-    assert out["ratios"] == {"di_over_vllm_colocated": None, "di_over_vllm_nixl": None, "di_over_colocated": 2.0}
+    assert out["ratios"] == {"di_over_vllm_colocated": None, "di_over_vllm_nixl": None, "di_over_colocated": 2.0,
+                             "vllm_neuron_over_vllm_colocated": None}
     assert out["config"]["command"] == "python -m benchmarks.bench_sweep " + " ".join(argv)
     assert out["config"]["prompts_per_rate"] == [6, 6, 10, 20]
     json.dumps(out, allow_nan=False)

@@ -43,7 +43,8 @@ def test_ratios_are_neuron_over_the_baselines_and_null_without_nixl() -> None:
                "vllm_neuron": measured(3.0, 200.0, 25.0, 0.02), "neuron_di": measured(4.0, 50.0, 10.0, 0.0)}
     assert bench_vllm.ratios(systems) == {
         "neuron_over_nixl_rps": None, "neuron_over_nixl_ttft_mean": None, "neuron_over_colocated_rps": 1.5,
-        "neuron_over_colocated_itl_p99": 0.5, "neuron_idle_cpu_cores": 0.02, "nixl_idle_cpu_cores": None}
+        "neuron_over_colocated_itl_p99": 0.5, "neuron_over_colocated_ttft_mean": 2.0, "neuron_idle_cpu_cores": 0.02,
+        "nixl_idle_cpu_cores": None}
     systems["vllm_nixl"] = measured(1.5, 400.0, 30.0, 0.9)
     got = bench_vllm.ratios(systems)
     assert (got["neuron_over_nixl_rps"], got["neuron_over_nixl_ttft_mean"], got["nixl_idle_cpu_cores"]) == (2.0, 0.5, 0.9)

@@ -157,3 +157,9 @@ def test_arbitrary_bytes_decode_or_raise_protocol_error_only(data: bytes) -> Non
             decode(data)
         except ProtocolError:
             pass
+
+
+def test_a_lookup_reply_without_a_first_token_round_trips() -> None:
+    """A vLLM prefill worker publishes before it knows its first token (its decode peer samples it again)."""
+    reply = LookupReply("r", True, None, (3, 4))
+    assert decode_reply(reply.to_bytes()) == reply

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import time
 from typing import Iterator
 
 import pytest
@@ -107,3 +109,27 @@ def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
         assert not pool[:, :, 9].any()
     finally:
         second.stop()
+
+
+def test_a_prefill_frozen_through_the_handshake_still_serves_the_pull() -> None:
+    """A contended host: the prefill's signal plane gets no CPU for seconds while decode resends its
+    handshake every second; once it runs again the link comes up and the pull completes."""
+    engine, pool = engine_with_pool("shm")
+    recv = RecvBuffer(engine, LAYOUT, engine_id="127.0.0.1:8202", default_timeout=20.0)
+    recv.start()
+    port = free_port()
+    proc = start_prefill(port, "--seed", "5", "--publish", "h:3,4:55")
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            recv.request_pull("h", "127.0.0.1", port, [5, 6])
+            time.sleep(4)   # the frozen stretch itself, not a synchronisation: four resent handshakes queue up
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        status = wait_terminal(recv, "h")
+        assert status.state is PullState.DONE and status.output_token == 55, status
+        assert torch.equal(pool[:, :, [5, 6]], seeded(LAYOUT, 5)[:, :, [3, 4]])
+    finally:
+        proc.stop()
+        recv.close()
+        engine.close()

@@ -13,8 +13,10 @@ A request may steer it with a body field `fake` (the proxy passes unknown fields
 (`"prefill"`, `"decode"`, `"single"`): `{"status": 500}`, `{"hang": true}`,
 `{"delay": seconds_per_token}`, `{"die_after": n}` (os._exit after n chunks),
 `{"first_token": text}` (a different first token), `{"no_handoff": true}` (a NixlConnector
-prefill answer without `kv_transfer_params`); `{"by_prompt": {PROMPT: {...}}}` steers the legs of
-one prompt (a string) otherwise.
+prefill answer without `kv_transfer_params`), `{"pull_error": message}` (a vLLM decode worker whose
+KV pull failed, which its connector's status server shows at GET /timeline: with a status, it
+answers that; streamed without one, it ends its 200 stream with vLLM's error event);
+`{"by_prompt": {PROMPT: {...}}}` steers the legs of one prompt (a string) otherwise.
 
     python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT --lease-ttl 2]
 """
@@ -43,14 +45,21 @@ class FakeWorker:
         self.active = 0
         self.legs: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
+        self.pull_errors: dict[str, str] = {}   # uid -> why its pull failed (GET /timeline shows it)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                 web.get("/health", self.health), web.get("/v1/models", self.models),
-                web.get("/fake/state", self.state)]
+                web.get("/fake/state", self.state), web.get("/timeline", self.timeline)]
 
     async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def timeline(self, request: web.Request) -> web.Response:
+        uid = request.query.get("uid", "")
+        records = [{"uid": uid, "source": self.role, "phases": {}, "tokens": [], "error": self.pull_errors[uid]}
+                   ] if uid in self.pull_errors else []
+        return web.json_response({"source": self.role, "requests": records})
 
     async def models(self, _: web.Request) -> web.Response:
         models = [{"id": self.model, "object": "model", "owned_by": "fake"}]
@@ -80,6 +89,8 @@ class FakeWorker:
         steer = fake.get(leg, {})
         self.active += 1
         try:
+            if "pull_error" in steer:
+                self.pull_errors[uid] = steer["pull_error"]
             if "status" in steer:
                 return web.json_response({"error": {"message": "fake failure", "type": "fake", "param": None,
                                                     "code": steer["status"]}}, status=steer["status"])
@@ -102,6 +113,11 @@ class FakeWorker:
     async def _stream(self, request: web.Request, answer: _Answer, steer: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if "pull_error" in steer:
+            error = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+            await response.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n")
+            await response.write_eof()
+            return response
         for sent, chunk in enumerate(answer.chunks()):
             if sent == steer.get("die_after"):
                 os._exit(1)

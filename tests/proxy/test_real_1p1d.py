@@ -20,6 +20,7 @@ from tests.helpers import wait_until
 from tests.lm_eval_check import assert_same_scores, evaluate
 from tests.surface import PREFILL_ALONE, SHAPES, assert_load_equal, assert_shape_equal
 from tests.vllm.client import metric
+from tests.timeline_checks import assert_phases_add_up, request_timeline, uid_of
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, proxied_1p1d, start_proxy
 
@@ -82,6 +83,19 @@ def test_proxy_answers_as_one_worker(stack, call, stream: bool) -> None:
     want = call(single, stream)
     assert want[0] and want[1] in ("stop", "length")
     assert call(through_proxy, stream) == want
+
+
+def test_timeline_phases_add_up(stack) -> None:
+    """One streamed request's phases, read back from the proxy and both workers (GET /timeline)."""
+    proxy, prefill, decode, _ = stack
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0)
+    ids = {chunk.id for chunk in client.completions.create(model="neuron-di-builtin", prompt=PROMPT, stream=True,
+                                                             **SAMPLING)}
+    [uid] = {uid_of(i) for i in ids}
+    urls = {"proxy": proxy.url, "prefill": prefill.url, "decode": decode.url}
+    path = assert_phases_add_up(request_timeline(urls, uid), streamed=True)
+    assert path[-1][1] > 0
+    assert "neuron_di_timeline_seconds_count{span=\"push\"}" in httpx.get(f"{prefill.url}/metrics").text
 
 
 def test_proxy_usage_counts_the_whole_completion(stack) -> None:

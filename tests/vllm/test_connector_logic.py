@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from neuron_connector.vllm import NeuronConnectorConfig
-from neuron_connector.vllm.plan import Publish, Pull, Release, SchedulerPlan, blocks_to_pull, prompt_blocks
+from neuron_connector.vllm.legs import blocks_to_pull, prompt_blocks
+from neuron_connector.vllm.orders import Publish, Pull, Release, RemotePrefill, Scheduled
+from neuron_connector.vllm.plan import SchedulerPlan
 from neuron_connector.vllm.pool import distinct_layers, kv_layout, rebind
 from transfer import KVLayout, create_transfer_engine
 
@@ -98,6 +100,43 @@ def test_prefill_publishes_capped_requests_and_discards_the_rest() -> None:
     orders = plan.take_orders()
     assert orders.publish == [Publish("r1", "u1", (4, 8, 2), 42)] and orders.discard == ["u2"]
     assert plan.take_orders().publish == []
+
+
+def test_prefill_publishes_in_the_step_that_completes_its_prompt() -> None:
+    """Not when vLLM reports it finished: with async scheduling that comes a whole step later."""
+    plan = SchedulerPlan("prefill", block_size=128)
+    params = {"role": "prefill", "request_id": "u1"}
+    assert plan.matched_tokens("r1", params, 300, 0) == 0
+    plan.scheduled([Scheduled("r1", (4, 8), True, 0, 256)])              # a first chunk
+    assert plan.take_orders().publish == [] and not plan.holds_blocks()
+    plan.scheduled([Scheduled("r1", (2,), False, 256, 44)])              # the rest
+    assert plan.take_orders().publish == [Publish("r1", "u1", (4, 8, 2), None)]
+    assert plan.holds_blocks()     # vLLM must not preempt it while its blocks wait for the pull
+    assert plan.finished("r1", params, [4, 8, 2], 300, first_token=42) is True
+    assert plan.take_orders().publish == []
+    plan.sent({"r1"})
+    assert not plan.holds_blocks()
+
+
+def test_prefill_published_then_stopped_is_discarded_once_released() -> None:
+    plan = SchedulerPlan("prefill", block_size=128)
+    params = {"role": "prefill", "request_id": "u1"}
+    plan.matched_tokens("r1", params, 10, 0)
+    plan.scheduled([Scheduled("r1", (3,), True, 0, 10)])
+    plan.take_orders()
+    # EOS at token one: nobody pulls it, but a push may be running: held until the worker side releases it.
+    assert plan.finished("r1", params, [3], 10, first_token=None) is True
+    assert plan.take_orders().discard == ["u1"]
+
+
+def test_decode_first_leg_sends_its_prefill_leg_once() -> None:
+    plan = SchedulerPlan("decode", block_size=128, model="m")
+    params = {**DECODE_PARAMS, "remote_url": "http://10.0.0.5:8100/"}
+    assert plan.matched_tokens("r1", params, 3, 0, [5, 6, 7]) == 3
+    assert plan.matched_tokens("r1", params, 3, 0, [5, 6, 7]) == 3
+    assert plan.take_orders().prefill == [RemotePrefill("u1", "http://10.0.0.5:8100", {
+        "model": "m", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+        "stream": False, "kv_transfer_params": {"role": "prefill", "request_id": "u1"}})]
 
 
 def vllm_like_caches(layers: int, blocks: int = 6, heads: int = 2, block_size: int = 4,

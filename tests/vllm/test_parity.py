@@ -1,9 +1,15 @@
-"""Our proxy over vLLM 1P1D with NeuronConnector (found in etcd) answers exactly as one plain `vllm serve`."""
+"""Our proxy over vLLM 1P1D with NeuronConnector (found in etcd) answers exactly as one plain `vllm serve`.
+
+Every server runs vLLM's defaults, chunked prefill on: eight seeded prompts of up to 1000 tokens at
+once do not fit one step's 2048-token budget on the prefill server, which prefills some in chunks (the
+path on which vLLM's CPU build stops its engine for a seeded request; its prefill legs go unseeded)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
+import httpx
 import pytest
 
 from stack.serving import Stack
@@ -11,6 +17,7 @@ from stack.vllm import SERVED_NAME
 from stack.etcd import EtcdServer
 from tests.helpers import wait_until
 from tests.proxy.registration import registered_workers
+from tests.timeline_checks import assert_phases_add_up, request_timeline, uid_of
 from tests.vllm.client import answers, body, metric
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
@@ -52,6 +59,17 @@ def test_sampled_requests_without_a_seed_under_load(neuron_stack: Stack) -> None
     got = asyncio.run(answers(neuron_stack.url, "/v1/completions",
                               [body("/v1/completions", p, MAX_TOKENS, False) for p in long_prompts], 8))
     assert [g.completion_tokens for g in got] == [MAX_TOKENS] * 8
+    kv_usage_back_to_zero(neuron_stack)
+
+
+def test_timeline_phases_add_up(neuron_stack: Stack) -> None:
+    """One streamed request's phases, from the proxy and both connectors' status servers (GET /timeline)."""
+    payload = body("/v1/completions", "where did my time go? " * 20, MAX_TOKENS, True, temperature=0)
+    reply = httpx.post(neuron_stack.url + "/v1/completions", json=payload, timeout=60)
+    assert reply.status_code == 200, reply.text
+    uid = uid_of(json.loads(reply.text.split("data: ", 1)[1].split("\n", 1)[0])["id"])
+    path = assert_phases_add_up(request_timeline(neuron_stack.timeline_urls(), uid), streamed=True)
+    assert path[-1][1] > 0
     kv_usage_back_to_zero(neuron_stack)
 
 

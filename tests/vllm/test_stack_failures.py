@@ -94,14 +94,18 @@ def test_prefill_killed_fails_requests_fast_and_decode_keeps_serving(stack: Stac
     assert time.monotonic() - started < 10
 
     # A decode leg whose prefill peer is dead fails within the pull deadline, with a clear error.
+    uid = uuid.uuid4().hex
     payload = {**body("/v1/completions", LONG_PROMPT, 8, False, temperature=0),
-               "kv_transfer_params": {"role": "decode", "request_id": uuid.uuid4().hex,
+               "kv_transfer_params": {"role": "decode", "request_id": uid,
                                       "remote_host": "127.0.0.1", "remote_port": stack.kv_ports["prefill"]}}
     started = time.monotonic()
     response = httpx.post(decode + "/v1/completions", json=payload, timeout=60)
     elapsed = time.monotonic() - started
     assert response.status_code != 200 or response.json()["choices"][0]["finish_reason"] == "error", response.text
     assert elapsed < PULL_TIMEOUT + 10
+    # vLLM's answer says nothing; its connector's status server says why, naming the prefill peer.
+    [record] = httpx.get(f"{stack.status_urls['decode']}/timeline", params={"uid": uid}, timeout=10).json()["requests"]
+    assert f"prefill peer 127.0.0.1:{stack.kv_ports['prefill']} " in record["error"], record
     nothing_held(decode)
     # ... and decode still serves.
     plain = httpx.post(decode + "/v1/completions", json=body("/v1/completions", "hello", 4, False), timeout=60)

@@ -9,11 +9,17 @@ import pytest
 import torch
 
 from neuron_connector.vllm import NeuronConnectorConfig
-from neuron_connector.vllm.plan import Publish, Pull, Release, StepOrders
+from neuron_connector.vllm.orders import Publish, Pull, Release, StepOrders
 from neuron_connector.vllm.worker_side import TransferResults, WorkerSide
 from stack.serving import free_port
 from tests.helpers import wait_until
 from tests.vllm.test_connector_logic import vllm_like_caches
+
+
+def step(side: WorkerSide, orders: StepOrders) -> None:
+    """One engine step as the connector runs it: the orders, then (the forward done) the publishing."""
+    side.apply(orders)
+    side.publish_computed()
 
 
 @contextmanager
@@ -59,8 +65,8 @@ def test_a_checked_pull_of_vllm_blocks_lands_every_layer(checked_sides) -> None:
     prefill, decode, p_caches, d_caches = checked_sides
     for tensor in p_caches.values():
         tensor.copy_(torch.randn_like(tensor))
-    prefill.apply(StepOrders(publish=[Publish("p-req", "uid1", (2, 7, 3), output_token=9)]))
-    decode.apply(StepOrders(pull=[Pull("d-req", "uid1", "127.0.0.1", prefill.send.port, (6, 0, 1))]))
+    step(prefill, StepOrders(publish=[Publish("p-req", "uid1", (2, 7, 3), output_token=9)]))
+    step(decode, StepOrders(pull=[Pull("d-req", "uid1", "127.0.0.1", prefill.send.port, (6, 0, 1))]))
     got = collect(decode, set(), "finished_recving")
     assert got.finished_recving == {"d-req"} and not got.failed_recving
     for name in p_caches:
@@ -71,8 +77,9 @@ def test_pull_lands_every_layer_and_prefill_reports_sent_after_vllm_finished_it(
     prefill, decode, p_caches, d_caches = sides
     for name, tensor in p_caches.items():
         tensor.copy_(torch.randn_like(tensor))           # rebound tensors: this writes into the pool
-    prefill.apply(StepOrders(publish=[Publish("p-req", "uid1", (5, 6), output_token=9)]))
-    decode.apply(StepOrders(pull=[Pull("d-req", "uid1", "127.0.0.1", prefill.send.port, (1, 2))]))
+    # Published as the connector publishes: before vLLM reports the first token (decode samples it again).
+    step(prefill, StepOrders(publish=[Publish("p-req", "uid1", (5, 6))]))
+    step(decode, StepOrders(pull=[Pull("d-req", "uid1", "127.0.0.1", prefill.send.port, (1, 2))]))
     got = collect(decode, set(), "finished_recving")
     assert got.finished_recving == {"d-req"} and not got.failed_recving
     for name in p_caches:
@@ -87,15 +94,15 @@ def test_pull_lands_every_layer_and_prefill_reports_sent_after_vllm_finished_it(
 
 def test_a_discarded_request_fails_its_pull_at_once(sides) -> None:
     prefill, decode, _, _ = sides
-    prefill.apply(StepOrders(discard=["uid2"]))
-    decode.apply(StepOrders(pull=[Pull("d-req", "uid2", "127.0.0.1", prefill.send.port, (0,))]))
+    step(prefill, StepOrders(discard=["uid2"]))
+    step(decode, StepOrders(pull=[Pull("d-req", "uid2", "127.0.0.1", prefill.send.port, (0,))]))
     got = collect(decode, set(), "failed_recving", timeout=2)
     assert got.failed_recving == got.finished_recving == {"d-req"}
 
 
 def test_an_aborted_pull_gives_its_blocks_back(sides) -> None:
     prefill, decode, _, _ = sides
-    decode.apply(StepOrders(pull=[Pull("d-req", "never-published", "127.0.0.1", prefill.send.port, (3,))]))
+    step(decode, StepOrders(pull=[Pull("d-req", "never-published", "127.0.0.1", prefill.send.port, (3,))]))
     assert decode.results(set()).finished_recving == set()     # still waiting for prefill
     got = collect(decode, {"d-req"}, "finished_recving", timeout=5)
     assert got.finished_recving == {"d-req"} and decode.pending() == 0
@@ -105,25 +112,25 @@ def test_an_aborted_pull_has_prefill_free_the_request_when_it_publishes(sides) -
     """The decode request went away while prefill still computed: prefill frees at once, not
     at its abort timeout (30 s here)."""
     prefill, decode, _, _ = sides
-    decode.apply(StepOrders(pull=[Pull("d-req", "uid7", "127.0.0.1", prefill.send.port, (3,))]))
+    step(decode, StepOrders(pull=[Pull("d-req", "uid7", "127.0.0.1", prefill.send.port, (3,))]))
     collect(decode, {"d-req"}, "finished_recving", timeout=5)
     wait_until(lambda: prefill.send.stats.peer_releases == 1, timeout=5, what="the decode side's release")
-    prefill.apply(StepOrders(publish=[Publish("p-req", "uid7", (5, 6), output_token=9)]))
+    step(prefill, StepOrders(publish=[Publish("p-req", "uid7", (5, 6), output_token=9)]))
     assert collect(prefill, {"p-req"}, "finished_sending", timeout=1).finished_sending == {"p-req"}
     assert prefill.send.pending() == 0 and prefill.pending() == 0
 
 
 def test_a_decode_leg_that_never_pulled_releases_the_prefill_blocks(sides) -> None:
     prefill, decode, _, _ = sides
-    prefill.apply(StepOrders(publish=[Publish("p-req", "uid8", (5, 6), output_token=9)]))
-    decode.apply(StepOrders(release=[Release("uid8", "127.0.0.1", prefill.send.port)]))
+    step(prefill, StepOrders(publish=[Publish("p-req", "uid8", (5, 6), output_token=9)]))
+    step(decode, StepOrders(release=[Release("uid8", "127.0.0.1", prefill.send.port)]))
     assert collect(prefill, {"p-req"}, "finished_sending", timeout=1).finished_sending == {"p-req"}
     assert prefill.send.pending() == 0 and decode.pending() == 0
 
 
 def test_a_dead_prefill_peer_fails_the_pull_by_its_deadline(sides) -> None:
     _, decode, _, _ = sides
-    decode.apply(StepOrders(pull=[Pull("d-req", "uid3", "127.0.0.1", free_port(), (0, 1))]))
+    step(decode, StepOrders(pull=[Pull("d-req", "uid3", "127.0.0.1", free_port(), (0, 1))]))
     got = collect(decode, set(), "failed_recving", timeout=3 + 10)
     assert got.failed_recving == {"d-req"}
 
@@ -131,8 +138,8 @@ def test_a_dead_prefill_peer_fails_the_pull_by_its_deadline(sides) -> None:
 def test_a_pull_naming_no_prefill_engine_is_not_checked(sides) -> None:
     """A static proxy does not know a prefill's engine id and names none."""
     prefill, decode, _, _ = sides
-    prefill.apply(StepOrders(publish=[Publish("p-req", "uid4", (5,), output_token=9)]))
-    decode.apply(StepOrders(pull=[Pull("d-req", "uid4", "127.0.0.1", prefill.send.port, (1,), None)]))
+    step(prefill, StepOrders(publish=[Publish("p-req", "uid4", (5,), output_token=9)]))
+    step(decode, StepOrders(pull=[Pull("d-req", "uid4", "127.0.0.1", prefill.send.port, (1,), None)]))
     got = collect(decode, set(), "finished_recving")
     assert got.finished_recving == {"d-req"} and not got.failed_recving
 
@@ -140,10 +147,10 @@ def test_a_pull_naming_no_prefill_engine_is_not_checked(sides) -> None:
 def test_a_pull_fails_when_another_prefill_engine_answers(sides) -> None:
     prefill, decode, _, _ = sides
     assert prefill.send is not None
-    prefill.apply(StepOrders(publish=[Publish("p-1", "uid5", (5,), output_token=9),
+    step(prefill, StepOrders(publish=[Publish("p-1", "uid5", (5,), output_token=9),
                                       Publish("p-2", "uid6", (6,), output_token=9)]))
     port, engine_id = prefill.send.port, prefill.send.engine_id
-    decode.apply(StepOrders(pull=[Pull("d-1", "uid5", "127.0.0.1", port, (1,), engine_id),
+    step(decode, StepOrders(pull=[Pull("d-1", "uid5", "127.0.0.1", port, (1,), engine_id),
                                   Pull("d-2", "uid6", "127.0.0.1", port, (2,), "another-prefill")]))
     seen = TransferResults()
 

@@ -30,7 +30,8 @@ class DecodeSide(DisaggregatedRole):
             if (request := self._pulled(request_id)) is not None:
                 # Token 1 was sampled on the prefill worker from its copy of this generator.
                 skip_sample(self.parts.vocab_size, request.params, request.generator)
-                self.kv.pulled(len(request.block_table) - request.num_cached_blocks, request.num_cached_blocks)
+                self.kv.pulled(request_id, len(request.block_table) - request.num_cached_blocks,
+                               request.num_cached_blocks)
                 scheduler.transfer_done(request, token_id)
                 request.advance(token_id)   # the prefill's token is this request's first output
                 outputs.append(self.parts.emit(request, token_id))

@@ -19,6 +19,7 @@ import torch
 
 from common.kv_secret import describe_plane
 from common.roles import DEFAULT_KV_PORT
+from common.timeline import ADMITTED, FIRST_STEP, PULL_REPORTED, Timeline
 from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, IntegrityError, ProtocolError,
                               PullState, RecvBuffer, SendBuffer, UnknownRequest)
 from transfer import KVLayout, TransferError, create_transfer_engine
@@ -81,6 +82,7 @@ class KVConnector:
             raise ValueError(f"the KV connector serves roles prefill and decode, not {config.role!r}")
         self.config = config
         self.role = config.role
+        self.timeline = Timeline(config.role)   # this worker's phases of each leg (GET /timeline)
         self.wake: Callable[[], None] = lambda: None   # set by the engine's driver thread
         # Prefill: called from the SendBuffer thread with (seconds, blocks, bytes) per completed push.
         self.on_transfer: Callable[[float, int, int], None] = lambda seconds, blocks, nbytes: None
@@ -114,12 +116,13 @@ class KVConnector:
                                        on_release=self._on_release, abort_timeout=cfg.abort_timeout,
                                        transfer_timeout=cfg.pull_timeout,
                                        on_transfer=lambda seconds, blocks: self.on_transfer(
-                                           seconds, blocks, blocks * layout.block_bytes), secret=cfg.secret)
+                                           seconds, blocks, blocks * layout.block_bytes), secret=cfg.secret,
+                                       timeline=self.timeline)
                 self.send.start()
             else:
                 self.recv = RecvBuffer(self._transfer, layout, engine_id, default_timeout=cfg.pull_timeout,
                                        on_finished=self._on_finished, secret=cfg.secret,
-                                       integrity_check=cfg.integrity_check)
+                                       integrity_check=cfg.integrity_check, timeline=self.timeline)
                 self.recv.start()
         except (TransferError, ConnectorError) as exc:
             self.close()
@@ -162,15 +165,22 @@ class KVConnector:
     def start_pull(self, request_id: str, target: PullTarget, block_ids: list[int], num_skipped: int = 0) -> None:
         """Pulls the request's blocks after its first `num_skipped` (which this worker holds) into `block_ids`."""
         assert self.recv is not None
+        self.timeline.mark(request_id, ADMITTED)
         try:
             self.recv.request_pull(request_id, target.host, target.port, block_ids,
                                    peer_engine_id=target.engine_id, skipped_blocks=num_skipped)
         except (ConnectorError, ValueError) as exc:
             raise KVTransferError(f"KV pull of request {request_id!r} could not start: {exc}") from exc
 
-    def pulled(self, num_pulled: int, num_skipped: int) -> None:
-        """Counts a finished pull: blocks moved, and leading blocks not moved since this worker held them."""
+    def pulled(self, request_id: str, num_pulled: int, num_skipped: int) -> None:
+        """A finished pull runs in this step: counts the blocks it moved, and the leading blocks not moved
+        since this worker held them."""
+        self.timeline.mark(request_id, FIRST_STEP)
         self.on_pull(num_pulled, num_skipped, self._block_bytes)
+
+    def admitted(self, request_id: str) -> None:
+        """Prefill: a leg entered the engine."""
+        self.timeline.mark(request_id, ADMITTED)
 
     def _on_finished(self, request_id: str) -> None:
         # RecvBuffer thread: as _on_release.
@@ -186,12 +196,17 @@ class KVConnector:
                 status = self.recv.poll(request_id)
             except UnknownRequest:  # cancelled after it ended: its blocks were freed then
                 continue
-            if status.state is PullState.DONE:
-                assert status.output_token is not None
+            self.timeline.mark(request_id, PULL_REPORTED)
+            if status.state is PullState.DONE and status.output_token is None:
+                results.failed.append((request_id, KVTransferError(
+                    f"KV transfer of request {request_id!r} from the prefill worker failed: it sent no first "
+                    "token (a prefill worker of another engine?)", retryable=False)))
+            elif status.state is PullState.DONE:
                 results.done.append((request_id, status.output_token))
                 if self.config.integrity_check:
                     self.on_integrity_check(True)
             elif status.state is PullState.FAILED:
+                self.timeline.fail(request_id, status.message or "the pull failed")
                 if isinstance(status.error, IntegrityError):
                     self.on_integrity_check(False)
                 results.failed.append((request_id, KVTransferError(

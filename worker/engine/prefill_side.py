@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from neuron_connector import ConnectorError
 from worker.engine.request import Request, RequestOutput
-from worker.engine.roles import DisaggregatedRole
+from worker.engine.roles import DisaggregatedRole, Leg
 
 logger = logging.getLogger(__name__)
 
@@ -14,6 +15,12 @@ class PrefillSide(DisaggregatedRole):
     """Publishes every finished `remote_kv` request with the SendBuffer; frees its blocks on release."""
 
     name = "prefill"
+
+    def leg(self, request_id: str, params: dict[str, Any] | None) -> Leg:
+        leg = super().leg(request_id, params)
+        if leg.remote_kv:
+            self.kv.admitted(request_id)
+        return leg
 
     def before_step(self) -> list[RequestOutput]:
         scheduler, requests = self.parts.scheduler, self.parts.requests

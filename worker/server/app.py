@@ -13,6 +13,7 @@
                                  way to end a disaggregated leg whose client left (on a prefill worker,
                                  also KV held for a pull, or a leg that has not arrived yet)
     GET  /metrics                Prometheus text (worker/server/metrics.py)
+    GET  /timeline               the phases of recent disaggregated legs here (common/timeline.py)
 
 `X-Request-Id` becomes the engine's request id and is echoed on every response (request_id.py). Every error,
 whatever raised it, is turned into a status and an OpenAI-style body by protocol.error_for.
@@ -26,6 +27,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
+from prometheus_client import generate_latest
 from quart import Quart, Response, g, jsonify, make_response, request
 
 from worker.server.async_engine import AsyncEngine, RequestStream
@@ -51,6 +53,7 @@ from worker.server.responses import Kind, ResponseShape
 from worker.server.token_text import TokenStrings
 from worker.sampling_params import SamplingParams
 from common.openai_wire import error_body
+from common.timeline import Timeline, parse_query
 from common.worker_record import WorkerRecord
 from common.request_body import request_body
 from worker.server.protocol import GenerateRequest, build_params, error_for, models_body, parse_body, parse_request
@@ -88,6 +91,7 @@ def create_app(engine_config: EngineConfig, *,
     app.add_url_rule("/role", "role", worker.change_role, methods=["POST"])
     app.add_url_rule("/abort_request", "abort_request", worker.abort_request, methods=["POST"])
     app.add_url_rule("/metrics", "metrics", worker.metrics_page, methods=["GET"])
+    app.add_url_rule("/timeline", "timeline", worker.timeline_page, methods=["GET"])
     app.extensions["neuron_di_worker"] = worker
     return app
 
@@ -209,7 +213,24 @@ class _Worker:
 
     async def metrics_page(self) -> Response:
         assert self.metrics is not None
-        return Response(self.metrics.render(self.async_engine.stats), content_type=ServerMetrics.content_type)
+        page = self.metrics.render(self.async_engine.stats)
+        if (timeline := self._timeline()) is not None:
+            page += generate_latest(timeline.registry)
+        return Response(page, content_type=ServerMetrics.content_type)
+
+    async def timeline_page(self) -> Response:
+        try:
+            uid, n = parse_query(request.args)
+        except ValueError as exc:
+            raise invalid(f"bad query: {exc}", "n") from exc
+        timeline = self._timeline()
+        if timeline is None:  # role both: no leg is disaggregated here
+            return jsonify({"source": "both", "requests": []})
+        return jsonify(timeline.answer(uid, n))
+
+    def _timeline(self) -> Timeline | None:
+        engine = self.async_engine.llm_engine
+        return engine.kv_connector.timeline if engine is not None and engine.kv_connector is not None else None
 
     # ---- errors: every status comes from protocol.error_for ----------------------------------
 

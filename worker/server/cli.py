@@ -263,14 +263,14 @@ def default_engine_id(port: int) -> str:
 def worker_record(args: argparse.Namespace, engine: Any) -> Any:
     """The record of this worker running `engine`: its GET /health answer shows it, and with --etcd it is
     registered in etcd (revoked when a drain or a change of role starts, or at exit)."""
-    from common.worker_record import WorkerRecord
+    from common.worker_record import OUR_SERVER, WorkerRecord
 
     kv_port = engine.kv_connector.kv_port if engine.kv_connector is not None else 0
     return WorkerRecord(role=engine.config.role, host=args.advertise_host or args.host, http_port=args.port,
                         kv_host=args.kv_host, kv_port=kv_port, engine_id=args.engine_id,
                         transfer={"backend": args.kv_transport}, model=engine.model_name,
                         kv_secret_id=secret_id(args.kv_secret) if engine.kv_connector is not None else "",
-                        dtype=engine.config.dtype)
+                        dtype=engine.config.dtype, server=OUR_SERVER)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
