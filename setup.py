@@ -12,7 +12,8 @@ setup(
     include_package_data=True,
     # Native hot loops, each optional: without a C compiler the same results come from a
     # slower Python/torch path (the shm transport's copy loop, the decode attention).
-    ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c"], optional=True),
+    ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c", "transfer/_crc32c.c"],
+                           depends=["transfer/_crc32c.h"], optional=True),
                  Extension("worker.model.layers._paged_decode", ["worker/model/layers/_paged_decode.c"], optional=True)],
     install_requires=[
         # Pinned exactly: a range admitting newer releases pulls CUDA builds.
@@ -32,6 +33,7 @@ setup(
         "tqdm>=4.66,<5",
         "openai>=1.40,<4",
         "llguidance>=1.0,<2",   # structured output (JSON schema, regex, choice): a Rust wheel, no dependencies
+        "crc32c>=2.4,<3",       # KV integrity: the reference CRC-32C, and the sum where transfer._memcopy is not built
     ],
     extras_require={
         "test": [

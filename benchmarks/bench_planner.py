@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from benchmarks.phase_change import (CUT, PHASES, TPOT_TARGET_S, TTFT_TARGET_S, 
                                      rolling_attainment, trace)
 from benchmarks.phase_report import format_table, plot, summarize
 from benchmarks.planner_fleet import MockFleet, replay, worker_template
+from benchmarks.serving_metrics import RequestResult
 from planner.fleet import EtcdWorkers
 from stack.serving import Process
 
@@ -37,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="the budget: simulated workers (default 12)")
     parser.add_argument("--phase-seconds", type=float, default=None, help="each phase of the planner's run (default 60)")
     parser.add_argument("--static-phase-seconds", type=float, default=None,
-                        help="each phase of a static split's run (default 25)")
+                        help="each phase of a static split's run (default: --phase-seconds; shorter phases than a "
+                             "long generation lasts never let a static split reach the phase's steady state)")
     parser.add_argument("--static-splits", default=None,
                         help="prefill counts of the static splits, comma separated (default: every split)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
@@ -47,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     quick = args.quick
     args.workers = args.workers or (6 if quick else 12)
     args.phase_seconds = args.phase_seconds or (15.0 if quick else 60.0)
-    args.static_phase_seconds = args.static_phase_seconds or (8.0 if quick else 25.0)
+    args.static_phase_seconds = args.static_phase_seconds or args.phase_seconds
     splits = args.static_splits or (f"1,{args.workers // 2},{args.workers - 1}" if quick else
                                     ",".join(str(p) for p in range(1, args.workers)))
     args.static_splits = [int(p) for p in splits.split(",")]
@@ -75,7 +80,7 @@ def run_static(fleet: MockFleet, prefill: int, args: argparse.Namespace) -> dict
     print(f"  static {prefill}P{args.workers - prefill}D: " + "  ".join(
         f"{p.name} {s:.0%}" if s is not None else f"{p.name} -" for p, s in zip(PHASES, shares)), flush=True)
     return {"prefill": prefill, "decode": args.workers - prefill, "attainment_by_phase": shares,
-            "requests": len(arrivals), "failed": sum(r.error is not None for r in results)}
+            "requests": len(arrivals), **outcomes(results)}
 
 
 def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -109,9 +114,14 @@ def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> di
     return {"attainment_by_phase": attainment_by_phase(arrivals, results, len(PHASES), seconds=seconds),
             "rolling_attainment": rolling_attainment(arrivals, results, 5.0, len(PHASES) * seconds),
             "changes_by_phase": changes, "changes_after_settle_by_phase": after_settle,
-            "recovery_s_by_phase": recovery, "timeline": timeline, "requests": len(arrivals),
-            "failed": sum(r.error not in (None, CUT) for r in results),
+            "recovery_s_by_phase": recovery, "timeline": timeline, "requests": len(arrivals), **outcomes(results),
             "log_tail": log[-3000:]}
+
+
+def outcomes(results: list[RequestResult]) -> dict[str, Any]:
+    """Requests that failed (by error) and those still running when the run was cut."""
+    errors = Counter(r.error for r in results if r.error not in (None, CUT))
+    return {"failed": sum(errors.values()), "errors": dict(errors), "cut": sum(r.error == CUT for r in results)}
 
 
 def main() -> None:
@@ -120,6 +130,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"phase-change benchmark: {args.workers} simulated workers; SLO TTFT <= {TTFT_TARGET_S:g} s, "
           f"TPOT <= {TPOT_TARGET_S * 1000:g} ms", flush=True)
+    load_before = os.getloadavg()
     fleet = MockFleet(args.workers)
     try:
         statics = [run_static(fleet, p, args) for p in args.static_splits]
@@ -127,6 +138,9 @@ def main() -> None:
     finally:
         fleet.close()
     report = summarize(args, statics, planner)
+    report["run"] = {"command": " ".join(["python -m benchmarks.bench_planner", *sys.argv[1:]]),
+                     "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(),
+                     "cpus": os.cpu_count()}
     print(format_table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -6,8 +6,7 @@ pinned to one core, then, in the same run:
     the proxy (each fanned out to both backends); added = proxy - direct, p50 and p99;
   * throughput: many keep-alive connections to the proxy for a fixed time -> requests/s,
     and the proxy's CPU time per request.
-Both upstream HTTP clients the proxy supports (aiohttp, httpx) are measured; the JSON's top
-level keys are for the default (aiohttp).
+  * the CPU time of one upstream call through the proxy's client (aiohttp), in this process.
 
     python -m benchmarks.bench_proxy [--quick] [--json PATH]
 """
@@ -22,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from stack.serving import Process, free_port, wait_healthy
 
 BODY = json.dumps({"model": "null", "prompt": "hello", "max_tokens": 2}).encode()
@@ -100,12 +98,11 @@ async def _throughput(port: int, connections: int, seconds: float) -> tuple[int,
     return done, failed
 
 
-async def _client_cpu_ms(http_client: str, port: int, calls: int) -> float:
+async def _client_cpu_ms(port: int, calls: int) -> float:
     """CPU time of one upstream call through the proxy's client wrapper, in this process."""
-    from proxy.app import client_class
-    from proxy.upstream import Timeouts
+    from proxy.upstream import AiohttpUpstream, Timeouts
     from proxy.workers import WorkerRecord
-    upstream = client_class(http_client)(WorkerRecord("decode", "127.0.0.1", port), Timeouts())
+    upstream = AiohttpUpstream(WorkerRecord("decode", "127.0.0.1", port), Timeouts())
     body = json.loads(BODY)
     try:
         for _ in range(50):
@@ -118,11 +115,10 @@ async def _client_cpu_ms(http_client: str, port: int, calls: int) -> float:
         await upstream.close()
 
 
-def measure(http_client: str, backends: tuple[int, int], opts: argparse.Namespace, core: int | None) -> dict:
+def measure(backends: tuple[int, int], opts: argparse.Namespace, core: int | None) -> dict:
     port = free_port()
     proxy = Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port),
-                              "--http-client", http_client, "--prefill-ip", "127.0.0.1",
-                              "--prefill-port", str(backends[0]), "--decode-ip", "127.0.0.1",
+                              "--prefill-ip", "127.0.0.1", "--prefill-port", str(backends[0]), "--decode-ip", "127.0.0.1",
                               "--decode-port", str(backends[1])], core)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", [proxy], timeout_s=30.0)
@@ -133,8 +129,8 @@ def measure(http_client: str, backends: tuple[int, int], opts: argparse.Namespac
         cpu, wall = _cpu_seconds(proxy.proc.pid) - cpu0, time.perf_counter() - t0
     finally:
         proxy.stop()
-    call_ms = asyncio.run(_client_cpu_ms(http_client, backends[1], opts.requests))
-    return {"http_client": http_client, "client_cpu_ms_per_call": call_ms, "direct_p50_ms": _pct(direct, 50), "proxy_p50_ms": _pct(proxied, 50),
+    call_ms = asyncio.run(_client_cpu_ms(backends[1], opts.requests))
+    return {"client_cpu_ms_per_call": call_ms, "direct_p50_ms": _pct(direct, 50), "proxy_p50_ms": _pct(proxied, 50),
             "added_p50_ms": _pct(proxied, 50) - _pct(direct, 50), "added_p99_ms": _pct(proxied, 99) - _pct(direct, 99),
             "max_rps": done / wall, "failed": failed, "proxy_cpu_ms_per_request": 1000 * cpu / max(done, 1),
             # On a shared machine the proxy may not get its whole core: requests per CPU-second
@@ -146,8 +142,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="proxy overhead against null backends")
     parser.add_argument("--quick", action="store_true", help="a short run (< 1 min)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--clients", default="aiohttp,httpx",
-                        help="upstream HTTP clients to measure; the first is the headline")
     opts = parser.parse_args()
     opts.requests, opts.seconds, opts.connections = (300, 3.0, 32) if opts.quick else (2000, 10.0, 64)
     cores = sorted(os.sched_getaffinity(0))
@@ -160,24 +154,23 @@ def main() -> None:
     try:
         for port in ports:
             wait_healthy(f"http://127.0.0.1:{port}/health", backends, timeout_s=30.0)
-        results = [measure(name, ports, opts, proxy_core) for name in opts.clients.split(",")]
+        result = measure(ports, opts, proxy_core)
     finally:
         for proc in backends:
             proc.stop()
-    _print(results)
+    _print(result)
     if opts.json:
-        opts.json.write_text(json.dumps({**results[0], "clients": results, "quick": opts.quick,
+        opts.json.write_text(json.dumps({**result, "quick": opts.quick,
                                          "proxy_pinned_to_one_core": proxy_core is not None}, indent=2))
 
 
-def _print(results: list[dict]) -> None:
-    print(f"{'client':8} {'direct p50':>11} {'proxy p50':>10} {'added p50':>10} {'added p99':>10} "
+def _print(r: dict) -> None:
+    print(f"{'direct p50':>11} {'proxy p50':>10} {'added p50':>10} {'added p99':>10} "
           f"{'max req/s':>10} {'CPU ms/req':>11} {'req/CPU-s':>10} {'core use':>9} {'failed':>7} {'call CPU':>9}")
-    for r in results:
-        print(f"{r['http_client']:8} {r['direct_p50_ms']:9.3f}ms {r['proxy_p50_ms']:8.3f}ms "
-              f"{r['added_p50_ms']:8.3f}ms {r['added_p99_ms']:8.3f}ms {r['max_rps']:10.0f} "
-              f"{r['proxy_cpu_ms_per_request']:11.3f} {r['rps_per_cpu_second']:10.0f} "
-              f"{r['proxy_cpu_utilisation']:8.0%} {r['failed']:7d} {r['client_cpu_ms_per_call']:7.3f}ms")
+    print(f"{r['direct_p50_ms']:9.3f}ms {r['proxy_p50_ms']:8.3f}ms "
+          f"{r['added_p50_ms']:8.3f}ms {r['added_p99_ms']:8.3f}ms {r['max_rps']:10.0f} "
+          f"{r['proxy_cpu_ms_per_request']:11.3f} {r['rps_per_cpu_second']:10.0f} "
+          f"{r['proxy_cpu_utilisation']:8.0%} {r['failed']:7d} {r['client_cpu_ms_per_call']:7.3f}ms")
     print("added = through the proxy minus direct to one backend; each proxied request is two upstream calls.\n"
           "CPU ms/req = the proxy's CPU time per request; req/CPU-s = what one dedicated core sustains;\n"
           "call CPU = one upstream call through the client alone, measured in the benchmark process.")

@@ -4,11 +4,13 @@ Moves the same set of non-contiguous KV blocks (64 MiB, 256 MiB and 1 GiB of 16-
 blocks of the model's layout) from this process into a peer process with each backend,
 and in the same run measures the two ceilings they should approach: a single-thread
 memcpy between two pre-touched buffers (for shm) and one raw TCP stream on loopback
-(for tcp). Each backend also runs with the integrity check (`+check`: the sender's CRC-32
-of its source blocks while the push runs, then the receiver's of its destination blocks,
-compared), next to `crc32`, zlib's CRC-32 over one buffer. Prints a table; `--json PATH`
-writes GB/s per backend and size plus the ratios for the largest size; `--quick` runs 64
-and 256 MiB only, in under a minute.
+(for tcp). Each backend also runs with the integrity check, as every pull runs it by
+default (`+check`: the push reports the CRC-32C of the bytes it sent, summed in the copy's
+pass over shm and on the transfer thread otherwise, then the receiving process sums its
+destination blocks and the two are compared), next to `crc32c`, the native CRC-32C over the
+same scattered blocks in one pool. Prints a table; `--json PATH` writes GB/s per backend
+and size plus the ratios for the largest size (`checked_over_unchecked_<backend>`);
+`--quick` runs 64 and 256 MiB only, in under a minute.
 
     python -m benchmarks.bench_transfer --quick --json bench.json
 """
@@ -18,12 +20,13 @@ import argparse
 import ctypes
 import json
 import multiprocessing as mp
+import os
 import random
 import socket
 import statistics
 import struct
+import sys
 import time
-import zlib
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
@@ -84,19 +87,22 @@ class Memcpy:
         del self._src, self._dst
 
 
-class Crc32:
-    """zlib's CRC-32 over one pre-touched buffer, read in place: the integrity check's cost per byte."""
+class Crc32c:
+    """The native CRC-32C over the scattered blocks of one pool, read in place: what the
+    receiving side of a checked pull pays per byte."""
 
-    name = "crc32"
+    name = "crc32c"
 
-    def __init__(self, nbytes: int) -> None:
-        self._buf = memoryview(touched(nbytes).numpy())
+    def __init__(self, layout: KVLayout, sets: dict[int, tuple[list[int], list[int]]]) -> None:
+        self._engine = create_transfer_engine("tcp")
+        self._engine.allocate_region(layout)
+        self._sets = sets
 
     def run(self, size: int) -> None:
-        zlib.crc32(self._buf[:size * MIB])
+        self._engine.checksum(self._sets[size][1])
 
     def close(self) -> None:
-        self._buf.release()
+        self._engine.close()
 
 
 def _raw_tcp_receiver(port_out: Connection, nbytes: int) -> None:
@@ -167,13 +173,12 @@ class EngineSession:
     def run(self, size: int, checked: bool = False) -> None:
         """One push; `checked`: as a pull with the integrity check runs it (neuron_connector)."""
         src, dst = self._sets[size]
-        token = self._engine.queue_transfer_with_token(self._peer, src, dst, timeout=120)
-        sent = self._engine.checksum(src, dst) if checked else None
+        token = self._engine.queue_transfer_with_token(self._peer, src, dst, timeout=120, checksum=checked)
         token.wait(130)
         if checked:
             self._conn.send(("checksum", dst))
-            if self._conn.recv() != sent:
-                raise SystemExit(f"{self.name}: the destination's checksum differs from the source's")
+            if self._conn.recv() != token.checksum:
+                raise SystemExit(f"{self.name}: the destination's checksum differs from the one sent")
 
     def check(self, size: int) -> None:
         src, dst = self._sets[size]
@@ -268,6 +273,7 @@ def ratio(results: dict[str, dict[int, float]], a: str, b: str, size: int) -> fl
 
 def main() -> None:
     args = parse_args()
+    load_before = os.getloadavg()
     torch.set_num_threads(1)
     layers, heads, head_dim, dtype = MODELS[args.model]
     probe = KVLayout(layers, 1, 16, heads, head_dim, dtype)
@@ -277,7 +283,7 @@ def main() -> None:
     engine = lambda name: (lambda: EngineSession(name, layout, sets))  # noqa: E731
     # Each backend runs in turns with the ceiling it is compared to; one group at a time
     # keeps at most four pools of the largest size in memory.
-    groups = [[lambda: Memcpy(nbytes), lambda: Crc32(nbytes)] + ([engine("shm")] if "shm" in args.backends else []),
+    groups = [[lambda: Memcpy(nbytes), lambda: Crc32c(layout, sets)] + ([engine("shm")] if "shm" in args.backends else []),
               [lambda: RawTcp(nbytes)] + ([engine("tcp")] if "tcp" in args.backends else [])]
     groups += [[engine(b)] for b in args.backends if b not in ("shm", "tcp")]
     results: dict[str, dict[int, float]] = {}
@@ -292,10 +298,12 @@ def main() -> None:
               "tcp_over_raw_tcp": ratio(results, "tcp", "raw_tcp", top),
               "shm_over_nixl": ratio(results, "shm", "nixl", top),
               "tcp_over_nixl": ratio(results, "tcp", "nixl", top),
-              **{f"{b}_check_over_{b}": ratio(results, f"{b}+check", b, top) for b in args.backends}}
+              **{f"checked_over_unchecked_{b}": ratio(results, f"{b}+check", b, top) for b in args.backends}}
     print(f"ratios at {top} MiB: " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
     if args.json:
         args.json.write_text(json.dumps({
+            "command": " ".join(["python -m benchmarks.bench_transfer", *sys.argv[1:]]),
+            "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
             "model": args.model, "pattern": args.pattern, "layout": layout.to_dict(),
             "block_bytes": layout.block_bytes, "native_copy": NATIVE,
             "sizes_mib": args.sizes, "repeats": args.repeats, "largest_mib": top,

@@ -9,11 +9,14 @@ Workloads (model, input / output tokens):
   builtin_128_64     the built-in model, 128 / 64
   bench24m_512_128   the ~24M benchmark model, 512 / 128
   bench24m_2000_64   the ~24M benchmark model, 2000 / 64
+Next to ITL p99 stand stalls per request (gaps longer than 3x the run's median ITL: steps that also
+prefilled) and the largest gap, since p99 swings on how many gaps hold a prompt chunk.
 Ratios are ours over vllm: throughput (req/s), TTFT mean, ITL p99; `worst` is the worst of each
 over the workloads, held against the goals throughput >= 1.2, TTFT mean <= 0.8, ITL p99 <= 1.0.
 
     python -m benchmarks.bench_vs_vllm --quick --workloads builtin_128_64
     python -m benchmarks.bench_vs_vllm --json benchmarks/results/vs_vllm.json
+    python -m benchmarks.bench_vs_vllm --dtype bfloat16 --json benchmarks/results/vs_vllm_bf16.json
     python -m benchmarks.bench_vs_vllm --ours-extra "--max-num-seqs 8" --quick
 
 --quick loads each system for well under a minute (16 prompts, at most 32 output tokens); starting
@@ -73,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-warmups", type=int, help="unmeasured requests first (default 8; --quick 2)")
     p.add_argument("--max-concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="what both servers compute in (ours: --dtype; vLLM: --dtype; default float32)")
     p.add_argument("--ours-extra", action="append", default=[], metavar="FLAGS",
                    help='more flags for our worker, e.g. "--max-num-seqs 8" (repeatable; a lone flag '
                         'as --ours-extra=--flag)')
@@ -124,14 +129,19 @@ def model_dir(model: str) -> str:
     return str(builtin_model_path() if model == "builtin" else create_bench_model())
 
 
+def ours_flags(workload: Workload, args: argparse.Namespace) -> list[str]:
+    """Our worker's flags beyond the stack's own: the workload's context and KV, the dtype, --ours-extra."""
+    return ["--max-model-len", str(workload.max_model_len), "--num-kv-blocks",
+            str(kv_blocks(workload, args.max_concurrency, OUR_BLOCK_SIZE)), "--dtype", args.dtype, *args.ours_extra]
+
+
 def starters(workload: Workload, model: str, args: argparse.Namespace) -> dict[str, Callable[[], Stack]]:
     ours = StackOptions(cores=(args.core, None), model=model, startup_timeout_s=args.startup_timeout)
-    ours_flags = ["--max-model-len", str(workload.max_model_len), "--num-kv-blocks",
-                  str(kv_blocks(workload, args.max_concurrency, OUR_BLOCK_SIZE)), *args.ours_extra]
     vllm = VllmOptions(model=model, cores=(args.core, args.core), max_model_len=workload.max_model_len,
                        num_blocks=kv_blocks(workload, args.max_concurrency, VLLM_BLOCK_SIZE),
-                       startup_timeout_s=args.startup_timeout)
-    return {"ours": lambda: start_both(ours, ours_flags), "vllm": lambda: start_colocated(vllm)}
+                       startup_timeout_s=args.startup_timeout, dtype=args.dtype)
+    flags = ours_flags(workload, args)
+    return {"ours": lambda: start_both(ours, flags), "vllm": lambda: start_colocated(vllm)}
 
 
 def measure(start: Callable[[], Stack], load: ClientLoad, result: Path) -> dict[str, Any]:
@@ -203,11 +213,17 @@ def goals(worst: dict[str, float | None]) -> dict[str, bool]:
 COLUMNS = [("req/s", "request_throughput", "{:.3f}"), ("out tok/s", "output_throughput", "{:.1f}"),
            ("TTFT mean", "ttft_mean_ms", "{:.1f}"), ("TTFT p99", "ttft_p99_ms", "{:.1f}"),
            ("TPOT mean", "tpot_mean_ms", "{:.2f}"), ("TPOT p99", "tpot_p99_ms", "{:.2f}"),
-           ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"), ("failed", "failed", "{:d}")]
+           ("ITL p50", "itl_p50_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
+           ("stalls/req", "stalls_per_request", "{:.2f}"), ("max gap", "largest_gap_ms", "{:.1f}"),
+           ("failed", "failed", "{:d}")]
 
 
 def _number(value: float | None) -> str:
     return "null" if value is None else f"{value:.3f}"
+
+
+def _cell(fmt: str, value: Any) -> str:
+    return "null" if value is None else fmt.format(value)
 
 
 def format_table(results: dict[str, dict[str, dict[str, Any]]], ratios: dict[str, dict[str, float | None]]) -> str:
@@ -219,7 +235,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], ratios: dict[str
             if "skipped" in metrics:
                 rows.append(f"{system:8}skipped: {metrics['skipped']}")
             else:
-                rows.append(f"{system:8}" + "".join(f"{fmt.format(metrics[key]):>11}" for _, key, fmt in COLUMNS))
+                rows.append(f"{system:8}" + "".join(f"{_cell(fmt, metrics.get(key)):>11}" for _, key, fmt in COLUMNS))
         rows.append("ours/vllm: " + ", ".join(f"{name} {_number(v)}" for name, v in ratios[workload].items()))
         rows.append("")
     met = goals(ratios["worst"])

@@ -26,6 +26,11 @@ CLIENT_KEYS = {"request_throughput": "request_throughput", "ttft_mean_ms": "mean
                "output_throughput": "output_throughput"}
 
 
+# A gap between two tokens of a stream longer than this many times the run's median ITL is a stall: the
+# step that made it also computed prompt tokens (a chunk of another request's prefill), not just decodes.
+STALL_FACTOR = 3.0
+
+
 class ClientError(RuntimeError):
     """`vllm bench serve` failed, timed out or wrote a result without the keys we read."""
 
@@ -60,7 +65,7 @@ def client_args(load: ClientLoad, url: str, model: str, result: Path) -> list[st
             "--random-output-len", str(load.output_len), "--num-prompts", str(load.num_prompts),
             "--max-concurrency", str(load.max_concurrency), "--num-warmups", str(load.num_warmups),
             "--ignore-eos", "--seed", str(load.seed), "--percentile-metrics", "ttft,tpot,itl",
-            "--metric-percentiles", "99", "--disable-tqdm", "--save-result",
+            "--metric-percentiles", "99", "--disable-tqdm", "--save-result", "--save-detailed",
             "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
@@ -85,4 +90,14 @@ def client_metrics(result: dict[str, Any]) -> dict[str, Any]:
         raise ClientError(f"vllm bench serve's result has no {missing}")
     metrics = {ours: result[theirs] for ours, theirs in CLIENT_KEYS.items()}
     metrics["first_error"] = next((e for e in result.get("errors", []) if e), None)
-    return metrics
+    return metrics | gap_stats(result.get("itls"), result["median_itl_ms"])
+
+
+def gap_stats(itls: list[list[float]] | None, median_itl_ms: float) -> dict[str, float | None]:
+    """Stalls per request (gaps over STALL_FACTOR x the median ITL) and the largest gap, from the
+    per-request inter-token gaps (seconds) `--save-detailed` saves; None for both without them."""
+    gaps = [gap * 1000 for request in itls or [] for gap in request]
+    if not gaps:
+        return {"stalls_per_request": None, "largest_gap_ms": None}
+    stalls = sum(gap > STALL_FACTOR * median_itl_ms for gap in gaps)
+    return {"stalls_per_request": stalls / len(itls or []), "largest_gap_ms": max(gaps)}

@@ -17,8 +17,10 @@ from typing import Sequence
 import openai
 
 from stack.serving import StackError, StackOptions, start_di
+from worker.model.loader import BUILTIN_MODEL_NOTE
 
-# The built-in model is a small byte-level model trained on Python sources: it continues code.
+# The built-in model is a tiny byte-level model trained on Python's stdlib: it continues code, and answers
+# chat turns with docstring-like sentences.
 PROMPTS = ("import os\nimport sys\n\n\ndef main():\n    ", "class Stack:\n    def __init__(self):\n        ")
 CHAT = "def add(a, b):"
 # Seeded sampling: varied text that is the same on every run (greedy decoding of a small model loops).
@@ -71,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=300, max_retries=0)
             model = client.models.list().data[0].id
             print(f"serving {model}: each request is prefilled on one worker and decoded on the other")
+            if args.model is None:
+                print(f"({BUILTIN_MODEL_NOTE})")
             completions(client, model, args.max_tokens)
             chats(client, model, args.max_tokens)
         print("\nstopped the proxy and both workers")

@@ -24,11 +24,12 @@ from tqdm import tqdm
 
 from benchmarks.di_stats import Completion, diverging_at, first_mismatch, format_summary, summarize
 from stack.serving import StackError, StackOptions, start_di
+from worker.model.loader import BUILTIN_MODEL_NOTE
 
 if TYPE_CHECKING:
     from transfer.layout import KVLayout
 
-# The built-in model is a small byte-level model trained on Python sources: it continues code.
+# The built-in model is a tiny byte-level model trained on Python's stdlib: it continues code.
 PROMPTS = (
     "import os\n",
     "def add(a, b):\n    ",
@@ -139,7 +140,9 @@ def show_outputs(texts: Sequence[str], outputs: Sequence[Completion]) -> None:
         print(f"\n=== prompt {i}\n{prompt.rstrip()}\n--- {out.num_tokens} tokens generated: {out.text!r}")
 
 
-def report(texts: Sequence[str], reference: Sequence[Completion], di: Sequence[Completion]) -> int:
+def report(texts: Sequence[str], reference: Sequence[Completion], di: Sequence[Completion], builtin: bool) -> int:
+    if builtin:
+        print(f"\n({BUILTIN_MODEL_NOTE}; what matters here is that DI gives exactly the same)")
     show_outputs(texts, di)
     mismatch = first_mismatch(reference, di)
     if mismatch is None:
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_metrics = httpx.get(f"{stack.worker_urls['prefill worker']}/metrics", timeout=10).text
     print("running the same prompts without disaggregation ...", flush=True)
     reference, layout = reference_run(args.model, prompts, args)
-    status = report(texts, reference, di)
+    status = report(texts, reference, di, args.model is None)
     summary = summarize((len(p) for p in prompts), layout.block_size, layout.block_bytes, prefill_metrics)
     latency = f"{1000 * sum(latencies) / len(latencies):.0f} ms mean end to end ({args.concurrency} in flight)"
     table = format_summary(summary, layout.block_bytes, [("time per request", latency)])

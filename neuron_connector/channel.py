@@ -24,6 +24,10 @@ from neuron_connector.errors import PeerUnavailable
 HIGH_WATER_MARK = 1024
 _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
+# A connect attempt gives up after this and the next one starts afresh. Without it one attempt
+# lasts as long as the kernel retries its SYN, ever further apart (1, 2, 4 ... 64 s): after a cut
+# cable comes back, the signal plane would wait for the next retry, up to a minute later.
+_CONNECT_TIMEOUT_MS = 1000
 _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 3000
 
@@ -179,6 +183,7 @@ class DealerChannel:
         _configure(self.socket)
         self.socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
+        self.socket.setsockopt(zmq.CONNECT_TIMEOUT, _CONNECT_TIMEOUT_MS)
         try:
             self.socket.connect(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:

@@ -45,8 +45,8 @@ def handshake_proof(secret: bytes, label: bytes, server_nonce: str, client_nonce
     return _proof(secret, label, server_nonce, client_nonce, engine_id)
 
 # Checksums a LookupAll may ask for (transfer.checksum); the reply carries the value.
-CRC32 = "crc32"
-CHECKSUMS = (CRC32,)
+CRC32C = "crc32c"
+CHECKSUMS = (CRC32C,)
 
 
 def _load(data: bytes) -> dict[str, Any]:
@@ -253,7 +253,7 @@ class Probe:
 @dataclass(frozen=True, slots=True)
 class LookupReply:
     """`success=False` without `error`: not finished yet, retry. With `error`: terminal.
-    `checksum`: on success, the value of the checksum the lookup asked for (a uint32 CRC-32)."""
+    `checksum`: on success, the value of the checksum the lookup asked for (a uint32 CRC-32C)."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str

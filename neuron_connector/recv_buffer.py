@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from common.timeline import LOOKUP_ANSWERED, PULL_STARTED, Timeline
@@ -11,7 +12,7 @@ from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_c
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
-    CRC32, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
+    CRC32C, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
     LookupReply, Probe, decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
 from transfer import KVLayout, TransferError
@@ -45,15 +46,17 @@ class RecvBuffer:
     (EngineIdInUse) while another live decode worker holds it, so it must be unique. With
     a `secret`, both sides prove they hold it (Unauthorized otherwise).
 
-    With `integrity_check`, every lookup asks the peer for a CRC-32 of the blocks it sends,
-    and a pull turns DONE only once the same checksum over our blocks matches; otherwise it
-    fails with IntegrityError (and our blocks are free to reuse, as after any failure).
+    With `integrity_check` (the default), every lookup asks the peer for a CRC-32C of the
+    blocks it sends, and a pull turns DONE only once the same checksum over our blocks
+    matches; otherwise it fails with IntegrityError (and our blocks are free to reuse, as
+    after any failure). Our checksum is summed on a thread of its own, so a large pull never
+    holds up the signal plane.
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str,
                  default_timeout: float = 30.0, resend_after: float = 1.0, grace: float = 5.0,
                  max_backoff: float = 0.02, on_finished: Callable[[str], None] | None = None,
-                 secret: bytes | None = None, integrity_check: bool = False,
+                 secret: bytes | None = None, integrity_check: bool = True,
                  timeline: Timeline | None = None) -> None:
         self._engine = transfer_engine
         self.timeline = timeline if timeline is not None else Timeline("decode")
@@ -63,7 +66,8 @@ class RecvBuffer:
         self.default_timeout = default_timeout
         self._resend_after = resend_after
         self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff,
-                                  checksum=CRC32 if integrity_check else None)
+                                  checksum=CRC32C if integrity_check else None)
+        self._verifier = ThreadPoolExecutor(1, f"kv-verify-{engine_id}") if integrity_check else None
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
         self._on_finished = on_finished
@@ -151,6 +155,8 @@ class RecvBuffer:
             channel.close()
         self.connection_dict.clear()
         self._context.term()
+        if self._verifier is not None:   # before the waker it wakes is closed
+            self._verifier.shutdown(wait=True, cancel_futures=True)
         self._service.close()
 
     # --- the buffer's thread -------------------------------------------------------------
@@ -223,27 +229,33 @@ class RecvBuffer:
             except ProtocolError as exc:
                 log.warning("bad reply from %s: %s", address, exc)
                 continue
-            # Outside the lock: the blocks named are ours until the pull ends, and summing
-            # them takes a while.
-            local_checksum = self._local_checksum(reply)
+            if (self._verifier is not None and isinstance(reply, LookupReply) and reply.success
+                    and reply.checksum is not None):
+                self._verifier.submit(self._verify, address, reply)
+                continue
             with self._lock:
-                try:
-                    answer = self._on_reply(address, reply, local_checksum)
-                except Exception:  # noqa: BLE001 - one bad reply must not stop every pull
-                    log.exception("handling a reply from %s failed", address)
-                    answer = None
+                answer = self._handle(address, reply)
             if answer is not None:
                 channel.send(answer)
 
-    def _local_checksum(self, reply: Any) -> int | None:
-        """Our checksum of the blocks a successful lookup names, if it carries the peer's."""
-        if not isinstance(reply, LookupReply) or reply.checksum is None or self._pulls.checksum is None:
-            return None
+    def _handle(self, address: str, reply: Any, local_checksum: int | None = None) -> bytes | None:
         try:
-            return self._engine.checksum(reply.block_ids_in_peer_device)
+            return self._on_reply(address, reply, local_checksum)
+        except Exception:  # noqa: BLE001 - one bad reply must not stop every pull
+            log.exception("handling a reply from %s failed", address)
+            return None
+
+    def _verify(self, address: str, reply: LookupReply) -> None:
+        """On the verifier's thread: sums the blocks the reply names (ours until the pull
+        ends), then hands the reply on with that checksum."""
+        try:
+            local: int | None = self._engine.checksum(reply.block_ids_in_peer_device)
         except TransferError as exc:   # ids not ours: the pull fails on them (or on the mismatch)
             log.warning("no checksum of the blocks of %r: %s", reply.request_id, exc)
-            return None
+            local = None
+        with self._lock:
+            self._handle(address, reply, local)
+        self._service.wake()
 
     def _on_reply(self, address: str, reply: Any, local_checksum: int | None = None) -> bytes | None:
         link, now = self._links.get(address), time.monotonic()

@@ -46,12 +46,12 @@ class SendStats:
 
 @dataclass(frozen=True, slots=True)
 class _Push:
-    """A queued transfer, and the checksum of its source blocks when the lookup asked for one."""
+    """A queued transfer; `summed`: its token brings the checksum the lookup asked for."""
 
     token: CompletionToken
     started: float
     num_blocks: int
-    checksum: int | None
+    summed: bool
 
 
 class SendBuffer:
@@ -62,7 +62,8 @@ class SendBuffer:
     buffer's thread once the blocks may be freed (pulled, failed, discarded, released by the
     decode peer whose request is gone, or expired), and
     `on_transfer(seconds, num_blocks)` once for every push that completed. A lookup that
-    asks for a checksum gets one over the source blocks, computed while the push runs.
+    asks for a checksum gets the one the push computed over the bytes it sent (in the copy's
+pass over shm, on the transfer thread otherwise: never on this buffer's thread).
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it
     still waits, so a peer that gave up never has its blocks written afterwards.
 
@@ -327,14 +328,12 @@ class SendBuffer:
         token, started = CompletionToken(), time.monotonic()
         try:
             self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token,
-                                                   timeout=timeout)
+                                                   timeout=timeout, checksum=checksum)
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
         self.timeline.mark(rid, PUSH_STARTED)
-        # The source blocks stay pinned: summing them while they are copied reads what is sent.
-        self._running[rid] = _Push(token, started, len(start.src),
-                                   self._checksum(rid, start) if checksum else None)
+        self._running[rid] = _Push(token, started, len(start.src), checksum)
         token.add_done_callback(lambda _: self._pushed(rid))
         return None
 
@@ -342,13 +341,6 @@ class SendBuffer:
         """A push ended (called on the transfer's thread): timed, and this thread woken to answer."""
         self.timeline.mark(rid, PUSH_DONE)
         self._service.wake()
-
-    def _checksum(self, rid: str, start: Start) -> int | None:
-        try:
-            return self._engine.checksum(start.src, start.dst)
-        except TransferError as exc:   # bad ids: the transfer's token reports them too
-            log.warning("no checksum for the push of %r: %s", rid, exc)
-            return None
 
     def _check_transfers(self) -> None:
         assert self._router is not None
@@ -367,7 +359,7 @@ class SendBuffer:
                     self._on_transfer(time.monotonic() - push.started, push.num_blocks)
                 except Exception:  # noqa: BLE001 - a metrics callback must not kill the signal plane
                     log.exception("on_transfer for %r raised", rid)
-            done = self._transfer_done(rid, error, push.checksum)
+            done = self._transfer_done(rid, error, push.token.checksum if push.summed else None)
             if done is None:
                 continue
             identity = self._sessions.routing_id_of(done[0].decode())

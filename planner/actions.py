@@ -3,6 +3,7 @@ stops. Pure: a connector carries them out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from planner.figures import Counts
 from planner.fleet import Fleet, Member
@@ -25,11 +26,14 @@ class Action:
         return f"stop {self.role} worker {self.member.address}"
 
 
-def plan(fleet: Fleet, target: Counts, can_flip: bool) -> list[Action]:
-    """The actions that take the fleet's serving members to `target`, newest-named workers moved first."""
+def plan(fleet: Fleet, target: Counts, can_flip: bool, in_flight: Mapping[str, float] | None = None) -> list[Action]:
+    """The actions that take the fleet's serving members to `target`. The workers moved first are those with
+    the fewest requests `in_flight` (by URL), whose drain ends soonest; among equals, the newest-named."""
     current = fleet.counts()
     surplus = {role: current.of(role) - target.of(role) for role in OTHER}
-    idle = {role: sorted(fleet.serving(role), key=lambda m: m.address, reverse=True) for role in OTHER}
+    busy = in_flight or {}
+    idle = {role: sorted(sorted(fleet.serving(role), key=lambda m: m.address, reverse=True),
+                         key=lambda m: busy.get(m.url, 0.0)) for role in OTHER}
     actions: list[Action] = []
     for role in OTHER:
         if can_flip and surplus[role] > 0 and surplus[OTHER[role]] < 0:

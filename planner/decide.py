@@ -8,7 +8,9 @@ ITL target). Boring on purpose:
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to `utilization_target`,
   so the band between the two thresholds absorbs noise and a steady load never flips a count back; the
   fleet shrinks only once every role is under it (till then a role's spare workers wait for the other);
-- no step down within `cooldown_s` of the last change, nothing without figures;
+- no step down within `cooldown_s` of the last change, unless it makes room for the role that grew last
+  and is still saturated (its load past `utilization_up` of its count: a shift not yet met); so a count
+  never turns back within the cool-down; nothing without figures;
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
   and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
   has moved by more than HOLD_SPLIT workers.
@@ -31,6 +33,7 @@ class PlannerState:
 
     last_change_at: float | None = None
     low_streak: tuple[int, int] = (0, 0)   # prefill, decode: intervals in a row under utilization_down
+    last_grown: str | None = None          # the role the last change grew, if it grew one role only
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +67,29 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     busy = any(loads[role] / max(current.of(role), 1) >= config.utilization_down for role in ROLES)
     if fixed_fleet or (busy and target.total < current.total):   # spare workers stay while any role is busy
         target = _same_total(target, loads, current, config)
-    if cooling and (target.prefill < current.prefill or target.decode < current.decode):
+    shrinks = target.prefill < current.prefill or target.decode < current.decode
+    if cooling and shrinks and not _keeps_growing(target, current, state, loads, config):
         left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
         return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), state
     changed = target != current
-    new_state = PlannerState(now if changed else state.last_change_at, (0, 0) if changed else tuple(streaks))
+    if changed:
+        grown = [role for role in ROLES if target.of(role) > current.of(role)]
+        new_state = PlannerState(now, (0, 0), grown[0] if len(grown) == 1 else None)
+    else:
+        new_state = PlannerState(state.last_change_at, (streaks[0], streaks[1]), state.last_grown)
     verb = f"{current} -> {target}" if changed else f"hold {current}"
     return Decision(target, changed, f"{verb}: {'; '.join(reasons)}", loads), new_state
+
+
+def _keeps_growing(target: Counts, current: Counts, state: PlannerState, loads: dict[str, float],
+                   config: PlannerConfig) -> bool:
+    """Whether `target` grows again only the role the last change grew, which its load still saturates."""
+    role = state.last_grown
+    if role is None:
+        return False
+    other = "decode" if role == "prefill" else "prefill"
+    return (target.of(role) > current.of(role) and target.of(other) <= current.of(other)
+            and loads[role] / max(current.of(role), 1) > config.utilization_up)
 
 
 def load(role: str, figures: Figures, config: PlannerConfig) -> float:

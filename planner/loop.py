@@ -49,7 +49,7 @@ class Planner:
                 f"{m.address} {m.state} ({m.role})" for m in fleet.changing))
         (log.info if decision.changed else log.debug)("%s", decision.reason)
         if decision.changed:
-            actions = plan(fleet, decision.target, self.connector.can_flip)
+            actions = plan(fleet, decision.target, self.connector.can_flip, self.observer.in_flight)
             log.info("acting: %s", "; ".join(map(str, actions)))
             await self.connector.apply(actions)
         self._record(decision, fleet.counts(), figures is not None)

@@ -35,6 +35,7 @@ class Observer:
         self.window_s = window_s
         self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
         self._history: list[dict[str, Scrape]] = []   # the reads within the window, oldest first
+        self.in_flight: dict[str, float] = {}   # worker URL -> requests running and waiting, at the last read
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -44,6 +45,9 @@ class Observer:
         urls = [self.proxy_url] + [m.url for m in members]
         reads = await asyncio.gather(*(self._read(url) for url in urls))
         before = self._remember({url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)})
+        self.in_flight = {url: sum(read.value(name) or 0.0 for name in ("neuron_di_requests_running",
+                                                                        "neuron_di_requests_waiting"))
+                          for url, read in zip(urls[1:], reads[1:]) if isinstance(read, Scrape)}
         failed = [f"{url}: {read}" for url, read in zip(urls, reads) if isinstance(read, str)]
         if failed:
             return None, "metrics missing (" + "; ".join(failed) + ")"

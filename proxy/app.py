@@ -10,7 +10,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from common.openai_wire import error_body, json_bytes
-from common.request_body import request_body
+from common.request_body import DrainingRequest, request_body
 from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
 from common.timeline import PROXY, Timeline, parse_query
 from proxy.conditional_route import ConditionalRouter
@@ -47,8 +47,7 @@ class ProxyState:
         """The worker's client, made on first use; kept for the app's life (a worker may come back)."""
         client = self._clients.get(worker.address)
         if client is None:
-            client = self._clients[worker.address] = client_class(self.config.http_client)(
-                worker, self.config.timeouts)
+            client = self._clients[worker.address] = AiohttpUpstream(worker, self.config.timeouts)
         return client
 
     def _worker_lost(self, worker: WorkerRecord, why: str) -> None:
@@ -74,17 +73,10 @@ class ProxyState:
         self._clients.clear()
 
 
-def client_class(name: str) -> Any:
-    """The Upstream implementation called `name` ("aiohttp" or "httpx")."""
-    if name == "httpx":
-        from proxy.upstream_httpx import HttpxUpstream
-        return HttpxUpstream
-    return AiohttpUpstream
-
-
 def create_app(config: ProxyConfig) -> Quart:
     """The proxy as an ASGI app; serve it with hypercorn (see proxy_server.py)."""
     app = Quart("proxy")
+    app.request_class = DrainingRequest
     state = ProxyState(config)
     app.config["PROXY_STATE"] = state
     app.before_serving(state.start)

@@ -29,30 +29,47 @@ class ConditionalConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
 
 
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A request's path: `local`, its decode worker serves it alone; `prompt`: its token ids, which the decode
+    worker that takes its leg caches (None: not indexed)."""
+
+    local: bool
+    prompt: list[int] | None = None
+
+
 class ConditionalRouter:
-    """Decides each request's path and counts it; remembers the prompts each decode worker got, whose full
-    blocks it caches whether it prefilled them itself or pulled them (prefix-aware transfer)."""
+    """Decides each request's path and counts it; remembers the prompts each decode worker took a leg of, whose
+    full blocks it caches whether it prefilled them itself or pulled them (prefix-aware transfer)."""
 
     def __init__(self, config: ConditionalConfig, metrics: Metrics) -> None:
         self._config = config
         self._metrics = metrics
         self._indexes: dict[str, PrefixIndex] = {}
 
-    async def local(self, request: ClientRequest, decode: WorkerRecord, prefill_legs: Sequence[int]) -> bool:
-        """Whether `decode` serves `request` alone; `prefill_legs`: the legs in flight per healthy prefill
-        worker. A prompt the proxy cannot count goes the remote way, and so does a seeded one to a
-        `vllm serve` decode worker: its prefill there may be cut into chunks, which vLLM's CPU build cannot
+    async def decide(self, request: ClientRequest, decode: WorkerRecord, prefill_legs: Sequence[int]) -> Decision:
+        """The path of `request` weighed against `decode`'s cache, counted once; `prefill_legs`: the legs in flight
+        per healthy prefill worker. A prompt the proxy cannot count goes the remote way, and so does a seeded one
+        to a `vllm serve` decode worker: its prefill there may be cut into chunks, which vLLM's CPU build cannot
         do for a seeded request (it stops its engine), while as a decode leg it computes one token."""
         ids = await asyncio.to_thread(prompt_token_ids, request, self._config.tokenizer)
-        path = REMOTE
+        path, prompt = REMOTE, None
         if ids is not None and not (request.seed is not None and decode.server == VLLM_SERVER):
-            index = self._indexes.get(decode.key)
-            if index is None:
-                index = self._indexes[decode.key] = PrefixIndex(self._config.block_size)
-            path = self._config.policy.path(len(ids), index.cached_tokens(ids), prefill_queue(prefill_legs))
-            index.add(ids)
+            cached = self._index(decode).cached_tokens(ids)
+            path, prompt = self._config.policy.path(len(ids), cached, prefill_queue(prefill_legs)), ids
         self._metrics.paths.labels(path).inc()
-        return path == LOCAL
+        return Decision(path == LOCAL, prompt)
+
+    def record(self, decode: WorkerRecord, decision: Decision) -> None:
+        """`decode` took the decided request's leg: it caches the prompt's full blocks from now on."""
+        if decision.prompt is not None:
+            self._index(decode).add(decision.prompt)
+
+    def _index(self, decode: WorkerRecord) -> PrefixIndex:
+        index = self._indexes.get(decode.key)
+        if index is None:
+            index = self._indexes[decode.key] = PrefixIndex(self._config.block_size)
+        return index
 
     def forget(self, worker: WorkerRecord) -> None:
         """`worker` is gone: whatever it cached is (or will be, when it comes back) gone too."""

@@ -37,7 +37,6 @@ class ProxyConfig:
     timeouts: Timeouts = Timeouts()
     health_interval: float = 2.0
     health_timeout: float = 2.0
-    http_client: str = "aiohttp"
     shutdown_grace: float = 5.0  # seconds streams may run on after SIGTERM before they end with an error
     strategy: str = DEFAULT_STRATEGY  # the flow of disaggregated requests to kv_protocol "neuron" workers
     conditional: ConditionalConfig | None = None
@@ -90,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between worker health checks (default 2)")
     p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health check may take (default 2)")
-    p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp",
-                   help="the library the proxy calls workers with (default aiohttp, the faster here)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds streams may run on after SIGTERM; then they end with an error event (default 5)")
     cond = p.add_argument_group("conditional disaggregation (di mode)")
@@ -134,7 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        kv_ports_given=kv_ports_given, etcd=etcd,
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
-                       http_client=args.http_client, shutdown_grace=args.shutdown_grace,
+                       shutdown_grace=args.shutdown_grace,
                        strategy=args.disaggregation_strategy, conditional=_conditional(args))
 
 

@@ -17,30 +17,28 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from common.openai_wire import json_bytes
 from common.timeline import RECEIVED, Timeline
 from proxy.abandon import Abandoner
-from proxy.answers import Answer, JSONAnswer, StreamAnswer
+from proxy.answers import Answer, AnswerAssembler, JSONAnswer, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
 from proxy.errors import KV_TRANSFER_ERROR, ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable
-from proxy.flows import (DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, json_object,
-                         spawn, stitched_flow)
+from proxy.flows import DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, spawn, stitched_flow
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used
 from proxy.sse import SSEDecoder
-from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.explain import explained, stream_error_status
-from proxy.streams import END, cancel_leg, relayed, stitched
+from proxy.streams import END, relayed
 from proxy.timing import REQUEST_ID_HEADER, AnswerTimer, leg_answered, leg_sent
 from proxy.upstream import Upstream
 from proxy.workers import WorkerPool, WorkerRecord
 
 log = logging.getLogger("proxy.forward")
 _QUEUE_EVENTS = 256
+Took = Callable[[WorkerRecord], None]  # told which worker took a leg (answered it 200)
 
 
 class Forwarder:
@@ -57,11 +55,11 @@ class Forwarder:
         self._metrics = metrics
         self._colocated = colocated
         self._strategy = strategy  # the flow of disaggregated requests to kv_protocol "neuron" workers
-        self._flow_legs = LegCalls(self._call, self._start_decode)
         self._conditional = conditional
         self._pumps: set[asyncio.Task[None]] = set()  # the streamed legs being read
         self._legs = InFlightLegs()
         self._abandoner = Abandoner(clients)
+        self._assembler = AnswerAssembler(metrics, self.timeline)
         self._closing = False
 
     def end_legs(self, worker: WorkerRecord, why: str) -> None:
@@ -82,76 +80,81 @@ class Forwarder:
         (proxy/encode.py), and a request for several answers is one request per answer (proxy/fanned.py)."""
         received = time.time()
         if self._colocated:
-            return await self._retried(request, received)
+            return await self._route(request, received)
         request = await encode_images(request, self._pool, self._clients)
         parts = fan_out(request)
         if parts is not None:
-            return await answer_all(request, parts, self._retried)
-        return await self._retried(request, received)
+            return await answer_all(request, parts, self._route)
+        return await self._route(request, received)
 
-    async def _retried(self, request: ClientRequest, received: float | None = None) -> Answer:
-        """One a draining worker refused (nothing of it started, nothing sent to the client yet) is sent once
-        more, to other workers (a decode leg alone is resent, see _start_decode). `received`: when the request
-        arrived (time.time()), now if not given."""
+    async def _route(self, request: ClientRequest, received: float | None = None) -> Answer:
+        """Routed once: a leg a draining worker refuses (nothing of it started) is resent to another worker of
+        its role, leg by leg. `received`: when the request arrived (time.time()), now if not given."""
         received = time.time() if received is None else received
-        try:
-            return await self._route(request, received)
-        except UpstreamStatus as exc:
-            if not exc.draining or exc.role == "decode":
-                raise
-            log.info("%s: it drains; sending the request to another worker", exc)
-            return await self._route(request, received)
-
-    async def _route(self, request: ClientRequest, received: float) -> Answer:
         if self._colocated:
             return await self._single(self._pool.next("both"), request)
         if prefill_alone(request):
             return await self._single(self._pool.next("prefill"), request)
-        decode = None
-        if self._conditional is not None:
-            decode = self._pool.next("decode")
-            prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
-            if await self._conditional.local(request, decode, prefill_legs):
-                return await self._single(decode, request)
-        return await self._disaggregated(request, received, decode)
+        if self._conditional is None:
+            return await self._disaggregated(request, received)
+        decode = self._pool.next("decode")
+        prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
+        decision = await self._conditional.decide(request, decode, prefill_legs)
+        took = functools.partial(self._conditional.record, decision=decision)
+        if decision.local:
+            return await self._single(decode, request, took=took)
+        return await self._disaggregated(request, received, decode, took)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
-                      uid: str | None = None) -> Answer:
-        """One leg, relayed: the client's body, or (decode_first) `body` under the request id `uid`, which a
-        draining decode worker's refusal sends to another decode worker."""
+                      uid: str | None = None, took: Took | None = None) -> Answer:
+        """One leg, relayed: the client's body, or (decode_first) `body` under the request id `uid`; a draining
+        worker's refusal sends it to another worker of its role; `took` is told which worker took it."""
         headers = {"X-Request-Id": uid or uuid.uuid4().hex}
-        elsewhere, body = body is not None, request.body if body is None else body
+        body = request.body if body is None else body
         if not request.stream:
-            call = self._call_elsewhere if elsewhere else self._call
-            answer = JSONAnswer(await call(worker, request.endpoint.path, body, headers))
+            answer = JSONAnswer(await self._call_elsewhere(worker, request.endpoint.path, body, headers, took))
             if uid is not None:
                 self.timeline.finish(uid)
             return answer
         started = time.perf_counter()
-        queue, task = self._open_stream(worker, request.endpoint.path, body, headers, elsewhere)
+        queue, task = self._open_stream(worker, request.endpoint.path, body, headers, took)
         # Wait for the first event so that an early failure still gets an HTTP status.
         first = await first_or_failure(asyncio.ensure_future(queue.get()), task)
         if isinstance(first, ProxyError):
             raise first
         return StreamAnswer(relayed(first, queue, task, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
-    async def _disaggregated(self, request: ClientRequest, received: float,
-                             decode: WorkerRecord | None = None) -> Answer:
+    async def _disaggregated(self, request: ClientRequest, received: float, decode: WorkerRecord | None = None,
+                             took: Took | None = None) -> Answer:
         """`received`: when the request arrived (time.time()); `decode`: the decode worker conditional
-        disaggregation weighed the request against, if it suits."""
+        disaggregation weighed the request against, if it suits. A prefill leg a draining worker refuses goes to
+        another prefill worker, with a new decode leg naming that one."""
         prefill = self._pool.next("prefill")
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
+        try:
+            return await self._handoff(request, received, prefill, decode, took)
+        except UpstreamStatus as exc:
+            if not exc.draining or exc.role != "prefill":
+                raise
+            log.info("%s: it drains; sending the prefill leg to another worker", exc)
+            return await self._handoff(request, received, self._pool.next("prefill", prefill.kv_protocol), decode,
+                                       took)
+
+    async def _handoff(self, request: ClientRequest, received: float, prefill: WorkerRecord, decode: WorkerRecord,
+                       took: Took | None) -> Answer:
+        """The request's legs to `prefill` and `decode`, as the flow says, and the answer made of them."""
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
         self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
         abandon = functools.partial(self._abandoner.abandon, prefill, uid)
         try:
             if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
-                return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid)
-            first, leg = await flow(self._flow_legs, request, prefill, decode, uid, seed)
+                return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid, took)
+            legs = LegCalls(self._call, functools.partial(self._start_decode, took=took))
+            first, leg = await flow(legs, request, prefill, decode, uid, seed)
             token_used = prefill.kv_protocol == "nixl" or prefill_token_used(prefill, seed)
-            answer = await self._answer(request, uid, first, leg, started, abandon, token_used)
+            answer = await self._assembler.answer(request, uid, first, leg, started, abandon, token_used)
         except BaseException as exc:
             self.timeline.fail(uid, str(exc) or type(exc).__name__)
             if flow is not None:
@@ -162,12 +165,12 @@ class Forwarder:
         return answer
 
     def _start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],
-                      headers: dict[str, str]) -> DecodeLeg:
+                      headers: dict[str, str], took: Took | None = None) -> DecodeLeg:
         """A decode leg; one a draining worker refuses goes to another decode worker, which pulls the same KV."""
         if request.stream:
-            queue, task = self._open_stream(worker, request.endpoint.path, body, headers, elsewhere=True)
+            queue, task = self._open_stream(worker, request.endpoint.path, body, headers, took)
             return DecodeLeg(worker, task, queue)
-        return DecodeLeg(worker, spawn(self._call_elsewhere(worker, request.endpoint.path, body, headers)))
+        return DecodeLeg(worker, spawn(self._call_elsewhere(worker, request.endpoint.path, body, headers, took)))
 
     def _elsewhere(self, worker: WorkerRecord, exc: UpstreamStatus) -> WorkerRecord:
         """The worker of the same role to send a leg to that the draining `worker` refused; `exc` if none."""
@@ -176,79 +179,43 @@ class Forwarder:
         log.info("%s: it drains; sending the %s leg to another worker", exc, worker.role)
         return self._pool.next(worker.role, worker.kv_protocol)  # the draining one left rotation in _leg
 
-    async def _call_elsewhere(self, worker: WorkerRecord, path: str, body: dict[str, Any],
-                              headers: dict[str, str]) -> bytes:
+    async def _call_elsewhere(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
+                              took: Took | None = None) -> bytes:
         try:
-            return await self._call(worker, path, body, headers)
+            return await self._call(worker, path, body, headers, took)
         except UpstreamStatus as exc:
-            return await self._call(self._elsewhere(worker, exc), path, body, headers)
+            return await self._call(self._elsewhere(worker, exc), path, body, headers, took)
 
-    async def _answer(self, request: ClientRequest, uid: str, first: dict[str, Any], leg: DecodeLeg | None,
-                      started: float, abandon: Callable[[], None], token_used: bool = True) -> Answer:
-        """Prefill's answer and the decode leg (None: not called) -> the answer one server would give; a stream
-        that fails after it began calls `abandon` (prefill's KV may still be held, see proxy/abandon.py);
-        without `token_used`, the first token is decode's (prefill's was not sampled as the answer's)."""
-        response_id = request.endpoint.id_prefix + uid
-        try:
-            if not request.stream:
-                answer = JSONAnswer(json_bytes(await self._whole(response_id, first, leg, token_used)))
-                self.timeline.finish(uid)
-                return answer
-            stitcher = StreamStitcher(request, response_id, int(time.time()), first, token_used)
-            events = stitcher.first()
-        except BaseException:
-            cancel_leg(leg)
-            raise
-        if stitcher.finished:
-            cancel_leg(leg)  # EOS at token one: decode has nothing to add
-        timer = AnswerTimer(self._metrics, started, self.timeline, uid)
-        return StreamAnswer(stitched(stitcher, events, leg, timer, self._first_token, abandon))
-
-    async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None,
-                     token_used: bool) -> dict[str, Any]:
-        if leg is None or (token_used and prefill_finished(first)):
-            cancel_leg(leg)  # EOS at token one: decode has nothing to add
-            return prefill_answer(response_id, first)
-        rest = json_object(await leg.task, leg.worker)
-        if token_used and (matched := first_token_repeated(first, rest)) is not None:
-            self._first_token(leg.worker, matched)
-        return merge_bodies(response_id, first, rest, token_used)
-
-    def _first_token(self, decode: WorkerRecord, matched: bool) -> None:
-        """Counts one checked first token; a different one means the KV did not arrive intact."""
-        self._metrics.first_token(decode.kv_protocol, matched)
-        if not matched:
-            log.warning("decode worker %s: first token differs from prefill's (KV not intact?)", decode.address)
-
-    async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
+    async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
+                    took: Took | None = None) -> bytes:
         with self._leg(worker):
             leg_sent(self.timeline, worker.role, headers)
             reply = await self._clients(worker).post(path, body, headers)
             if reply.status != 200:
                 raise await self._failed(worker, headers, reply.status, reply.body, reply.retry_after)
+            if took is not None:
+                took(worker)
             leg_answered(self.timeline, worker.role, headers)
             return reply.body
 
     def _open_stream(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
-                     elsewhere: bool = False) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
+                     took: Took | None = None) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
         # Bounded, so that a slow client slows the worker's stream down instead of filling our memory.
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_QUEUE_EVENTS)
-        task = spawn(self._pump(worker, path, body, headers, queue, elsewhere))
+        task = spawn(self._pump(worker, path, body, headers, queue, took))
         self._pumps.add(task)
         task.add_done_callback(self._pumps.discard)
         return queue, task
 
     async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
-                    queue: asyncio.Queue[Any], elsewhere: bool = False) -> None:
-        """Reads one streamed leg into `queue`: SSE payloads, then END or the error. With `elsewhere`, a
-        draining worker's refusal (nothing queued yet) sends the leg to another worker of its role."""
+                    queue: asyncio.Queue[Any], took: Took | None = None) -> None:
+        """Reads one streamed leg into `queue`: SSE payloads, then END or the error. A draining worker's
+        refusal (nothing queued yet) sends the leg to another worker of its role."""
         try:
             try:
-                await self._pump_from(worker, path, body, headers, queue)
+                await self._pump_from(worker, path, body, headers, queue, took)
             except UpstreamStatus as exc:
-                if not elsewhere:
-                    raise
-                await self._pump_from(self._elsewhere(worker, exc), path, body, headers, queue)
+                await self._pump_from(self._elsewhere(worker, exc), path, body, headers, queue, took)
             await queue.put(END)
         except ProxyError as exc:  # NoWorkers too, when a draining worker's leg has nowhere else to go
             await queue.put(exc)
@@ -259,12 +226,14 @@ class Forwarder:
             raise
 
     async def _pump_from(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
-                         queue: asyncio.Queue[Any]) -> None:
+                         queue: asyncio.Queue[Any], took: Took | None = None) -> None:
         with self._leg(worker):
             leg_sent(self.timeline, worker.role, headers)
             async with self._clients(worker).stream(path, body, headers) as reply:
                 if reply.status != 200:
                     raise await self._failed(worker, headers, reply.status, await reply.read(), reply.retry_after)
+                if took is not None:
+                    took(worker)
                 decoder = SSEDecoder()
                 async for chunk in reply.chunks():
                     for data in decoder.feed(chunk):

@@ -28,12 +28,13 @@ class VllmOptions:
     extra_config: dict[str, Any] = field(default_factory=dict)   # more NeuronConnector settings
     extra_args: tuple[str, ...] = ()       # more `vllm serve` flags for every server
     startup_timeout_s: float = 300.0
+    dtype: str = "float32"                 # vLLM's --dtype
 
 
 def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None) -> list[str]:
     """vLLM's defaults (chunked prefill on), a DI server with `kv_config` as its --kv-transfer-config."""
     args = ["-m", "vllm.entrypoints.cli.main", "serve", options.model, "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+            "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", options.dtype,
             "--max-model-len", str(options.max_model_len), "--num-gpu-blocks-override", str(options.num_blocks),
             "--uvicorn-log-level", "warning", *options.extra_args]
     if kv_config is not None:

@@ -1,13 +1,16 @@
-/* transfer._memcopy: one call copies many byte ranges, without the GIL.
+/* transfer._memcopy: one call copies (or checksums) many byte ranges, without the GIL.
 
    A transfer between two pools mapped in this process is thousands of chunk copies of
    16-32 KiB each; one Python call per chunk costs about as much as the copy itself and
    holds the GIL the engine loop needs. The ranges come as int64 arrays (offsets from the
-   two base addresses, and lengths) built by transfer.blocks. */
+   base addresses, and lengths) built by transfer.blocks. CRC-32C values in and out are the
+   usual ones (as `crc32c.crc32c(data, value)`), so calls chain over planes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_crc32c.h"
 
 /* Chunks of a transfer lie far apart in 4 KiB pages: touching the first pages of the range
    AHEAD places on starts their address translation while this range copies (measured here:
@@ -20,47 +23,116 @@ static void prefetch_range(const char *src, char *dst, int64_t len)
 {
     for (int64_t at = 0; at < len && at < PREFETCH_BYTES; at += PAGE) {
         __builtin_prefetch(src + at, 0, 0);
-        __builtin_prefetch(dst + at, 1, 0);
+        if (dst)
+            __builtin_prefetch(dst + at, 1, 0);
     }
+}
+
+/* The ranges of one call: `dst_off` is unused (NULL) when nothing is copied. */
+struct ranges {
+    Py_buffer dst_off, src_off, len;
+    Py_ssize_t count;
+};
+
+static int check_ranges(struct ranges *r, int copying)
+{
+    Py_ssize_t n = r->len.len;
+    if (r->src_off.len != n || (copying && r->dst_off.len != n) || n % (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 buffers of one size");
+        return 0;
+    }
+    r->count = n / (Py_ssize_t)sizeof(int64_t);
+    return 1;
+}
+
+static void release_ranges(struct ranges *r, int copying)
+{
+    if (copying)
+        PyBuffer_Release(&r->dst_off);
+    PyBuffer_Release(&r->src_off);
+    PyBuffer_Release(&r->len);
+}
+
+/* Copies (to non-NULL `to`) and/or sums every range; returns the raw CRC state. */
+static uint32_t walk(char *to, const char *from, const struct ranges *r, int summing, uint32_t state)
+{
+    const int64_t *d = r->dst_off.buf, *s = r->src_off.buf, *n = r->len.buf;
+    struct crc32c_shift shift = {0, 0};
+    for (Py_ssize_t i = 0; i < r->count; i++) {
+        if (i + AHEAD < r->count)
+            prefetch_range(from + s[i + AHEAD], to ? to + d[i + AHEAD] : NULL, n[i + AHEAD]);
+        if (summing)
+            state = crc32c_run(state, from + s[i], (size_t)n[i], to ? to + d[i] : NULL, &shift);
+        else
+            memmove(to + d[i], from + s[i], (size_t)n[i]);
+    }
+    return state;
 }
 
 static PyObject *copy_ranges(PyObject *module, PyObject *args)
 {
     unsigned long long dst, src;
-    Py_buffer dst_off, src_off, len;
-    PyObject *result = NULL;
-
+    struct ranges r = {0};
     (void)module;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*:copy_ranges", &dst, &src, &dst_off, &src_off, &len))
+    if (!PyArg_ParseTuple(args, "KKy*y*y*:copy_ranges", &dst, &src, &r.dst_off, &r.src_off, &r.len))
         return NULL;
-    if (dst_off.len != len.len || src_off.len != len.len || len.len % (Py_ssize_t)sizeof(int64_t)) {
-        PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 buffers of one size");
-        goto done;
+    if (!check_ranges(&r, 1)) {
+        release_ranges(&r, 1);
+        return NULL;
     }
-    {
-        const int64_t *d = dst_off.buf, *s = src_off.buf, *n = len.buf;
-        Py_ssize_t count = len.len / (Py_ssize_t)sizeof(int64_t);
-        Py_BEGIN_ALLOW_THREADS
-        char *to = (char *)(uintptr_t)dst;
-        const char *from = (const char *)(uintptr_t)src;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (i + AHEAD < count)
-                prefetch_range(from + s[i + AHEAD], to + d[i + AHEAD], n[i + AHEAD]);
-            memmove(to + d[i], from + s[i], (size_t)n[i]);
-        }
-        Py_END_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS
+    walk((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &r, 0, 0);
+    Py_END_ALLOW_THREADS
+    release_ranges(&r, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_ranges_crc32c(PyObject *module, PyObject *args)
+{
+    unsigned long long dst, src;
+    unsigned int crc;
+    struct ranges r = {0};
+    (void)module;
+    if (!PyArg_ParseTuple(args, "KKy*y*y*I:copy_ranges_crc32c", &dst, &src, &r.dst_off, &r.src_off, &r.len, &crc))
+        return NULL;
+    if (!check_ranges(&r, 1)) {
+        release_ranges(&r, 1);
+        return NULL;
     }
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&dst_off);
-    PyBuffer_Release(&src_off);
-    PyBuffer_Release(&len);
-    return result;
+    Py_BEGIN_ALLOW_THREADS
+    crc = ~walk((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &r, 1, ~crc);
+    Py_END_ALLOW_THREADS
+    release_ranges(&r, 1);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *crc32c_ranges(PyObject *module, PyObject *args)
+{
+    unsigned long long base;
+    unsigned int crc;
+    struct ranges r = {0};
+    (void)module;
+    if (!PyArg_ParseTuple(args, "Ky*y*I:crc32c_ranges", &base, &r.src_off, &r.len, &crc))
+        return NULL;
+    if (!check_ranges(&r, 0)) {
+        release_ranges(&r, 0);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    crc = ~walk(NULL, (const char *)(uintptr_t)base, &r, 1, ~crc);
+    Py_END_ALLOW_THREADS
+    release_ranges(&r, 0);
+    return PyLong_FromUnsignedLong(crc);
 }
 
 static PyMethodDef methods[] = {
     {"copy_ranges", copy_ranges, METH_VARARGS,
      "copy_ranges(dst, src, dst_offsets, src_offsets, lengths): memmove each range, GIL released."},
+    {"copy_ranges_crc32c", copy_ranges_crc32c, METH_VARARGS,
+     "copy_ranges_crc32c(dst, src, dst_offsets, src_offsets, lengths, crc) -> crc: copies each range "
+     "(non-overlapping) and extends the CRC-32C `crc` by its bytes in the same pass, GIL released."},
+    {"crc32c_ranges", crc32c_ranges, METH_VARARGS,
+     "crc32c_ranges(base, offsets, lengths, crc) -> crc: extends the CRC-32C `crc` by each range, GIL released."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -68,5 +140,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_memcopy", NULL, 0, 
 
 PyMODINIT_FUNC PyInit__memcopy(void)
 {
+    crc32c_init();
     return PyModule_Create(&module);
 }

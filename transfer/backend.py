@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Sequence
 
 from transfer.blocks import Run
+from transfer.checksum import runs_crc32c
 from transfer.errors import TransferTimeout
 from transfer.layout import KVLayout
 from transfer.region import Region
@@ -17,6 +18,13 @@ class Link(ABC):
     @abstractmethod
     def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
         """Copies our blocks (run.local) into the peer's blocks (run.remote)."""
+
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
+        """`write`, and the CRC-32C of the bytes sent (transfer.checksum). Transports that copy
+        the bytes themselves sum them in the copy's pass; the others read them once more here,
+        on the peer's transfer thread."""
+        self.write(region, runs, deadline)
+        return runs_crc32c(region, runs)
 
     @abstractmethod
     def close(self) -> None:

@@ -3,7 +3,7 @@ turn runs into byte ranges of a pool laid out as in KVLayout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -75,6 +75,17 @@ class Ranges:
     def pairs(self) -> list[tuple[int, int]]:
         """(offset, nbytes) tuples, for APIs that take lists."""
         return list(zip(self.offsets.tolist(), self.lengths.tolist()))
+
+    def batches(self, max_bytes: int) -> Iterator[Ranges]:
+        """Consecutive groups of whole ranges, in order, each of at most `max_bytes` (a longer
+        range is a group alone)."""
+        ends = np.cumsum(self.lengths)
+        start = 0
+        while start < len(self):
+            before = int(ends[start - 1]) if start else 0
+            stop = max(start + 1, int(np.searchsorted(ends, before + max_bytes, side="right")))
+            yield Ranges(self.offsets[start:stop], self.lengths[start:stop])
+            start = stop
 
 
 def byte_ranges(layout: KVLayout, starts: Sequence[int], counts: Sequence[int]) -> Ranges:

@@ -18,7 +18,7 @@ import torch
 
 from transfer.backend import Backend
 from transfer.blocks import plan_runs
-from transfer.checksum import blocks_crc32
+from transfer.checksum import blocks_crc32c
 from transfer.errors import InvalidBlocks, PeerLost, RegionNotRegistered, TransferError
 from transfer.layout import KVLayout
 from transfer.peer import Job, Peer
@@ -146,10 +146,12 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------------------
     def queue_transfer_with_token(self, peer: str, src_block_ids: Sequence[int],
                                   dst_block_ids: Sequence[int], token: CompletionToken | None = None,
-                                  timeout: float = DEFAULT_TIMEOUT) -> CompletionToken:
+                                  timeout: float = DEFAULT_TIMEOUT, checksum: bool = False) -> CompletionToken:
         """Queues a copy of our blocks src into the peer's blocks dst; returns its token at once.
 
-        Every failure, including bad ids, ends the token with a typed error.
+        With `checksum`, the token's `checksum` is the CRC-32C of the bytes sent, as the
+        receiver's `checksum(dst)` sums them (computed by the transfer, never by the caller's
+        thread). Every failure, including bad ids, ends the token with a typed error.
         """
         token = token if token is not None else CompletionToken()
         token._arm(time.monotonic() + timeout)
@@ -162,17 +164,18 @@ class TransferEngine:
                 runs = plan_runs(_ints(src_block_ids), _ints(dst_block_ids),
                                  region.layout.num_blocks, handle.layout.num_blocks)
                 if runs:
-                    handle.submit(Job(token, region, runs))
+                    handle.submit(Job(token, region, runs, checksum))
                 else:
-                    token._finish(None)  # nothing to move, e.g. a prompt served from cache
+                    token._finish(None, 0 if checksum else None)  # nothing to move: a prompt served from cache
         except TransferError as exc:
             token._finish(exc)
         return token
 
     def checksum(self, block_ids: Sequence[int], dst_block_ids: Sequence[int] | None = None) -> int:
-        """CRC-32 of our blocks `block_ids` as a push lays them into the peer's `dst_block_ids`
+        """CRC-32C of our blocks `block_ids` as a push lays them into the peer's `dst_block_ids`
         (default: the same ids), so a sender's checksum of its source blocks equals the
         receiver's of its destination blocks when every byte arrived (transfer.checksum).
+        Reads every byte: call it off any thread that must stay responsive.
 
         Raises RegionNotRegistered without a pool, InvalidBlocks for bad ids.
         """
@@ -180,7 +183,7 @@ class TransferEngine:
         if region is None:
             raise RegionNotRegistered("no local region is registered")
         ids = _ints(block_ids)
-        return blocks_crc32(region.flat, region.layout, ids, ids if dst_block_ids is None else _ints(dst_block_ids))
+        return blocks_crc32c(region, ids, ids if dst_block_ids is None else _ints(dst_block_ids))
 
     def close(self) -> None:
         """Disconnects every peer, stops transports and frees the region; idempotent."""

@@ -22,6 +22,7 @@ class Job:
     token: CompletionToken
     region: Region
     runs: Sequence[Run]
+    summed: bool = False     # the token also reports the CRC-32C of the bytes sent
 
 
 class Peer:
@@ -73,7 +74,11 @@ class Peer:
                 raise RegionNotRegistered("the local region was unregistered before the transfer ran")
             if self._link is None:
                 self._link = self._open_link(deadline)
-            self._link.write(job.region, job.runs, deadline)
+            if job.summed:
+                checksum: int | None = self._link.write_summed(job.region, job.runs, deadline)
+            else:
+                self._link.write(job.region, job.runs, deadline)
+                checksum = None
         except (PeerLost, TransferTimeout) as exc:
             # The stream or mapping is in an unknown state: start over next time.
             self._drop_link()
@@ -85,7 +90,7 @@ class Peer:
             self._drop_link()
             job.token._finish(TransferError(f"transfer failed: {exc!r}"))
         else:
-            job.token._finish(None)
+            job.token._finish(None, checksum)
 
     def _drop_link(self) -> None:
         if self._link is not None:

@@ -17,7 +17,7 @@ from transfer.backend import Backend, Link, remaining
 from transfer.blocks import Run, local_ranges, remote_ranges
 from transfer.errors import PeerLost, RegionNotRegistered, TransferError
 from transfer.layout import KVLayout
-from transfer.memcopy import copy_ranges
+from transfer.memcopy import copy_ranges, copy_ranges_crc32c
 from transfer.region import Region, ShmSegment, host_identity, unlink_segment
 
 # How long a peer whose segment is missing may take to finish exiting before we call it unregistered.
@@ -64,6 +64,15 @@ class ShmLink(Link):
         self._address = segment.pool_flat.data_ptr()
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+        self._copy(region, runs, deadline, None)
+
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
+        crc = self._copy(region, runs, deadline, 0)
+        assert crc is not None
+        return crc
+
+    def _copy(self, region: Region, runs: Sequence[Run], deadline: float, crc: int | None) -> int | None:
+        """Copies plane by plane; with a `crc`, extends it by every byte in the same pass."""
         self._check_peer()
         ours = local_ranges(region.layout, runs)
         theirs = remote_ranges(self._layout, runs).offsets
@@ -75,8 +84,13 @@ class ShmLink(Link):
         for i in range(0, len(ours), step):
             remaining(deadline)
             part = slice(i, i + step)
-            copy_ranges(self._address, region.address, theirs[part], ours.offsets[part], ours.lengths[part])
+            args = (self._address, region.address, theirs[part], ours.offsets[part], ours.lengths[part])
+            if crc is None:
+                copy_ranges(*args)
+            else:
+                crc = copy_ranges_crc32c(*args, crc)
         self._check_peer()
+        return crc
 
     def _check_peer(self) -> None:
         if not self._watch.alive():

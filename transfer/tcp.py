@@ -28,12 +28,16 @@ from transfer.blocks import Ranges, Run, byte_ranges, local_ranges
 from transfer.errors import (InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, TransferError,
                              Unauthorized)
 from transfer.layout import KVLayout
+from transfer.memcopy import crc32c_ranges
 from transfer.region import Region
 from transfer.sockio import (blocking, deadline_in, drain, recv_bytes, recv_ranges, send_bytes, send_ranges,
                              translated, tune)
 from transfer import wire
 
 log = logging.getLogger(__name__)
+
+# The bytes of a checked push summed at a time, then sent: about what the CPU's L2 cache holds.
+_SUMMED_PART_BYTES = 1 << 20
 
 
 def _read_reply(sock: socket.socket, deadline: float) -> wire.Reply:
@@ -65,10 +69,28 @@ class TcpLink(Link):
             raise
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+        self._write(region, runs, deadline, summed=False)
+
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
+        crc = self._write(region, runs, deadline, summed=True)
+        assert crc is not None
+        return crc
+
+    def _write(self, region: Region, runs: Sequence[Run], deadline: float, summed: bool) -> int | None:
         ranges = local_ranges(region.layout, runs)
         tid = self._request(wire.OP_WRITE, runs, ranges.nbytes, deadline)
-        send_ranges(self._sock, region.address, ranges, deadline)
+        if not summed:
+            send_ranges(self._sock, region.address, ranges, deadline)
+            crc = None
+        else:
+            # Each part is summed just before it is sent, so the kernel copies it out of the cache:
+            # the blocks are read from memory once.
+            crc = 0
+            for part in ranges.batches(_SUMMED_PART_BYTES):
+                crc = crc32c_ranges(region.address, part.offsets, part.lengths, crc)
+                send_ranges(self._sock, region.address, part, deadline)
         self._reply(tid, deadline)
+        return crc
 
     def _request(self, op: int, runs: Sequence[Run], size: int, deadline: float) -> int:
         tid = next(self._ids)

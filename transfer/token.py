@@ -27,6 +27,7 @@ class CompletionToken:
         self._event = threading.Event()
         self._state = _PENDING
         self._error: TransferError | None = None
+        self._checksum: int | None = None
         self._deadline: float | None = None
         self._callbacks: list[Callable[[CompletionToken], None]] = []
 
@@ -41,6 +42,11 @@ class CompletionToken:
         """The typed error of a failed transfer, None while pending or after success."""
         self._expire_if_overdue()
         return self._error
+
+    @property
+    def checksum(self) -> int | None:
+        """The CRC-32C of the bytes a summed transfer sent (transfer.checksum), once it succeeded."""
+        return self._checksum
 
     def add_done_callback(self, callback: Callable[[CompletionToken], None]) -> None:
         """Calls `callback(token)` once the transfer finishes, from the thread that finishes it
@@ -84,11 +90,11 @@ class CompletionToken:
             self._state = _RUNNING
             return True
 
-    def _finish(self, error: TransferError | None = None) -> None:
+    def _finish(self, error: TransferError | None = None, checksum: int | None = None) -> None:
         with self._lock:
             if self._state == _FINISHED:
                 return
-            self._state, self._error = _FINISHED, error
+            self._state, self._error, self._checksum = _FINISHED, error, checksum
         self._done()
 
     def _expire_if_overdue(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.roles import ROLES
+from worker.dtype import resolve_dtype
 
-DTYPES = ("float32", "float16", "bfloat16")
 # Tokens per step: with chunked prefill a step takes about as long as this many prompt tokens,
 # the longest a running stream waits for its next token while prompts are being prefilled.
 DEFAULT_CHUNKED_BUDGET = 512
@@ -27,7 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool | None = None  # None: on for the roles in CHUNKED_BY_DEFAULT
     max_waiting: int = 256                 # bounded waiting queue
     max_model_len: int | None = None       # default: the model's max_position_embeddings
-    dtype: str = "float32"
+    dtype: str = "float32"                 # or "auto": resolved at once (worker/dtype.py)
     seed: int = 0
     role: str = "both"
     enable_prefix_caching: bool = True
@@ -40,8 +40,7 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.dtype = resolve_dtype(self.dtype)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

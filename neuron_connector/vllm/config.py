@@ -31,7 +31,7 @@ class NeuronConnectorConfig:
     model: str = ""                      # registered model name; "" = vLLM's served model name
     abort_timeout: float = 60.0          # prefill: free published blocks nobody pulled by then
     pull_timeout: float = 30.0           # decode: fail a pull not done by then
-    kv_integrity_check: bool = False     # decode: verify every pull with a checksum the prefill sends
+    kv_integrity_check: bool = True      # decode: verify every pull with a CRC-32C the prefill sends
     kv_secret_file: str = ""             # the shared KV secret (mode 600); "" = $NEURON_DI_KV_SECRET_FILE or none
     idle_wait: float = 0.02              # a step that runs nothing waits this long for a transfer to end
     status_port: int = 0                 # GET /timeline and /metrics of the connector on kv_host; 0 = a free port, -1 = off

@@ -11,18 +11,24 @@ import pytest
 
 from benchmarks import bench_vs_vllm
 from stack.serving import StackOptions, start_both
+from stack.vllm import VllmOptions, serve_args
 from benchmarks.vllm_bench_client import client_metrics
 
 from tests.script_runs import run_script
 from tests.benchmarks.tiny_model import tiny_model_dir
 
 
+def saved_result(rps: float = 1.0, ttft: float = 100.0, itl_p99: float = 40.0, failed: int = 0) -> dict:
+    """A result shaped like what `vllm bench serve --save-result` writes (without --save-detailed)."""
+    return {"duration": 10.0, "completed": 16 - failed, "failed": failed, "total_input_tokens": 2048,
+            "total_output_tokens": 512, "request_throughput": rps, "output_throughput": 51.2,
+            "mean_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": 20.0,
+            "p99_tpot_ms": 30.0, "median_itl_ms": itl_p99 / 2, "p99_itl_ms": itl_p99}
+
+
 def saved(rps: float, ttft: float, itl_p99: float, failed: int = 0) -> dict:
-    """Our metrics from a result shaped like what `vllm bench serve --save-result` writes."""
-    return client_metrics({"duration": 10.0, "completed": 16 - failed, "failed": failed, "total_input_tokens": 2048,
-                           "total_output_tokens": 512, "request_throughput": rps, "output_throughput": 51.2,
-                           "mean_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": 20.0,
-                           "p99_tpot_ms": 30.0, "median_itl_ms": itl_p99 / 2, "p99_itl_ms": itl_p99})
+    """Our metrics from such a result."""
+    return client_metrics(saved_result(rps, ttft, itl_p99, failed))
 
 
 RESULTS = {"builtin_128_64": {"ours": saved(3.0, 40.0, 30.0), "vllm": saved(2.0, 80.0, 40.0)},
@@ -36,6 +42,16 @@ def test_defaults_and_quick() -> None:
     assert (quick.workloads, quick.num_prompts, quick.num_warmups) == (["bench24m_2000_64"], 5, 2)
     assert bench_vs_vllm.lengths(bench_vs_vllm.WORKLOADS["bench24m_2000_64"], quick=True) == (2000, 32)
     assert bench_vs_vllm.lengths(bench_vs_vllm.WORKLOADS["bench24m_2000_64"], quick=False) == (2000, 64)
+
+
+def test_both_servers_compute_in_the_dtype_asked() -> None:
+    workload = bench_vs_vllm.WORKLOADS["builtin_128_64"]
+    assert bench_vs_vllm.parse_args([]).dtype == "float32"
+    args = bench_vs_vllm.parse_args(["--dtype", "bfloat16", "--ours-extra", "--seed 3"])
+    flags = bench_vs_vllm.ours_flags(workload, args)
+    assert flags[-4:] == ["--dtype", "bfloat16", "--seed", "3"]
+    vllm_args = serve_args(VllmOptions(model="m", dtype=args.dtype), 8000)
+    assert vllm_args[vllm_args.index("--dtype") + 1] == "bfloat16"
 
 
 def test_ours_extra_flags_are_split_and_kept_in_order() -> None:
@@ -140,3 +156,16 @@ def test_quick_run_against_vllm(tmp_path: Path) -> None:
     assert systems["vllm"]["server_env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert all(not math.isnan(v) and v > 0 for v in report["ratios"]["worst"].values())
     assert set(report["goals"]) == {"throughput_vs_vllm", "ttft_mean_vs_vllm", "itl_p99_vs_vllm"}
+
+
+def test_stalls_and_the_largest_gap_come_from_the_per_request_gaps() -> None:
+    # Two requests, median ITL 20 ms: the 80 and 300 ms gaps are stalls (> 3 x 20), 50 ms is not.
+    itls = [[0.02, 0.02, 0.08, 0.02], [0.02, 0.3, 0.05]]
+    result = {**saved_result(), "median_itl_ms": 20.0, "itls": itls}
+    metrics = client_metrics(result)
+    assert metrics["stalls_per_request"] == 1.0 and metrics["largest_gap_ms"] == pytest.approx(300.0)
+    without = client_metrics(saved_result())   # a result saved without --save-detailed
+    assert without["stalls_per_request"] is None and without["largest_gap_ms"] is None
+    table = bench_vs_vllm.format_table({"builtin_128_64": {"ours": metrics, "vllm": without}},
+                                       bench_vs_vllm.all_ratios({"builtin_128_64": {"ours": metrics, "vllm": without}}))
+    assert "stalls/req" in table and "max gap" in table and "300.0" in table and "null" in table

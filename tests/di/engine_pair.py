@@ -13,15 +13,18 @@ from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
 
 @contextmanager
-def engine_trio(num_blocks: int, **decode_config: Any) -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
-    """A prefill and a decode engine over shm, and a `both` engine to compare with; closed on the way out."""
+def engine_trio(num_blocks: int, dtype: str = "float32", decode_dtype: str | None = None,
+                **decode_config: Any) -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
+    """A prefill and a decode engine over shm, and a `both` engine to compare with, computing in `dtype`
+    (the decode engine in `decode_dtype` if given); closed on the way out."""
     torch.set_num_threads(1)
-    prefill = LLMEngine(EngineConfig(role="prefill", num_kv_blocks=num_blocks),
+    prefill = LLMEngine(EngineConfig(role="prefill", num_kv_blocks=num_blocks, dtype=dtype),
                         kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port())))
-    decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=num_blocks, **decode_config),
+    decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=num_blocks, dtype=decode_dtype or dtype,
+                                     **decode_config),
                        kv_connector=KVConnector(KVConnectorConfig("decode", "shm",
                                                                   engine_id=f"decode-{time.monotonic_ns()}")))
-    both = LLMEngine(EngineConfig(num_kv_blocks=num_blocks))
+    both = LLMEngine(EngineConfig(num_kv_blocks=num_blocks, dtype=dtype))
     try:
         yield prefill, decode, both
     finally:

@@ -1,5 +1,6 @@
-"""--kv-integrity-check end to end: checked pulls answer exactly as unchecked ones, and a
-corrupted push fails its request with a KV transfer error, its blocks freed on both sides."""
+"""The KV integrity check (on by default) end to end: checked pulls answer exactly as
+unchecked ones (--no-kv-integrity-check), and a corrupted push fails its request with a KV
+transfer error, its blocks freed on both sides."""
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,8 @@ def test_checked_pulls_answer_as_unchecked_ones_and_count_no_failure() -> None:
     prefill = WorkerProcess("prefill", "shm")
     decodes: list[WorkerProcess] = []
     try:
+        decodes.append(WorkerProcess("decode", "shm", ["--no-kv-integrity-check"]))
         decodes.append(WorkerProcess("decode", "shm"))
-        decodes.append(WorkerProcess("decode", "shm", ["--kv-integrity-check"]))
         plain, checked = decodes
         bodies = [body(p) for p in prompts()[::5]]             # 10 prompts, 1 to ~900 tokens
         want = asyncio.run(pair_answers(prefill, plain, bodies, concurrency=4))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tests.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
+from worker.model.loader import BUILTIN_MODEL_NOTE
 
 
 @needs_di
@@ -16,6 +17,8 @@ def test_demo_answers_every_request_and_stops_the_stack():
         assert title in out
     assert out.rstrip().endswith("stopped the proxy and both workers")
     assert not any(listening(port) for port in stack_ports(out))
+    # What the built-in model is, said before its first answer.
+    assert out.index(f"({BUILTIN_MODEL_NOTE})") < out.index("\n=== completion (")
 
 
 @needs_di

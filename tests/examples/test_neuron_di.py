@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from benchmarks.di_stats import Completion, blocks_for, diverging_at, first_mismatch, format_summary, summarize, transfer_time
 from examples.neuron_di import PROMPTS, encode_prompts
 from tests.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
-from worker.model.loader import builtin_model_path, load_config
+from worker.model.loader import BUILTIN_MODEL_NOTE, builtin_model_path, load_config
 
 
 def test_first_mismatch_finds_the_first_differing_output():
@@ -65,6 +65,7 @@ def test_neuron_di_outputs_match_the_non_disaggregated_run(transport):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "outputs match: 3 prompts" in result.stdout
     assert result.stdout.count("8 tokens generated") == 3
+    assert result.stdout.index(BUILTIN_MODEL_NOTE) < result.stdout.index("=== prompt 0")  # said before its text
     # Whole 16-token float32 blocks of every layer's K and V, for each prompt as the example encodes it.
     config = load_config(builtin_model_path())
     block_bytes = config.num_hidden_layers * 2 * 16 * config.num_key_value_heads * config.head_dim * 4

@@ -5,13 +5,14 @@ request exactly or with a clear error, with no request left hanging and no KV bl
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Iterator
 
 import httpx
 import pytest
 
-from faults.judge import Campaign, ScenarioResult
+from faults.judge import Campaign, ScenarioResult, wait_serving
 from faults.load import LoadSize
 from faults.stacks import FaultStack
 from faults.two_hosts import PULL_TIMEOUT_S, LinkFault, link_fault, start_two_hosts
@@ -96,3 +97,26 @@ def test_cuts_under_load(two_hosts: FaultStack, campaign: Campaign) -> None:
         result = run(two_hosts, campaign, LinkFault("cut", cut=True), 16, (400, 1800), seed=seed, concurrency=8)
         assert_clean(result)
         assert result.recover_s is not None
+
+
+# Long enough that the decode's signal plane drops its connection (heartbeats) and its next connect
+# attempt meets the cut: the kernel retries that SYN 1, 3, 7, 15 and 31 s after it started, so a
+# connect attempt left to those retries waits up to 16 s more once the cable is back (a 12 s cut
+# here often ended sooner anyway: the failed ARP entry ends the attempt).
+CUT_FOR_S = 30.0
+# The recovery the campaign asks for after a cut cable is cleared.
+SERVING_WITHIN_S = 5.0
+
+
+@pytest.mark.slow
+def test_the_stack_serves_within_seconds_of_a_long_cut_cleared(two_hosts: FaultStack, campaign: Campaign) -> None:
+    assert wait_serving(two_hosts, campaign, timeout_s=60.0) is not None
+    two_hosts.link.set(up=False)
+    cut_until = time.monotonic() + CUT_FOR_S
+    while time.monotonic() < cut_until:   # the fault's length, not a wait for an event
+        time.sleep(0.5)
+    two_hosts.link.clear()
+    cleared = time.monotonic()
+    served = wait_serving(two_hosts, campaign, timeout_s=60.0)
+    assert served is not None, "the stack did not serve again"
+    assert served - cleared < SERVING_WITHIN_S, f"serving again {served - cleared:.1f} s after the cable came back"

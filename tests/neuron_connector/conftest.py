@@ -69,7 +69,7 @@ class Pair:
 
 
 def make_pair(backend: str = "shm", abort_timeout: float = 60.0, grace: float = 2.0,
-              integrity_check: bool = False, p_engine: Any = None,
+              integrity_check: bool = True, p_engine: Any = None,
               p_secret: bytes | None = None, d_secret: bytes | None = None) -> Pair:
     """Prefill engine "prefill-0" and decode engine "decode-0", not started. `p_engine`: the
     prefill's transfer engine, without a pool yet (default: a real one of `backend`)."""

@@ -59,6 +59,14 @@ class CorruptingLink(Link):
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
         self._link.write(region, runs, deadline)
+        self._corrupt(runs)
+
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
+        checksum = self._link.write_summed(region, runs, deadline)
+        self._corrupt(runs)
+        return checksum
+
+    def _corrupt(self, runs: Sequence[Run]) -> None:
         if self._backend.take_corruption():
             offset = int(remote_ranges(self._layout, runs).offsets[0]) + 3
             self._peer_pool.pool_flat[offset] ^= 0x40

@@ -9,7 +9,7 @@ import torch
 
 from neuron_connector import IntegrityError, ProtocolError, PullState, UnknownRequest
 from neuron_connector.lookup import LookupTable, Start
-from neuron_connector.protocol import CRC32, LookupReply
+from neuron_connector.protocol import CRC32C, LookupReply
 from neuron_connector.pulls import PullTracker
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair, running_pair
@@ -27,27 +27,27 @@ def _tracker_with_lookup_sent(checksum: str | None) -> PullTracker:
 
 
 def test_a_matching_checksum_turns_the_pull_done() -> None:
-    tracker = _tracker_with_lookup_sent(CRC32)
+    tracker = _tracker_with_lookup_sent(CRC32C)
     tracker.on_reply(LookupReply("r", True, 7, (4, 5), checksum=0xABCD), 0.1, local_checksum=0xABCD)
     status = tracker.poll("r")
     assert status.state is PullState.DONE and status.output_token == 7
 
 
 def test_a_different_checksum_fails_the_pull_naming_peer_and_request() -> None:
-    tracker = _tracker_with_lookup_sent(CRC32)
+    tracker = _tracker_with_lookup_sent(CRC32C)
     tracker.on_reply(LookupReply("r", True, 7, (4, 5), checksum=0xABCD), 0.1, local_checksum=0xABCE)
     assert tracker.take_finished() == ["r"]     # announced, as every failure
     status = tracker.poll("r")
     assert status.state is PullState.FAILED and isinstance(status.error, IntegrityError)
-    assert status.message == (f"KV blocks of 'r' from prefill peer {PEER} are corrupt: crc32 0x0000abce of our "
+    assert status.message == (f"KV blocks of 'r' from prefill peer {PEER} are corrupt: crc32c 0x0000abce of our "
                                "blocks [4, 5], the peer sent 0x0000abcd")
 
 
 def test_a_peer_that_sends_no_checksum_fails_the_checked_pull() -> None:
-    tracker = _tracker_with_lookup_sent(CRC32)
+    tracker = _tracker_with_lookup_sent(CRC32C)
     tracker.on_reply(LookupReply("r", True, 7, (4, 5)), 0.1, local_checksum=None)
     status = tracker.poll("r")
-    assert isinstance(status.error, ProtocolError) and "sent no crc32 checksum of 'r'" in status.message
+    assert isinstance(status.error, ProtocolError) and "sent no crc32c checksum of 'r'" in status.message
 
 
 def test_unchecked_pulls_ignore_a_checksum() -> None:

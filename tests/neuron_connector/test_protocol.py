@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from neuron_connector.errors import ProtocolError
 from neuron_connector.protocol import (
-    CRC32, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
+    CRC32C, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
     LookupReply, Probe, Release, decode_reply, decode_request, request_fields)
 
 LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, "head_dim": 8,
@@ -21,7 +21,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     KVMapInit(LAYOUT, {}, proof="ab12"),
     LookupAll("req-1", (3, 0, 7)),
     LookupAll("req-1", (3,), timeout_s=2.5),
-    LookupAll("req-1", (3,), timeout_s=2.5, checksum=CRC32),
+    LookupAll("req-1", (3,), timeout_s=2.5, checksum=CRC32C),
     LookupAll("req-1", (3,), skipped_blocks=0),
     LookupAll("req-1", (8, 9), timeout_s=1.0, skipped_blocks=5),
     Release("req-1"),
@@ -58,7 +58,7 @@ def test_wire_format_matches_the_design() -> None:
     assert json.loads(LookupReply("r", False).to_bytes()) == {
         "type": "lookup_all", "request_id": "r", "success": False}
     assert json.loads(Release("r").to_bytes()) == {"type": "release", "request_id": "r"}
-    assert json.loads(LookupAll("r", (1,), checksum="crc32").to_bytes())["checksum"] == "crc32"
+    assert json.loads(LookupAll("r", (1,), checksum="crc32c").to_bytes())["checksum"] == "crc32c"
     assert json.loads(LookupAll("r", (1,), skipped_blocks=3).to_bytes())["skipped_blocks"] == 3
     assert json.loads(LookupReply("r", True, 9, (1,), checksum=0xDEADBEEF).to_bytes())["checksum"] == 0xDEADBEEF
     hello = json.loads(HandshakeReply(1.0, "p0", {}, "n2").to_bytes())
@@ -84,7 +84,7 @@ def test_wire_format_matches_the_design() -> None:
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "timeout_s": 0}',
      "'timeout_s' must be positive"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "checksum": "md5"}',
-     "'checksum' must be one of \\['crc32'\\], got 'md5'"),
+     "'checksum' must be one of \\['crc32c'\\], got 'md5'"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "checksum": true}',
      "'checksum' must be"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "skipped_blocks": -1}',

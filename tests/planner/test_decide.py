@@ -102,6 +102,22 @@ def test_cooldown_holds_steps_down_after_a_change_not_steps_up() -> None:
     assert later.changed and later.target.prefill == 8
 
 
+def test_within_the_cooldown_a_fixed_fleet_goes_on_only_toward_the_role_still_saturated() -> None:
+    """A shift not yet met (prefill still past utilization_up after a first flip) flips on at once; turning
+    back toward decode waits for the cool-down to end."""
+    config = replace(CONFIG, min_samples=1)
+    start = Counts(2, 10)
+    first, state = decide(figures((4.0, 0.5), start, config), start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert first.changed and first.target.prefill > 2 and state.last_grown == "prefill"
+    again, state = decide(figures((9.0, 0.5), first.target, config), first.target, state, config, 5.0,
+                          fixed_fleet=True)
+    assert again.changed and again.target.prefill > first.target.prefill
+    back, _ = decide(figures((0.5, 9.0), again.target, config), again.target, state, config, 10.0, fixed_fleet=True)
+    assert not back.changed and "cooling down" in back.reason
+    later, _ = decide(figures((0.5, 9.0), again.target, config), again.target, state, config, 30.0, fixed_fleet=True)
+    assert later.changed and later.target.decode > again.target.decode
+
+
 def test_at_the_budget_the_split_follows_the_needs() -> None:
     """Long prompts at 1P2D within a budget of 3: a decode worker becomes a prefill worker."""
     config = replace(CONFIG, budget=3, min_samples=1)

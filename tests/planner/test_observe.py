@@ -68,6 +68,7 @@ def test_two_reads_give_each_roles_load_and_the_proxys_percentiles() -> None:
     assert figures.samples == 20 and 0.5 < figures.ttft_s <= 1.0 and figures.itl_s <= 0.05
     assert figures.prefill.prefill_tokens_per_busy_s == pytest.approx(1500.0)
     assert figures.prefill.running == 2 and figures.queue_depth is None and figures.queue_wait_s is None
+    assert obs.in_flight == {"http://p:1": 2.0, "http://d:1": 2.0}   # for choosing whom to flip or stop
 
 
 @pytest.mark.parametrize("fault, why", [

@@ -28,9 +28,10 @@ class Server:
 
 
 def start_fake_worker(role: str, etcd: str | None = None, kv_port: int | None = None,
-                      lease_ttl: int = 2, port: int | None = None) -> Server:
+                      lease_ttl: int = 2, port: int | None = None, draining: bool = False) -> Server:
     port = port or free_port()
     args = ["-m", "tests.proxy.fake_worker", "--role", role, "--port", str(port)]
+    args += ["--draining"] if draining else []
     args += ["--etcd", etcd, "--lease-ttl", str(lease_ttl)] if etcd else []
     args += ["--kv-port", str(kv_port)] if kv_port else []
     server = Server(Process(f"fake-{role}", args), port)

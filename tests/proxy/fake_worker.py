@@ -16,9 +16,10 @@ A request may steer it with a body field `fake` (the proxy passes unknown fields
 prefill answer without `kv_transfer_params`), `{"pull_error": message}` (a vLLM decode worker whose
 KV pull failed, which its connector's status server shows at GET /timeline: with a status, it
 answers that; streamed without one, it ends its 200 stream with vLLM's error event);
-`{"by_prompt": {PROMPT: {...}}}` steers the legs of one prompt (a string) otherwise.
+`{"by_prompt": {PROMPT: {...}}}` steers the legs of one prompt (a string) otherwise. Started with
+`--draining`, it refuses every leg (recorded all the same) as a draining worker does: 503 worker_draining.
 
-    python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT --lease-ttl 2]
+    python -m tests.proxy.fake_worker --role decode --port 8200 [--etcd HOST:PORT --lease-ttl 2] [--draining]
 """
 from __future__ import annotations
 
@@ -35,11 +36,16 @@ from aiohttp import web
 from tests.proxy.registration import register_forever
 
 
+DRAINING = {"error": {"message": "this worker is draining and takes no new requests; send the request to another "
+                                 "worker", "type": "worker_draining", "param": None, "code": 503}}
+
+
 class FakeWorker:
     """Request handlers plus what the tests inspect at GET /fake/state."""
 
-    def __init__(self, role: str, model: str, kv_port: int) -> None:
+    def __init__(self, role: str, model: str, kv_port: int, draining: bool = False) -> None:
         self.role = role
+        self.draining = draining
         self.model = model
         self.kv_port = kv_port
         self.active = 0
@@ -87,6 +93,8 @@ class FakeWorker:
         if isinstance(prompt, str):
             fake = {**fake, **(fake.get("by_prompt") or {}).get(prompt, {})}
         steer = fake.get(leg, {})
+        if self.draining:
+            return web.json_response(DRAINING, status=503, headers={"Retry-After": "1"})
         self.active += 1
         try:
             if "pull_error" in steer:
@@ -185,9 +193,10 @@ class _Answer:
         return chunks
 
 
-async def serve(role: str, port: int, model: str, etcd: str | None, kv_port: int, lease_ttl: int) -> None:
+async def serve(role: str, port: int, model: str, etcd: str | None, kv_port: int, lease_ttl: int,
+                draining: bool = False) -> None:
     app = web.Application()
-    app.add_routes(FakeWorker(role, model, kv_port).routes())
+    app.add_routes(FakeWorker(role, model, kv_port, draining).routes())
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -204,8 +213,9 @@ def main() -> None:
     parser.add_argument("--etcd")
     parser.add_argument("--kv-port", type=int, default=14579)
     parser.add_argument("--lease-ttl", type=int, default=2)
+    parser.add_argument("--draining", action="store_true", help="refuse every leg as a draining worker does")
     args = parser.parse_args()
-    asyncio.run(serve(args.role, args.port, args.model, args.etcd, args.kv_port, args.lease_ttl))
+    asyncio.run(serve(args.role, args.port, args.model, args.etcd, args.kv_port, args.lease_ttl, args.draining))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def test_requests_refused_by_draining_workers_are_served_by_the_others(stack) ->
         assert worker.proc.proc.wait(timeout=60) == 0, worker.proc.output()[-3000:]
         assert "drained: nothing left in flight" in worker.proc.output()
     log = proxy.process.output()
-    assert "it drains; sending the request to another worker" in log  # the prefill leg: the request resent
+    assert "it drains; sending the prefill leg to another worker" in log  # with a new decode leg naming it
     assert "it drains; sending the decode leg to another worker" in log  # it pulls the same prefill's KV
     for worker in (workers[1], workers[3]):
         worker.wait_blocks_free()

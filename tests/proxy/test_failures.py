@@ -10,6 +10,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from tests.body_limit import assert_clients_see_413
 from tests.helpers import wait_until
 from tests.proxy.conftest import Pair, Server, start_fake_worker, start_proxy
 
@@ -268,3 +269,9 @@ def test_sigterm_mid_stream_ends_the_stream_with_an_error_event_and_drops_the_de
                                     "param": None, "code": 503}}
     assert all("choices" in event for event in events[:-2])
     _cancelled_and_idle(decode, body["user"])
+
+
+def test_a_body_over_the_limit_is_a_413_clients_read_and_the_proxy_keeps_serving(pair: Pair) -> None:
+    assert_clients_see_413(pair.proxy.url)
+    reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=_body({}), timeout=30)
+    assert reply.status_code == 200, reply.text

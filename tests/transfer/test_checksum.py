@@ -1,35 +1,38 @@
-"""The checksum of a push: the sender's over its source blocks equals the receiver's over its
-destination blocks, in both pool orders, and it sees a single flipped bit."""
+"""The checksum of a push: the one the push computes over the bytes it sends equals the
+receiver's over its destination blocks, over shm (in the copy's pass) and tcp, in both pool
+orders; it is CRC-32C, and it sees a single flipped bit."""
 from __future__ import annotations
 
-import zlib
-
+import crc32c
+import numpy as np
 import pytest
 import torch
 
 from tests.transfer.conftest import LAYOUT
-from transfer import InvalidBlocks, KVLayout, RegionNotRegistered, create_transfer_engine
+from transfer import InvalidBlocks, KVLayout, RegionNotRegistered, create_transfer_engine, memcopy
 
 
 @pytest.mark.parametrize("order", ["LKBTHD", "LBHKTD"])
-def test_source_and_destination_checksums_agree_after_a_push(order: str, make_engine) -> None:
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_source_and_destination_checksums_agree_after_a_push(backend: str, order: str, make_engine) -> None:
     layout = KVLayout(**{**LAYOUT.to_dict(), "order": order})
-    src, dst = make_engine("shm", layout=layout, seed=1), make_engine("shm", layout=layout, seed=2)
+    src, dst = make_engine(backend, layout=layout, seed=1), make_engine(backend, layout=layout, seed=2)
     src_ids, dst_ids = [4, 5, 90, 7], [10, 11, 3, 60]    # out of order, some adjacent on both sides
     sent = src.checksum(src_ids, dst_ids)
     assert dst.checksum(dst_ids) != sent
-    src.queue_transfer_with_token(src.connect(dst.descriptor()), src_ids, dst_ids).wait(10)
-    assert dst.checksum(dst_ids) == sent
+    token = src.queue_transfer_with_token(src.connect(dst.descriptor()), src_ids, dst_ids, checksum=True)
+    token.wait(10)
+    assert dst.checksum(dst_ids) == sent == token.checksum
     # Listing the same pairs in another order names the same bytes.
     assert dst.checksum([60, 3, 11, 10]) == sent == src.checksum([7, 90, 5, 4], [60, 3, 11, 10])
 
 
-def test_the_checksum_is_crc32_of_the_bytes_plane_by_plane_in_destination_order(make_engine) -> None:
+def test_the_checksum_is_crc32c_of_the_bytes_plane_by_plane_in_destination_order(make_engine) -> None:
     engine = make_engine("shm", seed=3)
     pool = engine._region.tensor          # (layers, k/v, blocks, ...) in our order
     expected = b"".join(pool[layer, kv, [9, 2]].contiguous().view(torch.uint8).numpy().tobytes()
                         for layer in range(LAYOUT.num_layers) for kv in range(2))
-    assert engine.checksum([2, 9], [1, 0]) == zlib.crc32(expected)
+    assert engine.checksum([2, 9], [1, 0]) == crc32c.crc32c(expected)
     assert engine.checksum([]) == 0
 
 
@@ -57,3 +60,39 @@ def test_bad_ids_and_no_pool_are_clear_errors(make_engine) -> None:
             bare.checksum([0])
     finally:
         bare.close()
+
+
+def test_an_unsummed_push_reports_no_checksum_and_an_empty_one_zero(make_engine) -> None:
+    src, dst = make_engine("shm", seed=5), make_engine("shm", seed=6)
+    peer = src.connect(dst.descriptor())
+    plain = src.queue_transfer_with_token(peer, [1], [2])
+    plain.wait(10)
+    assert plain.checksum is None
+    empty = src.queue_transfer_with_token(peer, [], [], checksum=True)
+    empty.wait(10)
+    assert empty.checksum == 0 == crc32c.crc32c(b"")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+@pytest.mark.parametrize("lengths", [[0], [1, 7, 8, 9], [767, 768, 769], [16384, 16387, 100_000]])
+def test_the_copy_loops_agree_with_the_crc32c_package(lengths: list[int], native: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every length class of the native loop (tail bytes, one chain, three joined chains), the
+    copy it fuses with, and the fallback without a C compiler, against the reference package,
+    each range chained onto the last."""
+    if native and not memcopy.NATIVE:
+        pytest.skip("built without a C compiler")
+    if not native:
+        monkeypatch.setattr(memcopy, "_native_crc32c_ranges", None)
+        monkeypatch.setattr(memcopy, "_native_copy_crc32c", None)
+    rng = np.random.default_rng(len(lengths))
+    src = rng.integers(0, 256, sum(lengths) + 64, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    offsets = np.cumsum([3] + lengths[:-1]).astype(np.int64)
+    want = 7
+    for offset, length in zip(offsets.tolist(), lengths):
+        want = crc32c.crc32c(src[offset:offset + length].tobytes(), want)
+    sizes = np.array(lengths, dtype=np.int64)
+    assert memcopy.crc32c_ranges(src.ctypes.data, offsets, sizes, 7) == want
+    assert memcopy.copy_ranges_crc32c(dst.ctypes.data, src.ctypes.data, offsets + 1, offsets, sizes, 7) == want
+    assert np.array_equal(dst[offsets[0] + 1:offsets[-1] + 1 + lengths[-1]], src[offsets[0]:offsets[-1] + lengths[-1]])

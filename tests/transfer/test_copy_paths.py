@@ -91,3 +91,11 @@ def test_peer_closing_mid_receive_is_peer_lost() -> None:
         recv_ranges(b, buf.ctypes.data, Ranges(np.array([0], dtype=np.int64), np.array([4096], dtype=np.int64)),
                     deadline_in(10))
     b.close()
+
+
+def test_ranges_come_in_batches_of_whole_ranges_in_order() -> None:
+    ranges = Ranges(np.array([0, 100, 50, 400, 900], dtype=np.int64), np.array([10, 40, 60, 500, 5], dtype=np.int64))
+    batches = list(ranges.batches(100))
+    assert [b.lengths.tolist() for b in batches] == [[10, 40], [60], [500], [5]]
+    assert np.concatenate([b.offsets for b in batches]).tolist() == ranges.offsets.tolist()
+    assert list(Ranges(np.zeros(0, np.int64), np.zeros(0, np.int64)).batches(100)) == []

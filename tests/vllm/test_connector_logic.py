@@ -18,8 +18,8 @@ def test_config_from_vllm_settings() -> None:
     config = NeuronConnectorConfig.from_vllm("kv_consumer", {"kv_transport": "tcp", "pull_timeout": 5})
     assert (config.role, config.kv_transport, config.pull_timeout) == ("decode", "tcp", 5)
     assert NeuronConnectorConfig.from_vllm("kv_producer", None).role == "prefill"
-    assert NeuronConnectorConfig.from_vllm("kv_consumer", None).kv_integrity_check is False
-    assert NeuronConnectorConfig.from_vllm("kv_consumer", {"kv_integrity_check": True}).kv_integrity_check is True
+    assert NeuronConnectorConfig.from_vllm("kv_consumer", None).kv_integrity_check is True
+    assert NeuronConnectorConfig.from_vllm("kv_consumer", {"kv_integrity_check": False}).kv_integrity_check is False
 
 
 @pytest.mark.parametrize("kv_role, extra, message", [

@@ -33,9 +33,8 @@ FLOWS = {"prefill_first": ["--disaggregation-strategy", "prefill_first"],
          "decode_first": ["--disaggregation-strategy", "decode_first"],
          "conditional": ["--conditional-disaggregation", "--tokenizer", OPTIONS.model,
                          "--max-local-prefill-tokens", str(MAX_LOCAL), "--kv-block-size", "128"]}
-# (sampled, stream, concurrency): by default two ways that between them cover each value once.
-WAYS = [(False, True, 8), (True, False, 1)]
-MORE_WAYS = [(False, False, 1), (True, True, 8)]
+# (endpoint, sampled, stream, concurrency): by default two ways per flow that between them cover each value once.
+WAYS = [("/v1/completions", False, True, 8), ("/v1/chat/completions", True, False, 1)]
 
 
 def prompts() -> list[str]:
@@ -77,12 +76,14 @@ def wanted(reference: Stack, endpoint: str, sampled: bool) -> list[Seen]:
 
 
 def ways() -> list:
-    return [pytest.param(*way, id=f"{'seeded' if way[0] else 'greedy'}-{'stream' if way[1] else 'whole'}-c{way[2]}")
-            for way in WAYS] + [pytest.param(*way, marks=pytest.mark.slow) for way in MORE_WAYS]
+    every = [(endpoint, *way) for endpoint in ENDPOINTS
+             for way in ((False, True, 8), (True, False, 1), (False, False, 1), (True, True, 8))]
+    return [pytest.param(*way, id=f"{'chat' if 'chat' in way[0] else 'completions'}-{'seeded' if way[1] else 'greedy'}-"
+                                  f"{'stream' if way[2] else 'whole'}-c{way[3]}",
+                         marks=() if way in WAYS else pytest.mark.slow) for way in every]
 
 
-@pytest.mark.parametrize("sampled, stream, concurrency", ways())
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("endpoint, sampled, stream, concurrency", ways())
 @pytest.mark.parametrize("flow", list(FLOWS))
 def test_flow_answers_as_one_vllm_server(reference: Stack, neuron_stack: Stack, proxies: dict[str, Server],
                                           flow: str, endpoint: str, sampled: bool, stream: bool,

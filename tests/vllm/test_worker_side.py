@@ -23,7 +23,7 @@ def step(side: WorkerSide, orders: StepOrders) -> None:
 
 
 @contextmanager
-def worker_sides(integrity_check: bool = False) -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
+def worker_sides(integrity_check: bool = True) -> Iterator[tuple[WorkerSide, WorkerSide, dict, dict]]:
     kv_port = free_port()
     prefill = WorkerSide(NeuronConnectorConfig("prefill", kv_port=kv_port, abort_timeout=30), "m")
     decode = WorkerSide(NeuronConnectorConfig("decode", pull_timeout=3, kv_integrity_check=integrity_check), "m")

@@ -1,5 +1,6 @@
-"""A client that closes its connection right after sending has its request aborted, not generated to
-the end for nobody: a real worker process behind hypercorn, as the proxy's cancelled legs meet it."""
+"""Clients at the worker's HTTP edge, a real worker process behind hypercorn: one that closes its
+connection right after sending has its request aborted, not generated to the end for nobody (as the
+proxy's cancelled legs meet it); one that sends a body over the size limit reads a 413."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from tests.body_limit import assert_clients_see_413
 from tests.helpers import send_and_leave
 from tests.worker_process import WorkerProcess
 
@@ -34,3 +36,9 @@ def test_clients_closing_right_after_sending_have_their_requests_aborted(worker:
     # one frees them at the engine's next step (the half second over 1 s covers polling /metrics).
     worker.wait_blocks_free(timeout=1.5)
     assert 'outcome="length"' not in httpx.get(f"{worker.url}/metrics", timeout=10).text  # none ran to its end
+
+
+def test_a_body_over_the_limit_is_a_413_clients_read_and_the_worker_keeps_serving(worker: WorkerProcess) -> None:
+    assert_clients_see_413(worker.url)
+    reply = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1

@@ -47,12 +47,28 @@ def test_the_cost_model_is_calibrated_from_a_bench_engine_report(tmp_path: Path)
 
 def test_tokens_are_deterministic_printable_and_run_to_max_tokens() -> None:
     model = MockModel.load(None, CostModel(decode_base_s=0.0, decode_per_seq_s=1e-6, prefill_tokens_per_s=1e9))
-    engine = LLMEngine(EngineConfig(), model=model)
+    engine = LLMEngine(model.with_real_capacity(EngineConfig()), model=model)
+    # the built-in model's capacity in the default 256 MiB: 4 layers, 2 KV heads of 64 floats, 16 a block
+    assert engine.kv_layout.num_blocks == 256 * 2**20 // (2 * 4 * 16 * 2 * 64 * 4)
     prompts = [[72, 105] * 40, [65] * 7, [72, 105] * 40]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     assert outputs[0] == outputs[2] != outputs[1]
     assert all(len(o) == 24 and all(32 <= t < 127 for t in o) for o in outputs)
     assert 0 < engine.counters.prefill_tokens <= 167 and engine.counters.decode_seqs == 3 * 23
+
+
+def test_each_token_is_certain_where_logprobs_are_asked_for() -> None:
+    model = MockModel.load(None, CostModel(decode_base_s=0.0, decode_per_seq_s=1e-6, prefill_tokens_per_s=1e9))
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64), model=model)
+    engine.add_request("top", [72, 105] * 8, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3))
+    engine.add_request("none", [72, 105] * 8, SamplingParams(max_tokens=4, temperature=0.0))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    top = [(o.new_token_ids[0], o.logprobs) for o in outputs if o.request_id == "top"]
+    assert len(top) == 4 and all(lp is not None and [(e.token_id, e.logprob, e.rank, e.top) for e in lp] ==
+                                 [(t, 0.0, 1, ((t, 0.0),))] for t, lp in top)
+    assert all(o.logprobs is None for o in outputs if o.request_id == "none")
 
 
 @pytest.mark.parametrize("argv, message", [

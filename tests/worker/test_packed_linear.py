@@ -45,6 +45,17 @@ def test_packed_linear_equals_f_linear(shape: tuple[int, ...], bias: bool) -> No
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_packed_bf16_linear_equals_f_linear_exactly(rows: int) -> None:
+    layer = linear(512, 1024, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 512).to(torch.bfloat16)
+    expected = F.linear(x, layer.weight.detach(), layer.bias)
+    assert layer.pack() and layer.weight.dtype == torch.bfloat16
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+
+
+@needs_onednn
 def test_packed_linear_takes_non_contiguous_input() -> None:
     layer = linear(512, 1024, bias=False)
     x = torch.randn(512, 6).t()
@@ -56,9 +67,9 @@ def test_packed_linear_takes_non_contiguous_input() -> None:
 
 @pytest.mark.parametrize("weight", [
     torch.zeros(MIN_PACKED_ELEMENTS // 512 - 1, 512),               # small: F.linear is faster
-    torch.zeros(1024, 512, dtype=torch.bfloat16),                    # fp32 only
+    torch.zeros(1024, 512, dtype=torch.float16),                     # fp32 and bf16 only
     torch.zeros(1024, 512, device="meta"),                           # CPU only
-], ids=["small", "bfloat16", "meta"])
+], ids=["small", "float16", "meta"])
 def test_pack_leaves_what_it_does_not_apply_to(weight: torch.Tensor) -> None:
     layer = Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     assert not can_pack(layer.weight)

@@ -22,7 +22,7 @@ import torch
 from quart import Quart, Response, g, jsonify
 
 from common.openai_wire import error_body, load_object
-from common.request_body import request_body
+from common.request_body import DrainingRequest, request_body
 from common.worker_record import WorkerRecord
 from transfer import TransferError
 from worker.multimodal.errors import EmbedsTransferError, UnknownHandle
@@ -57,6 +57,7 @@ def create_encode_app(settings: EncodeSettings, base_url: str) -> Quart:
     """The app; its region is made in `before_serving` and freed in `after_serving`. `base_url` is where
     prefill workers reach it (it goes into every EmbedsRef)."""
     app = Quart(__name__)
+    app.request_class = DrainingRequest
     worker = _EncodeWorker(settings, base_url)
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)

@@ -39,7 +39,7 @@ class KVConnectorConfig:
     engine_id: str = ""                    # signal-plane id; "" = the transfer engine's transfer_id
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
-    integrity_check: bool = False          # decode: verify every pull with a checksum the prefill sends
+    integrity_check: bool = True           # decode: verify every pull with a CRC-32C the prefill sends
     secret: bytes | None = field(default=None, repr=False)   # the shared KV secret; None: unauthenticated
 
 

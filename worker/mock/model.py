@@ -3,7 +3,7 @@
 Each step writes every computed position's token id into its KV slot, and a sampled sequence's next
 token is a hash of the token ids its KV blocks hold (positions 0 .. its length): so a decode worker
 whose pulled KV were wrong would answer differently from a `both` worker, as with a real model.
-Tokens are printable, never EOS: a request runs to its max_tokens.
+Tokens are printable, never EOS: a request runs to its max_tokens. Each is certain: its logprob is 0.
 """
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ import torch
 
 from common.tokenizer import Tokenizer
 from scheduler import ScheduledStep
+from transfer.layout import KVLayout
+from worker.config import EngineConfig
 from worker.mock.cost_model import CostModel
 from worker.model.loader import BUILTIN_MODEL_NAME, builtin_model_path, load_config
 from worker.model.model_config import ModelConfig
+from worker.model.logprobs import TokenLogprobs
 from worker.model.runner import StepResult
 from worker.model.tokenizer import load_tokenizer
 
@@ -34,6 +37,7 @@ class MockModel:
     tokenizer: Tokenizer
     name: str
     cost: CostModel
+    real: ModelConfig   # the model simulated: its KV capacity is the simulation's
 
     @classmethod
     def load(cls, model_dir: str | None, cost: CostModel) -> MockModel:
@@ -43,7 +47,17 @@ class MockModel:
         config = replace(real, hidden_size=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
                          head_dim=2, max_position_embeddings=max(real.max_position_embeddings, MAX_POSITIONS),
                          sliding_window=None)
-        return cls(config, load_tokenizer(path, real), BUILTIN_MODEL_NAME if model_dir is None else path.name, cost)
+        return cls(config, load_tokenizer(path, real), BUILTIN_MODEL_NAME if model_dir is None else path.name, cost,
+                   real)
+
+    def with_real_capacity(self, config: EngineConfig) -> EngineConfig:
+        """`config` with the KV blocks the simulated model would have in its `kv_cache_bytes` (when it
+        names no number of blocks): the tiny layout alone would give hundreds of times more."""
+        if config.num_kv_blocks is not None:
+            return config
+        one_block = KVLayout(self.real.num_hidden_layers, 1, config.block_size, self.real.num_key_value_heads,
+                             self.real.head_dim, config.dtype)
+        return replace(config, num_kv_blocks=max(config.kv_cache_bytes // one_block.block_bytes, 1))
 
     def runner(self, kv_pool: torch.Tensor, block_size: int) -> MockRunner:
         return MockRunner(self.cost, kv_pool, block_size, _token_choices(self.config))
@@ -53,6 +67,13 @@ def _token_choices(config: ModelConfig) -> torch.Tensor:
     """Printable ASCII ids where the vocabulary has them (the built-in model's bytes), never an EOS id."""
     ids = range(32, 127) if config.vocab_size >= 127 else range(config.vocab_size)
     return torch.tensor([t for t in ids if t not in config.eos_token_ids], dtype=torch.int64)
+
+
+def _certain(wanted: int | None, token_id: int) -> TokenLogprobs | None:
+    """The logprobs of a token chosen with certainty (the simulated engine's are), where they are asked for."""
+    if wanted is None:
+        return None
+    return TokenLogprobs(token_id, 0.0, 1, ((token_id, 0.0),) if wanted else ())
 
 
 class MockRunner:
@@ -75,7 +96,7 @@ class MockRunner:
             self.slots[self._slots(chunk.seq.block_table, positions), 0] = ids
         tokens = [self._next_token(seq.block_table, len(seq)) for seq in step.sampled]
         time.sleep(max(0.0, started + self.cost.step_seconds(step) - time.perf_counter()))
-        return StepResult(tokens, [None] * len(tokens), [])
+        return StepResult(tokens, [_certain(seq.params.logprobs, token) for seq, token in zip(step.sampled, tokens)], [])
 
     def _slots(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
         blocks = torch.tensor(block_table, dtype=torch.int64)[positions // self.block_size]

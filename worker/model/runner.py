@@ -51,7 +51,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
-        # The runner only ever runs inference: pack the CPU fp32 linears for oneDNN.
+        # The runner only ever runs inference: pack the CPU linears for oneDNN.
         pack_linears(model)
         self.model = model
         self.kv_pool = kv_pool

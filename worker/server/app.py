@@ -55,7 +55,7 @@ from worker.sampling_params import SamplingParams
 from common.openai_wire import error_body
 from common.timeline import Timeline, parse_query
 from common.worker_record import WorkerRecord
-from common.request_body import request_body
+from common.request_body import DrainingRequest, request_body
 from worker.server.protocol import GenerateRequest, build_params, error_for, models_body, parse_body, parse_request
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ def create_app(engine_config: EngineConfig, *,
     A drain, once over, sets the worker's `drain.done`: the server should stop then.
     """
     app = Quart(__name__)
+    app.request_class = DrainingRequest
     app.json.sort_keys = False  # bodies keep vLLM's key order
     worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout,
                      media_policy or MediaPolicy(), embeds_region, registrar, make_engine)

@@ -18,6 +18,7 @@ from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, sec
 from common.listen import hypercorn_bind, listen_socket
 from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
+from worker.dtype import AUTO, BF16_CPU_FLAGS
 from worker.mock import flags as mock_flags
 from worker.multimodal import flags as embeds_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse the KV blocks of prompt prefixes computed before (default: on)")
     engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
     engine.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
+    engine.add_argument("--dtype", choices=(AUTO, "float32", "bfloat16"), default="float32",
+                        help="what weights, activations and the KV cache are held in (norms, softmax and sampling "
+                             f"run in float32 whatever it is); {AUTO}: bfloat16 where the CPU has "
+                             f"{' or '.join(BF16_CPU_FLAGS)}, else float32. Prefill and decode workers must agree: "
+                             "their KV handshake refuses a peer of another dtype (default float32)")
     engine.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default 0)")
     media = parser.add_argument_group("multimodal (chat image parts holding precomputed embeddings)")
     media.add_argument("--allowed-local-media-path", type=Path, default=None,
@@ -115,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill: free KV blocks not pulled within this many seconds (default 60)")
     kv.add_argument("--kv-pull-timeout", type=float, default=30.0,
                     help="decode: fail a request whose KV has not arrived within this many seconds (default 30)")
-    kv.add_argument("--kv-integrity-check", action="store_true",
-                    help="decode: ask the prefill worker for a CRC-32 of the KV blocks it sends and fail the "
-                         "request (kv_transfer_error) when the blocks received do not match")
+    kv.add_argument("--kv-integrity-check", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode: ask the prefill worker for a CRC-32C of the KV blocks it sends and fail the "
+                         "request (kv_transfer_error) when the blocks received do not match (default: on; "
+                         "--no-kv-integrity-check turns it off)")
     kv.add_argument("--prefix-aware-transfer", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: pull only the prompt's KV blocks this worker's prefix cache lacks, and cache the "
                          "pulled ones for the next prompt with that prefix (default: on; needs prefix caching)")
@@ -159,7 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                               enable_chunked_prefill=args.enable_chunked_prefill,
                               enable_prefix_caching=args.enable_prefix_caching,
                               prefix_aware_transfer=args.prefix_aware_transfer,
-                              max_model_len=args.max_model_len, seed=args.seed,
+                              max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
                               role="both" if args.role == ENCODE_ROLE else args.role)  # encode: no engine runs
     except ValueError as exc:
         parser.error(str(exc))
@@ -237,9 +244,10 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: 
     def build() -> LLMEngine:
         config = engine_config if role is None else replace(engine_config, role=role)
         loaded = model
-        if loaded is None and args.cost_model is not None:
+        if args.cost_model is not None:
             from worker.mock.model import MockModel
-            loaded = MockModel.load(config.model, args.cost_model)
+            loaded = loaded or MockModel.load(config.model, args.cost_model)
+            config = loaded.with_real_capacity(config)
         if config.role == "both":
             return LLMEngine(config, model=loaded)
         connector = KVConnector(KVConnectorConfig(

@@ -38,11 +38,12 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     """x: (..., heads, head_dim); rope: cos and signed sin (see RotaryEmbedding), (..., 1, head_dim).
 
     HF's x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1): the sign lives in
-    the table, so the rotation is one swap of the halves and two arithmetic ops.
+    the table, so the rotation is one swap of the halves. Each product is rounded to x's dtype
+    before the sum, as HF rounds them: in bf16 a fused multiply-add drifts from HF's logits.
     """
     cos, signed_sin = rope
     # Rolling by half a head swaps the halves; measured cheaper than flip or cat of slices.
-    return torch.addcmul(x.roll(x.shape[-1] // 2, -1) * signed_sin, x, cos)
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin))
 
 
 class RotaryEmbedding(nn.Module):
