@@ -45,6 +45,8 @@ setup(
             "lm-eval[api]>=0.4.13,<0.5",
             "kubernetes>=31,<38",
             "kubernetes-validate>=1.30,<2",
+            # The docs site, built with --strict by tests/test_docs.py.
+            "mkdocs>=1.6,<2",
         ],
         # The planner's kubernetes connector (python -m planner --connector kubernetes)
         "kubernetes": ["kubernetes>=31,<38"],

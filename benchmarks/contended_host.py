@@ -1,10 +1,10 @@
-"""vLLM 1P1D on a contended host: the README's commands, a third `vllm serve` kept busy beside them.
+"""vLLM 1P1D on a contended host: the commands of docs/vllm.md, a third `vllm serve` kept busy beside them.
 
     python -m benchmarks.contended_host --json benchmarks/results/contended_host.json
     python -m benchmarks.contended_host --readme-as-before      # without the shared-host settings
 
-Starts, on this machine's cores and unpinned (as the README's "Serving with vLLM" commands do), a
-plain `vllm serve` that a background client keeps busy with long prompts, then the README's vLLM
+Starts, on this machine's cores and unpinned (as the commands of docs/vllm.md do), a
+plain `vllm serve` that a background client keeps busy with long prompts, then those vLLM
 1P1D commands (prefill and decode `vllm serve` with NeuronConnector, and the proxy), and sends a
 16-request mixed load through the proxy, four at a time: completions and chat, greedy and seeded,
 streamed and not, prompts of 20-1500 tokens. Every answer must equal the busy server's answer to
@@ -143,7 +143,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model directory (default: the ~24M benchmark model)")
     p.add_argument("--readme-as-before", action="store_true",
-                   help="the README's commands without the shared-host settings (what failed before)")
+                   help="the commands of docs/vllm.md without the shared-host settings (what failed before)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, metavar="PATH")
     return p.parse_args(argv)
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = os.getloadavg()
 
     def build(stack: Stack) -> None:
-        # Another user's server on the same host, given its share of the memory as the README says.
+        # Another user's server on the same host, given its share of the memory as docs/vllm.md says.
         stack.start("busy vllm", ["-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(busy_port),
                                   "--uvicorn-log-level", "warning"], env={"VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB})
         for name, command, env in readme_commands(model, ports, shared_host=not args.readme_as_before):

@@ -7,8 +7,8 @@ hold is longer than `max_local_prefill_tokens`, and the prefill side is not busy
 request whole (the "local" path, one leg): a short prefill costs it less than a KV transfer, and with
 chunked prefill its running streams are not stalled by it. Pure: plain numbers in, a path out.
 
-The defaults come from the mixed workload of benchmarks/bench_serving.py --compare-conditional (the
-README says why these values).
+The defaults come from the mixed workload of benchmarks/bench_serving.py --compare-conditional
+(docs/benchmarks.md says why these values).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The README's vLLM 1P1D commands ("Serving with vLLM"), built here so that a script can run them as a
-user would; tests/benchmarks/test_readme_vllm.py checks the README shows exactly these."""
+"""The vLLM 1P1D commands of docs/vllm.md ("Serving with vLLM"), built here so that a script can run them as a
+user would; tests/benchmarks/test_readme_vllm.py checks that page shows exactly these."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-# What the README says to set on a host other work shares (see "Serving with vLLM"): vLLM's CPU build
+# What docs/vllm.md says to set on a host other work shares (see "Serving with vLLM"): vLLM's CPU build
 # otherwise sizes each server's KV cache to most of the host's memory, and a second server cannot start;
 # and a prefill there may take far longer than the default 30 s the decode server's pull waits.
 KV_SPACE_GIB = "2"
@@ -17,7 +17,7 @@ SHARED_HOST_EXTRA = {"prefill": {}, "decode": {"pull_timeout": 120}}
 
 @dataclass(frozen=True, slots=True)
 class ReadmePorts:
-    """The README's ports (its defaults), or free ones for a run."""
+    """The ports docs/vllm.md shows (its defaults), or free ones for a run."""
 
     proxy: int = 8000
     prefill: int = 8100
@@ -49,6 +49,6 @@ def readme_commands(model: str, ports: ReadmePorts = ReadmePorts(),
 
 
 def shell_lines(model: str = "MODEL", ports: ReadmePorts = ReadmePorts()) -> list[str]:
-    """The commands as the README shows them: one shell line each, environment first."""
+    """The commands as docs/vllm.md shows them: one shell line each, environment first."""
     return [" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(argv)])
             for _, argv, env in readme_commands(model, ports)]

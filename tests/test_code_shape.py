@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The packages of ours, lowest first: each imports only the layers before it. Beside them, `proxy` (and
 # its entry point), `stack` and `planner` import only `common`; only `worker` of the layers uses `scheduler`; what
-# measures, breaks, teaches and checks the system imports everything. The README's layout shows the same.
+# measures, breaks, teaches and checks the system imports everything. docs/architecture.md shows the same
+# order (tests/test_docs.py holds its table to it).
 LAYERS = ("common", "transfer", "scheduler", "neuron_connector", "worker")
 ON_COMMON = ("proxy", "proxy_server", "stack", "planner")
 ON_EVERYTHING = ("benchmarks", "faults", "examples", "tests")

@@ -1,4 +1,4 @@
-"""The README's vLLM 1P1D commands are the ones stack/vllm_readme.py builds (and
+"""The vLLM 1P1D commands of docs/vllm.md are the ones stack/vllm_readme.py builds (and
 benchmarks/contended_host.py runs)."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 from stack.vllm_readme import shell_lines
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+VLLM_PAGE = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 
 
-def test_readme_shows_the_vllm_commands_the_scripts_run() -> None:
+def test_vllm_page_shows_the_vllm_commands_the_scripts_run() -> None:
     # Shell line continuations joined, and the JSON's line breaks (after a comma, inside its quotes).
-    text = re.sub(r",\n\s+", ", ", re.sub(r"\\\n\s*", "", README.read_text()))
+    text = re.sub(r",\n\s+", ", ", re.sub(r"\\\n\s*", "", VLLM_PAGE.read_text()))
     for line in shell_lines():
-        assert line in text, f"README.md lacks: {line}"
+        assert line in text, f"docs/vllm.md lacks: {line}"

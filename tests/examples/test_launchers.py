@@ -197,7 +197,7 @@ def test_launch_xpyd_lets_a_drained_worker_go_serves_on_then_stops_everything_on
     launcher = launch(LAUNCH_XPYD, ["--num-prefill", "1", "--num-decode", "2", "--kv-transport", "tcp"], env)
     _serve_one(launcher, ports["PROXY_PORT"],
                lambda: "1P2D serving on" in launcher.output() and _proxy_sees(ports["PROXY_PORT"], 1, 2))
-    # Draining one worker, as the README says to take one out without losing a request: it exits 0 and the
+    # Draining one worker, as docs/architecture.md says to take one out without losing a request: it exits 0 and the
     # launcher lets it go; the fleet serves on with the others.
     assert httpx.post(f"http://127.0.0.1:{ports['DECODE_PORT']}/drain", timeout=10).status_code == 202
     wait_until(lambda: "decode0 exited" in launcher.output(), timeout=60, what="the launcher to report the drain")

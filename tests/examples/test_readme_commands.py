@@ -1,4 +1,4 @@
-"""The README's commands, copied out of README.md and run as written on a fresh copy of the repository.
+"""The commands of README.md and docs/, copied out of the page that shows them and run as written on a fresh copy of the repository.
 
 A fresh clone is the repository's tracked files only (no build products, no caches); the set-up's
 result, `.venv`, is this interpreter's environment, and the package resolves to the copy (as the
@@ -24,6 +24,7 @@ from stack.serving import Process, free_port
 from tests.helpers import ROOT, wait_until
 
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 DEFAULT_PORTS = (8000, 8100, 8200, 14579)
 
 
@@ -33,10 +34,10 @@ def bash_blocks(text: str) -> list[list[str]]:
     return [re.sub(r"\\\n\s*", "", block).splitlines() for block in blocks]
 
 
-def block_with(fragment: str) -> list[str]:
-    """The commands of the one bash block of the README holding `fragment`."""
-    found = [block for block in bash_blocks(README.read_text()) if any(fragment in line for line in block)]
-    assert len(found) == 1, f"{len(found)} README blocks hold {fragment!r}"
+def block_with(fragment: str, page: Path = README) -> list[str]:
+    """The commands of the one bash block of `page` holding `fragment`."""
+    found = [block for block in bash_blocks(page.read_text()) if any(fragment in line for line in block)]
+    assert len(found) == 1, f"{len(found)} blocks of {page.relative_to(ROOT)} hold {fragment!r}"
     return [line for line in found[0] if line.strip()]
 
 
@@ -82,7 +83,7 @@ def test_the_set_up_says_to_activate_the_venv() -> None:
 
 
 def test_the_kv_secret_command_makes_a_file_only_its_owner_reads(as_written, tmp_path: Path) -> None:
-    make = block_with("--kv-secret-file")[0]
+    make = block_with("--kv-secret-file", DOCS / "security.md")[0]
     result = as_written(make)
     assert result.returncode == 0, result.stderr
     secret = tmp_path / "neuron-di" / "kv-secret"
@@ -90,7 +91,7 @@ def test_the_kv_secret_command_makes_a_file_only_its_owner_reads(as_written, tmp
 
 
 def test_the_by_hand_stack_serves_the_readme_requests(as_written) -> None:
-    by_hand = block_with("python -m worker --role prefill --port 8100")
+    by_hand = block_with("python -m worker --role prefill --port 8100", DOCS / "serving.md")
     servers, probes = [c for c in by_hand if c.startswith("python ")], [c for c in by_hand if c.startswith("curl ")]
     assert len(servers) == 3 and len(probes) == 1
     processes = [as_written(command, background=True) for command in servers]
@@ -100,7 +101,7 @@ def test_the_by_hand_stack_serves_the_readme_requests(as_written) -> None:
         return dead or as_written(probes[0]).returncode == 0
     assert wait_until(ready_or_dead, timeout=180, interval=0.5, what="the README's /ready probe") is True
     # The completion request of the launcher block, against the same ports.
-    curl = next(c for c in block_with("bash examples/launch_1p1d.sh") if c.startswith("curl "))
+    curl = next(c for c in block_with("bash examples/launch_1p1d.sh", DOCS / "serving.md") if c.startswith("curl "))
     answer = as_written(curl)
     assert answer.returncode == 0, answer.stderr
     body = json.loads(answer.stdout)
@@ -109,7 +110,7 @@ def test_the_by_hand_stack_serves_the_readme_requests(as_written) -> None:
 
 @pytest.mark.slow  # tests/examples/test_neuron_di.py runs the same script by default, with fewer tokens
 def test_the_offline_check_runs_as_written(as_written) -> None:
-    first = block_with("python examples/neuron_di.py")[0]
+    first = block_with("python examples/neuron_di.py", DOCS / "getting-started.md")[0]
     result = as_written(first, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "outputs match: 8 prompts" in result.stdout
