@@ -28,7 +28,7 @@ from proxy.fanned import answer_all
 from proxy.fanout import fan_out
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
-from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used
+from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used, refuse_unserved
 from proxy.sse import SSEDecoder
 from proxy.explain import explained, stream_error_status
 from proxy.streams import END, relayed
@@ -79,6 +79,8 @@ class Forwarder:
         """The answer to `request`. Disaggregated, image parts are encoded first, on an encode worker
         (proxy/encode.py), and a request for several answers is one request per answer (proxy/fanned.py)."""
         received = time.time()
+        roles = ("both",) if self._colocated else ("prefill", "decode")
+        refuse_unserved(request, [worker for role in roles for worker in self._pool.healthy(role)])
         if self._colocated:
             return await self._route(request, received)
         request = await encode_images(request, self._pool, self._clients)

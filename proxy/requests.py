@@ -7,6 +7,8 @@ from typing import Any
 
 from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, PrefillParams
 from common.openai_wire import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, SEED_MAX, SEED_MIN, load_object
+from common.unserved import first_unserved
+from common.worker_record import OUR_SERVER
 from proxy.errors import BadRequest
 from proxy.workers import VLLM_SERVER, WorkerRecord
 
@@ -168,6 +170,16 @@ def leg_seed(request: ClientRequest) -> int | None:
 
 def _seeded(body: dict[str, Any], seed: int | None) -> dict[str, Any]:
     return body if seed is None else {**body, "seed": seed}
+
+
+def refuse_unserved(request: ClientRequest, workers: list[WorkerRecord]) -> None:
+    """BadRequest, before any leg is sent, for a parameter our worker does not serve, when every worker the
+    request may go to is ours (a `vllm serve` serves some of them, and a worker of unknown server answers for
+    itself); the same words our worker answers."""
+    if not workers or any(worker.server != OUR_SERVER for worker in workers):
+        return
+    if (unserved := first_unserved(request.body, request.endpoint.is_chat)) is not None:
+        raise BadRequest(unserved[1], unserved[0])
 
 
 def prefill_token_used(prefill: WorkerRecord, seed: int | None) -> bool:

@@ -14,8 +14,9 @@ from proxy import (CHAT, COMPLETIONS, KV_PROTOCOLS, BadRequest, ConfigError, NoW
                    StreamStitcher, UpstreamProtocol, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable,
                    WorkerPool, WorkerRecord, parse_args, parse_request, pick, summed_usage, to_http)
 from common.handoff import nixl_prefill_params
+from common.worker_record import OUR_SERVER, VLLM_SERVER
 from proxy.requests import (SEED_RANGE, decode_body, leg_seed, neuron_decode_params, neuron_prefill_params,
-                            prefill_body)
+                            prefill_body, refuse_unserved)
 from proxy.stitch import first_token_repeated, prefill_answer
 from proxy.workers import completed, contradiction, shown_record
 
@@ -360,3 +361,34 @@ def test_config_kv_protocol_drives_every_static_worker() -> None:
 def test_config_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_args(argv)
+
+
+def _record(role: str, server: str) -> WorkerRecord:
+    return WorkerRecord(role=role, host="127.0.0.1", http_port=8000, server=server)
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    (COMPLETIONS, {"model": "m", "prompt": "hi", "best_of": 3}, "best_of"),
+    (COMPLETIONS, {"model": "m", "prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
+     "add_special_tokens"),
+])
+def test_a_parameter_our_workers_do_not_serve_is_refused_before_any_leg(endpoint, body, param) -> None:
+    request = parse_request(endpoint, json.dumps(body).encode(), disaggregated=True)
+    ours = [_record("prefill", OUR_SERVER), _record("decode", OUR_SERVER)]
+    with pytest.raises(BadRequest) as info:
+        refuse_unserved(request, ours)
+    assert info.value.param == param
+    assert str(info.value).startswith(f"`{param}` is not supported by this server (accepted: ")
+    # A vLLM server serves some of them, and a worker of unknown server answers for itself.
+    refuse_unserved(request, [_record("prefill", OUR_SERVER), _record("decode", VLLM_SERVER)])
+    refuse_unserved(request, [_record("prefill", OUR_SERVER), _record("decode", "")])
+    refuse_unserved(request, [])
+
+
+def test_neutral_values_of_unserved_parameters_pass() -> None:
+    body = {"model": "m", "prompt": "hi", "best_of": 1, "use_beam_search": False, "tools": [], "add_special_tokens": True}
+    request = parse_request(COMPLETIONS, json.dumps(body).encode(), disaggregated=True)
+    refuse_unserved(request, [_record("prefill", OUR_SERVER), _record("decode", OUR_SERVER)])

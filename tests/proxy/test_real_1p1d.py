@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from stack.worker_metrics import metric_sum
 from tests.di.workers import worker_pair
 from tests.helpers import wait_until
 from tests.lm_eval_check import assert_same_scores, evaluate
@@ -155,13 +156,18 @@ def test_sixteen_concurrent_requests_through_the_proxy(stack) -> None:
     assert asyncio.run(run(proxy.url)) == asyncio.run(run(both.url))
 
 
-def test_unsupported_parameter_is_the_workers_400_through_the_proxy(stack) -> None:
+def test_unsupported_parameter_is_the_proxys_400_before_any_leg(stack) -> None:
+    """Our workers' refusal, in their words, from the proxy: no leg is sent (none fails)."""
     proxy = stack[0]
-    reply = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
-                       json={"model": "neuron-di-builtin", "prompt": PROMPT, "use_beam_search": True, **SAMPLING})
-    assert reply.status_code == 400
-    assert reply.json()["error"]["param"] == "use_beam_search"
-    assert reply.json()["error"]["message"].startswith("`use_beam_search` is not supported by this server")
+    failed_legs = metric_sum(proxy.url, "proxy_upstream_errors_total")
+    for body in ({"prompt": PROMPT, "use_beam_search": True}, {"prompt": PROMPT, "best_of": 2}):
+        reply = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
+                           json={"model": "neuron-di-builtin", **body, **SAMPLING})
+        param = next(iter(body.keys() - {"prompt"}))
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == param
+        assert reply.json()["error"]["message"].startswith(f"`{param}` is not supported by this server")
+    assert metric_sum(proxy.url, "proxy_upstream_errors_total") == failed_legs
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ Nothing here touches sockets, the event loop or the engine, so every rule is tes
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -13,6 +12,7 @@ from werkzeug.exceptions import HTTPException
 
 from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, HandoffError, LegParams, parse_leg
 from common.openai_wire import WORKER_DRAINING, error_body, load_object
+from common.unserved import first_unserved
 from worker.errors import (DrainingError, InvalidRequestError, KVTransferError, QueueFullError, RemotePrefillError,
                            invalid)
 from worker.multimodal.prompt import IMAGE_MARKER, MEDIA_PART_TYPES, MediaPart
@@ -23,22 +23,6 @@ from worker.server.structured_wire import parse_grammar
 
 MAX_PROMPTS = 1024   # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-# vLLM's request parameters this server does not implement, each with the values that ask for
-# nothing (vLLM's defaults; null too): any other value is refused rather than silently ignored.
-# Parameters that do not change what is generated (user, metadata, store, cache_salt, ...) and
-# keys vLLM does not know either are accepted and ignored, as vLLM does.
-_EMPTY = ("", [], {})
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1,),
-    "bad_words": _EMPTY, "logits_processors": _EMPTY, "allowed_token_ids": (), "logprob_token_ids": _EMPTY,
-    "suffix": _EMPTY, "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "return_token_ids": (False,), "truncate_prompt_tokens": (), "prompt_embeds": (), "priority": (0,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "vllm_xargs": _EMPTY, "tools": _EMPTY, "tool_choice": ("none", "auto"),
-    "functions": _EMPTY, "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
-    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-    "chat_template_kwargs": _EMPTY, "documents": _EMPTY,
-}
 
 
 @dataclass(frozen=True)
@@ -93,8 +77,8 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
     if model is not None and model != model_name:
         raise invalid(f"The model `{model}` does not exist.", "model")
     # Completions add BOS to a text prompt; a chat template writes its own special tokens.
-    for name, neutral in {**_UNSUPPORTED, "add_special_tokens": (kind == "completion",)}.items():
-        _refuse_unless(body, name, neutral)
+    if (unserved := first_unserved(body, kind != "completion")) is not None:
+        raise invalid(unserved[1], unserved[0])
     stream = bool(_opt(body, "stream", bool))
     options = _opt(body, "stream_options", dict) or {}
     include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage")
@@ -174,15 +158,6 @@ def build_params(request: GenerateRequest, num_prompt_tokens: int, max_model_len
     default = 16 if request.kind == "completion" else room
     max_tokens = wanted_tokens if wanted_tokens is not None else min(default, room)
     return SamplingParams(max_tokens=max_tokens, **request.sampling)  # its InvalidRequestError names the field
-
-
-def _refuse_unless(body: Mapping[str, Any], key: str, neutral: tuple[Any, ...], param: str | None = None) -> None:
-    """Refuses body[key] unless it is null or one of the `neutral` values (true is not 1 here)."""
-    value = body.get(key)
-    if value is None or any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in neutral):
-        return
-    accepted = " or ".join(json.dumps(ok) for ok in (*neutral, None))
-    raise invalid(f"`{param or key}` is not supported by this server (accepted: {accepted})", param or key)
 
 
 def _parse_prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
