@@ -7,6 +7,7 @@ from typing import Iterator
 
 import pytest
 
+from common.handoff import parse_leg
 from tests.di.engine_pair import engine_trio, run_pair, wait_all_free
 from worker import LLMEngine, SamplingParams
 
@@ -35,10 +36,11 @@ def test_bf16_pair_token_ids_equal_both(engines) -> None:
 def test_bf16_and_fp32_engines_refuse_each_other_naming_both_dtypes() -> None:
     with engine_trio(32, dtype="float32", decode_dtype="bfloat16") as (prefill, decode, _):
         rid = f"mixed-{time.monotonic_ns()}"
-        prefill.add_request(rid, [65] * 20, SamplingParams(max_tokens=1), {"role": "prefill", "request_id": rid})
-        decode.add_request(rid, [65] * 20, SamplingParams(max_tokens=4), {
+        prefill.add_request(rid, [65] * 20, SamplingParams(max_tokens=1),
+                            parse_leg({"role": "prefill", "request_id": rid}))
+        decode.add_request(rid, [65] * 20, SamplingParams(max_tokens=4), parse_leg({
             "role": "decode", "request_id": rid, "remote_host": "127.0.0.1",
-            "remote_port": prefill.kv_connector.kv_port})
+            "remote_port": prefill.kv_connector.kv_port}))
         failed, deadline = None, time.monotonic() + 30
         while failed is None:
             assert time.monotonic() < deadline, "the decode leg never failed"
