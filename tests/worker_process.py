@@ -6,8 +6,8 @@ from typing import Sequence
 
 import httpx
 
-from stack.serving import StackOptions, worker_args
-from stack.serving import Process, free_port, wait_healthy
+from stack.serving import Process, StackError, StackOptions, free_port, wait_healthy, worker_args
+from stack.worker_fleet import PORT_TAKEN
 from tests.helpers import wait_until
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -19,17 +19,25 @@ class WorkerProcess:
     def __init__(self, role: str = "both", transport: str = "shm", extra: Sequence[str] = (),
                  port: int | None = None, kv_port: int | None = None) -> None:
         self.role, self.transport, self.extra = role, transport, tuple(extra)
-        self.port = port or free_port()
-        self.kv_port = kv_port if kv_port is not None else (free_port() if role == "prefill" else 0)
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = worker_args(role, self.port, StackOptions(kv_transport=transport),
-                           self.kv_port if role != "both" else None)
-        self.proc: Process = Process(f"{role}-worker", [*args, *self.extra], env=WORKER_ENV)
-        try:
-            wait_healthy(f"{self.url}/health", [self.proc], 120.0)
-        except BaseException:
-            self.proc.stop()
-            raise
+        # Ports picked here are free only when picked: one another process took first is picked again.
+        attempts = 3 if port is None and kv_port is None else 1
+        for attempt in range(1, attempts + 1):
+            self.port = port or free_port()
+            self.kv_port = kv_port if kv_port is not None else (free_port() if role == "prefill" else 0)
+            self.url = f"http://127.0.0.1:{self.port}"
+            args = worker_args(role, self.port, StackOptions(kv_transport=transport),
+                               self.kv_port if role != "both" else None)
+            self.proc: Process = Process(f"{role}-worker", [*args, *self.extra], env=WORKER_ENV)
+            try:
+                wait_healthy(f"{self.url}/health", [self.proc], 120.0)
+                return
+            except StackError as exc:
+                self.proc.stop()
+                if PORT_TAKEN not in str(exc) or attempt == attempts:
+                    raise
+            except BaseException:
+                self.proc.stop()
+                raise
 
     @property
     def engine_id(self) -> str:
