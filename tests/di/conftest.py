@@ -25,6 +25,17 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[WorkerProcess, Worker
         yield workers
 
 
+@pytest.fixture
+def blocks_free_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After the test, every worker it used (the pair, the `both` worker) holds no KV block."""
+    yield
+    for name in ("pair", "both_worker"):
+        if name in request.fixturenames:
+            value = request.getfixturevalue(name)
+            for worker in value if isinstance(value, tuple) else (value,):
+                worker.wait_blocks_free()
+
+
 def write_secret(path: Path, secret: str) -> str:
     """A KV secret file as an operator makes one: private to its user."""
     path.write_text(secret + "\n")

@@ -14,6 +14,8 @@ import pytest
 from tests.di.workers import decode_body
 from tests.worker_process import WorkerProcess
 
+pytestmark = pytest.mark.usefixtures("blocks_free_after")
+
 PROMPT = [256, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110]
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 EXTRAS = {"presence_penalty": 0.6, "frequency_penalty": 0.2, "repetition_penalty": 1.3, "logit_bias": {"101": 2.5},
@@ -88,16 +90,6 @@ async def legs(prefill: WorkerProcess, decode: WorkerProcess, path: str, request
         return await asyncio.gather(
             client.post(f"{prefill.url}{path}", json=first, headers={"X-Request-Id": uid}),
             client.post(f"{decode.url}{path}", json=decode_body(request, uid, prefill), headers={"X-Request-Id": uid}))
-
-
-@pytest.fixture(autouse=True)
-def blocks_free_after(request: pytest.FixtureRequest):
-    yield
-    for name in ("pair", "both_worker"):
-        if name in request.fixturenames:
-            value = request.getfixturevalue(name)
-            for worker in value if isinstance(value, tuple) else (value,):
-                worker.wait_blocks_free()
 
 
 @TRANSPORTS

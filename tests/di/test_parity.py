@@ -12,6 +12,8 @@ import pytest
 from tests.di.workers import disaggregated
 from tests.worker_process import WorkerProcess
 
+pytestmark = pytest.mark.usefixtures("blocks_free_after")
+
 NUM_PROMPTS = 50
 MAX_TOKENS = 8
 
@@ -67,16 +69,6 @@ async def pair_answers(prefill: WorkerProcess, decode: WorkerProcess, bodies: li
 @pytest.fixture(scope="module")
 def greedy_reference(both_worker: WorkerProcess) -> list[tuple[str, str, int]]:
     return asyncio.run(both_answers(both_worker, [body(p) for p in prompts()]))
-
-
-@pytest.fixture(autouse=True)
-def blocks_free_after(request: pytest.FixtureRequest):
-    yield
-    for name in ("pair", "both_worker"):
-        if name in request.fixturenames:
-            value = request.getfixturevalue(name)
-            for worker in value if isinstance(value, tuple) else (value,):
-                worker.wait_blocks_free()
 
 
 @pytest.mark.parametrize("concurrency", [1, 16])
