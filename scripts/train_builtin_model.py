@@ -10,10 +10,10 @@ text means little (it is tiny), but it is never a broken character.
 Deterministic for a given seed and thread count. Writes an HF-style directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json) that the normal loader reads; the weights are
 stored in float16 to keep the checkpoint small, and config.json names float32, the dtype the worker
-computes in. These two runs on one core make a checkpoint whose text is printable ASCII: 2000 of 3000
-steps on 256-byte rows (about 25 minutes), then 200 steps on 1024-byte rows from there, so that long
-prompts read on (about 7 minutes). The shipped checkpoint is older: code only, bytes as they are
-(800 steps on 1024-byte rows), so its text often holds bytes that are not UTF-8.
+computes in. The shipped checkpoint comes from these two runs on one core, so its text is printable
+ASCII: 2000 of 3000 steps on 256-byte rows (about 25 minutes), then 200 steps on 1024-byte rows from
+there, so that long prompts read on (about 7 minutes on an idle core; validation loss 1.29 nats per
+token on code, 1.16 on chat).
 
     nice python scripts/train_builtin_model.py --stop-after 2000 --out /tmp/builtin-short
     nice python scripts/train_builtin_model.py --init /tmp/builtin-short --steps 200 --seq-len 1024 \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from examples.demo_1p1d import PROMPTS
 from tests.script_runs import interrupted_run, listening, needs_di, run_script, stack_ports
 from worker.model.loader import BUILTIN_MODEL_NOTE
 
@@ -19,6 +20,22 @@ def test_demo_answers_every_request_and_stops_the_stack():
     assert not any(listening(port) for port in stack_ports(out))
     # What the built-in model is, said before its first answer.
     assert out.index(f"({BUILTIN_MODEL_NOTE})") < out.index("\n=== completion (")
+    # Its answers read as text: no broken characters, never only whitespace.
+    answers = _answers(out)
+    assert len(answers) == 5 and "\ufffd" not in out
+    assert all(answer.strip() and all(c.isprintable() or c in "\t\n" for c in answer) for answer in answers), answers
+
+
+def _answers(out: str) -> list[str]:
+    """The text each of the demo's five requests got, from its output (completions print prompt + text)."""
+    sections = out.split("\n=== ")[1:]
+    sections[-1] = sections[-1].split("\nstopped the proxy")[0]
+    answers = []
+    for section in sections:
+        title, _, body = section.partition("\n")
+        prompt = next((p for p in PROMPTS if body.startswith(p)), "") if "completion" in title else ""
+        answers.append(body[len(prompt):].rstrip("\n"))
+    return answers
 
 
 @needs_di

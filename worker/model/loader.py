@@ -14,9 +14,9 @@ from worker.model.llama import LlamaForCausalLM, pack_checkpoint, rotary_for
 
 BUILTIN_MODEL_NAME = "neuron-di-builtin"
 # What a user should know before reading the built-in model's text.
-BUILTIN_MODEL_NOTE = ("the built-in model is tiny (~3M parameters, one token per byte, trained for 20 minutes on "
-                      "Python's standard library): its text means nothing, is often whitespace, and may hold bytes "
-                      "that are not UTF-8 (shown as U+FFFD); --model PATH serves a real one")
+BUILTIN_MODEL_NOTE = ("the built-in model is tiny (~3M parameters, one token per byte, trained for half an hour on "
+                      "one core on Python's standard library): its text reads like Python and docstrings but means "
+                      "little; --model PATH serves a real one")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints still store
 
 
