@@ -71,7 +71,11 @@ def greedy_reference(both_worker: WorkerProcess) -> list[tuple[str, str, int]]:
     return asyncio.run(both_answers(both_worker, [body(p) for p in prompts()]))
 
 
-@pytest.mark.parametrize("concurrency", [1, 16])
+# One at a time with --full: sixteen at once takes the same paths, batched.
+CONCURRENCY = [pytest.param(1, marks=pytest.mark.slow), 16]
+
+
+@pytest.mark.parametrize("concurrency", CONCURRENCY)
 def test_greedy_parity(pair: tuple[WorkerProcess, WorkerProcess], greedy_reference: list, concurrency: int) -> None:
     got = asyncio.run(pair_answers(*pair, [body(p) for p in prompts()], concurrency))
     mismatches = [(i, len(p), want, have) for i, (p, want, have)
@@ -86,7 +90,7 @@ def seeded_bodies() -> list[dict[str, Any]]:
     return [body(p, seed=1000 + i, **modes[i % len(modes)]) for i, p in enumerate(prompts()[::3])]
 
 
-@pytest.mark.parametrize("concurrency", [1, 16])
+@pytest.mark.parametrize("concurrency", CONCURRENCY)
 def test_seeded_sampling_parity(pair: tuple[WorkerProcess, WorkerProcess], both_worker: WorkerProcess, concurrency: int) -> None:
     want = asyncio.run(both_answers(both_worker, seeded_bodies()))
     got = asyncio.run(pair_answers(*pair, seeded_bodies(), concurrency))

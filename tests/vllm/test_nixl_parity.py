@@ -9,7 +9,7 @@ import pytest
 from stack.serving import Stack
 from stack.vllm import start_nixl_1p1d
 from tests.vllm.conftest import OPTIONS
-from tests.vllm.test_parity import ENDPOINTS, assert_answers_like_reference
+from tests.vllm.test_parity import ENDPOINTS, GREEDY_WAYS, MORE_GREEDY_WAYS, SEEDED_WAYS, assert_answers_like_reference
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
 pytest.importorskip("nixl", reason="nixl is not installed")
@@ -27,4 +27,5 @@ def nixl_stack() -> Iterator[Stack]:
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_nixl_1p1d_equals_one_vllm_server(reference: Stack, nixl_stack: Stack, endpoint: str, sampled: bool) -> None:
-    assert_answers_like_reference(reference, nixl_stack, endpoint, sampled)
+    ways = GREEDY_WAYS + MORE_GREEDY_WAYS if not sampled else SEEDED_WAYS
+    assert_answers_like_reference(reference, nixl_stack, endpoint, sampled, ways)

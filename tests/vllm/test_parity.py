@@ -25,8 +25,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh insta
 NUM_PROMPTS = 50
 MAX_TOKENS = 8
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
-ALL_WAYS = [(False, 1), (False, 8), (True, 1), (True, 8)]   # (stream, concurrency)
-SEEDED_WAYS = [(True, 8)]   # seeded sampling takes the same paths; it is there to catch bad KV
+# (stream, concurrency): greedy whole one at a time and streamed eight at once by default, the other two
+# with --full; seeded sampling takes the same paths: it is there to catch bad KV.
+GREEDY_WAYS, MORE_GREEDY_WAYS, SEEDED_WAYS = ((False, 1), (True, 8)), ((False, 8), (True, 1)), ((True, 8),)
 
 
 def prompts() -> list[str]:
@@ -79,12 +80,12 @@ def kv_usage_back_to_zero(stack: Stack) -> None:
                    what=f"KV usage of {url} back to 0")
 
 
-def assert_answers_like_reference(reference: Stack, stack: Stack, endpoint: str, sampled: bool) -> None:
-    """50 prompts, streamed or not, one or eight at a time: what `reference` answers, token for token
-    (greedy every way; seeded sampling, which a wrong KV block would show in, streamed 8 at once)."""
+def assert_answers_like_reference(reference: Stack, stack: Stack, endpoint: str, sampled: bool,
+                                  ways: tuple[tuple[bool, int], ...]) -> None:
+    """50 prompts, each (stream, concurrency) of `ways`: what `reference` answers, token for token."""
     want = asyncio.run(answers(reference.url, endpoint, payloads(endpoint, False, sampled), concurrency=1))
     assert all(w.completion_tokens == MAX_TOKENS for w in want)
-    for stream, concurrency in (ALL_WAYS if not sampled else SEEDED_WAYS):
+    for stream, concurrency in ways:
         got = asyncio.run(answers(stack.url, endpoint, payloads(endpoint, stream, sampled), concurrency))
         mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
         assert not mismatched, (f"stream={stream} concurrency={concurrency}: prompts {mismatched} differ, "
@@ -93,7 +94,10 @@ def assert_answers_like_reference(reference: Stack, stack: Stack, endpoint: str,
     assert metric(stack.url, "proxy_first_token_mismatches_total") == 0
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampled, ways", [(False, GREEDY_WAYS), (True, SEEDED_WAYS),
+                                           pytest.param(False, MORE_GREEDY_WAYS, marks=pytest.mark.slow)],
+                         ids=["greedy", "seeded", "greedy-more-ways"])
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_1p1d_equals_one_vllm_server(reference: Stack, neuron_stack: Stack, endpoint: str, sampled: bool) -> None:
-    assert_answers_like_reference(reference, neuron_stack, endpoint, sampled)
+def test_1p1d_equals_one_vllm_server(reference: Stack, neuron_stack: Stack, endpoint: str, sampled: bool,
+                                     ways: tuple[tuple[bool, int], ...]) -> None:
+    assert_answers_like_reference(reference, neuron_stack, endpoint, sampled, ways)
