@@ -3,9 +3,10 @@ replies the prefill worker that takes it sends back to the requester's reply sub
 
     requester (proxy, or a decode worker)         stream STREAM_NAME            prefill worker
       subscribe(reply) ; publish PrefillJob ──────▶  (work queue)  ──pull──▶  takes the job when it has room
-      ◀── request: JobReply TAKEN (its worker record) ── answer GO, or no responder: the client left, job dropped
+      ◀── request: JobReply TAKEN (its record, attempt_id) ── answer GO, or no responder: the client left, job dropped
       (the decode leg now pulls from that worker)                              runs the prefill leg, KV published
-      ◀── JobReply ANSWER (HTTP status, the leg's answer body) ──────────────  then acks the job
+      ◀── JobReply ANSWER (HTTP status, the leg's answer body) ──────────────  then acks the job (with
+                                                   answer_after_pull: once the decode leg pulled the KV)
       ◀── JobReply REFUSED (why) ── a job that breaks this contract: acked, never retried
 
 Encoded with msgpack, versioned (`JOB_VERSION`). The reply subject also rides in the message header
@@ -32,6 +33,13 @@ GO, DROP = b"go", b"drop"           # a requester's answer to TAKEN
 DEFAULT_NATS_PORT = 4222
 
 
+def attempt_id(request_id: str, delivery: int) -> str:
+    """The request id a job's `delivery`-th taker runs its prefill leg under (and the decode leg pulls by): the
+    job's own the first time, a new one each time it is taken again, so that a decode leg still bound to a
+    dead taker never holds the id the next taker's KV is published under."""
+    return request_id if delivery <= 1 else f"{request_id}-take{delivery}"
+
+
 class JobError(ValueError):
     """Bytes that are not a job (or reply) of this contract."""
 
@@ -52,7 +60,9 @@ def nats_url(spec: str) -> str:
 class PrefillJob:
     """One prefill leg to run: the OpenAI `path` and `body` the prefill worker would get over HTTP (the prompt or
     its token ids, the sampling parameters, kv_transfer_params naming `request_id`), who asked, where to reply,
-    and until when (unix time) the requester waits: a job taken later is dropped."""
+    and until when (unix time) the requester waits: a job taken later is dropped. `answer_after_pull`: the
+    decode leg is already pulling (concurrent flow), so the worker answers and acks only once its KV has left;
+    a worker that dies before then has its job redelivered and nothing is lost."""
 
     request_id: str
     path: str
@@ -60,6 +70,7 @@ class PrefillJob:
     reply: str
     requester: str = "proxy"
     deadline: float = field(default_factory=lambda: time.time() + 600.0)
+    answer_after_pull: bool = False
     version: int = JOB_VERSION
 
     def __post_init__(self) -> None:
@@ -71,13 +82,15 @@ class PrefillJob:
         _check(self.requester in REQUESTERS, f"requester must be one of {REQUESTERS}, got {self.requester!r}")
         _check(isinstance(self.deadline, (int, float)) and not isinstance(self.deadline, bool),
                "deadline must be a number")
+        _check(isinstance(self.answer_after_pull, bool), "answer_after_pull must be true or false")
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) > self.deadline
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({"v": self.version, "id": self.request_id, "path": self.path, "body": self.body,
-                              "reply": self.reply, "by": self.requester, "deadline": self.deadline})
+                              "reply": self.reply, "by": self.requester, "deadline": self.deadline,
+                              "after_pull": self.answer_after_pull})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PrefillJob:
@@ -85,7 +98,8 @@ class PrefillJob:
         version = obj.get("v")
         _check(version == JOB_VERSION, f"job version {version!r} is not supported (this worker reads {JOB_VERSION})")
         try:
-            return cls(obj["id"], obj["path"], obj["body"], obj["reply"], obj["by"], obj["deadline"], version)
+            return cls(obj["id"], obj["path"], obj["body"], obj["reply"], obj["by"], obj["deadline"],
+                       obj.get("after_pull", False), version)
         except KeyError as exc:
             raise JobError(f"job has no {exc.args[0]!r}") from exc
 
@@ -93,7 +107,7 @@ class PrefillJob:
 @dataclass(frozen=True, slots=True)
 class JobReply:
     """What the prefill worker tells the requester: TAKEN (`worker`: its worker record as a dict, the signal
-    plane the decode leg pulls from), ANSWER (`status` and `body` of the prefill leg's HTTP answer) or
+    plane the decode leg pulls from; `request_id`: the id it runs the job under, see `attempt_id`), ANSWER (`status` and `body` of the prefill leg's HTTP answer) or
     REFUSED (`message`: why the job cannot be run)."""
 
     kind: str

@@ -156,14 +156,14 @@ class Forwarder:
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
         self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
-        abandon = functools.partial(self._abandoner.abandon, prefill, uid)
+        abandon, rid = functools.partial(self._abandoner.abandon, prefill, uid), uid
         try:
             if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
                 return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid, took)
             if self._queued is not None and prefill.kv_protocol == "neuron":  # the prefill leg goes through NATS
                 queued = dataclasses.replace(self._queued, start_decode=functools.partial(self._start_decode, took=took))
-                first, leg, prefill = await queued.handoff(request, decode, uid, seed)
-                abandon = functools.partial(self._abandoner.abandon, prefill, uid)
+                first, leg, prefill, rid = await queued.handoff(request, decode, uid, seed)
+                abandon = functools.partial(self._abandoner.abandon, prefill, rid)
             else:
                 legs = LegCalls(self._call, functools.partial(self._start_decode, took=took))
                 first, leg = await flow(legs, request, prefill, decode, uid, seed)
@@ -175,7 +175,7 @@ class Forwarder:
                 abandon()
             raise
         if isinstance(answer, StreamAnswer):
-            return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
+            return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, rid))
         return answer
 
     def _start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from nats.aio.client import Client
@@ -90,7 +91,7 @@ class PrefillQueue:
         try:
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox, cb=received)
-            job = PrefillJob(job.request_id, job.path, job.body, inbox, job.requester, job.deadline)
+            job = dataclasses.replace(job, reply=inbox)
             await nc.jetstream().publish(JOB_SUBJECT, job.to_bytes(), timeout=PUBLISH_TIMEOUT_S, stream=STREAM_NAME,
                                          headers={REPLY_HEADER: inbox, "Nats-Msg-Id": job.request_id})
         except NATS_ERRORS as exc:

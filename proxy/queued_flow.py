@@ -25,8 +25,9 @@ from proxy.requests import ClientRequest, decode_body, neuron_decode_params, pre
 from proxy.stitch import prefill_finished
 from proxy.workers import WorkerRecord
 
+Handoff = tuple[dict[str, Any], DecodeLeg | None, WorkerRecord, str]
 StartDecode = Callable[[WorkerRecord, ClientRequest, dict[str, Any], dict[str, str]], DecodeLeg]
-Abandon = Callable[[WorkerRecord, str], None]
+Abandon = Callable[[WorkerRecord, str], object]
 QUEUE_ROLE = "prefill"
 
 
@@ -43,12 +44,12 @@ class QueuedFlow:
     timeout_s: float = 600.0
     retake_s: float = 10.0
 
-    async def handoff(self, request: ClientRequest, decode: WorkerRecord, uid: str,
-                      seed: int | None) -> tuple[dict[str, Any], DecodeLeg | None, WorkerRecord]:
-        """The prefill's answer, the decode leg (None: not called) and the prefill worker that took the job."""
+    async def handoff(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None) -> Handoff:
+        """The prefill's answer, the decode leg (None: not called), the prefill worker that took the job and the
+        request id it ran it under."""
         params = PrefillParams(uid, pulled_on_stop=not self.prefill_first).to_dict()
         job = PrefillJob(uid, request.endpoint.path, prefill_body(request, seed, params), "-",
-                         deadline=time.time() + self.timeout_s)
+                         deadline=time.time() + self.timeout_s, answer_after_pull=not self.prefill_first)
         replies = await self.queue.submit(job)
         run = _Run(self, request, decode, uid, seed)
         try:
@@ -71,26 +72,28 @@ class _Run:
                  seed: int | None) -> None:
         self.flow, self.request, self.decode, self.uid, self.seed = flow, request, decode, uid, seed
         self.taker: WorkerRecord | None = None
+        self.rid = uid   # the request id the taker runs the job under
         self.leg: DecodeLeg | None = None
 
     @property
     def where(self) -> str:
         return self.taker.address if self.taker else f"queue {self.flow.queue.url}"
 
-    async def until_answered(self, replies: JobReplies) -> tuple[dict[str, Any], DecodeLeg | None, WorkerRecord]:
+    async def until_answered(self, replies: JobReplies) -> Handoff:
         while True:
             reply, msg = await self._next(replies)
             if reply.kind == TAKEN:
                 try:
-                    self._taken(reply)
-                except BaseException:
+                    taker = _taker(reply, self.where)
+                except UpstreamProtocol:
                     await msg.respond(DROP)
                     raise
                 await msg.respond(GO)
+                self._taken(taker, reply.request_id or self.uid)
             elif reply.kind == REFUSED:
                 raise UpstreamProtocol(f"the prefill queue refused the job: {reply.message}", QUEUE_ROLE, self.where)
             elif reply.kind == ANSWER and self.taker is not None:
-                return self._answered(reply), self.leg, self.taker
+                return self._answered(reply), self.leg, self.taker, self.rid
 
     async def _next(self, replies: JobReplies) -> tuple[JobReply, Any]:
         """The next reply; raises if NATS is lost meanwhile, or the decode leg failed and no new taker came."""
@@ -120,18 +123,14 @@ class _Run:
             return None
         return task.exception()
 
-    def _taken(self, reply: JobReply) -> None:
-        """A worker took the job: the decode leg (concurrent) starts, or starts again, naming it."""
-        try:
-            taker = WorkerRecord.from_dict(reply.worker)
-        except RegistrationError as exc:
-            raise UpstreamProtocol(f"the worker that took the prefill job shows no usable record: {exc}",
-                                   QUEUE_ROLE, self.where) from exc
+    def _taken(self, taker: WorkerRecord, rid: str) -> None:
+        """`taker` took the job, to run it as request `rid`: the decode leg (concurrent) starts, or starts again,
+        naming it."""
         if self.taker is not None:
-            self.flow.abandon(self.taker, self.uid)
-        self.taker = taker
+            self.flow.abandon(self.taker, self.rid)
+        self.taker, self.rid = taker, rid
         if not self.flow.prefill_first:
-            self._start_decode(decode_body(self.request, self.seed, neuron_decode_params(self.uid, taker)))
+            self._start_decode(decode_body(self.request, self.seed, neuron_decode_params(rid, taker)))
 
     def _answered(self, reply: JobReply) -> dict[str, Any]:
         assert self.taker is not None
@@ -139,19 +138,29 @@ class _Run:
             raise UpstreamStatus(reply.status, reply.body, QUEUE_ROLE, self.taker.address)
         first = json_object(reply.body, self.taker)
         if self.flow.prefill_first and not prefill_finished(first):
-            self._start_decode(decode_body(self.request, self.seed, neuron_handoff(first, self.uid, self.taker)))
+            self._start_decode(decode_body(self.request, self.seed, neuron_handoff(first, self.rid, self.taker)))
         return first
 
     def _start_decode(self, body: dict[str, Any]) -> None:
+        """Starts the decode leg, under the taker's request id; one started before, on a previous taker, is
+        ended (its connection closed: the decode worker ends it once its pull from the dead taker fails)."""
         if self.leg is not None:
             self.leg.task.cancel()
-        self.leg = self.flow.start_decode(self.decode, self.request, body, {"X-Request-Id": self.uid})
+        self.leg = self.flow.start_decode(self.decode, self.request, body, {"X-Request-Id": self.rid})
 
     def fail(self) -> None:
         if self.leg is not None:
             self.leg.task.cancel()
         if self.taker is not None:
-            self.flow.abandon(self.taker, self.uid)
+            self.flow.abandon(self.taker, self.rid)
+
+
+def _taker(reply: JobReply, where: str) -> WorkerRecord:
+    try:
+        return WorkerRecord.from_dict(reply.worker)
+    except RegistrationError as exc:
+        raise UpstreamProtocol(f"the worker that took the prefill job shows no usable record: {exc}",
+                               QUEUE_ROLE, where) from exc
 
 
 def _may_be_retaken(exc: BaseException) -> bool:

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import time
 from typing import Callable
 
 import httpx
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillParams
 from common.prefill_job import (ANSWER, CONSUMER_NAME, GO, JOB_SUBJECT, REFUSED, REPLY_HEADER, STREAM_NAME, TAKEN,
-                                JobError, JobReply, PrefillJob)
+                                JobError, JobReply, PrefillJob, attempt_id)
 from common.prefill_stream import NATS_ERRORS, PROGRESS_S, connect, consumer_config, ensure_stream
+from common.timeline import RELEASED
 from common.worker_record import WorkerRecord
 from scheduler.prefill_admission import prefill_room
 
@@ -30,16 +34,19 @@ logger = logging.getLogger(__name__)
 CLAIM_TIMEOUT_S = 2.0     # a requester that does not answer TAKEN within this is gone
 FETCH_WAIT_S = 0.5
 RETRY_S = 0.25            # after NATS failed us, before trying again
+RELEASE_POLL_S = 0.005
 Load = Callable[[], tuple[int, bool]]   # the engine's requests (running and waiting), and whether it drains
 
 
 class PrefillPuller:
     """Pulls and runs prefill jobs for the worker whose API is at `api_url`; `record()` is its worker record,
-    `load()` its engine's load; at most `max_jobs` jobs at a time."""
+    `load()` its engine's load, `released(request_id)` whether a request's KV has left it; at most `max_jobs`
+    jobs at a time."""
 
     def __init__(self, url: str, api_url: str, record: Callable[[], WorkerRecord | None], load: Load,
-                 max_jobs: int) -> None:
+                 released: Callable[[str], bool], max_jobs: int) -> None:
         self._url, self._api_url, self._record, self._load, self._max_jobs = url, api_url, record, load, max_jobs
+        self._released = released
         self._nc: Client | None = None
         self._jobs: set[asyncio.Task[None]] = set()
         self._job_ended = asyncio.Event()
@@ -125,36 +132,48 @@ class PrefillPuller:
                 await self._nc.publish(reply_to, JobReply(REFUSED, message=f"malformed prefill job: {exc}").to_bytes())
             await msg.ack()
             return
-        if job.expired() or not await self._claim(job):
+        rid = attempt_id(job.request_id, msg.metadata.num_delivered or 1)
+        if job.expired() or not await self._claim(job, rid):
             logger.info("prefill job %s dropped: its requester is gone", job.request_id)
             await msg.ack()
             return
-        status, body = await self._prefill(job)
+        status, body = await self._prefill(job, rid)
         if status == 503:  # this worker cannot take it now (draining, full): another one may
             await msg.nak()
             return
-        await self._nc.publish(job.reply, JobReply(ANSWER, job.request_id, status=status, body=body).to_bytes())
+        if status == 200 and job.answer_after_pull:
+            await self._until_released(rid, job.deadline)
+        await self._nc.publish(job.reply, JobReply(ANSWER, rid, status=status, body=body).to_bytes())
         await msg.ack()
 
-    async def _claim(self, job: PrefillJob) -> bool:
-        """Tells the requester this worker took `job`; whether it still wants it."""
+    async def _until_released(self, rid: str, deadline: float) -> None:
+        """Until the KV of `rid` has left this worker (pulled, released, or timed out)."""
+        while not self._released(rid) and time.time() < deadline:
+            await asyncio.sleep(RELEASE_POLL_S)
+
+    async def _claim(self, job: PrefillJob, rid: str) -> bool:
+        """Tells the requester this worker took `job`, to run as request `rid`; whether it still wants it."""
         assert self._nc is not None
         record = self._record()
-        taken = JobReply(TAKEN, job.request_id, worker=record.to_dict() if record else {})
+        taken = JobReply(TAKEN, rid, worker=record.to_dict() if record else {})
         try:
             answer = await self._nc.request(job.reply, taken.to_bytes(), timeout=CLAIM_TIMEOUT_S)
         except NATS_ERRORS:   # no responders (the requester unsubscribed), or no answer in time
             return False
         return answer.data == GO
 
-    async def _prefill(self, job: PrefillJob) -> tuple[int, bytes]:
-        """The job run as the HTTP prefill leg it is, on this worker's own API: (status, answer body)."""
+    async def _prefill(self, job: PrefillJob, rid: str) -> tuple[int, bytes]:
+        """The job run as the HTTP prefill leg it is, as request `rid`, on this worker's own API: (status, answer
+        body). A body whose kv_transfer_params are not a prefill leg's is the worker's 400, as over HTTP."""
         assert self._http is not None
+        body = job.body
+        with contextlib.suppress(HandoffError, KeyError):
+            params = PrefillParams.parse(body[KV_TRANSFER_PARAMS])
+            body = {**body, KV_TRANSFER_PARAMS: dataclasses.replace(params, request_id=rid).to_dict()}
         try:
-            reply = await self._http.post(f"{self._api_url}{job.path}", json=job.body,
-                                          headers={"X-Request-Id": job.request_id})
+            reply = await self._http.post(f"{self._api_url}{job.path}", json=body, headers={"X-Request-Id": rid})
         except httpx.HTTPError as exc:
-            logger.warning("prefill job %s: this worker's API failed: %s", job.request_id, exc)
+            logger.warning("prefill job %s: this worker's API failed: %s", rid, exc)
             return 503, b""
         return reply.status_code, reply.content
 
@@ -175,4 +194,9 @@ def worker_puller(worker: object, url: str, host: str, port: int, max_jobs: int)
 
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
     api = f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
-    return PrefillPuller(url, api, lambda: worker.record, load, max_jobs)  # type: ignore[attr-defined]
+    def released(rid: str) -> bool:
+        timeline = worker._timeline()  # type: ignore[attr-defined]
+        record = timeline.get(rid) if timeline is not None else None
+        return record is None or RELEASED in record["phases"]
+
+    return PrefillPuller(url, api, lambda: worker.record, load, released, max_jobs)  # type: ignore[attr-defined]
