@@ -18,7 +18,7 @@ from typing import Any, Callable
 from common.errors import RegistrationError
 from common.handoff import PrefillParams
 from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
-from proxy.errors import UpstreamError, UpstreamProtocol, UpstreamStatus, UpstreamTimeout
+from proxy.errors import KV_TRANSFER_ERROR, UpstreamProtocol, UpstreamStatus, UpstreamTimeout
 from proxy.flows import DecodeLeg, json_object, neuron_handoff
 from proxy.prefill_queue import JobReplies, PrefillQueue
 from proxy.requests import ClientRequest, decode_body, neuron_decode_params, prefill_body
@@ -164,8 +164,8 @@ def _taker(reply: JobReply, where: str) -> WorkerRecord:
 
 
 def _may_be_retaken(exc: BaseException) -> bool:
-    """A decode leg's failure that a dead prefill worker causes (not the request's own fault)."""
-    return isinstance(exc, UpstreamError) and not (isinstance(exc, UpstreamStatus) and exc.status < 500)
+    """A decode leg's failure that a dead prefill worker causes: its KV pull failed."""
+    return isinstance(exc, UpstreamStatus) and exc.error.get("type") == KV_TRANSFER_ERROR
 
 
 def queue_legs(depth: int, workers: int) -> list[int]:

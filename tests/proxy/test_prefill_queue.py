@@ -19,10 +19,15 @@ from common.prefill_job import JOB_SUBJECT, REFUSED, REPLY_HEADER, STREAM_NAME, 
 from stack.nats import NatsServer
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.flow_clients import paths
 from tests.proxy.test_conditional_exact import MODEL, answers
 from tests.worker_process import WorkerProcess
 
-STRATEGIES = ("concurrent", "prefill_first")
+# Each proxy's flags beside the workers and the queue: both strategies the queue serves, and conditional
+# disaggregation (long prompts through the queue, short ones served by the decode worker alone).
+PROXIES = {"concurrent": ["--disaggregation-strategy", "concurrent"],
+           "prefill_first": ["--disaggregation-strategy", "prefill_first"],
+           "conditional": ["--conditional-disaggregation", "--tokenizer", "builtin", "--max-local-prefill-tokens", "48"]}
 T = TypeVar("T")
 
 
@@ -40,10 +45,9 @@ class QueueStack:
             self.both = WorkerProcess("both")
             self.workers = [*self.prefills, self.decode, self.both]
             prefill_args = [f"--prefill=127.0.0.1:{w.port}:{w.kv_port}" for w in self.prefills]
-            for strategy in STRATEGIES:
-                self.proxies[strategy] = start_proxy([*prefill_args, "--decode", f"127.0.0.1:{self.decode.port}",
-                                                      "--prefill-queue", self.nats.url,
-                                                      "--disaggregation-strategy", strategy])
+            for name, flags in PROXIES.items():
+                self.proxies[name] = start_proxy([*prefill_args, "--decode", f"127.0.0.1:{self.decode.port}",
+                                                  "--prefill-queue", self.nats.url, *flags])
         except BaseException:
             self.stop()
             raise
@@ -99,11 +103,15 @@ def stack() -> Iterator[QueueStack]:
         stack.stop()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_queued_requests_answer_as_one_worker(stack: QueueStack, strategy: str) -> None:
-    proxy = stack.proxies[strategy]
+@pytest.mark.parametrize("name", PROXIES)
+def test_queued_requests_answer_as_one_worker(stack: QueueStack, name: str) -> None:
+    proxy = stack.proxies[name]
+    before = paths(proxy)
     via_queue = asyncio.run(answers(proxy.url, 16, 16))
     assert via_queue == asyncio.run(answers(stack.both.url, 16, 16))
+    if name == "conditional":
+        after = paths(proxy)
+        assert all(after[path] > before.get(path, 0) for path in ("local", "remote")), (before, after)
     stack.settled()
     assert "proxy_prefill_queue_depth 0.0" in httpx.get(f"{proxy.url}/metrics", timeout=10).text
 
