@@ -1,13 +1,14 @@
 """The global prefill queue's contract: the job a requester puts on the NATS JetStream stream, and the
 replies the prefill worker that takes it sends back to the requester's reply subject.
 
-    requester (proxy, or a decode worker)         stream STREAM_NAME            prefill worker
-      subscribe(reply) ; publish PrefillJob ──────▶  (work queue)  ──pull──▶  takes the job when it has room
-      ◀── request: JobReply TAKEN (its record, attempt_id) ── answer GO, or no responder: the client left, job dropped
-      (the decode leg now pulls from that worker)                              runs the prefill leg, KV published
-      ◀── JobReply ANSWER (HTTP status, the leg's answer body) ──────────────  then acks the job (with
-                                                   answer_after_pull: once the decode leg pulled the KV)
-      ◀── JobReply REFUSED (why) ── a job that breaks this contract: acked, never retried
+    requester (proxy)                    stream STREAM_NAME (work queue)            prefill worker with room
+      subscribe(reply); publish PrefillJob  ───────────────────────────────▶  pulls it
+      ◀── request: TAKEN (its record, attempt_id) ───────────────────────────  answer GO; no responder: the
+                                                                              client left, the job is dropped
+      (the decode leg now pulls from that worker)                             runs the prefill leg
+      ◀── ANSWER (HTTP status, the leg's answer body) ───────────────────────  KV published (answer_after_pull:
+                                                                              pulled), then acks the job
+      ◀── REFUSED (why) ── a job that breaks this contract: acked, never retried
 
 Encoded with msgpack, versioned (`JOB_VERSION`). The reply subject also rides in the message header
 `REPLY_HEADER`, so that a job whose body cannot be read is still refused back to whoever sent it.
@@ -107,8 +108,8 @@ class PrefillJob:
 @dataclass(frozen=True, slots=True)
 class JobReply:
     """What the prefill worker tells the requester: TAKEN (`worker`: its worker record as a dict, the signal
-    plane the decode leg pulls from; `request_id`: the id it runs the job under, see `attempt_id`), ANSWER (`status` and `body` of the prefill leg's HTTP answer) or
-    REFUSED (`message`: why the job cannot be run)."""
+    plane the decode leg pulls from; `request_id`: the id it runs the job under, see `attempt_id`), ANSWER
+    (`status` and `body` of the prefill leg's HTTP answer) or REFUSED (`message`: why it cannot be run)."""
 
     kind: str
     request_id: str = ""

@@ -92,7 +92,7 @@ class _Run:
                 self._taken(taker, reply.request_id or self.uid)
             elif reply.kind == REFUSED:
                 raise UpstreamProtocol(f"the prefill queue refused the job: {reply.message}", QUEUE_ROLE, self.where)
-            elif reply.kind == ANSWER and self.taker is not None:
+            elif reply.kind == ANSWER and self.taker is not None and reply.request_id in ("", self.rid):  # not stale
                 return self._answered(reply), self.leg, self.taker, self.rid
 
     async def _next(self, replies: JobReplies) -> tuple[JobReply, Any]:
@@ -103,7 +103,8 @@ class _Run:
             waits = {get, down}
             if self.leg is not None and not self.leg.task.done():
                 waits.add(self.leg.task)
-            timeout = None if waiting_since is None else max(0.0, waiting_since + self.flow.retake_s - time.monotonic())
+            timeout = None if waiting_since is None else max(0.0, waiting_since + self.flow.retake_s
+                                                              - time.monotonic())
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             down.cancel()
             if get.done():
@@ -114,7 +115,8 @@ class _Run:
             failed = self._leg_failure()
             if failed is not None and waiting_since is None and _may_be_retaken(failed):
                 waiting_since = time.monotonic()   # its prefill worker may have died: the job comes back
-            elif failed is not None and (waiting_since is None or time.monotonic() >= waiting_since + self.flow.retake_s):
+            elif failed is not None and (waiting_since is None
+                                         or time.monotonic() >= waiting_since + self.flow.retake_s):
                 raise failed
 
     def _leg_failure(self) -> BaseException | None:
