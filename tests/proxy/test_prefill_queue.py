@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Awaitable, Callable, Iterator, TypeVar
 
 import httpx
@@ -39,11 +40,17 @@ class QueueStack:
         self.proxies: dict[str, Server] = {}
         try:
             queue = ["--prefill-queue", self.nats.url, "--prefill-queue-max-jobs", "2"]
-            self.prefills = [WorkerProcess("prefill", "shm", queue) for _ in range(2)]
             # A pull from a prefill worker killed mid-job ends (its blocks freed) at the pull timeout.
-            self.decode = WorkerProcess("decode", "shm", ["--kv-pull-timeout", "5"])
-            self.both = WorkerProcess("both")
-            self.workers = [*self.prefills, self.decode, self.both]
+            kinds = [("prefill", "shm", queue), ("prefill", "shm", queue),
+                     ("decode", "shm", ["--kv-pull-timeout", "5"]), ("both", "shm", [])]
+            with ThreadPoolExecutor(len(kinds)) as pool:  # started side by side: each loads its model
+                started = [pool.submit(WorkerProcess, *kind) for kind in kinds]
+                wait(started)
+            self.workers = [future.result() for future in started if future.exception() is None]
+            for future in started:
+                if future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
+            *self.prefills, self.decode, self.both = self.workers
             prefill_args = [f"--prefill=127.0.0.1:{w.port}:{w.kv_port}" for w in self.prefills]
             for name, flags in PROXIES.items():
                 self.proxies[name] = start_proxy([*prefill_args, "--decode", f"127.0.0.1:{self.decode.port}",
@@ -175,21 +182,22 @@ def test_nats_down_is_a_clear_503_and_serving_resumes_when_it_is_back(stack: Que
 
 
 def test_a_prefill_worker_killed_holding_jobs_loses_nothing(stack: QueueStack) -> None:
-    """Last: it kills a prefill worker, while 32 requests at concurrency 16 keep both busy."""
+    """Last: it kills a prefill worker while 48 requests (new prompts) at concurrency 12 keep both busy; it
+    holds a job from taking it until its KV has left (running, waiting or transferring)."""
     proxy, (victim, survivor) = stack.proxies["concurrent"], stack.prefills
+    holding = ("neuron_di_requests_running", "neuron_di_requests_waiting", "neuron_di_requests_transferring")
 
     async def run() -> list[str]:
-        load = asyncio.ensure_future(answers(proxy.url, 32, 16))
-        while not load.done() and victim.metric("neuron_di_requests_running") + victim.metric(
-                "neuron_di_requests_waiting") == 0:
-            await asyncio.sleep(0.01)
+        load = asyncio.ensure_future(answers(proxy.url, 48, 12))
+        while not load.done() and await asyncio.to_thread(lambda: sum(victim.metric(name) for name in holding)) == 0:
+            await asyncio.sleep(0.005)
         assert not load.done(), "the victim took no job"
         victim.proc.kill()
         return await load
 
     via_queue = asyncio.run(run())
     assert stack.retaken(survivor) > 0, "no job of the killed worker was given to the survivor"
-    assert via_queue == asyncio.run(answers(stack.both.url, 32, 16))
+    assert via_queue == asyncio.run(answers(stack.both.url, 48, 12))
     stack.workers.remove(victim)
     survivor.wait_blocks_free()
     stack.decode.wait_blocks_free()
