@@ -20,6 +20,7 @@ from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
 from proxy.answers import JSONAnswer
 from proxy.forward import Forwarder
 from proxy.metrics import Metrics
+from proxy.prefill_queue import PrefillQueue
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
 from proxy.upstream import AiohttpUpstream, Upstream
 from proxy.workers import WorkerPool, WorkerRecord, kv_secret_mismatches
@@ -36,8 +37,9 @@ class ProxyState:
         self.metrics = Metrics()
         self.conditional = ConditionalRouter(config.conditional, self.metrics) if config.conditional else None
         self.timeline = Timeline(PROXY, registry=self.metrics.registry)
+        self.prefill_queue = PrefillQueue(config.prefill_queue, self.metrics) if config.prefill_queue else None
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
-                                   self.conditional, self.timeline)
+                                   self.conditional, self.timeline, self.prefill_queue)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}
@@ -59,6 +61,8 @@ class ProxyState:
         # One round before serving: the first answers (and /ready) already know which workers are up, and
         # a static worker's KV port is the one it shows, not the command line's default.
         await self.health.round()
+        if self.prefill_queue is not None:
+            self.prefill_queue.start()
         self._tasks.append(asyncio.create_task(self.health.run(self.config.health_interval)))
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run()))
@@ -69,6 +73,8 @@ class ProxyState:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.prefill_queue is not None:
+            await self.prefill_queue.stop()
         await asyncio.gather(*(client.close() for client in self._clients.values()))
         self._clients.clear()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common.errors import TokenizerLoadError
+from common.prefill_job import nats_url
 from common.roles import DEFAULT_HOST, DEFAULT_KV_PORT, DEFAULT_PROXY_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE
 from common.tokenizer import Tokenizer
 from proxy.conditional import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_QUEUE, ConditionalPolicy
@@ -40,6 +41,7 @@ class ProxyConfig:
     shutdown_grace: float = 5.0  # seconds streams may run on after SIGTERM before they end with an error
     strategy: str = DEFAULT_STRATEGY  # the flow of disaggregated requests to kv_protocol "neuron" workers
     conditional: ConditionalConfig | None = None
+    prefill_queue: str | None = None  # nats://HOST:PORT of the global prefill queue; None: prefill legs over HTTP
 
     @property
     def colocated(self) -> bool:
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "built-in model: the proxy counts prompt tokens with it")
     cond.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
                       help=f"the decode workers' KV block size, for estimating their prefix caches (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--prefill-queue", metavar="nats://HOST:PORT",
+                   help="put prefill legs on this NATS JetStream queue, which prefill workers started with the same "
+                        "flag pull from when they have room, instead of sending them to a worker the proxy picks "
+                        "(strategies concurrent and prefill_first; default: off)")
     return p
 
 
@@ -132,7 +138,20 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        shutdown_grace=args.shutdown_grace,
-                       strategy=args.disaggregation_strategy, conditional=_conditional(args))
+                       strategy=args.disaggregation_strategy, conditional=_conditional(args),
+                       prefill_queue=_prefill_queue(args))
+
+
+def _prefill_queue(args: argparse.Namespace) -> str | None:
+    if args.prefill_queue is None:
+        return None
+    if args.mode == "colocated" or args.kv_protocol != "neuron" or args.disaggregation_strategy == "decode_first":
+        raise ConfigError("--prefill-queue is for di mode with kv_protocol neuron workers and strategy concurrent "
+                          "or prefill_first")
+    try:
+        return nats_url(args.prefill_queue)
+    except ValueError as exc:
+        raise ConfigError(f"--prefill-queue: {exc}") from exc
 
 
 def _conditional(args: argparse.Namespace) -> ConditionalConfig | None:

@@ -5,6 +5,7 @@
     ├── BadRequest               the client's request is invalid (400)
     ├── NoWorkers                no healthy worker of a role (and kv_protocol) right now (503)
     ├── ShuttingDown             the proxy is shutting down; a stream still open ends with it (503)
+    ├── QueueUnavailable         the global prefill queue (NATS) cannot be reached (503)
     └── UpstreamError            a worker failed one leg of a request
         ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502; a
         │                        failed KV transfer keeps its type, and a 503 its status and Retry-After;
@@ -49,6 +50,10 @@ class NoWorkers(ProxyError):
 
 
 class ShuttingDown(ProxyError):
+    pass
+
+
+class QueueUnavailable(ProxyError):
     pass
 
 
@@ -113,7 +118,7 @@ def to_http(exc: ProxyError) -> tuple[int, bytes, dict[str, str]]:
         return _kv_transfer_error(exc)
     if isinstance(exc, BadRequest):
         status, err_type, param = 400, "invalid_request_error", exc.param
-    elif isinstance(exc, (NoWorkers, ShuttingDown)):
+    elif isinstance(exc, (NoWorkers, ShuttingDown, QueueUnavailable)):
         status, err_type, param = 503, "service_unavailable", None
     elif isinstance(exc, UpstreamTimeout):
         status, err_type, param = 504, "upstream_timeout", None

@@ -10,6 +10,7 @@ request for several answers (prompts, choices) is one such request per answer (p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,8 @@ from proxy.fanned import answer_all
 from proxy.fanout import fan_out
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
+from proxy.prefill_queue import PrefillQueue
+from proxy.queued_flow import QueuedFlow, queue_legs
 from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used, refuse_unserved
 from proxy.sse import SSEDecoder
 from proxy.explain import explained, stream_error_status
@@ -48,7 +51,7 @@ class Forwarder:
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
                  colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, prefill_queue: PrefillQueue | None = None) -> None:
         self._pool = pool
         self.timeline = timeline if timeline is not None else Timeline("proxy", registry=metrics.registry)
         self._clients = clients
@@ -61,6 +64,8 @@ class Forwarder:
         self._abandoner = Abandoner(clients)
         self._assembler = AnswerAssembler(metrics, self.timeline)
         self._closing = False
+        self._queued = None if prefill_queue is None else QueuedFlow(
+            prefill_queue, self._start_decode, self._abandoner.abandon, strategy == "prefill_first")
 
     def end_legs(self, worker: WorkerRecord, why: str) -> None:
         """`worker` is gone (`why`): every leg in flight to it fails now with WorkerLost, as a failed leg does,
@@ -101,6 +106,8 @@ class Forwarder:
             return await self._disaggregated(request, received)
         decode = self._pool.next("decode")
         prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
+        if self._queued is not None:  # the prefill side's queue is the stream's: its jobs spread over the workers
+            prefill_legs = queue_legs(self._queued.queue.depth(), len(prefill_legs))
         decision = await self._conditional.decide(request, decode, prefill_legs)
         took = functools.partial(self._conditional.record, decision=decision)
         if decision.local:
@@ -149,12 +156,17 @@ class Forwarder:
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
         self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
-        abandon = functools.partial(self._abandoner.abandon, prefill, uid)
+        abandon, rid = functools.partial(self._abandoner.abandon, prefill, uid), uid
         try:
             if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
                 return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid, took)
-            legs = LegCalls(self._call, functools.partial(self._start_decode, took=took))
-            first, leg = await flow(legs, request, prefill, decode, uid, seed)
+            if self._queued is not None and prefill.kv_protocol == "neuron":  # the prefill leg goes through NATS
+                queued = dataclasses.replace(self._queued, start_decode=functools.partial(self._start_decode, took=took))
+                first, leg, prefill, rid = await queued.handoff(request, decode, uid, seed)
+                abandon = functools.partial(self._abandoner.abandon, prefill, rid)
+            else:
+                legs = LegCalls(self._call, functools.partial(self._start_decode, took=took))
+                first, leg = await flow(legs, request, prefill, decode, uid, seed)
             token_used = prefill.kv_protocol == "nixl" or prefill_token_used(prefill, seed)
             answer = await self._assembler.answer(request, uid, first, leg, started, abandon, token_used)
         except BaseException as exc:
@@ -163,7 +175,7 @@ class Forwarder:
                 abandon()
             raise
         if isinstance(answer, StreamAnswer):
-            return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, uid))
+            return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, rid))
         return answer
 
     def _start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],

@@ -41,6 +41,8 @@ class Metrics:
         self.paths = Counter("proxy_request_paths", "Requests conditional disaggregation sent by path: remote "
                              "(prefilled by a prefill worker) or local (served by a decode worker alone)",
                              ["path"], registry=self.registry)
+        self.prefill_queue_depth = Gauge("proxy_prefill_queue_depth", "Prefill jobs in the global prefill queue's "
+                                         "stream (waiting, or taken and not yet acked)", registry=self.registry)
         for path in PATHS:
             self.paths.labels(path)
         for protocol in KV_PROTOCOLS:  # exported at 0 from the start, so that a rate exists

@@ -21,6 +21,7 @@ from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UN
 from worker.dtype import AUTO, BF16_CPU_FLAGS
 from worker.mock import flags as mock_flags
 from worker.multimodal import flags as embeds_flags
+from worker.server import prefill_queue_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
     embeds_flags.add_arguments(parser)
     mock_flags.add_arguments(parser)
+    prefill_queue_flags.add_arguments(parser)
     return parser
 
 
@@ -150,6 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
     embeds_flags.check(parser, args)
+    prefill_queue_flags.check(parser, args)
     if args.port is None:
         args.port = DEFAULT_HTTP_PORTS[args.role]
     args.cost_model = mock_flags.cost_model(parser, args)
@@ -212,7 +215,17 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
         loop.add_signal_handler(sig, worker.drain.signal)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
     await worker.startup()
-    await serve(app, server, shutdown_trigger=worker.drain.done.wait)
+    puller = None
+    if args.prefill_queue:
+        from worker.server.prefill_puller import worker_puller
+
+        puller = worker_puller(worker, args.prefill_queue, args.host, args.port, args.prefill_queue_max_jobs)
+        puller.start()
+    try:
+        await serve(app, server, shutdown_trigger=worker.drain.done.wait)
+    finally:
+        if puller is not None:
+            await puller.stop()
     return worker.drain.forced
 
 

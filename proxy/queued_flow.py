@@ -1,0 +1,176 @@
+"""The flows of a disaggregated request whose prefill leg goes through the global prefill queue.
+
+The proxy puts the prefill leg on the queue as a job (proxy/prefill_queue.py) instead of sending it to a
+worker it picked; the prefill worker that takes the job says so at once (TAKEN, with its worker record).
+`concurrent`: the decode leg starts then, naming that worker, while the prefill runs. `prefill_first`:
+it starts once the prefill's answer says where the KV lies. A job taken again (its first taker died
+before acking it, and the stream gave it to another) restarts the decode leg on the new taker; a decode
+leg that fails before the prefill answered waits `retake_s` for such a new taker before the request
+fails. The prefill's answer (the first token) comes back through the queue as an HTTP prefill leg's would.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from common.errors import RegistrationError
+from common.handoff import PrefillParams
+from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
+from proxy.errors import KV_TRANSFER_ERROR, UpstreamProtocol, UpstreamStatus, UpstreamTimeout
+from proxy.flows import DecodeLeg, json_object, neuron_handoff
+from proxy.prefill_queue import JobReplies, PrefillQueue
+from proxy.requests import ClientRequest, decode_body, neuron_decode_params, prefill_body
+from proxy.stitch import prefill_finished
+from proxy.workers import WorkerRecord
+
+Handoff = tuple[dict[str, Any], DecodeLeg | None, WorkerRecord, str]
+StartDecode = Callable[[WorkerRecord, ClientRequest, dict[str, Any], dict[str, str]], DecodeLeg]
+Abandon = Callable[[WorkerRecord, str], object]
+QUEUE_ROLE = "prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedFlow:
+    """How the forwarder's queued requests go: through `queue`, their decode legs started by `start_decode`,
+    the prefill of a request that fails abandoned by `abandon`; `prefill_first` as the strategy says; a job
+    waits at most `timeout_s` for its answer."""
+
+    queue: PrefillQueue
+    start_decode: StartDecode
+    abandon: Abandon
+    prefill_first: bool
+    timeout_s: float = 600.0
+    retake_s: float = 10.0
+
+    async def handoff(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None) -> Handoff:
+        """The prefill's answer, the decode leg (None: not called), the prefill worker that took the job and the
+        request id it ran it under."""
+        params = PrefillParams(uid, pulled_on_stop=not self.prefill_first).to_dict()
+        job = PrefillJob(uid, request.endpoint.path, prefill_body(request, seed, params), "-",
+                         deadline=time.time() + self.timeout_s, answer_after_pull=not self.prefill_first)
+        replies = await self.queue.submit(job)
+        run = _Run(self, request, decode, uid, seed)
+        try:
+            return await asyncio.wait_for(run.until_answered(replies), self.timeout_s)
+        except asyncio.TimeoutError as exc:
+            run.fail()
+            raise UpstreamTimeout(f"no prefill answer through the prefill queue within {self.timeout_s:g} s",
+                                  QUEUE_ROLE, run.where) from exc
+        except BaseException:
+            run.fail()
+            raise
+        finally:
+            await replies.close()
+
+
+class _Run:
+    """One queued request's state: who took its job, its decode leg."""
+
+    def __init__(self, flow: QueuedFlow, request: ClientRequest, decode: WorkerRecord, uid: str,
+                 seed: int | None) -> None:
+        self.flow, self.request, self.decode, self.uid, self.seed = flow, request, decode, uid, seed
+        self.taker: WorkerRecord | None = None
+        self.rid = uid   # the request id the taker runs the job under
+        self.leg: DecodeLeg | None = None
+
+    @property
+    def where(self) -> str:
+        return self.taker.address if self.taker else f"queue {self.flow.queue.url}"
+
+    async def until_answered(self, replies: JobReplies) -> Handoff:
+        while True:
+            reply, msg = await self._next(replies)
+            if reply.kind == TAKEN:
+                try:
+                    taker = _taker(reply, self.where)
+                except UpstreamProtocol:
+                    await msg.respond(DROP)
+                    raise
+                await msg.respond(GO)
+                self._taken(taker, reply.request_id or self.uid)
+            elif reply.kind == REFUSED:
+                raise UpstreamProtocol(f"the prefill queue refused the job: {reply.message}", QUEUE_ROLE, self.where)
+            elif reply.kind == ANSWER and self.taker is not None and reply.request_id in ("", self.rid):  # not stale
+                return self._answered(reply), self.leg, self.taker, self.rid
+
+    async def _next(self, replies: JobReplies) -> tuple[JobReply, Any]:
+        """The next reply; raises if NATS is lost meanwhile, or the decode leg failed and no new taker came."""
+        waiting_since: float | None = None
+        while True:
+            get, down = asyncio.ensure_future(replies.get()), asyncio.ensure_future(self.flow.queue.down.wait())
+            waits = {get, down}
+            if self.leg is not None and not self.leg.task.done():
+                waits.add(self.leg.task)
+            timeout = None if waiting_since is None else max(0.0, waiting_since + self.flow.retake_s
+                                                              - time.monotonic())
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            down.cancel()
+            if get.done():
+                return get.result()
+            get.cancel()
+            if self.flow.queue.down.is_set():
+                raise self.flow.queue.unavailable()
+            failed = self._leg_failure()
+            if failed is not None and waiting_since is None and _may_be_retaken(failed):
+                waiting_since = time.monotonic()   # its prefill worker may have died: the job comes back
+            elif failed is not None and (waiting_since is None
+                                         or time.monotonic() >= waiting_since + self.flow.retake_s):
+                raise failed
+
+    def _leg_failure(self) -> BaseException | None:
+        task = self.leg.task if self.leg is not None else None
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
+    def _taken(self, taker: WorkerRecord, rid: str) -> None:
+        """`taker` took the job, to run it as request `rid`: the decode leg (concurrent) starts, or starts again,
+        naming it."""
+        if self.taker is not None:
+            self.flow.abandon(self.taker, self.rid)
+        self.taker, self.rid = taker, rid
+        if not self.flow.prefill_first:
+            self._start_decode(decode_body(self.request, self.seed, neuron_decode_params(rid, taker)))
+
+    def _answered(self, reply: JobReply) -> dict[str, Any]:
+        assert self.taker is not None
+        if reply.status != 200:
+            raise UpstreamStatus(reply.status, reply.body, QUEUE_ROLE, self.taker.address)
+        first = json_object(reply.body, self.taker)
+        if self.flow.prefill_first and not prefill_finished(first):
+            self._start_decode(decode_body(self.request, self.seed, neuron_handoff(first, self.rid, self.taker)))
+        return first
+
+    def _start_decode(self, body: dict[str, Any]) -> None:
+        """Starts the decode leg, under the taker's request id; one started before, on a previous taker, is
+        ended (its connection closed: the decode worker ends it once its pull from the dead taker fails)."""
+        if self.leg is not None:
+            self.leg.task.cancel()
+        self.leg = self.flow.start_decode(self.decode, self.request, body, {"X-Request-Id": self.rid})
+
+    def fail(self) -> None:
+        if self.leg is not None:
+            self.leg.task.cancel()
+        if self.taker is not None:
+            self.flow.abandon(self.taker, self.rid)
+
+
+def _taker(reply: JobReply, where: str) -> WorkerRecord:
+    try:
+        return WorkerRecord.from_dict(reply.worker)
+    except RegistrationError as exc:
+        raise UpstreamProtocol(f"the worker that took the prefill job shows no usable record: {exc}",
+                               QUEUE_ROLE, where) from exc
+
+
+def _may_be_retaken(exc: BaseException) -> bool:
+    """A decode leg's failure that a dead prefill worker causes: its KV pull failed."""
+    return isinstance(exc, UpstreamStatus) and exc.error.get("type") == KV_TRANSFER_ERROR
+
+
+def queue_legs(depth: int, workers: int) -> list[int]:
+    """The stream's `depth` as prefill legs in flight over `workers` prefill workers, as conditional
+    disaggregation weighs them (their mean is depth / workers; none with no worker)."""
+    return [depth] + [0] * (workers - 1) if workers else []

@@ -1,0 +1,205 @@
+"""The global prefill queue with real processes: a nats-server with JetStream, two prefill workers pulling
+from it, a decode worker, and proxies putting prefill legs on it. Every answer is what one `both` worker
+gives; jobs that break the contract or whose client left are never run; NATS going away is a clear 503 and
+its return resumes serving; a prefill worker killed holding jobs has them redelivered, nothing lost."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Awaitable, Callable, Iterator, TypeVar
+
+import httpx
+import msgpack
+import nats
+import pytest
+from nats.js import JetStreamContext
+
+from common.prefill_job import JOB_SUBJECT, REFUSED, REPLY_HEADER, STREAM_NAME, JobReply, PrefillJob, attempt_id
+from stack.nats import NatsServer
+from tests.helpers import wait_until
+from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.flow_clients import paths
+from tests.proxy.test_conditional_exact import MODEL, answers
+from tests.worker_process import WorkerProcess
+
+# Each proxy's flags beside the workers and the queue: both strategies the queue serves, and conditional
+# disaggregation (long prompts through the queue, short ones served by the decode worker alone).
+PROXIES = {"concurrent": ["--disaggregation-strategy", "concurrent"],
+           "prefill_first": ["--disaggregation-strategy", "prefill_first"],
+           "conditional": ["--conditional-disaggregation", "--tokenizer", "builtin", "--max-local-prefill-tokens", "48"]}
+T = TypeVar("T")
+
+
+class QueueStack:
+    def __init__(self) -> None:
+        self.nats = NatsServer()
+        self.prefills: list[WorkerProcess] = []
+        self.workers: list[WorkerProcess] = []
+        self.proxies: dict[str, Server] = {}
+        try:
+            queue = ["--prefill-queue", self.nats.url, "--prefill-queue-max-jobs", "2"]
+            # A pull from a prefill worker killed mid-job ends (its blocks freed) at the pull timeout.
+            kinds = [("prefill", "shm", queue), ("prefill", "shm", queue),
+                     ("decode", "shm", ["--kv-pull-timeout", "5"]), ("both", "shm", [])]
+            with ThreadPoolExecutor(len(kinds)) as pool:  # started side by side: each loads its model
+                started = [pool.submit(WorkerProcess, *kind) for kind in kinds]
+                wait(started)
+            self.workers = [future.result() for future in started if future.exception() is None]
+            for future in started:
+                if future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
+            *self.prefills, self.decode, self.both = self.workers
+            prefill_args = [f"--prefill=127.0.0.1:{w.port}:{w.kv_port}" for w in self.prefills]
+            for name, flags in PROXIES.items():
+                self.proxies[name] = start_proxy([*prefill_args, "--decode", f"127.0.0.1:{self.decode.port}",
+                                                  "--prefill-queue", self.nats.url, *flags])
+        except BaseException:
+            self.stop()
+            raise
+
+    def stream_messages(self) -> int:
+        return self._jetstream(lambda js: js.stream_info(STREAM_NAME)).state.messages
+
+    def retaken(self, worker: WorkerProcess) -> int:
+        """Jobs `worker` ran that another worker had taken first (run under an id common.prefill_job.attempt_id
+        gives a later taker)."""
+        recent = httpx.get(f"{worker.url}/timeline", params={"n": 1000}, timeout=10).json()["requests"]
+        return sum(record["uid"] == attempt_id(record["uid"].split("-take")[0], 2) for record in recent)
+
+    def _jetstream(self, ask: Callable[[JetStreamContext], Awaitable[T]]) -> T:
+        async def read() -> T:
+            nc = await nats.connect(self.nats.url)
+            try:
+                return await ask(nc.jetstream())
+            finally:
+                await nc.close()
+        return asyncio.run(read())
+
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the prefill workers admitted so far."""
+        total = 0
+        for worker in self.prefills:
+            text = httpx.get(f"{worker.url}/metrics", timeout=10).text
+            total += sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                         if line.startswith("neuron_di_prompt_tokens_total"))
+        return total
+
+    def settled(self) -> None:
+        """Blocks back to 0 on every live worker, and the stream empty."""
+        for worker in self.workers:
+            if worker.proc.proc.poll() is None:
+                worker.wait_blocks_free()
+        wait_until(lambda: self.stream_messages() == 0, timeout=15)
+
+    def stop(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.process.stop()
+        for worker in self.workers:
+            worker.stop()
+        self.nats.stop()
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[QueueStack]:
+    stack = QueueStack()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("name", PROXIES)
+def test_queued_requests_answer_as_one_worker(stack: QueueStack, name: str) -> None:
+    proxy = stack.proxies[name]
+    before = paths(proxy)
+    via_queue = asyncio.run(answers(proxy.url, 16, 16))
+    assert via_queue == asyncio.run(answers(stack.both.url, 16, 16))
+    if name == "conditional":
+        after = paths(proxy)
+        assert all(after[path] > before.get(path, 0) for path in ("local", "remote")), (before, after)
+    stack.settled()
+    assert "proxy_prefill_queue_depth 0.0" in httpx.get(f"{proxy.url}/metrics", timeout=10).text
+
+
+def publish(url: str, data: bytes, reply: str | None, listen: bool) -> list[JobReply]:
+    """Puts `data` on the job stream with `reply` in its header; the replies heard there in 3 s if `listen`."""
+    async def run() -> list[JobReply]:
+        nc = await nats.connect(url)
+        heard: list[JobReply] = []
+        try:
+            if listen and reply:
+                await nc.subscribe(reply, cb=functools.partial(_heard, heard))
+            await nc.jetstream().publish(JOB_SUBJECT, data, stream=STREAM_NAME,
+                                         headers={REPLY_HEADER: reply} if reply else None)
+            deadline = time.monotonic() + 3
+            while listen and not heard and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return heard
+        finally:
+            await nc.close()
+    return asyncio.run(run())
+
+
+async def _heard(heard: list[JobReply], msg: nats.aio.msg.Msg) -> None:
+    heard.append(JobReply.from_bytes(msg.data))
+
+
+@pytest.mark.parametrize("data", [b"\xc1 not msgpack", msgpack.packb({"v": 99}), msgpack.packb({"v": 1, "id": "x"})])
+def test_a_malformed_job_is_refused_to_its_requester_and_never_retried(stack: QueueStack, data: bytes) -> None:
+    heard = publish(stack.nats.url, data, "test.malformed.reply", listen=True)
+    assert [reply.kind for reply in heard] == [REFUSED], heard
+    assert heard[0].message.startswith("malformed prefill job: ")
+    stack.settled()
+
+
+def test_a_job_whose_client_left_is_dropped_never_run(stack: QueueStack) -> None:
+    before = stack.prompt_tokens()
+    body = {"model": MODEL, "prompt": "nobody waits for this", "max_tokens": 1,
+            "kv_transfer_params": {"role": "prefill", "request_id": "gone-1"}}
+    for job in (PrefillJob("gone-1", "/v1/completions", body, "test.nobody.listens"),
+                PrefillJob("gone-2", "/v1/completions", body, "test.nobody.either", deadline=time.time() - 1)):
+        publish(stack.nats.url, job.to_bytes(), job.reply, listen=False)
+    stack.settled()
+    assert stack.prompt_tokens() == before
+
+
+def test_nats_down_is_a_clear_503_and_serving_resumes_when_it_is_back(stack: QueueStack) -> None:
+    proxy = stack.proxies["concurrent"]
+    body = {"model": MODEL, "prompt": "the queue is back", "max_tokens": 4, "temperature": 0}
+    stack.nats.kill()
+    reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10)
+    assert reply.status_code == 503, reply.text
+    message = reply.json()["error"]["message"]
+    assert "prefill queue" in message and "NATS" in message and stack.nats.url in message, message
+    stack.nats.restart()
+    back = time.monotonic()
+    wait_until(lambda: httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10).status_code == 200,
+               timeout=30, interval=0.1)
+    print(f"serving again {time.monotonic() - back:.2f} s after nats-server came back")
+    stack.settled()
+
+
+def test_a_prefill_worker_killed_holding_jobs_loses_nothing(stack: QueueStack) -> None:
+    """Last: it kills a prefill worker while 48 requests (new prompts) at concurrency 12 keep both busy; it
+    holds a job from taking it until its KV has left (running, waiting or transferring)."""
+    proxy, (victim, survivor) = stack.proxies["concurrent"], stack.prefills
+    holding = ("neuron_di_requests_running", "neuron_di_requests_waiting", "neuron_di_requests_transferring")
+
+    async def run() -> list[str]:
+        load = asyncio.ensure_future(answers(proxy.url, 48, 12))
+        while not load.done() and await asyncio.to_thread(lambda: sum(victim.metric(name) for name in holding)) == 0:
+            await asyncio.sleep(0.005)
+        assert not load.done(), "the victim took no job"
+        victim.proc.kill()
+        return await load
+
+    via_queue = asyncio.run(run())
+    assert stack.retaken(survivor) > 0, "no job of the killed worker was given to the survivor"
+    assert via_queue == asyncio.run(answers(stack.both.url, 48, 12))
+    stack.workers.remove(victim)
+    survivor.wait_blocks_free()
+    stack.decode.wait_blocks_free()
+    wait_until(lambda: stack.stream_messages() == 0, timeout=15)
+    victim.stop()
