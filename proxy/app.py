@@ -37,7 +37,7 @@ class ProxyState:
         self.conditional = ConditionalRouter(config.conditional, self.metrics) if config.conditional else None
         self.timeline = Timeline(PROXY, registry=self.metrics.registry)
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
-                                   self.conditional, self.timeline)
+                                   self.conditional, self.timeline, config.resume_streams)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}
