@@ -92,21 +92,23 @@ def _assert_exact(got: list[Streamed], want: list[Streamed]) -> None:
                (w.usage["prompt_tokens"], w.usage["completion_tokens"]), i
 
 
-def test_streams_of_a_killed_decode_worker_go_on_elsewhere_exactly(stack: Stack) -> None:
+def _kill_one(stack: Stack, count: int, tokens: int) -> None:
+    """SIGKILL to a decode worker mid-stream; it is started again afterwards."""
     assert stack.proxy is not None
     victim = stack.decodes[0]
-    got, want = _under_load(stack, lambda: victim.proc.kill())
+    got, want = _under_load(stack, lambda: victim.proc.kill(), count, tokens)
     _assert_exact(got, want)
     moved = [g for g in got if g.moves]
     assert moved, "no stream was on the killed worker mid-answer"
     assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="worker_lost"') >= len(moved)
-    print(f"\nkill -9: {len(moved)}/{len(got)} streams moved; largest gap a client saw: "
+    print(f"\nkill -9, {count} streams of {tokens} tokens: {len(moved)} moved; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
     stack.decodes[0] = stack._add(victim.restarted())
     stack.wait_decodes(2)
 
 
-def test_a_draining_decode_worker_hands_its_streams_back(stack: Stack) -> None:
+def _drain_one(stack: Stack, count: int, tokens: int, again: bool = True) -> None:
+    """POST /drain to a decode worker mid-stream: it hands its streams back and exits; started `again` after."""
     assert stack.proxy is not None
     drained = stack.decodes[1]
     took: list[float] = []
@@ -117,10 +119,33 @@ def test_a_draining_decode_worker_hands_its_streams_back(stack: Stack) -> None:
         assert drained.proc.proc.wait(timeout=60) == 0, drained.proc.tail()
         took.append(time.monotonic() - started)
 
-    got, want = _under_load(stack, drain)
+    before = metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"')
+    got, want = _under_load(stack, drain, count, tokens)
     _assert_exact(got, want)
     moved = [g for g in got if g.moves]
     assert moved and "handed back" in drained.proc.output()
-    assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"') >= len(moved)
-    print(f"\ndrain: {len(moved)}/{len(got)} streams handed back; the worker exited {took[0]:.2f} s after "
-          f"POST /drain; largest gap a client saw: {max(g.largest_gap for g in moved) * 1000:.0f} ms")
+    assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"') - before >= len(moved)
+    print(f"\ndrain, {count} streams of {tokens} tokens: {len(moved)} handed back; the worker exited "
+          f"{took[0]:.2f} s after POST /drain; largest gap a client saw: "
+          f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
+    if again:
+        stack.decodes[1] = stack._add(drained.restarted())
+        stack.wait_decodes(2)
+
+
+@pytest.mark.slow
+def test_sixteen_long_streams_survive_a_killed_decode_worker(stack: Stack) -> None:
+    _kill_one(stack, 16, 512)
+
+
+@pytest.mark.slow
+def test_sixteen_long_streams_survive_a_drained_decode_worker(stack: Stack) -> None:
+    _drain_one(stack, 16, 512)
+
+
+def test_streams_of_a_killed_decode_worker_go_on_elsewhere_exactly(stack: Stack) -> None:
+    _kill_one(stack, STREAMS, TOKENS)
+
+
+def test_a_draining_decode_worker_hands_its_streams_back(stack: Stack) -> None:
+    _drain_one(stack, STREAMS, TOKENS, again=False)  # the module's last test: nothing needs the worker after
