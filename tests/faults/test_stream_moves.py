@@ -101,6 +101,8 @@ def _kill_one(stack: Stack, count: int, tokens: int) -> None:
     moved = [g for g in got if g.moves]
     assert moved, "no stream was on the killed worker mid-answer"
     assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="worker_lost"') >= len(moved)
+    for worker in (stack.prefill, stack.decodes[1]):
+        worker.wait_blocks_free(timeout=15)
     print(f"\nkill -9, {count} streams of {tokens} tokens: {len(moved)} moved; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
     stack.decodes[0] = stack._add(victim.restarted())
@@ -125,6 +127,8 @@ def _drain_one(stack: Stack, count: int, tokens: int, again: bool = True) -> Non
     moved = [g for g in got if g.moves]
     assert moved and "handed back" in drained.proc.output()
     assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"') - before >= len(moved)
+    for worker in (stack.prefill, stack.decodes[0]):
+        worker.wait_blocks_free(timeout=15)
     print(f"\ndrain, {count} streams of {tokens} tokens: {len(moved)} handed back; the worker exited "
           f"{took[0]:.2f} s after POST /drain; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
