@@ -36,6 +36,8 @@ async def stitched(stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg 
         checked = False
         while (item := await leg.queue.get()) is not END:
             if mover is not None and (why := mover.why_lost(item)) is not None:
+                if stitcher.finished:
+                    break  # lost after its last token: nothing to move
                 leg = mover.move(leg, why, stitcher, item if isinstance(item, BaseException) else None)
                 if mover.moves == 1:
                     abandon()  # a lost leg may not have pulled or released prefill's KV; the new one recomputes it
