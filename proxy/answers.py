@@ -13,6 +13,7 @@ from proxy.flows import DecodeLeg, json_object
 from proxy.metrics import Metrics
 from proxy.requests import ClientRequest
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
+from proxy.stream_moves import StreamMover
 from proxy.streams import cancel_leg, stitched
 from proxy.timing import AnswerTimer
 from proxy.workers import WorkerRecord
@@ -42,7 +43,8 @@ class AnswerAssembler:
         self._timeline = timeline
 
     async def answer(self, request: ClientRequest, uid: str, first: dict[str, Any], leg: DecodeLeg | None,
-                     started: float, abandon: Callable[[], None], token_used: bool = True) -> Answer:
+                     started: float, abandon: Callable[[], None], token_used: bool = True,
+                     mover: StreamMover | None = None) -> Answer:
         """Prefill's answer and the decode leg (None: not called) -> the answer one server would give; a stream
         that fails after it began calls `abandon` (prefill's KV may still be held, see proxy/abandon.py);
         without `token_used`, the first token is decode's (prefill's was not sampled as the answer's)."""
@@ -52,6 +54,7 @@ class AnswerAssembler:
                 answer = JSONAnswer(json_bytes(await self._whole(response_id, first, leg, token_used)))
                 self._timeline.finish(uid)
                 return answer
+            first = first if mover is None else mover.prefill_answer(first)
             stitcher = StreamStitcher(request, response_id, int(time.time()), first, token_used)
             events = stitcher.first()
         except BaseException:
@@ -60,7 +63,7 @@ class AnswerAssembler:
         if stitcher.finished:
             cancel_leg(leg)  # EOS at token one: decode has nothing to add
         timer = AnswerTimer(self._metrics, started, self._timeline, uid)
-        return StreamAnswer(stitched(stitcher, events, leg, timer, self._first_token, abandon))
+        return StreamAnswer(stitched(stitcher, events, leg, timer, self._first_token, abandon, mover))
 
     async def _whole(self, response_id: str, first: dict[str, Any], leg: DecodeLeg | None,
                      token_used: bool) -> dict[str, Any]:

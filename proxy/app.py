@@ -39,7 +39,7 @@ class ProxyState:
         self.timeline = Timeline(PROXY, registry=self.metrics.registry)
         self.prefill_queue = PrefillQueue(config.prefill_queue, self.metrics) if config.prefill_queue else None
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
-                                   self.conditional, self.timeline, self.prefill_queue)
+                                   self.conditional, self.timeline, self.prefill_queue, config.resume_streams)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}

@@ -42,6 +42,7 @@ class ProxyConfig:
     strategy: str = DEFAULT_STRATEGY  # the flow of disaggregated requests to kv_protocol "neuron" workers
     conditional: ConditionalConfig | None = None
     prefill_queue: str | None = None  # nats://HOST:PORT of the global prefill queue; None: prefill legs over HTTP
+    resume_streams: bool = False  # a stream whose decode worker is lost goes on on another (proxy/stream_moves.py)
 
     @property
     def colocated(self) -> bool:
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health check may take (default 2)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds streams may run on after SIGTERM; then they end with an error event (default 5)")
+    p.add_argument("--resume-streams", action="store_true",
+                   help="a streamed answer whose decode worker dies or hands it back (drain) goes on on another "
+                        "decode worker from the tokens already sent (our workers)")
     cond = p.add_argument_group("conditional disaggregation (di mode)")
     cond.add_argument("--conditional-disaggregation", action="store_true",
                       help="prefill a prompt on a prefill worker only when its part the decode worker has not cached "
@@ -139,7 +143,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        shutdown_grace=args.shutdown_grace,
                        strategy=args.disaggregation_strategy, conditional=_conditional(args),
-                       prefill_queue=_prefill_queue(args))
+                       prefill_queue=_prefill_queue(args), resume_streams=args.resume_streams)
 
 
 def _prefill_queue(args: argparse.Namespace) -> str | None:

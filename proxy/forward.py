@@ -34,6 +34,7 @@ from proxy.queued_flow import QueuedFlow, queue_legs
 from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used, refuse_unserved
 from proxy.sse import SSEDecoder
 from proxy.explain import explained, stream_error_status
+from proxy.stream_moves import MoveMetrics, StreamMover, resumable, with_token_ids
 from proxy.streams import END, relayed
 from proxy.timing import REQUEST_ID_HEADER, AnswerTimer, leg_answered, leg_sent
 from proxy.upstream import Upstream
@@ -51,7 +52,8 @@ class Forwarder:
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
                  colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
-                 timeline: Timeline | None = None, prefill_queue: PrefillQueue | None = None) -> None:
+                 timeline: Timeline | None = None, prefill_queue: PrefillQueue | None = None,
+                 resume_streams: bool = False) -> None:
         self._pool = pool
         self.timeline = timeline if timeline is not None else Timeline("proxy", registry=metrics.registry)
         self._clients = clients
@@ -66,6 +68,7 @@ class Forwarder:
         self._closing = False
         self._queued = None if prefill_queue is None else QueuedFlow(
             prefill_queue, self._start_decode, self._abandoner.abandon, strategy == "prefill_first")
+        self._moves = MoveMetrics(metrics.registry) if resume_streams else None  # proxy/stream_moves.py
 
     def end_legs(self, worker: WorkerRecord, why: str) -> None:
         """`worker` is gone (`why`): every leg in flight to it fails now with WorkerLost, as a failed leg does,
@@ -157,6 +160,8 @@ class Forwarder:
         self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
         abandon, rid = functools.partial(self._abandoner.abandon, prefill, uid), uid
+        mover = self._mover(request, uid, seed, prefill, decode) if flow is not None else None
+        request = request if mover is None else with_token_ids(request)
         try:
             if flow is None:  # decode_first: decode asks prefill for the KV itself and answers whole
                 return await self._single(decode, request, decode_first_body(request, uid, seed, prefill), uid, took)
@@ -168,7 +173,7 @@ class Forwarder:
                 legs = LegCalls(self._call, functools.partial(self._start_decode, took=took))
                 first, leg = await flow(legs, request, prefill, decode, uid, seed)
             token_used = prefill.kv_protocol == "nixl" or prefill_token_used(prefill, seed)
-            answer = await self._assembler.answer(request, uid, first, leg, started, abandon, token_used)
+            answer = await self._assembler.answer(request, uid, first, leg, started, abandon, token_used, mover)
         except BaseException as exc:
             self.timeline.fail(uid, str(exc) or type(exc).__name__)
             if flow is not None:
@@ -177,6 +182,18 @@ class Forwarder:
         if isinstance(answer, StreamAnswer):
             return StreamAnswer(self._abandoner.unless_read(answer.events, prefill, rid))
         return answer
+
+    def _mover(self, request: ClientRequest, uid: str, seed: int | None, prefill: WorkerRecord,
+               decode: WorkerRecord) -> StreamMover | None:
+        """With --resume-streams, what moves a streamed answer whose decode leg is lost (proxy/stream_moves.py)."""
+        if self._moves is None or not resumable(request, prefill) or not resumable(request, decode):
+            return None
+
+        def open_leg(worker: WorkerRecord, body: dict[str, Any], headers: dict[str, str]) -> DecodeLeg:
+            queue, task = self._open_stream(worker, request.endpoint.path, body, headers)
+            return DecodeLeg(worker, task, queue)
+        return StreamMover(request, uid, seed, open_leg, functools.partial(self._pool.next, "decode"),
+                           lambda worker, why: self._pool.mark(worker.key, healthy=False, why=why), self._moves)
 
     def _start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],
                       headers: dict[str, str], took: Took | None = None) -> DecodeLeg:

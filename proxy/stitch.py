@@ -108,6 +108,7 @@ class StreamStitcher:
         self._tokens = 1 if prefill_token else 0
         self._decode_usage: dict[str, Any] | None = None
         self._usage_chunk: dict[str, Any] | None = None
+        self.moves = 0                          # times the answer moved to another decode worker
 
     def first(self) -> list[bytes]:
         """Prefill's token as the first chunk; the whole stream if that token ended it."""
@@ -170,7 +171,14 @@ class StreamStitcher:
             usage = {"prompt_tokens": prompt, "completion_tokens": self._tokens,
                      "total_tokens": prompt + self._tokens}
         ours = {"id": self._head["id"], "created": self._head["created"]}
+        if self.moves:  # says the stream moved (proxy/stream_moves.py)
+            usage = {**usage, "stream_moves": self.moves}
         return self._closing({**self._head, "choices": [], **(self._usage_chunk or {}), **ours, "usage": usage})
+
+    def resumed(self) -> None:
+        """Decode's stream goes on on another worker, which does not repeat prefill's token."""
+        self._seam_open = False
+        self.moves += 1
 
     @property
     def finished(self) -> bool:

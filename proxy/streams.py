@@ -11,6 +11,7 @@ from proxy.errors import ProxyError, to_http
 from proxy.flows import DecodeLeg
 from proxy.sse import encode_raw
 from proxy.stitch import StreamStitcher
+from proxy.stream_moves import StreamMover
 from proxy.timing import AnswerTimer
 from proxy.workers import WorkerRecord
 
@@ -19,10 +20,11 @@ END = object()  # marks the normal end of a streamed leg in its queue
 
 async def stitched(stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg | None, timer: AnswerTimer,
                    first_token: Callable[[WorkerRecord, bool], None],
-                   abandon: Callable[[], None]) -> AsyncGenerator[bytes, None]:
+                   abandon: Callable[[], None], mover: StreamMover | None = None) -> AsyncGenerator[bytes, None]:
     """Prefill's events (`first`), then decode's through `stitcher`; `first_token(decode, matched)` is told
     whether decode's copy of the first token equals prefill's, as soon as it is known; `abandon()` when the
-    answer fails after it began (a failed decode leg may never have released prefill's KV)."""
+    answer fails after it began (a failed decode leg may never have released prefill's KV). With a `mover`, a
+    lost decode leg is replaced by one on another worker that goes on from the tokens so far."""
     error: str | None = None
     try:
         if stitcher.prefill_token:
@@ -33,8 +35,17 @@ async def stitched(stitcher: StreamStitcher, first: list[bytes], leg: DecodeLeg 
             return  # prefill's token ended the answer
         checked = False
         while (item := await leg.queue.get()) is not END:
+            if mover is not None and (why := mover.why_lost(item)) is not None:
+                if stitcher.finished:
+                    break  # lost after its last token: nothing to move
+                leg = mover.move(leg, why, stitcher, item if isinstance(item, BaseException) else None)
+                if mover.moves == 1:
+                    abandon()  # a lost leg may not have pulled or released prefill's KV; the new one recomputes it
+                continue
             if isinstance(item, BaseException):
                 raise item
+            if mover is not None and (item := mover.observe(item)) is None:
+                continue
             events = stitcher.feed(item)
             if events:
                 timer.tick()

@@ -4,6 +4,7 @@
     ├── InvalidRequestError   bad prompt or sampling params, duplicate id, can never fit
     ├── QueueFullError        the bounded waiting queue is full; retry later
     ├── DrainingError         the worker is draining: it takes no new request; another worker will
+    │   └── StreamHandedBack  it ended a running stream early, for the proxy to resume on another worker
     ├── ModelLoadError        the model directory is missing, malformed or unsupported
     └── KVTransferError       disaggregated serving: the prompt's KV could not be moved
         └── RemotePrefillError    decode_first: the prefill leg this decode worker sent failed (502, or 503
@@ -25,6 +26,10 @@ class QueueFullError(WorkerError):
 
 
 class DrainingError(WorkerError):
+    pass
+
+
+class StreamHandedBack(DrainingError):
     pass
 
 

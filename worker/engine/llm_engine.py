@@ -5,7 +5,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from worker.engine.kv_connector import KVConnector
 from worker.engine.prefill_side import PrefillSide
 from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
+from worker.engine.resumed import check_resumed, take_resumed
 from worker.engine.roles import EngineParts, EngineRole
 from worker.engine.step_counters import StepCounters
 from worker.errors import InvalidRequestError, QueueFullError, invalid
@@ -108,14 +109,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     leg: LegParams | None = None,
-                    mm: list[tuple[int, ImageEmbeds]] | None = None) -> None:
+                    mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Sequence[int] = ()) -> None:
         """Queues a request; raises InvalidRequestError or QueueFullError instead of queueing it.
 
         `leg` (the parsed `kv_transfer_params`: role "prefill" or "decode") makes it one leg of a
         disaggregated request; a worker of role "both" ignores it. `mm` gives prompt
-        positions start .. start + n - 1 the n rows of an image's embeddings as their input.
+        positions start .. start + n - 1 the n rows of an image's embeddings as their input. `resumed`:
+        the outputs of an answer another worker began (worker/engine/resumed.py).
         """
         self._validate(request_id, prompt_token_ids, params)
+        check_resumed(resumed, params.max_tokens, self.model_config.vocab_size, leg is not None)
         spans = check_spans(mm or [], len(prompt_token_ids), self.model_config.hidden_size, self.kv_layout.torch_dtype)
         role_leg = self.role.leg(request_id, leg)
         if role_leg.pull_target is not None and params.prompt_logprobs is not None:
@@ -133,6 +136,7 @@ class LLMEngine:
             mm=tuple(mm or ()), mm_spans=spans, prompt_logprobs=[None] if wants_prompt_logprobs else None,
             grammar=self._grammars.matcher(params.grammar, "response_format") if params.grammar else None,
         )
+        take_resumed(request, resumed, self.model_config.vocab_size)
         try:
             self.scheduler.add(request)
         except WillNeverFit as exc:

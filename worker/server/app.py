@@ -301,8 +301,9 @@ class _Worker:
                     seeded = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
                     request_id = f"{g.request_id}-{index}" if many else g.request_id
                     stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded,
-                                                              req.leg, prompt.spans or None)
+                                                              req.leg, prompt.spans or None, req.resume_from)
                     choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)
+                    choice.resumes(req.resume_from)
                     parts.append(Part(choice, stream, self.metrics.timer(len(prompt.token_ids)), i,
                                       len(prompt.token_ids)))
         except BaseException:
@@ -355,8 +356,9 @@ class _Worker:
             return body
 
         async with self._disconnect_counted():
-            async for event in events(shape, parts, req.include_usage, req.continuous_usage, failed):
-                yield event
+            with self.drain.tracking([part.stream for part in parts]):
+                async for event in events(shape, parts, req.include_usage, req.continuous_usage, failed):
+                    yield event
         self._count(outcome[0] if outcome else parts[-1].choice.finish_reason or "none")
 
 

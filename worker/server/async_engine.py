@@ -34,6 +34,7 @@ class _Add:
     admitted: asyncio.Future[None]
     leg: LegParams | None = None
     mm: list[tuple[int, ImageEmbeds]] | None = None
+    resumed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,11 @@ class RequestStream:
         self._done = True
         self._abort.detach()
 
+    def hand_back(self, error: BaseException) -> None:
+        """Aborts the request; the outputs already queued are read first, then `error` is raised."""
+        self._sink.queue.put_nowait(error)
+        self._abort()
+
     def abort(self) -> None:
         """Aborts the request unless it already ended; idempotent."""
         self._done = True
@@ -196,7 +202,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        leg: LegParams | None = None,
-                       mm: list[tuple[int, ImageEmbeds]] | None = None) -> RequestStream:
+                       mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: tuple[int, ...] = ()) -> RequestStream:
         """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here.
 
         A request that fails later (e.g. its KV transfer) raises its error from the stream.
@@ -206,7 +212,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         admitted: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, leg, mm))
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, leg, mm, resumed))
         try:
             await self._admission(admitted)
         except asyncio.CancelledError:
@@ -336,7 +342,7 @@ class AsyncEngine:
         error: BaseException | None = None
         try:
             engine.add_request(command.request_id, command.prompt_ids, command.params,
-                               command.leg, command.mm)
+                               command.leg, command.mm, command.resumed)
             self._sinks[command.request_id] = command.sink
             self.stats = engine.stats()  # before the caller hears of it: a drain must see it in flight
         except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller

@@ -30,6 +30,7 @@ class ChoiceSpec:
     hide_output: bool = False
     num_logprobs: int | None = None     # per output token; None: no logprobs
     tokens_as_ids: bool = False         # logprobs name tokens "token_id:<id>"
+    token_ids: bool = False             # each body carries its new token ids
 
 
 def choice_spec(req: GenerateRequest, index: int, prompt_ids: list[int], prompt_index: int,
@@ -42,7 +43,8 @@ def choice_spec(req: GenerateRequest, index: int, prompt_ids: list[int], prompt_
     elif req.echo and req.messages[-1]["role"] == "assistant":
         echo_text = req.messages[-1]["content"]
     return ChoiceSpec(index, req.kind, prompt_ids, echo_text, echo_prompt_logprobs=req.echo,
-                      hide_output=req.hide_output, num_logprobs=req.num_logprobs, tokens_as_ids=req.tokens_as_ids)
+                      hide_output=req.hide_output, num_logprobs=req.num_logprobs, tokens_as_ids=req.tokens_as_ids,
+                      token_ids=req.token_ids)
 
 
 @dataclass
@@ -79,7 +81,13 @@ class Choice:
         if out.finished:
             self.finish_reason = out.finish_reason
         return ChoiceBody(spec.index, text, self._logprobs(items), out.finish_reason if out.finished else None,
-                          out.stop_reason if out.finished else None, prompt_token_ids=prompt_ids)
+                          out.stop_reason if out.finished else None, prompt_token_ids=prompt_ids,
+                          token_ids=list(out.new_token_ids) if spec.token_ids else None)
+
+    def resumes(self, resumed: tuple[int, ...]) -> None:
+        """The answer began on another worker with `resumed`: they count as this choice's tokens."""
+        self.num_tokens = len(resumed)
+        self._output_ids.extend(resumed)
 
     def _logprobs(self, items: list[Position]) -> dict[str, Any] | None:
         k = self.spec.num_logprobs
@@ -103,5 +111,6 @@ def merged(bodies: list[ChoiceBody], prompt_logprobs_body: list[Any] | None = No
     logprobs = None
     if last.logprobs is not None:
         logprobs = {key: [v for b in bodies if b.logprobs for v in b.logprobs[key]] for key in last.logprobs}
+    token_ids = None if last.token_ids is None else [t for b in bodies for t in b.token_ids or ()]
     return ChoiceBody(last.index, "".join(b.text for b in bodies), logprobs, last.finish_reason, last.stop_reason,
-                      prompt_logprobs=prompt_logprobs_body)
+                      prompt_logprobs=prompt_logprobs_body, token_ids=token_ids)

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "new requests (503), finishes those running and, on prefill, serves the KV not yet "
                              "pulled; then it exits, ending what is left with an error "
                              f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    server.add_argument("--drain-hands-back-streams", action="store_true",
+                        help="a drain ends each running stream after its tokens so far, for the proxy (with "
+                             "--resume-streams) to go on with on another worker, instead of finishing it here")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     engine.add_argument("--served-model-name", default=None,
@@ -210,6 +213,9 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
                      registrar=Registrar(lambda engine: worker_record(args, engine), args.etcd, args.etcd_ttl),
                      make_engine=lambda role, model: engine_factory(args, engine_config, role, model))
     worker = app.extensions["neuron_di_worker"]
+    if args.drain_hands_back_streams:
+        from worker.server.hand_back import HandBack
+        worker.drain.hand_back = HandBack()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain.signal)

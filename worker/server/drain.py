@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from worker.errors import DrainingError
 
 if TYPE_CHECKING:  # the command line reads DEFAULT_TIMEOUT_S before torch is imported
-    from worker.server.async_engine import AsyncEngine
+    from worker.server.async_engine import AsyncEngine, RequestStream
+    from worker.server.hand_back import HandBack
 
 logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
@@ -39,6 +40,7 @@ class Drain:
         self.done = asyncio.Event()
         self._admitting = 0  # requests between the draining check and their admission by the engine
         self._task: asyncio.Task[None] | None = None
+        self.hand_back: HandBack | None = None  # set: running streams are handed back, not finished here
 
     def start(self) -> None:
         if self.started:
@@ -71,6 +73,10 @@ class Drain:
         finally:
             self._admitting -= 1
 
+    def tracking(self, streams: Sequence[RequestStream]) -> contextlib.AbstractContextManager[None]:
+        """Wraps a response streaming `streams`, which a drain then hands back (worker/server/hand_back.py)."""
+        return contextlib.nullcontext() if self.hand_back is None else self.hand_back.tracking(streams)
+
     def idle(self) -> bool:
         """Nothing left to finish: no request on its way in, none in the engine, no KV waiting for a pull."""
         stats = self.engine.stats
@@ -84,6 +90,8 @@ class Drain:
         next_report = time.monotonic()
         while (not self.idle() and self.engine.is_alive() and not self.done.is_set()
                and time.monotonic() < deadline):
+            if (self.started or self.refusing) and self.hand_back is not None:
+                self.hand_back.hand_back()
             if report and time.monotonic() >= next_report:
                 next_report += PROGRESS_S
                 logger.info("draining: waiting for %s (%.0f s left)", self._waiting_for(), deadline - time.monotonic())

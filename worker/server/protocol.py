@@ -12,9 +12,10 @@ from werkzeug.exceptions import HTTPException
 
 from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, HandoffError, LegParams, parse_leg
 from common.openai_wire import WORKER_DRAINING, error_body, load_object
+from common.stream_resume import HANDED_BACK, RESUME_FROM, TOKEN_IDS, resume_from, wants_token_ids
 from common.unserved import first_unserved
 from worker.errors import (DrainingError, InvalidRequestError, KVTransferError, QueueFullError, RemotePrefillError,
-                           invalid)
+                           StreamHandedBack, invalid)
 from worker.multimodal.prompt import IMAGE_MARKER, MEDIA_PART_TYPES, MediaPart
 from worker.sampling_params import SamplingParams
 from worker.server.responses import Kind
@@ -44,6 +45,8 @@ class GenerateRequest:
     continuous_usage: bool = False
     # Disaggregation: the leg this request is (kv_transfer_params), None for a whole request.
     leg: LegParams | None = None
+    token_ids: bool = False               # each choice carries its token ids (common/stream_resume.py)
+    resume_from: tuple[int, ...] = ()     # the outputs of an answer another worker began
 
     @property
     def hide_output(self) -> bool:
@@ -99,7 +102,10 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
         media=media, max_tokens=max_tokens, sampling=sampling, n=n, echo=echo,
         tokens_as_ids=bool(_opt(body, "return_tokens_as_token_ids", bool)), structured=structured, stream=stream,
         include_usage=stream and bool(include_usage), continuous_usage=stream and bool(continuous),
+        **_resume_fields(body),
     )
+    if request.resume_from and (n > 1 or len(request.prompts) > 1 or echo):
+        raise invalid("a resumed answer is one choice of one prompt, without echo", RESUME_FROM)
     if (params := _opt(body, KV_TRANSFER_PARAMS, dict)) is None:
         return request
     if n > 1 or len(request.prompts) > 1:
@@ -109,6 +115,13 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
         return dataclasses.replace(request, leg=parse_leg(params))
     except HandoffError as exc:
         raise invalid(str(exc), KV_TRANSFER_PARAMS) from exc
+
+
+def _resume_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        return {"token_ids": wants_token_ids(body), "resume_from": resume_from(body)}
+    except ValueError as exc:
+        raise invalid(str(exc), RESUME_FROM if RESUME_FROM in str(exc) else TOKEN_IDS) from exc
 
 
 def _max_tokens(kind: Kind, body: Mapping[str, Any], echo: bool) -> int | None:
@@ -243,7 +256,7 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
     elif isinstance(exc, QueueFullError):
         status, err_type = 503, "server_overloaded"
     elif isinstance(exc, DrainingError):
-        status, err_type = 503, WORKER_DRAINING
+        status, err_type = 503, HANDED_BACK if isinstance(exc, StreamHandedBack) else WORKER_DRAINING
         headers["Retry-After"] = RETRY_AFTER
     elif isinstance(exc, KVTransferError):  # its message names the prefill peer and what went wrong
         failed = 502 if isinstance(exc, RemotePrefillError) else 500  # the prefill worker failed, not this one

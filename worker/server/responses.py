@@ -26,6 +26,7 @@ class ChoiceBody:
     stop_reason: int | str | None = None
     prompt_logprobs: list[Any] | None = None   # completions, whole answers: vLLM's per-choice field
     prompt_token_ids: list[int] | None = None  # completions, the stream chunk that echoes the prompt
+    token_ids: list[int] | None = None         # when asked for (common/stream_resume.py)
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, details: bool = True) -> dict[str, Any]:
@@ -83,9 +84,9 @@ class ResponseShape:
         if self.kind == "chat":
             return {"index": c.index, "message": {"role": "assistant", "content": c.text, **_CHAT_MESSAGE_EXTRAS},
                     "logprobs": c.logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "token_ids": None, "routed_experts": None}
+                    "token_ids": c.token_ids, "routed_experts": None}
         return {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, "token_ids": None, "prompt_logprobs": c.prompt_logprobs,
+                "stop_reason": c.stop_reason, "token_ids": c.token_ids, "prompt_logprobs": c.prompt_logprobs,
                 "prompt_token_ids": None, "routed_experts": None}
 
     def role_chunk(self, index: int) -> dict[str, Any]:
@@ -101,10 +102,10 @@ class ResponseShape:
                                       "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            choice["token_ids"] = None
+            choice["token_ids"] = c.token_ids
         else:
             choice = {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_token_ids, "token_ids": None}
+                      "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids}
         return self._envelope(self.chunk_object, [choice])
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,39 @@
+"""A request that resumes an answer another worker began: its first outputs are given, not sampled.
+
+The given tokens become the request's outputs as if this engine had sampled them, so that what it
+samples next is what one uninterrupted run would sample: their KV is computed with the prompt's (as
+for a preempted request), the generator draws once per token (a seeded request's draws depend only on
+the seed and the number of tokens before, see `skip_sample`), the detokenizer and the grammar move past
+them, and max_tokens, min_tokens, penalties and usage count them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from common.stream_resume import RESUME_FROM
+from worker.engine.request import Request
+from worker.errors import invalid
+from worker.model.sampler import skip_sample
+
+
+def take_resumed(request: Request, resumed: Sequence[int], vocab_size: int) -> None:
+    """Makes `resumed` the outputs of `request`, which has none yet; what they showed was handed out already."""
+    assert request.num_output_tokens == 0
+    for token_id in resumed:
+        request.token_ids.append(token_id)
+        skip_sample(vocab_size, request.params, request.generator)
+        request.advance(token_id)
+        request.detokenizer.step(request.output_token_ids, False)
+
+
+def check_resumed(resumed: Sequence[int], max_tokens: int, vocab_size: int, is_leg: bool) -> None:
+    """InvalidRequestError unless `resumed` fits: fewer than max_tokens ids of the vocabulary, on a whole request."""
+    if not resumed:
+        return
+    if is_leg:
+        raise invalid("a resumed answer is a whole request, not a disaggregated leg", RESUME_FROM)
+    if len(resumed) >= max_tokens:
+        raise invalid(f"{len(resumed)} resumed tokens leave nothing of max_tokens {max_tokens} to generate",
+                      RESUME_FROM)
+    if not all(0 <= t < vocab_size for t in resumed):
+        raise invalid(f"resumed token ids must be in [0, {vocab_size})", RESUME_FROM)
