@@ -104,31 +104,36 @@ def test_a_killed_prefill_worker_fails_the_decode_pulls_from_it(decode: WorkerPr
 
 def test_a_prefill_worker_restarted_at_its_address_mid_load_gives_no_wrong_answer_and_holds_no_block(
         decode: WorkerProcess) -> None:
-    victim = WorkerProcess("prefill", "tcp", ["--engine-id", "prefill-kept"])   # the same id in both lives
-    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(victim.port), "--prefill-kv-port",
-                         str(victim.kv_port), "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
+    prefill = [WorkerProcess("prefill", "tcp", ["--engine-id", "prefill-kept"])]   # the same id in both lives
+    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill[0].port), "--prefill-kv-port",
+                         str(prefill[0].kv_port), "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
                          "--health-interval", "0.5"])
-    requests = 24
-    load = Load(proxy.url, prompts(requests, seed=31, input_len=(20, 300), output_len=(8, 40)),
-                LoadSize(requests=requests, concurrency=4, deadline_s=120.0))
+    requests, size = 24, LoadSize(requests=24, concurrency=4, deadline_s=120.0)
+    load = Load(proxy.url, prompts(requests, seed=31, input_len=(20, 300), output_len=(8, 40)), size)
+    after = Load(proxy.url, prompts(requests, seed=32, input_len=(20, 300), output_len=(8, 40)), size)
     try:
         async def run() -> None:
             running = asyncio.ensure_future(load.run())
             await load.wait_done(requests // 4, timeout_s=120)
-            victim.proc.kill()
-            nonlocal victim
-            victim = await asyncio.to_thread(victim.restarted)
+            prefill[0].proc.kill()
+            prefill[0] = await asyncio.to_thread(prefill[0].restarted)
             await running
+            await asyncio.to_thread(wait_until, lambda: httpx.get(f"{proxy.url}/ready", timeout=5).status_code == 200,
+                                    timeout=30, what="the proxy seeing the restarted prefill worker")
+            await after.run()
 
         with Reference() as reference:
             asyncio.run(run())
-            tally = Tally()
+            tally, again = Tally(), Tally()
             asyncio.run(tally.add_load(load, reference))
-        print(f"restarted prefill: {tally.ok} of {requests} answered whole, {tally.clear_error} clear errors")
+            asyncio.run(again.add_load(after, reference))
+        print(f"restarted prefill: {tally.ok} of {requests} answered whole, {tally.clear_error} clear errors; "
+              f"after it: {again.ok} of {requests}")
         assert tally.hung == tally.wrong == tally.unclear == 0, (tally.problems, tally.errors)
+        assert again.ok == requests, (again.problems, again.errors)
         ended = time.monotonic()
-        for worker in (victim, decode):
+        for worker in (prefill[0], decode):
             _freed(worker, ended, f"after the restart, {worker.role} blocks free")
     finally:
         proxy.process.stop()
-        victim.stop()
+        prefill[0].stop()
