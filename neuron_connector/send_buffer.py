@@ -130,6 +130,8 @@ class SendBuffer:
             parked, _ = self._parked.take(lambda rid: True, time.monotonic())
         self._release_due()
         if self._router is not None:   # held lookups end now, not at their peer's deadline
+            if parked:
+                log.info("closing: answered %d held lookup(s) of requests never published here", len(parked))
             for held in parked:
                 self._reply(held.identity, LookupReply(held.message.request_id, False, error=why).to_bytes())
             self._router.close()
