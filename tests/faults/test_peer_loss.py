@@ -8,7 +8,7 @@ it abandoned, so only the workers' own detection frees anything), and one restar
 - a prefill worker killed -9: its decode peer fails the pulls from it at once and frees their blocks,
   not at the pull deadline plus its grace (35 s);
 - a prefill worker restarted at its address with its --engine-id under load: no answer differs from
-  one `both` worker's, and no block stays held.
+  one `both` worker's, and no block stays held (slow).
 
 Each wait polls with a deadline far below those timeouts; the measured seconds are printed (-s).
 """
@@ -43,6 +43,16 @@ def decode() -> Iterator[WorkerProcess]:
         worker.stop()
 
 
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[list[WorkerProcess]]:
+    """The module's prefill worker, in a list: the restart test replaces it (the same --engine-id in both lives)."""
+    workers = [WorkerProcess("prefill", "tcp", ["--engine-id", "prefill-kept"])]
+    try:
+        yield workers
+    finally:
+        workers[0].stop()
+
+
 def _one_request(prefill: WorkerProcess, decode: WorkerProcess) -> None:
     """One request through both workers: the decode worker's session on the prefill worker is up."""
     async def run() -> tuple[httpx.Response, httpx.Response]:
@@ -59,25 +69,24 @@ def _freed(worker: WorkerProcess, since: float, what: str) -> float:
     return took
 
 
-def test_a_killed_decode_worker_frees_the_prefill_blocks_held_for_it() -> None:
-    prefill = WorkerProcess("prefill", "tcp")
+def test_a_killed_decode_worker_frees_the_prefill_blocks_held_for_it(prefill: list[WorkerProcess]) -> None:
     victim = WorkerProcess("decode", "tcp")
     try:
-        _one_request(prefill, victim)
+        _one_request(prefill[0], victim)
         engine_id = victim.engine_id
         for _ in range(LEGS):   # prefill legs whose decode legs never come: their KV waits for the victim
             uid = uuid.uuid4().hex
             body = prefill_body(BODY, uid)
             body["kv_transfer_params"]["decode_engine_id"] = engine_id
-            reply = httpx.post(f"{prefill.url}/v1/completions", json=body, headers={"X-Request-Id": uid}, timeout=60)
+            reply = httpx.post(f"{prefill[0].url}/v1/completions", json=body, headers={"X-Request-Id": uid},
+                               timeout=60)
             assert reply.status_code == 200, reply.text
-        assert prefill.blocks_used() > 0
+        assert prefill[0].blocks_used() > 0
         killed = time.monotonic()
         victim.proc.kill()
-        _freed(prefill, killed, "decode killed -> the prefill's blocks held for it free")
+        _freed(prefill[0], killed, "decode killed -> the prefill's blocks held for it free")
     finally:
         victim.stop()
-        prefill.stop()
 
 
 def test_a_killed_prefill_worker_fails_the_decode_pulls_from_it(decode: WorkerProcess) -> None:
@@ -102,9 +111,11 @@ def test_a_killed_prefill_worker_fails_the_decode_pulls_from_it(decode: WorkerPr
         victim.stop()
 
 
+# Slow (a proxy, a reference worker and a restart: ~40 s here); by default tests/di/test_restart.py restarts a
+# prefill worker and tests/neuron_connector/test_two_processes.py fails the old process's pulls at its loss.
+@pytest.mark.slow
 def test_a_prefill_worker_restarted_at_its_address_mid_load_gives_no_wrong_answer_and_holds_no_block(
-        decode: WorkerProcess) -> None:
-    prefill = [WorkerProcess("prefill", "tcp", ["--engine-id", "prefill-kept"])]   # the same id in both lives
+        prefill: list[WorkerProcess], decode: WorkerProcess) -> None:
     proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill[0].port), "--prefill-kv-port",
                          str(prefill[0].kv_port), "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
                          "--health-interval", "0.5"])
@@ -136,4 +147,3 @@ def test_a_prefill_worker_restarted_at_its_address_mid_load_gives_no_wrong_answe
             _freed(worker, ended, f"after the restart, {worker.role} blocks free")
     finally:
         proxy.process.stop()
-        prefill[0].stop()
