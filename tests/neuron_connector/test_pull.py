@@ -349,3 +349,15 @@ def test_a_pull_naming_a_restarted_prefill_handshakes_again(shm_pair: Pair) -> N
     finally:
         restarted.close()
         engine.close()
+
+
+def test_pulls_waiting_on_a_prefill_that_closes_end_then_not_at_their_deadline(shm_pair: Pair) -> None:
+    """A prefill worker exits (its drain over) holding lookups of requests it never published (their
+    prefill legs, refused by its drain, went to another worker): the pulls end now, cancelled or not."""
+    for rid, block in (("waiting", 1), ("cancelled", 2)):
+        _pull(shm_pair, rid, [block], deadline_s=60)
+    wait_until(lambda: shm_pair.send.stats.not_ready >= 2, timeout=10, what="both lookups held")
+    freed_at_once = shm_pair.recv.cancel("cancelled")   # False while its lookup is outstanding
+    shm_pair.send.close()
+    for rid in ("waiting",) if freed_at_once else ("waiting", "cancelled"):
+        assert wait_terminal(shm_pair.recv, rid, timeout=5).state is PullState.FAILED
