@@ -178,13 +178,14 @@ class PullTracker:
                 self._end(pull, PullStatus(PullState.FAILED, error=error))
         self._releases = [(p, rid) for p, rid in self._releases if p != peer]
 
-    def peer_lost(self, peer: str) -> None:
-        """The connection to the peer was lost: its pulls fail now."""
-        for pull in self._pulls.values():
-            if pull.peer == peer and pull.result is PENDING:
-                self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
-                    f"pull of {pull.request_id!r}: the connection to prefill peer {peer} was lost "
-                    "(its process ended or its host went silent)")))
+    def peer_lost(self, peer: str) -> int:
+        """The connection to the peer was lost: its pulls fail now; how many did."""
+        lost = [pull for pull in self._pulls.values() if pull.peer == peer and pull.result is PENDING]
+        for pull in lost:
+            self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
+                f"pull of {pull.request_id!r}: the connection to prefill peer {peer} was lost "
+                "(its process ended or its host went silent)")))
+        return len(lost)
 
     def expire(self, now: float, ready_peers: set[str]) -> None:
         for pull in self._pulls.values():

@@ -45,7 +45,8 @@ def decode() -> Iterator[WorkerProcess]:
 
 @pytest.fixture(scope="module")
 def prefill() -> Iterator[list[WorkerProcess]]:
-    """The module's prefill worker, in a list: the restart test replaces it (the same --engine-id in both lives)."""
+    """The module's prefill worker, in a list: the restart test replaces it (the same --engine-id in both
+    lives), the last test kills it."""
     workers = [WorkerProcess("prefill", "tcp", ["--engine-id", "prefill-kept"])]
     try:
         yield workers
@@ -67,48 +68,6 @@ def _freed(worker: WorkerProcess, since: float, what: str) -> float:
     took = time.monotonic() - since
     print(f"{what}: {took:.2f} s")
     return took
-
-
-def test_a_killed_decode_worker_frees_the_prefill_blocks_held_for_it(prefill: list[WorkerProcess]) -> None:
-    victim = WorkerProcess("decode", "tcp")
-    try:
-        _one_request(prefill[0], victim)
-        engine_id = victim.engine_id
-        for _ in range(LEGS):   # prefill legs whose decode legs never come: their KV waits for the victim
-            uid = uuid.uuid4().hex
-            body = prefill_body(BODY, uid)
-            body["kv_transfer_params"]["decode_engine_id"] = engine_id
-            reply = httpx.post(f"{prefill[0].url}/v1/completions", json=body, headers={"X-Request-Id": uid},
-                               timeout=60)
-            assert reply.status_code == 200, reply.text
-        assert prefill[0].blocks_used() > 0
-        killed = time.monotonic()
-        victim.proc.kill()
-        _freed(prefill[0], killed, "decode killed -> the prefill's blocks held for it free")
-    finally:
-        victim.stop()
-
-
-def test_a_killed_prefill_worker_fails_the_decode_pulls_from_it(decode: WorkerProcess) -> None:
-    victim = WorkerProcess("prefill", "tcp")
-    try:
-        _one_request(victim, decode)
-
-        async def run() -> list[httpx.Response]:
-            async with httpx.AsyncClient(timeout=60.0) as client:
-                # Decode legs whose prefill legs never come: their pulls wait on the victim.
-                legs = [asyncio.ensure_future(client.post(
-                    f"{decode.url}/v1/completions", json=decode_body(BODY, uid, victim), headers={"X-Request-Id": uid}))
-                    for uid in (uuid.uuid4().hex for _ in range(LEGS))]
-                await asyncio.to_thread(wait_until, lambda: decode.blocks_used() > 0, timeout=30, interval=0.05)
-                killed = time.monotonic()
-                victim.proc.kill()
-                await asyncio.to_thread(_freed, decode, killed, "prefill killed -> the decode's pulls fail and free")
-                return list(await asyncio.gather(*legs))
-        for reply in asyncio.run(run()):
-            assert reply.status_code >= 500 and "was lost" in reply.text, reply.text
-    finally:
-        victim.stop()
 
 
 # Slow (a proxy, a reference worker and a restart: ~40 s here); by default tests/di/test_restart.py restarts a
@@ -147,3 +106,46 @@ def test_a_prefill_worker_restarted_at_its_address_mid_load_gives_no_wrong_answe
             _freed(worker, ended, f"after the restart, {worker.role} blocks free")
     finally:
         proxy.process.stop()
+
+
+def test_a_killed_decode_worker_frees_the_prefill_blocks_held_for_it(prefill: list[WorkerProcess]) -> None:
+    victim = WorkerProcess("decode", "tcp")
+    try:
+        _one_request(prefill[0], victim)
+        engine_id = victim.engine_id
+        for _ in range(LEGS):   # prefill legs whose decode legs never come: their KV waits for the victim
+            uid = uuid.uuid4().hex
+            body = prefill_body(BODY, uid)
+            body["kv_transfer_params"]["decode_engine_id"] = engine_id
+            reply = httpx.post(f"{prefill[0].url}/v1/completions", json=body, headers={"X-Request-Id": uid},
+                               timeout=60)
+            assert reply.status_code == 200, reply.text
+        assert prefill[0].blocks_used() > 0
+        killed = time.monotonic()
+        victim.proc.kill()
+        _freed(prefill[0], killed, "decode killed -> the prefill's blocks held for it free")
+    finally:
+        victim.stop()
+
+
+def test_a_killed_prefill_worker_fails_the_decode_pulls_from_it(prefill: list[WorkerProcess],
+                                                                decode: WorkerProcess) -> None:
+    victim = prefill[0]   # the module's last test: nothing needs it afterwards
+    try:
+        _one_request(victim, decode)
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60.0) as client:
+                # Decode legs whose prefill legs never come: their pulls wait on the victim.
+                legs = [asyncio.ensure_future(client.post(
+                    f"{decode.url}/v1/completions", json=decode_body(BODY, uid, victim), headers={"X-Request-Id": uid}))
+                    for uid in (uuid.uuid4().hex for _ in range(LEGS))]
+                await asyncio.to_thread(wait_until, lambda: decode.blocks_used() > 0, timeout=30, interval=0.05)
+                killed = time.monotonic()
+                victim.proc.kill()
+                await asyncio.to_thread(_freed, decode, killed, "prefill killed -> the decode's pulls fail and free")
+                return list(await asyncio.gather(*legs))
+        for reply in asyncio.run(run()):
+            assert reply.status_code >= 500 and "was lost" in reply.text, reply.text
+    finally:
+        victim.stop()
