@@ -68,10 +68,5 @@ class Pullers:
             del self._expected[rid]
         return [(rid, engine) for rid, engine in found if rid not in old]
 
-    def lost_since(self) -> float | None:
-        """When the earliest engine still lost went, if any (the owner polls more often until then)."""
-        return min(self._lost.values(), default=None)
-
     def __len__(self) -> int:
         return len(self._expected)
-
