@@ -16,7 +16,7 @@ from typing import Any, Mapping
 KV_TRANSFER_PARAMS = "kv_transfer_params"   # the request and answer field that carries the handoff
 PREFILL, DECODE = "prefill", "decode"
 
-_ROLE, _REQUEST_ID, _PULLED_ON_STOP = "role", "request_id", "pulled_on_stop"
+_ROLE, _REQUEST_ID, _PULLED_ON_STOP, _DECODE_ENGINE = "role", "request_id", "pulled_on_stop", "decode_engine_id"
 _HOST, _PORT, _ENGINE_ID, _URL = "remote_host", "remote_port", "remote_engine_id", "remote_url"
 
 
@@ -59,10 +59,13 @@ def _opt_request_id(obj: Mapping[str, Any]) -> str | None:
 @dataclass(frozen=True, slots=True)
 class PrefillParams:
     """A prefill leg: keep the prompt's KV for request `request_id`'s decode leg. `pulled_on_stop` False:
-    when the one token ends the answer, no decode leg follows, so the KV is freed at once."""
+    when the one token ends the answer, no decode leg follows, so the KV is freed at once.
+    `decode_engine_id`: the decode engine that will pull it (its KV is freed soon after that engine's
+    signal-plane session is lost)."""
 
     request_id: str | None = None
     pulled_on_stop: bool = True
+    decode_engine_id: str | None = None
 
     role = PREFILL
 
@@ -72,6 +75,8 @@ class PrefillParams:
             out[_REQUEST_ID] = self.request_id
         if not self.pulled_on_stop:
             out[_PULLED_ON_STOP] = False
+        if self.decode_engine_id is not None:
+            out[_DECODE_ENGINE] = self.decode_engine_id
         return out
 
     @classmethod
@@ -80,7 +85,7 @@ class PrefillParams:
         pulled = obj.get(_PULLED_ON_STOP, True)
         if not isinstance(pulled, bool):
             raise HandoffError(_PULLED_ON_STOP, f"must be true or false, got {pulled!r}")
-        return cls(_opt_request_id(obj), pulled)
+        return cls(_opt_request_id(obj), pulled, _opt_str(obj, _DECODE_ENGINE))
 
 
 @dataclass(frozen=True, slots=True)

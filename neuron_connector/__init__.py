@@ -35,7 +35,8 @@ from neuron_connector.errors import (
 from neuron_connector.pulls import PullState, PullStatus
 from neuron_connector.recv_buffer import RecvBuffer
 from neuron_connector.registry import Registration
-from neuron_connector.send_buffer import SendBuffer, SendStats
+from neuron_connector.send_buffer import SendBuffer
+from neuron_connector.send_stats import SendStats
 
 __all__ = [
     "DEFAULT_KV_PORT",

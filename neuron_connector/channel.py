@@ -17,6 +17,7 @@ import threading
 from typing import Callable, Union
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from neuron_connector.errors import PeerUnavailable
 
@@ -175,7 +176,8 @@ class RouterChannel:
 
 
 class DealerChannel:
-    """D's DEALER to one prefill peer; the peer's ROUTER assigns its routing id."""
+    """D's DEALER to one prefill peer; the peer's ROUTER assigns its routing id. Its monitor says when a
+    connection it had is lost (the peer's process ended: at once; its host gone: at the heartbeat timeout)."""
 
     def __init__(self, context: zmq.Context, host: str, port: int) -> None:
         self.address = f"{host}:{port}"
@@ -189,12 +191,23 @@ class DealerChannel:
         except zmq.ZMQError as exc:
             self.socket.close(linger=0)
             raise PeerUnavailable(f"cannot connect to the KV signal plane at {host}:{port}: {exc}") from exc
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def recv(self) -> bytes | None:
         try:
             return self.socket.recv(zmq.NOBLOCK)
         except zmq.Again:
             return None
+
+    def disconnected(self) -> bool:
+        """Whether a connection to the peer was lost since the last call (the monitor's events, drained)."""
+        lost = False
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return lost
+            lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
 
     def send(self, payload: bytes) -> bool:
         try:
@@ -204,6 +217,8 @@ class DealerChannel:
             return False  # queue full while the peer is away: retried on the next resend
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close(linger=0)
 
 
@@ -219,8 +234,10 @@ class Poller:
 
     def register(self, item: Pollable) -> None:
         key: object = item.fileno() if isinstance(item, Waker) else item.socket
-        self._poller.register(key, zmq.POLLIN)
-        self._by_key[key] = item
+        keys = [key, item.monitor] if isinstance(item, DealerChannel) else [key]
+        for key in keys:   # a DEALER's monitor events wake the poll as its messages do
+            self._poller.register(key, zmq.POLLIN)
+            self._by_key[key] = item
 
     def poll(self, timeout_s: float) -> list[Pollable]:
         events = self._poller.poll(max(0, int(timeout_s * 1000)))

@@ -15,6 +15,11 @@ With `checksum` set, every lookup asks the peer for that checksum of the blocks 
 the owner computes the same over our blocks when the reply comes (`on_reply`), and a pull
 whose two values differ, or whose peer sent none, fails instead of turning DONE.
 
+A peer whose connection is lost (`peer_lost`: its process ended, or its host went silent past
+the heartbeat timeout) fails every pull from it at once: whatever comes back at that address is
+another process, which never had their KV. A pull added while the peer is away waits for it
+until its deadline, as any pull does (a peer restarted at the address may be its target).
+
 A pull may name the prefill engine it expects. A peer whose handshake names another
 engine fails it; a pull that began after the handshake first asks for a new one, since the
 peer may have restarted as the engine the pull names since.
@@ -172,6 +177,15 @@ class PullTracker:
             if pull.peer == peer and pull.result is PENDING:
                 self._end(pull, PullStatus(PullState.FAILED, error=error))
         self._releases = [(p, rid) for p, rid in self._releases if p != peer]
+
+    def peer_lost(self, peer: str) -> int:
+        """The connection to the peer was lost: its pulls fail now; how many did."""
+        lost = [pull for pull in self._pulls.values() if pull.peer == peer and pull.result is PENDING]
+        for pull in lost:
+            self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
+                f"pull of {pull.request_id!r}: the connection to prefill peer {peer} was lost "
+                "(its process ended or its host went silent)")))
+        return len(lost)
 
     def expire(self, now: float, ready_peers: set[str]) -> None:
         for pull in self._pulls.values():

@@ -223,6 +223,12 @@ class RecvBuffer:
 
     def _drain(self, channel: DealerChannel) -> None:
         address = channel.address
+        if channel.disconnected():
+            with self._lock:
+                if (link := self._links.get(address)) is not None:
+                    link.reset()     # whoever answers there next is asked who it is
+                failed = self._pulls.peer_lost(address)
+            log.warning("lost the connection to prefill peer %s: %d pull(s) from it failed", address, failed)
         while (payload := channel.recv()) is not None:
             try:
                 reply = decode_reply(payload)

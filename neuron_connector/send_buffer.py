@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
@@ -16,6 +15,8 @@ from neuron_connector.protocol import (
     BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
     UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
     Probe, Release, decode_request, handshake_proof, request_fields)
+from neuron_connector.pullers import Pullers
+from neuron_connector.send_stats import Push, SendStats
 from neuron_connector.sessions import SessionTable, proof_refusal
 from transfer import CompletionToken, KVLayout, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
@@ -29,53 +30,27 @@ _BUSY_POLL_S, _IDLE_POLL_S = 0.05, 1.0
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
 
 
-@dataclass
-class SendStats:
-    """Counters of one SendBuffer (read them for metrics; approximate under load)."""
-
-    lookups: int = 0
-    not_ready: int = 0
-    transfers_ok: int = 0
-    transfers_failed: int = 0
-    released: int = 0
-    peer_releases: int = 0     # `release` messages from decode peers (refused ones included)
-    bad_messages: int = 0
-    unauthorized: int = 0      # kv_map_init without a valid proof; releases before the handshake
-    engine_id_conflicts: int = 0   # handshakes naming the engine id of another live session
-
-
-@dataclass(frozen=True, slots=True)
-class _Push:
-    """A queued transfer; `summed`: its token brings the checksum the lookup asked for."""
-
-    token: CompletionToken
-    started: float
-    num_blocks: int
-    summed: bool
-
-
 class SendBuffer:
     """The prefill worker's end of the signal plane: a ROUTER served by its own thread.
 
-    The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all`
-    then queues the push of its blocks; `on_release(request_id)` is called from this
-    buffer's thread once the blocks may be freed (pulled, failed, discarded, released by the
-    decode peer whose request is gone, or expired), and
-    `on_transfer(seconds, num_blocks)` once for every push that completed. A lookup that
-    asks for a checksum gets the one the push computed over the bytes it sent (in the copy's
-pass over shm, on the transfer thread otherwise: never on this buffer's thread).
-    A push never runs past `transfer_timeout`, nor past the time the decode peer said it
-    still waits, so a peer that gave up never has its blocks written afterwards.
+    The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all` then queues
+    the push of its blocks; `on_release(request_id)` is called from this buffer's thread once the blocks
+    may be freed (pulled, failed, discarded, released by the decode peer whose request is gone or whose
+    session is lost, or expired), and `on_transfer(seconds, num_blocks)` once for every push that
+    completed. A lookup that asks for a checksum gets the one the push computed over the bytes it sent
+    (in the copy's pass over shm, on the transfer thread otherwise: never on this buffer's thread).
+    A push never runs past `transfer_timeout`, nor past the time the decode peer said it still waits,
+    so a peer that gave up never has its blocks written afterwards.
 
-    Each decode connection is a session (`sessions.SessionTable`) bound to the engine id
-    its handshake names; with a `secret` the session is established only once the peer
-    proved it holds the secret, and this side proves it back.
+    Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake
+    names; with a `secret` the session is established only once the peer proved it holds the secret,
+    and this side proves it back. A request whose decode engine (named by `expect`, or by its first
+    lookup) lost its session is released within seconds (`pullers.Pullers`).
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
-                 transfer_timeout: float = 30.0,
-                 on_transfer: Callable[[float, int], None] | None = None,
+                 transfer_timeout: float = 30.0, on_transfer: Callable[[float, int], None] | None = None,
                  secret: bytes | None = None, timeline: Timeline | None = None) -> None:
         self._engine = transfer_engine
         self.layout = layout
@@ -87,8 +62,9 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
         self._secret = secret
-        self._sessions = SessionTable()                          # only touched by the thread
-        self._running: dict[str, _Push] = {}                     # request id -> its running push
+        self._pullers = Pullers(max_age=abort_timeout)
+        self._sessions = SessionTable(self._pullers.session_up, self._pullers.session_gone)  # only the thread's
+        self._running: dict[str, Push] = {}                     # request id -> its running push
         self._parked: ParkedLookups[LookupAll] = ParkedLookups()  # lookups of requests not published yet
         self._service = ServiceThread()
         self._context = new_context()
@@ -122,6 +98,12 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
         self.timeline.mark(request_id, PUBLISHED)
         self._service.wake()  # a held lookup of it is answered now (or, released already, its blocks freed)
 
+    def expect(self, request_id: str, decode_engine_id: str) -> None:
+        """The decode engine that will pull `request_id` (its prefill leg names it): should that engine
+        lose its session here, the request's blocks are released within seconds."""
+        with self._lock:
+            self._pullers.expect(request_id, decode_engine_id, time.monotonic())
+
     def knows(self, request_id: str) -> bool:
         """Whether `publish(request_id, ...)` would be refused as a duplicate."""
         with self._lock:
@@ -142,10 +124,16 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
         """Stops the thread and closes the socket; every block still held is released."""
         if not self._service.stop():
             return
+        why = "the prefill worker's KV signal plane closed"
         with self._lock:
-            self._table.release_all("the prefill worker's KV signal plane closed", time.monotonic())
+            self._table.release_all(why, time.monotonic())
+            parked, _ = self._parked.take(lambda rid: True, time.monotonic())
         self._release_due()
-        if self._router is not None:
+        if self._router is not None:   # held lookups end now, not at their peer's deadline
+            if parked:
+                log.info("closing: answered %d held lookup(s) of requests never published here", len(parked))
+            for held in parked:
+                self._reply(held.identity, LookupReply(held.message.request_id, False, error=why).to_bytes())
             self._router.close()
         self._context.term()
         self._service.close()
@@ -169,9 +157,26 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
                 self._drain_router()
             self._answer_parked()
             self._check_transfers()
+            self._release_orphans()
             with self._lock:
                 self._table.expire(time.monotonic())
             self._release_due()
+
+    def _alive(self, routing_id: bytes) -> bool:
+        """Probes a connection (a full queue means its peer is alive)."""
+        assert self._router is not None
+        return self._router.send(routing_id, Probe().to_bytes()) is not Delivery.PEER_GONE
+
+    def _release_orphans(self) -> None:
+        if self._pullers.probe_due(time.monotonic()):
+            self._sessions.drop_gone(self._alive)
+        with self._lock:
+            orphans = self._pullers.orphans(time.monotonic())
+            for rid, engine in orphans:
+                self._table.release(rid, engine.encode(), time.monotonic())
+        for rid, engine in orphans:
+            self.stats.orphaned += 1
+            log.warning("released request %s: decode engine %r, which was to pull it, lost its session", rid, engine)
 
     def _drain_router(self) -> None:
         assert self._router is not None
@@ -225,8 +230,7 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
     def _handshake(self, identity: bytes, message: Handshake) -> HandshakeReply | ErrorReply:
         """Opens the connection's session, unless another live session holds the engine id."""
         assert self._router is not None
-        probe = Probe().to_bytes()
-        self._sessions.drop_gone(lambda rid: self._router.send(rid, probe) is not Delivery.PEER_GONE, but=identity)
+        self._sessions.drop_gone(self._alive, but=identity)
         refusal = self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)
         if refusal is not None:
             return refusal
@@ -297,6 +301,8 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
         identity = session.engine_id.encode()     # the table knows peers by their engine id
         with self._lock:
             decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device, message.skipped_blocks)
+            if isinstance(decision, (NotReady, Start)):
+                self._pullers.looked_up(rid, session.engine_id, time.monotonic())
         if isinstance(decision, NotReady):
             self.stats.not_ready += 1
             with self._lock:
@@ -333,7 +339,7 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
         self.timeline.mark(rid, PUSH_STARTED)
-        self._running[rid] = _Push(token, started, len(start.src), checksum)
+        self._running[rid] = Push(token, started, len(start.src), checksum)
         token.add_done_callback(lambda _: self._pushed(rid))
         return None
 
@@ -381,6 +387,7 @@ pass over shm, on the transfer thread otherwise: never on this buffer's thread).
     def _release_due(self) -> None:
         with self._lock:
             released = self._table.take_releases()
+            self._pullers.forget(released)
         for rid in released:
             self.stats.released += 1
             self.timeline.mark(rid, RELEASED)

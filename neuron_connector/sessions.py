@@ -10,6 +10,7 @@ owner. The owner drops the sessions whose connection is gone, then asks `holder`
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,11 +38,15 @@ class Session:
 
 
 class SessionTable:
-    """Sessions by routing id, and the session each engine id is bound to; not thread-safe."""
+    """Sessions by routing id, and the session each engine id is bound to; not thread-safe.
+    `on_bound(engine_id)` is called when an engine id gets bound, `on_unbound(engine_id, now)` when
+    its session went and no other holds it (a decode worker of ours gone, or reconnecting)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_bound: Callable[[str], None] = lambda engine_id: None,
+                 on_unbound: Callable[[str, float], None] = lambda engine_id, now: None) -> None:
         self._sessions: dict[bytes, Session] = {}
         self._bound: dict[str, bytes] = {}
+        self._on_bound, self._on_unbound = on_bound, on_unbound
 
     def get(self, routing_id: bytes) -> Session | None:
         return self._sessions.get(routing_id)
@@ -70,22 +75,25 @@ class SessionTable:
         when `holder(session.engine_id, session.routing_id)` is None."""
         session.transfer_peer = transfer_peer
         self._bound[session.engine_id] = session.routing_id
+        self._on_bound(session.engine_id)
 
     def drop(self, routing_id: bytes) -> Session | None:
         """Forgets the connection's session (its peer is gone, or it starts anew)."""
         session = self._sessions.pop(routing_id, None)
         if session is not None and self._bound.get(session.engine_id) == routing_id:
             del self._bound[session.engine_id]
+            self._on_unbound(session.engine_id, time.monotonic())
         return session
 
     def routing_ids(self) -> list[bytes]:
         return list(self._sessions)
 
-    def drop_gone(self, alive: Callable[[bytes], bool], but: bytes) -> None:
+    def drop_gone(self, alive: Callable[[bytes], bool], but: bytes | None = None) -> None:
         """Forgets the sessions whose connection is gone (a decode worker that reconnected, restarted
         or vanished), so their engine ids are free again; `alive(routing_id)` probes one (with
         ROUTER_MANDATORY a send to a gone routing id fails at once, while a full queue means the peer
-        is alive; handshakes are rare, so probing every session then is cheap)."""
+        is alive; probing every session, at each handshake and twice a second while requests wait
+        for their puller, is cheap)."""
         for routing_id in self.routing_ids():
             if routing_id != but and not alive(routing_id):
                 self.drop(routing_id)

@@ -11,7 +11,8 @@
         │                        failed KV transfer keeps its type, and a 503 its status and Retry-After;
         │                        a draining worker's 503 is first retried once on another worker)
         ├── UpstreamTimeout      connecting to or reading from the worker timed out (504)
-        ├── UpstreamUnavailable  the worker refused the connection or dropped it mid-answer (502)
+        ├── UpstreamUnavailable  the worker refused the connection or dropped it mid-answer (502; a
+        │                        refused connection is first retried once on another worker)
         ├── WorkerLost           the worker left the pool or failed its health check mid-answer (502)
         └── UpstreamProtocol     the worker's answer is not the JSON / SSE it should be (502)
 """
@@ -98,7 +99,18 @@ class UpstreamTimeout(UpstreamError):
 
 
 class UpstreamUnavailable(UpstreamError):
-    pass
+    """`refused`: the connection itself was refused, so nothing of the leg reached the worker."""
+
+    def __init__(self, message: str, role: str = "", worker: str = "", refused: bool = False) -> None:
+        super().__init__(message, role, worker)
+        self.refused = refused
+
+
+def nothing_started(exc: BaseException) -> bool:
+    """Whether a failed leg never started on its worker (a draining worker refused it, or nothing listened
+    there any more), so that another worker of its role may take it."""
+    return ((isinstance(exc, UpstreamStatus) and exc.draining)
+            or (isinstance(exc, UpstreamUnavailable) and exc.refused))
 
 
 class UpstreamProtocol(UpstreamError):

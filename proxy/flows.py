@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillHandoff, PrefillParams, nixl_prefill_params
+from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillHandoff, nixl_prefill_params
 from proxy.errors import UpstreamProtocol
 from proxy.requests import (ClientRequest, decode_body, neuron_decode_leg, neuron_decode_params, neuron_prefill_params,
                             prefill_body, prefill_token_used)
@@ -66,7 +66,7 @@ async def concurrent(legs: LegCalls, request: ClientRequest, prefill: WorkerReco
                      uid: str, seed: int | None) -> Handoff:
     """Both legs at once; decode pulls the KV blocks when prefill has them."""
     headers = {"X-Request-Id": uid}
-    pbody = prefill_body(request, seed, neuron_prefill_params(uid), prefill_token_used(prefill, seed))
+    pbody = prefill_body(request, seed, neuron_prefill_params(uid, decode), prefill_token_used(prefill, seed))
     dbody = decode_body(request, seed, neuron_decode_params(uid, prefill))
     prefill_task = spawn(legs.call(prefill, request.endpoint.path, pbody, headers))
     leg = legs.start_decode(decode, request, dbody, headers)
@@ -83,7 +83,7 @@ async def prefill_first(legs: LegCalls, request: ClientRequest, prefill: WorkerR
     headers = {"X-Request-Id": uid}
     nixl = prefill.kv_protocol == "nixl"
     # Our prefill worker frees at once the blocks of an answer its token ended: no decode leg will pull them.
-    params = nixl_prefill_params() if nixl else PrefillParams(uid, pulled_on_stop=False).to_dict()
+    params = nixl_prefill_params() if nixl else neuron_prefill_params(uid, decode, pulled_on_stop=False)
     pbody = prefill_body(request, seed, params, nixl or prefill_token_used(prefill, seed))
     first = json_object(await legs.call(prefill, request.endpoint.path, pbody, headers), prefill)
     if prefill_finished(first):

@@ -23,7 +23,8 @@ from proxy.abandon import Abandoner
 from proxy.answers import Answer, AnswerAssembler, JSONAnswer, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
-from proxy.errors import KV_TRANSFER_ERROR, ProxyError, ShuttingDown, UpstreamError, UpstreamStatus, UpstreamUnavailable
+from proxy.errors import (KV_TRANSFER_ERROR, NoWorkers, ProxyError, ShuttingDown, UpstreamError, UpstreamStatus,
+                          UpstreamUnavailable, nothing_started)
 from proxy.flows import DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, spawn, stitched_flow
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
@@ -139,19 +140,18 @@ class Forwarder:
     async def _disaggregated(self, request: ClientRequest, received: float, decode: WorkerRecord | None = None,
                              took: Took | None = None) -> Answer:
         """`received`: when the request arrived (time.time()); `decode`: the decode worker conditional
-        disaggregation weighed the request against, if it suits. A prefill leg a draining worker refuses goes to
-        another prefill worker, with a new decode leg naming that one."""
+        disaggregation weighed the request against, if it suits. A prefill leg that never started (a draining
+        worker refused it, or its connection was refused) goes to another prefill worker, with a new decode leg
+        naming that one."""
         prefill = self._pool.next("prefill")
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
         try:
             return await self._handoff(request, received, prefill, decode, took)
-        except UpstreamStatus as exc:
-            if not exc.draining or exc.role != "prefill":
+        except (UpstreamStatus, UpstreamUnavailable) as exc:
+            if exc.role != "prefill":
                 raise
-            log.info("%s: it drains; sending the prefill leg to another worker", exc)
-            return await self._handoff(request, received, self._pool.next("prefill", prefill.kv_protocol), decode,
-                                       took)
+            return await self._handoff(request, received, self._elsewhere(prefill, exc), decode, took)
 
     async def _handoff(self, request: ClientRequest, received: float, prefill: WorkerRecord, decode: WorkerRecord,
                        took: Took | None) -> Answer:
@@ -203,18 +203,24 @@ class Forwarder:
             return DecodeLeg(worker, task, queue)
         return DecodeLeg(worker, spawn(self._call_elsewhere(worker, request.endpoint.path, body, headers, took)))
 
-    def _elsewhere(self, worker: WorkerRecord, exc: UpstreamStatus) -> WorkerRecord:
-        """The worker of the same role to send a leg to that the draining `worker` refused; `exc` if none."""
-        if not exc.draining:
+    def _elsewhere(self, worker: WorkerRecord, exc: UpstreamStatus | UpstreamUnavailable) -> WorkerRecord:
+        """The worker of the same role to send a leg to that never started on `worker` (it drains, or is gone);
+        raises `exc` if the leg did start."""
+        if not nothing_started(exc):
             raise exc
-        log.info("%s: it drains; sending the %s leg to another worker", exc, worker.role)
-        return self._pool.next(worker.role, worker.kv_protocol)  # the draining one left rotation in _leg
+        log.info("%s: sending the %s leg to another worker", exc, worker.role)
+        try:
+            return self._pool.next(worker.role, worker.kv_protocol)  # `worker` left rotation in _leg
+        except NoWorkers:
+            if isinstance(exc, UpstreamUnavailable):
+                raise exc from None   # no other worker: the refused connection says most
+            raise
 
     async def _call_elsewhere(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                               took: Took | None = None) -> bytes:
         try:
             return await self._call(worker, path, body, headers, took)
-        except UpstreamStatus as exc:
+        except (UpstreamStatus, UpstreamUnavailable) as exc:
             return await self._call(self._elsewhere(worker, exc), path, body, headers, took)
 
     async def _call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -245,7 +251,7 @@ class Forwarder:
         try:
             try:
                 await self._pump_from(worker, path, body, headers, queue, took)
-            except UpstreamStatus as exc:
+            except (UpstreamStatus, UpstreamUnavailable) as exc:
                 await self._pump_from(self._elsewhere(worker, exc), path, body, headers, queue, took)
             await queue.put(END)
         except ProxyError as exc:  # NoWorkers too, when a draining worker's leg has nowhere else to go
@@ -294,6 +300,6 @@ class Forwarder:
                     yield
             except UpstreamError as exc:
                 log.warning("%s", exc)
-                if isinstance(exc, UpstreamUnavailable) or (isinstance(exc, UpstreamStatus) and exc.draining):
+                if isinstance(exc, UpstreamUnavailable) or nothing_started(exc):
                     self._pool.mark(worker.key, healthy=False, why=str(exc))  # until a health check passes again
                 raise

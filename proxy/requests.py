@@ -216,9 +216,11 @@ def decode_body(request: ClientRequest, seed: int | None, kv_transfer_params: di
     return {**_seeded(request.body, seed), KV_TRANSFER_PARAMS: kv_transfer_params}
 
 
-def neuron_prefill_params(uid: str) -> dict[str, Any]:
-    """Our signal plane, prefill: which request the KV blocks it keeps belong to."""
-    return PrefillParams(uid).to_dict()
+def neuron_prefill_params(uid: str, decode: WorkerRecord | None = None, pulled_on_stop: bool = True) -> dict[str, Any]:
+    """Our signal plane, prefill: which request the KV blocks it keeps belong to, and (when it registered
+    one) the engine id of the decode worker that will pull them."""
+    decode_engine_id = decode.engine_id if decode is not None and decode.engine_id else None
+    return PrefillParams(uid, pulled_on_stop, decode_engine_id).to_dict()
 
 
 def neuron_decode_params(uid: str, prefill: WorkerRecord) -> dict[str, Any]:

@@ -100,7 +100,8 @@ def translated(worker: WorkerRecord, timeout_types: tuple[type[BaseException], .
     except timeout_types as exc:
         raise UpstreamTimeout(f"timed out ({type(exc).__name__})", worker.role, worker.address) from exc
     except error_types as exc:
-        raise UpstreamUnavailable(words(exc), worker.role, worker.address) from exc
+        said = words(exc)
+        raise UpstreamUnavailable(said, worker.role, worker.address, refused=said == REFUSED) from exc
 
 
 _AIOHTTP_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)

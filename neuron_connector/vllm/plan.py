@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from common.timeline import ADMITTED, FIRST_STEP
-from common.handoff import DecodeParams, LegParams
+from common.handoff import DecodeParams, LegParams, PrefillParams
 from neuron_connector.vllm.legs import blocks_to_pull, leg_params, prefill_leg_body, prompt_blocks
 from neuron_connector.vllm.orders import Mark, Publish, Pull, Release, RemotePrefill, Scheduled, StepOrders
 
@@ -55,6 +55,8 @@ class SchedulerPlan:
             self._legs[request_id] = leg
             if self.role == "prefill":   # the scheduler meets it: its prefill is scheduled from now on
                 self._mark(leg.request_id, ADMITTED)
+                if isinstance(leg, PrefillParams) and leg.request_id and leg.decode_engine_id:
+                    self._orders.expect.append((leg.request_id, leg.decode_engine_id))
         return self._legs[request_id]
 
     def matched_tokens(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int,

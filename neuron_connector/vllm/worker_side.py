@@ -152,6 +152,9 @@ class WorkerSide:
         for uid in orders.discard:
             if self.send is not None:
                 self.send.discard(uid)
+        for uid, decode_engine_id in orders.expect:
+            if self.send is not None:
+                self.send.expect(uid, decode_engine_id)
         for order in orders.prefill:
             assert self._prefill_calls is not None
             self._prefill_calls.send(order)

@@ -11,7 +11,7 @@ from neuron_connector import (
     RecvBuffer, SendBuffer, UnknownRequest)
 from neuron_connector.errors import EngineMismatch
 from tests.helpers import wait_until
-from tests.neuron_connector.conftest import Pair
+from tests.neuron_connector.conftest import Pair, running_pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
 from transfer import create_transfer_engine
 
@@ -349,3 +349,30 @@ def test_a_pull_naming_a_restarted_prefill_handshakes_again(shm_pair: Pair) -> N
     finally:
         restarted.close()
         engine.close()
+
+
+def test_pulls_waiting_on_a_prefill_that_closes_end_then_not_at_their_deadline(shm_pair: Pair) -> None:
+    """A prefill worker exits (its drain over) holding lookups of requests it never published (their
+    prefill legs, refused by its drain, went to another worker): the pulls end now, cancelled or not."""
+    for rid, block in (("waiting", 1), ("cancelled", 2)):
+        _pull(shm_pair, rid, [block], deadline_s=60)
+    wait_until(lambda: shm_pair.send.stats.not_ready >= 2, timeout=10, what="both lookups held")
+    freed_at_once = shm_pair.recv.cancel("cancelled")   # False while its lookup is outstanding
+    shm_pair.send.close()
+    for rid in ("waiting",) if freed_at_once else ("waiting", "cancelled"):
+        assert wait_terminal(shm_pair.recv, rid, timeout=5).state is PullState.FAILED
+
+
+def test_requests_of_a_decode_engine_whose_session_went_are_released_within_seconds() -> None:
+    with running_pair("shm") as pair:     # abort timeout 60 s: nothing here is freed by it
+        _pull(pair, "asked", [1], deadline_s=60)              # its lookup names decode-0 as its puller
+        wait_until(lambda: pair.send.stats.not_ready >= 1, timeout=10, what="a lookup held")
+        pair.send.expect("named", "decode-0")                  # its prefill leg named decode-0
+        pair.send.expect("elsewhere", "decode-9")              # an engine that never had a session here
+        pair.send.publish("named", [2], output_token=1)
+        pair.send.publish("elsewhere", [3], output_token=1)
+        pair.recv.close()                                      # decode-0 is gone
+        wait_until(lambda: pair.send.stats.orphaned == 2, timeout=10, what="decode-0's requests released")
+        assert pair.releases() == ["named"] and pair.send.pending() == 1
+        pair.send.publish("asked", [4], output_token=1)        # its prefill finishes after decode-0 went
+        wait_until(lambda: pair.releases() == ["named", "asked"], timeout=1, what="release at publish")

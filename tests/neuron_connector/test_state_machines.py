@@ -327,3 +327,21 @@ class TestPullTracker:
         pulls.peer_ready("p", "P2")
         assert pulls.take_finished() == ["new"]
         assert pulls.poll("new").message == "pull of 'new': expected prefill engine P1 at p, found P2"
+
+
+def test_a_lost_peer_fails_its_pulls_at_once_and_later_pulls_wait_for_it() -> None:
+    tracker = PullTracker()
+    tracker.add("asked", "p:1", [0], deadline=30, now=0)
+    tracker.add("queued", "p:1", [1], deadline=30, now=0)
+    tracker.add("other", "q:1", [2], deadline=30, now=0)
+    tracker.due(0, {"p:1"})                       # "asked" and "queued" have lookups outstanding now
+    tracker.cancel("queued")
+    tracker.peer_lost("p:1")
+    assert sorted(tracker.take_finished()) == ["asked", "queued"]
+    for rid in ("asked", "queued"):
+        status = tracker.poll(rid)
+        assert isinstance(status.error, PeerUnavailable) and "was lost" in status.message
+    assert tracker.poll("other").state is PullState.PENDING
+    tracker.add("after", "p:1", [3], deadline=30, now=1)
+    tracker.expire(2, set())
+    assert tracker.poll("after").state is PullState.PENDING

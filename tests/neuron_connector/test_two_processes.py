@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from neuron_connector import LayoutMismatch, PullState, RecvBuffer
-from neuron_connector.errors import EngineMismatch
+from neuron_connector.errors import EngineMismatch, PeerUnavailable
 from stack.serving import Process, free_port
 from tests.helpers import wait_until
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, seeded, wait_terminal
@@ -88,7 +88,13 @@ def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
     try:
         recv.request_pull("a", "127.0.0.1", port, [0])
         assert wait_terminal(recv, "a").output_token == 10
+        recv.request_pull("never", "127.0.0.1", port, [4], deadline_s=60)   # the prefill never publishes it
+        killed = time.monotonic()
         kill9_and_reap(first)
+        # Its connection is lost at once: the pull fails then, not at its deadline.
+        status = wait_terminal(recv, "never", timeout=10)
+        print(f"pull failed {time.monotonic() - killed:.2f} s after the prefill was killed")
+        assert isinstance(status.error, PeerUnavailable) and "was lost" in status.message, status
     finally:
         first.stop()
     # Asked while no prefill listens: the lookups wait for the new process's handshake.

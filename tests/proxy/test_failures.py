@@ -275,3 +275,17 @@ def test_a_body_over_the_limit_is_a_413_clients_read_and_the_proxy_keeps_serving
     assert_clients_see_413(pair.proxy.url)
     reply = httpx.post(f"{pair.proxy.url}/v1/completions", json=_body({}), timeout=30)
     assert reply.status_code == 200, reply.text
+
+
+def test_a_refused_connection_sends_the_leg_to_another_worker_of_its_role(servers: Callable[[Server], Server]) -> None:
+    """A worker that exited (say, drained) before the proxy saw it go: its refused legs are resent, once."""
+    prefills = [servers(start_fake_worker("prefill")) for _ in range(2)]
+    decodes = [servers(start_fake_worker("decode")) for _ in range(2)]
+    # Health checks far apart: the proxy still counts the stopped workers in when the legs are sent.
+    proxy = servers(start_proxy([*(a for p in prefills for a in ("--prefill", f"127.0.0.1:{p.port}")),
+                                 *(a for d in decodes for a in ("--decode", f"127.0.0.1:{d.port}")),
+                                 "--health-interval", "600"]))
+    prefills[0].process.kill()
+    decodes[0].process.kill()
+    for _ in range(4):
+        assert httpx.post(f"{proxy.url}/v1/completions", json=_body({}), timeout=30).status_code == 200

@@ -102,6 +102,14 @@ def test_prefill_publishes_capped_requests_and_discards_the_rest() -> None:
     assert plan.take_orders().publish == []
 
 
+def test_prefill_tells_the_worker_side_which_decode_engine_will_pull_a_leg() -> None:
+    plan = SchedulerPlan("prefill", block_size=128)
+    plan.leg("r1", {"role": "prefill", "request_id": "u1", "decode_engine_id": "d-7"})
+    plan.leg("r1", {"role": "prefill", "request_id": "u1", "decode_engine_id": "d-7"})   # parsed once
+    plan.leg("r2", {"role": "prefill", "request_id": "u2"})
+    assert plan.take_orders().expect == [("u1", "d-7")]
+
+
 def test_prefill_publishes_in_the_step_that_completes_its_prompt() -> None:
     """Not when vLLM reports it finished: with async scheduling that comes a whole step later."""
     plan = SchedulerPlan("prefill", block_size=128)

@@ -155,9 +155,12 @@ class KVConnector:
         self.timeline.mark(request_id, FIRST_STEP)
         self.on_pull(num_pulled, num_skipped, self._block_bytes)
 
-    def admitted(self, request_id: str) -> None:
-        """Prefill: a leg entered the engine."""
+    def admitted(self, request_id: str, decode_engine_id: str | None = None) -> None:
+        """Prefill: a leg entered the engine; `decode_engine_id` will pull its KV (freed soon after that engine's
+        session here is lost)."""
         self.timeline.mark(request_id, ADMITTED)
+        if decode_engine_id is not None and self.send is not None:
+            self.send.expect(request_id, decode_engine_id)
 
     def _on_finished(self, request_id: str) -> None:
         # RecvBuffer thread: as _on_release.

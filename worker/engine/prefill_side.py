@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from common.handoff import LegParams
+from common.handoff import LegParams, PrefillParams
 from neuron_connector import ConnectorError
 from worker.engine.request import Request, RequestOutput
 from worker.engine.roles import DisaggregatedRole, Leg
@@ -19,7 +19,7 @@ class PrefillSide(DisaggregatedRole):
     def leg(self, request_id: str, params: LegParams | None) -> Leg:
         leg = super().leg(request_id, params)
         if leg.remote_kv:
-            self.kv.admitted(request_id)
+            self.kv.admitted(request_id, params.decode_engine_id if isinstance(params, PrefillParams) else None)
         return leg
 
     def before_step(self) -> list[RequestOutput]:

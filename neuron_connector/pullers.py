@@ -1,0 +1,72 @@
+"""The prefill side's pullers, sans I/O: which decode engine will pull each request, and which
+engines lost their session, so the blocks held for a decode worker that is gone are freed in
+seconds instead of at the abort timeout.
+
+A request learns its puller from its prefill leg (the proxy names the decode engine it sent the
+decode leg to) or from the first lookup of it. An engine is lost once it had a session on this
+prefill worker and has none for `grace` seconds (a decode worker that reconnects or restarts its
+signal plane handshakes again well within that); every request expected by a lost engine is then
+orphaned, once, and its owner releases it as if the engine had released it. A request still
+expected after `max_age` (its owner's abort timeout: it was never published, or already freed
+without a word here) is forgotten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_GRACE_S = 1.0
+PROBE_S = 0.5   # how often the owner probes its sessions while a request waits for its puller
+
+
+@dataclass
+class Pullers:
+    """Expected pullers by request id, and engines without a session since when; not thread-safe."""
+
+    grace: float = DEFAULT_GRACE_S
+    max_age: float = 60.0
+    _expected: dict[str, tuple[str, float]] = field(default_factory=dict)   # request id -> (engine, since)
+    _lost: dict[str, float] = field(default_factory=dict)      # engine id -> when its last session went
+    _seen: set[str] = field(default_factory=set)               # engines that had a session here
+    _probed_at: float = 0.0
+
+    def probe_due(self, now: float) -> bool:
+        """Whether to probe the sessions now: twice a second while a request waits for its puller (with
+        ROUTER_MANDATORY a send to a connection that is gone fails at once)."""
+        if not self._expected or now - self._probed_at < PROBE_S:
+            return False
+        self._probed_at = now
+        return True
+
+    def expect(self, request_id: str, engine_id: str, now: float) -> None:
+        """`engine_id` will pull `request_id`, as its prefill leg says (a lookup seen first says more)."""
+        self._expected.setdefault(request_id, (engine_id, now))
+
+    def looked_up(self, request_id: str, engine_id: str, now: float) -> None:
+        """`engine_id` asked for `request_id`: it is the puller (the leg may have been sent elsewhere)."""
+        self._expected[request_id] = (engine_id, now)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """The requests' blocks were released: nothing to watch any more."""
+        for request_id in request_ids:
+            self._expected.pop(request_id, None)
+
+    def session_up(self, engine_id: str) -> None:
+        self._seen.add(engine_id)
+        self._lost.pop(engine_id, None)
+
+    def session_gone(self, engine_id: str, now: float) -> None:
+        """The engine's session went and no other holds its id."""
+        if engine_id in self._seen:
+            self._lost.setdefault(engine_id, now)
+
+    def orphans(self, now: float) -> list[tuple[str, str]]:
+        """(request id, engine id) of the requests whose puller is lost for `grace` seconds, each once."""
+        gone = {engine for engine, since in self._lost.items() if now - since >= self.grace}
+        old = [rid for rid, (_, since) in self._expected.items() if now - since >= self.max_age]
+        found = [(rid, engine) for rid, (engine, _) in self._expected.items() if engine in gone]
+        for rid in old + [rid for rid, _ in found if rid not in old]:
+            del self._expected[rid]
+        return [(rid, engine) for rid, engine in found if rid not in old]
+
+    def __len__(self) -> int:
+        return len(self._expected)

@@ -1,0 +1,64 @@
+"""The prefill side's pullers, driven by hand: which requests a decode engine that lost its session orphans."""
+from __future__ import annotations
+
+from neuron_connector.pullers import PROBE_S, Pullers
+from neuron_connector.sessions import SessionTable
+
+
+def test_requests_of_an_engine_lost_past_the_grace_are_orphaned_once() -> None:
+    pullers = Pullers(grace=1.0, max_age=60.0)
+    pullers.session_up("d1")
+    pullers.session_up("d2")
+    pullers.expect("a", "d1", now=0)
+    pullers.expect("b", "d2", now=0)
+    pullers.looked_up("c", "d1", now=0)
+    pullers.session_gone("d1", now=10)
+    assert pullers.orphans(10.5) == []                     # it may be reconnecting
+    assert sorted(pullers.orphans(11)) == [("a", "d1"), ("c", "d1")]
+    assert pullers.orphans(12) == []
+    pullers.expect("late", "d1", now=12)                   # its prefill leg came after the engine went
+    assert pullers.orphans(12) == [("late", "d1")]
+    assert len(pullers) == 1                               # "b": d2 is there
+
+
+def test_an_engine_back_within_the_grace_keeps_its_requests() -> None:
+    pullers = Pullers(grace=1.0, max_age=60.0)
+    pullers.session_up("d1")
+    pullers.expect("a", "d1", now=0)
+    pullers.session_gone("d1", now=1)
+    pullers.session_up("d1")
+    assert pullers.orphans(5) == [] and len(pullers) == 1
+
+
+def test_an_engine_never_seen_is_not_lost_and_a_lookup_names_the_real_puller() -> None:
+    pullers = Pullers(grace=1.0, max_age=60.0)
+    pullers.expect("a", "d1", now=0)
+    pullers.session_gone("d1", now=0)                      # never had a session here: not lost
+    assert pullers.orphans(5) == []
+    pullers.session_up("d1")
+    pullers.looked_up("a", "d2", now=5)                    # the decode leg went to another worker
+    pullers.session_gone("d1", now=6)
+    assert pullers.orphans(10) == []
+    pullers.forget(["a"])
+    assert len(pullers) == 0
+
+
+def test_old_expectations_are_forgotten_and_probes_run_only_while_some_wait() -> None:
+    pullers = Pullers(grace=1.0, max_age=60.0)
+    assert not pullers.probe_due(100)
+    pullers.expect("never-published", "d1", now=0)
+    assert pullers.probe_due(100) and not pullers.probe_due(100 + PROBE_S / 2) and pullers.probe_due(100 + PROBE_S)
+    assert pullers.orphans(100) == [] and len(pullers) == 0
+
+
+def test_the_session_table_reports_an_engine_unbound_only_when_no_session_holds_it() -> None:
+    events: list[tuple[str, str]] = []
+    table = SessionTable(lambda engine: events.append(("bound", engine)),
+                         lambda engine, now: events.append(("unbound", engine)))
+    first = table.open(b"r1", "d1", "n1")
+    table.establish(first, "peer-1")
+    table.open(b"r2", "d1", "n2")             # a second connection, not established: holds nothing
+    table.drop(b"r2")
+    assert events == [("bound", "d1")]
+    table.drop(b"r1")
+    assert events == [("bound", "d1"), ("unbound", "d1")]
