@@ -14,6 +14,7 @@ from proxy.conditional import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREF
 from proxy.conditional_route import ConditionalConfig
 from proxy.errors import ConfigError
 from proxy.flows import DEFAULT_STRATEGY, STRATEGIES
+from proxy import kv_route
 from proxy.prefix_index import DEFAULT_BLOCK_SIZE
 from proxy.upstream import Timeouts
 from proxy.workers import KV_PROTOCOLS, WorkerRecord, static_worker
@@ -40,6 +41,7 @@ class ProxyConfig:
     shutdown_grace: float = 5.0  # seconds streams may run on after SIGTERM before they end with an error
     strategy: str = DEFAULT_STRATEGY  # the flow of disaggregated requests to kv_protocol "neuron" workers
     conditional: ConditionalConfig | None = None
+    kv_routing: kv_route.KVRoutingConfig | None = None   # --routing kv (proxy/kv_route.py); None: round-robin
 
     @property
     def colocated(self) -> bool:
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "built-in model: the proxy counts prompt tokens with it")
     cond.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
                       help=f"the decode workers' KV block size, for estimating their prefix caches (default {DEFAULT_BLOCK_SIZE})")
+    kv_route.add_arguments(p)
     return p
 
 
@@ -132,7 +135,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        shutdown_grace=args.shutdown_grace,
-                       strategy=args.disaggregation_strategy, conditional=_conditional(args))
+                       strategy=args.disaggregation_strategy, conditional=_conditional(args),
+                       kv_routing=kv_route.routing_config(args, load_tokenizer))
 
 
 def _conditional(args: argparse.Namespace) -> ConditionalConfig | None:
@@ -141,7 +145,7 @@ def _conditional(args: argparse.Namespace) -> ConditionalConfig | None:
     given = [flag for flag, default in (("--tokenizer", None), ("--kv-block-size", DEFAULT_BLOCK_SIZE),
                                         ("--max-local-prefill-tokens", DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
                                         ("--max-prefill-queue", DEFAULT_MAX_PREFILL_QUEUE))
-             if getattr(args, flag[2:].replace("-", "_")) != default]
+             if getattr(args, flag[2:].replace("-", "_")) != default and (flag, args.routing) != ("--tokenizer", "kv")]
     if not args.conditional_disaggregation:
         if given:
             raise ConfigError(f"{', '.join(given)}: only with --conditional-disaggregation")

@@ -26,6 +26,7 @@ from proxy.errors import KV_TRANSFER_ERROR, ProxyError, ShuttingDown, UpstreamEr
 from proxy.flows import DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, spawn, stitched_flow
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
+from proxy.kv_route import KVRouter
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used, refuse_unserved
@@ -48,8 +49,9 @@ class Forwarder:
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
                  colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, kv: KVRouter | None = None) -> None:
         self._pool = pool
+        self._kv = kv  # --routing kv: picks both workers by cached prefix against load
         self.timeline = timeline if timeline is not None else Timeline("proxy", registry=metrics.registry)
         self._clients = clients
         self._metrics = metrics
@@ -61,6 +63,9 @@ class Forwarder:
         self._abandoner = Abandoner(clients)
         self._assembler = AnswerAssembler(metrics, self.timeline)
         self._closing = False
+
+    def legs_in_flight(self, worker: WorkerRecord) -> int:
+        return self._legs.count(worker)
 
     def end_legs(self, worker: WorkerRecord, why: str) -> None:
         """`worker` is gone (`why`): every leg in flight to it fails now with WorkerLost, as a failed leg does,
@@ -97,15 +102,16 @@ class Forwarder:
             return await self._single(self._pool.next("both"), request)
         if prefill_alone(request):
             return await self._single(self._pool.next("prefill"), request)
+        picks = await self._kv.picks(request) if self._kv is not None else None
         if self._conditional is None:
-            return await self._disaggregated(request, received)
-        decode = self._pool.next("decode")
+            return await self._disaggregated(request, received, picks and picks.decode, prefill=picks and picks.prefill)
+        decode = picks.decode if picks else self._pool.next("decode")
         prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
         decision = await self._conditional.decide(request, decode, prefill_legs)
         took = functools.partial(self._conditional.record, decision=decision)
         if decision.local:
             return await self._single(decode, request, took=took)
-        return await self._disaggregated(request, received, decode, took)
+        return await self._disaggregated(request, received, decode, took, picks and picks.prefill)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
                       uid: str | None = None, took: Took | None = None) -> Answer:
@@ -127,11 +133,11 @@ class Forwarder:
         return StreamAnswer(relayed(first, queue, task, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
     async def _disaggregated(self, request: ClientRequest, received: float, decode: WorkerRecord | None = None,
-                             took: Took | None = None) -> Answer:
+                             took: Took | None = None, prefill: WorkerRecord | None = None) -> Answer:
         """`received`: when the request arrived (time.time()); `decode`: the decode worker conditional
         disaggregation weighed the request against, if it suits. A prefill leg a draining worker refuses goes to
-        another prefill worker, with a new decode leg naming that one."""
-        prefill = self._pool.next("prefill")
+        another prefill worker, with a new decode leg naming that one; `prefill`: the one KV routing picked."""
+        prefill = prefill or self._pool.next("prefill")
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
         try:
