@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.kv_events import KVEventsError, decode_frames
 from common.worker_record import WorkerRecord
-from proxy.kv_index import KVIndexes, WorkerKVIndex
+from proxy.kv_index import KVIndexes
 
 log = logging.getLogger("proxy.kv_events")
 
@@ -44,6 +44,7 @@ class KVEventsFollower:
         self._static = dict(static or {})     # worker address -> endpoint, for workers whose record names none
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        self._stopped: set[asyncio.Task[None]] = set()   # cancelled, their sockets not yet closed
 
     def endpoint(self, worker: WorkerRecord) -> str:
         return worker.kv_events or self._static.get(worker.address, "")
@@ -54,6 +55,8 @@ class KVEventsFollower:
         for key, (endpoint, task) in list(self._tasks.items()):
             if key not in wanted or wanted[key][1] != endpoint:
                 task.cancel()
+                self._stopped.add(task)
+                task.add_done_callback(self._stopped.discard)
                 del self._tasks[key]
                 self.indexes.drop(key)
         for key, (worker, endpoint) in wanted.items():
@@ -71,14 +74,14 @@ class KVEventsFollower:
             await self.close()
 
     async def close(self) -> None:
-        tasks = [task for _, task in self._tasks.values()]
+        tasks = [task for _, task in self._tasks.values()] + list(self._stopped)
         self._tasks.clear()
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     async def _follow(self, worker: WorkerRecord, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)
@@ -94,17 +97,17 @@ class KVEventsFollower:
                     batch = decode_frames(frames)
                 except KVEventsError as exc:
                     self._metrics.bad_frames.labels(name).inc()
-                    self._dropped(index, name, f"bad frame: {exc}")
+                    index.clear()
                     index.next_seq = None
+                    self._dropped(name, f"bad frame: {exc}")
                     continue
                 self._metrics.batches.labels(name).inc()
                 if (why := index.apply(batch)) is not None:
-                    self._dropped(index, name, why)
+                    self._dropped(name, why)
                 self._metrics.blocks.labels(name).set(len(index))
         finally:
             sock.close(linger=0)
 
-    def _dropped(self, index: WorkerKVIndex, name: str, why: str) -> None:
+    def _dropped(self, name: str, why: str) -> None:
         log.warning("worker %s: KV index dropped (%s); it fills again from the next events", name, why)
         self._metrics.resets.labels(name).inc()
-        index.clear()
