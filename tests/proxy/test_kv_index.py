@@ -127,3 +127,23 @@ def test_indexes_count_whole_blocks_but_never_the_last_tokens_block() -> None:
     assert indexes.overlaps(list(range(8)), ["w", "unknown"]) == [4, 0]
     assert indexes.overlaps(list(range(9)), ["w"]) == [8]
     assert indexes.overlaps(list(range(9)), ["w"], last_block_computed=False) == [8]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--routing", "kv"], "needs --tokenizer"),
+    (["--kv-events", "127.0.0.1:1=tcp://127.0.0.1:2"], "only with --routing kv"),
+    (["--routing", "kv", "--tokenizer", "builtin", "--kv-events", "nonsense"], "HOST:PORT=tcp://"),
+    (["--routing", "kv", "--tokenizer", "builtin", "--mode", "colocated", "--worker", "127.0.0.1:1"], "di mode")])
+def test_routing_flags_that_do_not_fit_are_refused(argv: list[str], message: str) -> None:
+    from proxy import ConfigError, parse_args
+    base = [] if "--worker" in argv else ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]
+    with pytest.raises(ConfigError, match=message):
+        parse_args(base + argv)
+
+
+def test_routing_kv_with_a_tokenizer_and_static_endpoints() -> None:
+    from proxy import parse_args
+    config = parse_args(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--routing", "kv", "--tokenizer",
+                         "builtin", "--kv-events", "127.0.0.1:1=tcp://127.0.0.1:5557"])
+    assert config.kv_routing is not None and config.kv_routing.static_endpoints == (("127.0.0.1:1", "tcp://127.0.0.1:5557"),)
+    assert parse_args(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]).kv_routing is None
