@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-DEFAULT_LEG_TOKENS = 256   # prompt tokens one leg in flight on a worker counts as
+DEFAULT_LEG_TOKENS = 256   # prompt tokens one prefill leg in flight on a worker counts as
+# A decode leg holds its worker's batch for its whole answer and a cached prefix only saves it a pull: its
+# legs weigh this many times more.
+DECODE_LEG_FACTOR = 8
 
 
 def kv_costs(prompt_tokens: int, cached: Sequence[int], legs: Sequence[int],

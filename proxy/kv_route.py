@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter
 from common.tokenizer import Tokenizer
 from proxy.errors import ConfigError
 from proxy.kv_events_follower import KVEventMetrics, KVEventsFollower
-from proxy.kv_choice import DEFAULT_LEG_TOKENS, choose
+from proxy.kv_choice import DECODE_LEG_FACTOR, DEFAULT_LEG_TOKENS, choose
 from proxy.kv_index import DEFAULT_CAPACITY, KVIndexes
 from proxy.prompt_tokens import prompt_token_ids
 from proxy.requests import ClientRequest
@@ -71,7 +71,8 @@ class KVRouter:
         workers = self._pool.healthy(role, kv_protocol) or self._pool.healthy(role)
         cached = self.indexes.overlaps(ids, [w.key for w in workers])
         turn = self._turns[role] = self._turns[role] + 1
-        i = choose(len(ids), cached, [self._legs(w) for w in workers], turn, self._config.leg_tokens)
+        weight = self._config.leg_tokens * (DECODE_LEG_FACTOR if role == "decode" else 1)
+        i = choose(len(ids), cached, [self._legs(w) for w in workers], turn, weight)
         return workers[i], (cached[i], max(cached))
 
 
@@ -85,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the KV events endpoint of the worker at HOST:PORT (repeat), for `vllm serve "
                             "--kv-events-config` workers; our workers name theirs in their record")
     group.add_argument("--kv-load-tokens", type=int, default=DEFAULT_LEG_TOKENS, metavar="N",
-                       help=f"prompt tokens one leg in flight on a worker weighs as (default {DEFAULT_LEG_TOKENS})")
+                       help=f"prompt tokens one prefill leg in flight on a worker weighs as, a decode leg "
+                            f"{DECODE_LEG_FACTOR} times more (default {DEFAULT_LEG_TOKENS})")
 
 
 def routing_config(args: argparse.Namespace, tokenizer: Callable[[str], Tokenizer]) -> KVRoutingConfig | None:
