@@ -110,3 +110,34 @@ def test_a_prompt_goes_where_its_prefix_is(stack: tuple[Server, list[WorkerProce
         after = {k: metric(proxy, "proxy_kv_route_tokens_total", f'kind="{k}"') for k in ("hit", "best")}
     assert after["hit"] - before["hit"] == after["best"] - before["best"] > 0
     assert hits < after["hit"]
+
+
+def test_conditional_reads_the_decode_workers_cache_from_its_events(stack: tuple[Server, list[WorkerProcess]]) -> None:
+    """A second proxy, conditional and KV-routed: a long prompt goes remote; the same prompt grown by a few
+    tokens stays on the decode worker that pulled it, whose events say it holds all but those tokens."""
+    _, workers = stack
+    p1, p2, d1, d2, _ = workers
+    proxy = start_proxy([f"--prefill=127.0.0.1:{p1.port}:{p1.kv_port}", f"--prefill=127.0.0.1:{p2.port}:{p2.kv_port}",
+                         f"--decode=127.0.0.1:{d1.port}", f"--decode=127.0.0.1:{d2.port}", "--routing", "kv",
+                         "--tokenizer", "builtin", "--conditional-disaggregation", "--max-local-prefill-tokens", "48"])
+    try:
+        prompt = "conditional: " + "def add(a, b):\n    return a + b\n\n" * 6
+        with httpx.Client(timeout=60) as client:
+            sent = iter(range(1000))
+
+            def heard() -> bool:   # the proxy's subscriptions join late: new blocks until it heard of some
+                warm = f"warm-up {next(sent)}: " + "y = 1\n" * 30
+                client.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": warm, "max_tokens": 1})
+                return metric(proxy, "proxy_kv_event_batches_total") > 0
+
+            wait_until(heard, timeout=30, interval=0.2)
+            for text in (prompt, prompt + "# more"):
+                batches = metric(proxy, "proxy_kv_event_batches_total")
+                reply = client.post(f"{proxy.url}/v1/completions",
+                                    json={"model": MODEL, "prompt": text, "max_tokens": 2, "temperature": 0.0})
+                assert reply.status_code == 200, reply.text
+                wait_until(lambda: metric(proxy, "proxy_kv_event_batches_total") > batches, timeout=10)
+        paths = {k: metric(proxy, "proxy_request_paths_total", f'path="{k}"') for k in ("local", "remote")}
+        assert paths["remote"] >= 1 and paths["local"] >= 1, paths
+    finally:
+        proxy.process.stop()
