@@ -6,9 +6,10 @@ import json
 from stack.serving import Stack, StackOptions, free_port, start_proxy, started, wait_healthy, worker_args
 
 
-def events_config(port: int) -> str:
-    """The --kv-events-config (vLLM's JSON) of a worker publishing on 127.0.0.1:`port`."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"})
+def events_config(port: int, host: str = "127.0.0.1") -> str:
+    """The --kv-events-config (vLLM's JSON) of a worker publishing on `host`:`port` (vLLM binds only a
+    wildcard host, `*`: on any other it connects to a subscriber that binds)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:{port}"})
 
 
 def start_xpyd(options: StackOptions, num_prefill: int, num_decode: int) -> Stack:

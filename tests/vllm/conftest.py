@@ -29,7 +29,7 @@ REFERENCE_EVENTS_PORT = free_port()
 @pytest.fixture(scope="session")
 def reference() -> Iterator[Stack]:
     """One plain `vllm serve`: what the disaggregated stacks must answer token for token."""
-    events = ("--kv-events-config", events_config(REFERENCE_EVENTS_PORT))
+    events = ("--kv-events-config", events_config(REFERENCE_EVENTS_PORT, "*"))
     with start_colocated(replace(OPTIONS, extra_args=(*OPTIONS.extra_args, *events))) as stack:
         yield stack
 
