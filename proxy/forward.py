@@ -103,15 +103,16 @@ class Forwarder:
         if prefill_alone(request):
             return await self._single(self._pool.next("prefill"), request)
         picks = await self._kv.picks(request) if self._kv is not None else None
+        prefill = picks.prefill if picks else None
         if self._conditional is None:
-            return await self._disaggregated(request, received, picks and picks.decode, prefill=picks and picks.prefill)
+            return await self._disaggregated(request, received, picks.decode if picks else None, prefill=prefill)
         decode = picks.decode if picks else self._pool.next("decode")
         prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
         decision = await self._conditional.decide(request, decode, prefill_legs)
         took = functools.partial(self._conditional.record, decision=decision)
         if decision.local:
             return await self._single(decode, request, took=took)
-        return await self._disaggregated(request, received, decode, took, picks and picks.prefill)
+        return await self._disaggregated(request, received, decode, took, prefill)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
                       uid: str | None = None, took: Took | None = None) -> Answer:
