@@ -36,10 +36,11 @@ class MultiturnSpec:
     max_concurrency: int = 4
     seed: int = 0
     request_timeout_s: float = 300.0
+    num_system_prompts: int = 1           # conversation i opens with system text i % num_system_prompts
 
     def __post_init__(self) -> None:
-        if self.num_conversations < 1 or self.num_turns < 1 or self.max_concurrency < 1:
-            raise ValueError("conversations, turns and max_concurrency must be at least 1")
+        if min(self.num_conversations, self.num_turns, self.max_concurrency, self.num_system_prompts) < 1:
+            raise ValueError("conversations, turns, max_concurrency and system prompts must be at least 1")
         for name in ("opening_chars", "user_chars", "output_len"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
@@ -65,12 +66,16 @@ def _text(rng: random.Random, num_chars: int) -> str:
 
 
 def make_conversations(spec: MultiturnSpec) -> tuple[str, list[Conversation]]:
-    """The shared system text and every conversation, the same for the same seed."""
+    """The shared system text and every conversation, the same for the same seed; with several system
+    prompts the shared text is "" and each conversation's opening starts with its own system prompt."""
     rng = random.Random(spec.seed)
-    system = _text(rng, spec.system_chars) + "\n" if spec.system_chars else ""
+    systems = [f"system {k}: " * (spec.num_system_prompts > 1) + _text(rng, spec.system_chars) + "\n"
+               if spec.system_chars else "" for k in range(spec.num_system_prompts)]
+    system = systems[0] if spec.num_system_prompts == 1 else ""
     conversations = []
     for i in range(spec.num_conversations):
-        opening = f"conversation {i}: " + _text(rng, rng.randint(*spec.opening_chars))
+        own = "" if spec.num_system_prompts == 1 else systems[i % spec.num_system_prompts]
+        opening = own + f"conversation {i}: " + _text(rng, rng.randint(*spec.opening_chars))
         users = tuple("\nuser: " + _text(rng, rng.randint(*spec.user_chars)) + "\nassistant:"
                       for _ in range(spec.num_turns - 1))
         lens = tuple(rng.randint(*spec.output_len) for _ in range(spec.num_turns))

@@ -46,6 +46,7 @@ class WorkerRecord:
     server: str = ""         # OUR_SERVER, VLLM_SERVER or "" (unknown)
     kv_secret_id: str = ""
     dtype: str = ""
+    kv_events: str = ""      # tcp://HOST:PORT where it publishes KV cache events (common/kv_events.py); "" none
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -95,6 +96,6 @@ class WorkerRecord:
                        transfer=dict(obj.get("transfer") or {}),
                        kv_protocol=obj.get("kv_protocol", "neuron"), status_port=int(obj.get("status_port") or 0),
                        server=str(obj.get("server") or ""), kv_secret_id=str(obj.get("kv_secret_id") or ""),
-                       dtype=str(obj.get("dtype") or ""))
+                       dtype=str(obj.get("dtype") or ""), kv_events=str(obj.get("kv_events") or ""))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RegistrationError(f"malformed worker record {obj!r}: {exc}") from exc

@@ -19,6 +19,7 @@ from proxy.discovery import EtcdDiscovery, HealthChecks
 from proxy.errors import NoWorkers, ProxyError, UpstreamError, to_http
 from proxy.answers import JSONAnswer
 from proxy.forward import Forwarder
+from proxy.kv_route import start_kv_routing
 from proxy.metrics import Metrics
 from proxy.prefill_queue import PrefillQueue
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
@@ -35,11 +36,16 @@ class ProxyState:
         self.config = config
         self.pool = WorkerPool(config.workers, on_lost=self._worker_lost)
         self.metrics = Metrics()
-        self.conditional = ConditionalRouter(config.conditional, self.metrics) if config.conditional else None
+        self.kv, self.kv_follower = start_kv_routing(
+            config.kv_routing, self.pool, lambda w: self.forwarder.legs_in_flight(w), self.metrics.registry,
+        ) if config.kv_routing else (None, None)
+        self.conditional = ConditionalRouter(config.conditional, self.metrics,
+                                             self.kv.indexes if self.kv else None) if config.conditional else None
         self.timeline = Timeline(PROXY, registry=self.metrics.registry)
         self.prefill_queue = PrefillQueue(config.prefill_queue, self.metrics) if config.prefill_queue else None
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
-                                   self.conditional, self.timeline, self.prefill_queue, config.resume_streams)
+                                   self.conditional, self.timeline, self.prefill_queue, config.resume_streams,
+                                   self.kv)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self._clients: dict[str, Upstream] = {}
@@ -56,6 +62,8 @@ class ProxyState:
         self.forwarder.end_legs(worker, why)
         if self.conditional is not None:
             self.conditional.forget(worker)
+        if self.kv is not None:
+            self.kv.indexes.clear(worker.key)
 
     async def start(self) -> None:
         # One round before serving: the first answers (and /ready) already know which workers are up, and
@@ -66,6 +74,8 @@ class ProxyState:
         self._tasks.append(asyncio.create_task(self.health.run(self.config.health_interval)))
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run()))
+        if self.kv_follower is not None:
+            self._tasks.append(asyncio.create_task(self.kv_follower.run(self.pool.all, self.config.health_interval)))
 
     async def stop(self) -> None:
         for task in self._tasks:

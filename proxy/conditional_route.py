@@ -14,6 +14,7 @@ from typing import Sequence
 from common.tokenizer import Tokenizer
 from proxy.conditional import LOCAL, REMOTE, ConditionalPolicy, prefill_queue
 from proxy.metrics import Metrics
+from proxy.kv_index import KVIndexes
 from proxy.prefix_index import DEFAULT_BLOCK_SIZE, PrefixIndex
 from proxy.prompt_tokens import prompt_token_ids
 from proxy.requests import ClientRequest
@@ -40,11 +41,13 @@ class Decision:
 
 class ConditionalRouter:
     """Decides each request's path and counts it; remembers the prompts each decode worker took a leg of, whose
-    full blocks it caches whether it prefilled them itself or pulled them (prefix-aware transfer)."""
+    full blocks it caches whether it prefilled them itself or pulled them (prefix-aware transfer). With `events`
+    (the workers' KV cache events, --routing kv) the decode worker's cache is what its events say instead."""
 
-    def __init__(self, config: ConditionalConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ConditionalConfig, metrics: Metrics, events: KVIndexes | None = None) -> None:
         self._config = config
         self._metrics = metrics
+        self._events = events
         self._indexes: dict[str, PrefixIndex] = {}
 
     async def decide(self, request: ClientRequest, decode: WorkerRecord, prefill_legs: Sequence[int]) -> Decision:
@@ -55,14 +58,15 @@ class ConditionalRouter:
         ids = await asyncio.to_thread(prompt_token_ids, request, self._config.tokenizer)
         path, prompt = REMOTE, None
         if ids is not None and not (request.seed is not None and decode.server == VLLM_SERVER):
-            cached = self._index(decode).cached_tokens(ids)
+            cached = (self._events.overlaps(ids, [decode.key])[0] if self._events is not None
+                      else self._index(decode).cached_tokens(ids))
             path, prompt = self._config.policy.path(len(ids), cached, prefill_queue(prefill_legs)), ids
         self._metrics.paths.labels(path).inc()
         return Decision(path == LOCAL, prompt)
 
     def record(self, decode: WorkerRecord, decision: Decision) -> None:
         """`decode` took the decided request's leg: it caches the prompt's full blocks from now on."""
-        if decision.prompt is not None:
+        if decision.prompt is not None and self._events is None:
             self._index(decode).add(decision.prompt)
 
     def _index(self, decode: WorkerRecord) -> PrefixIndex:

@@ -15,6 +15,7 @@ from proxy.conditional import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREF
 from proxy.conditional_route import ConditionalConfig
 from proxy.errors import ConfigError
 from proxy.flows import DEFAULT_STRATEGY, STRATEGIES
+from proxy import kv_route
 from proxy.prefix_index import DEFAULT_BLOCK_SIZE
 from proxy.upstream import Timeouts
 from proxy.workers import KV_PROTOCOLS, WorkerRecord, static_worker
@@ -43,6 +44,7 @@ class ProxyConfig:
     conditional: ConditionalConfig | None = None
     prefill_queue: str | None = None  # nats://HOST:PORT of the global prefill queue; None: prefill legs over HTTP
     resume_streams: bool = False  # a stream whose decode worker is lost goes on on another (proxy/stream_moves.py)
+    kv_routing: kv_route.KVRoutingConfig | None = None   # --routing kv (proxy/kv_route.py); None: round-robin
 
     @property
     def colocated(self) -> bool:
@@ -116,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put prefill legs on this NATS JetStream queue, which prefill workers started with the same "
                         "flag pull from when they have room, instead of sending them to a worker the proxy picks "
                         "(strategies concurrent and prefill_first; default: off)")
+    kv_route.add_arguments(p)
     return p
 
 
@@ -143,7 +146,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        shutdown_grace=args.shutdown_grace,
                        strategy=args.disaggregation_strategy, conditional=_conditional(args),
-                       prefill_queue=_prefill_queue(args), resume_streams=args.resume_streams)
+                       prefill_queue=_prefill_queue(args), resume_streams=args.resume_streams,
+                       kv_routing=kv_route.routing_config(args, load_tokenizer))
 
 
 def _prefill_queue(args: argparse.Namespace) -> str | None:
@@ -164,7 +168,7 @@ def _conditional(args: argparse.Namespace) -> ConditionalConfig | None:
     given = [flag for flag, default in (("--tokenizer", None), ("--kv-block-size", DEFAULT_BLOCK_SIZE),
                                         ("--max-local-prefill-tokens", DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
                                         ("--max-prefill-queue", DEFAULT_MAX_PREFILL_QUEUE))
-             if getattr(args, flag[2:].replace("-", "_")) != default]
+             if getattr(args, flag[2:].replace("-", "_")) != default and (flag, args.routing) != ("--tokenizer", "kv")]
     if not args.conditional_disaggregation:
         if given:
             raise ConfigError(f"{', '.join(given)}: only with --conditional-disaggregation")

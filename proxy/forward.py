@@ -28,6 +28,7 @@ from proxy.errors import (KV_TRANSFER_ERROR, NoWorkers, ProxyError, ShuttingDown
 from proxy.flows import DEFAULT_STRATEGY, DecodeLeg, LegCalls, decode_first_body, first_or_failure, spawn, stitched_flow
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
+from proxy.kv_route import KVRouter
 from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.prefill_queue import PrefillQueue
@@ -54,8 +55,9 @@ class Forwarder:
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
                  colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
                  timeline: Timeline | None = None, prefill_queue: PrefillQueue | None = None,
-                 resume_streams: bool = False) -> None:
+                 resume_streams: bool = False, kv: KVRouter | None = None) -> None:
         self._pool = pool
+        self._kv = kv  # --routing kv: picks both workers by cached prefix against load
         self.timeline = timeline if timeline is not None else Timeline("proxy", registry=metrics.registry)
         self._clients = clients
         self._metrics = metrics
@@ -70,6 +72,9 @@ class Forwarder:
         self._queued = None if prefill_queue is None else QueuedFlow(
             prefill_queue, self._start_decode, self._abandoner.abandon, strategy == "prefill_first")
         self._moves = MoveMetrics(metrics.registry) if resume_streams else None  # proxy/stream_moves.py
+
+    def legs_in_flight(self, worker: WorkerRecord) -> int:
+        return self._legs.count(worker)
 
     def end_legs(self, worker: WorkerRecord, why: str) -> None:
         """`worker` is gone (`why`): every leg in flight to it fails now with WorkerLost, as a failed leg does,
@@ -106,9 +111,11 @@ class Forwarder:
             return await self._single(self._pool.next("both"), request)
         if prefill_alone(request):
             return await self._single(self._pool.next("prefill"), request)
+        picks = await self._kv.picks(request) if self._kv is not None else None
+        prefill = picks.prefill if picks else None
         if self._conditional is None:
-            return await self._disaggregated(request, received)
-        decode = self._pool.next("decode")
+            return await self._disaggregated(request, received, picks.decode if picks else None, prefill=prefill)
+        decode = picks.decode if picks else self._pool.next("decode")
         prefill_legs = [self._legs.count(w) for w in self._pool.healthy("prefill")]
         if self._queued is not None:  # the prefill side's queue is the stream's: its jobs spread over the workers
             prefill_legs = queue_legs(self._queued.queue.depth(), len(prefill_legs))
@@ -116,7 +123,7 @@ class Forwarder:
         took = functools.partial(self._conditional.record, decision=decision)
         if decision.local:
             return await self._single(decode, request, took=took)
-        return await self._disaggregated(request, received, decode, took)
+        return await self._disaggregated(request, received, decode, took, prefill)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
                       uid: str | None = None, took: Took | None = None) -> Answer:
@@ -138,12 +145,12 @@ class Forwarder:
         return StreamAnswer(relayed(first, queue, task, AnswerTimer(self._metrics, started, self.timeline, uid)))
 
     async def _disaggregated(self, request: ClientRequest, received: float, decode: WorkerRecord | None = None,
-                             took: Took | None = None) -> Answer:
+                             took: Took | None = None, prefill: WorkerRecord | None = None) -> Answer:
         """`received`: when the request arrived (time.time()); `decode`: the decode worker conditional
-        disaggregation weighed the request against, if it suits. A prefill leg that never started (a draining
-        worker refused it, or its connection was refused) goes to another prefill worker, with a new decode leg
-        naming that one."""
-        prefill = self._pool.next("prefill")
+        disaggregation weighed the request against, if it suits; `prefill`: the one KV routing picked. A prefill
+        leg that never started (a draining worker refused it, or its connection was refused) goes to another
+        prefill worker, with a new decode leg naming that one."""
+        prefill = prefill or self._pool.next("prefill")
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
         try:

@@ -61,7 +61,7 @@ def completed(given: WorkerRecord, shown: WorkerRecord) -> WorkerRecord:
     decode legs then name its real KV port and carry its engine id, which the decode side checks."""
     kv_host = given.kv_host if shown.kv_host in _WILDCARD_HOSTS else shown.kv_host
     return replace(given, kv_host=kv_host, kv_port=shown.kv_port, engine_id=shown.engine_id, model=shown.model,
-                   transfer=shown.transfer, kv_secret_id=shown.kv_secret_id,
+                   transfer=shown.transfer, kv_secret_id=shown.kv_secret_id, kv_events=shown.kv_events or given.kv_events,
                    server=shown.server, status_port=shown.status_port)
 
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from common.block_hash import chain_hash
+from common.kv_events import BlockRemoved, BlockStored, KVEvent
 from scheduler.sequence import Sequence, blocks_for
 
 
@@ -22,6 +24,7 @@ class BlockManager:
 
     With prefix caching, a full block is remembered by its chained hash after it is freed and
     reused, once its stored token ids are verified, by a later sequence with the same prefix.
+    `on_event`, if set, is told each hash that joins or leaves the cache (common/kv_events.py).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -33,6 +36,7 @@ class BlockManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.hash_to_block_id: dict[int, int] = {}
+        self.on_event: Callable[[KVEvent], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -112,6 +116,9 @@ class BlockManager:
             block = self.blocks[seq.block_table[index]]
             block.token_ids, block.media = seq.block(index), seq.block_media(index)
             block.hash = chain_hash(block.token_ids, prev, block.media)
+            if self.on_event is not None and block.hash not in self.hash_to_block_id:
+                extra = None if not block.media else ((tuple(d for _, _, d in block.media),),)
+                self.on_event(BlockStored((block.hash,), prev, tuple(block.token_ids), self.block_size, extra))
             self.hash_to_block_id[block.hash] = block.block_id
             seq.num_hashed_blocks = index + 1
 
@@ -128,6 +135,8 @@ class BlockManager:
         assert block.ref_count == 0, f"free block {block.block_id} is referenced"
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
+            if self.on_event is not None:
+                self.on_event(BlockRemoved((block.hash,)))
         block.hash, block.token_ids, block.media, block.ref_count = None, [], (), 1
         self.used_block_ids.add(block.block_id)
         return block

@@ -35,6 +35,7 @@ class NeuronConnectorConfig:
     kv_secret_file: str = ""             # the shared KV secret (mode 600); "" = $NEURON_DI_KV_SECRET_FILE or none
     idle_wait: float = 0.02              # a step that runs nothing waits this long for a transfer to end
     status_port: int = 0                 # GET /timeline and /metrics of the connector on kv_host; 0 = a free port, -1 = off
+    kv_events: str = ""                  # registered KV events endpoint; "" = the one vLLM's --kv-events-config binds
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:

@@ -7,7 +7,7 @@ and the worker's reports transfers back through `get_transfer_results`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults)
 from vllm.v1.request import RequestStatus
 
+from common.kv_events import KVEventsConfig
 from neuron_connector.vllm.config import NeuronConnectorConfig
 from neuron_connector.vllm.orders import Scheduled, StepOrders
 from neuron_connector.vllm.plan import SchedulerPlan
@@ -67,8 +68,9 @@ class NeuronConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
-        self.config = NeuronConnectorConfig.from_vllm(transfer_config.kv_role,
-                                                      transfer_config.kv_connector_extra_config)
+        self.config = events_named(NeuronConnectorConfig.from_vllm(transfer_config.kv_role,
+                                                                   transfer_config.kv_connector_extra_config),
+                                   vllm_config.kv_events_config)
         block_size = vllm_config.cache_config.block_size
         names = vllm_config.model_config.served_model_name
         model = names if isinstance(names, str) else names[0]
@@ -183,3 +185,12 @@ def scheduled_requests(scheduler_output: SchedulerOutput) -> list[Scheduled]:
         steps.append(Scheduled(request_id, tuple(blocks[0]) if blocks else (), request_id in cached.resumed_req_ids,
                                cached.num_computed_tokens[i], tokens.get(request_id, 0)))
     return steps
+
+
+def events_named(config: NeuronConnectorConfig, events: Any) -> NeuronConnectorConfig:
+    """`config` naming the endpoint vLLM publishes KV cache events on (its --kv-events-config), if it does
+    and the extra config names none: the registered record then tells the proxy where to follow them."""
+    if config.kv_events or events is None or not events.enable_kv_cache_events or events.publisher != "zmq":
+        return config
+    endpoint = KVEventsConfig(events.endpoint, events.topic).connect_endpoint(config.http_host or config.kv_host)
+    return replace(config, kv_events=endpoint)

@@ -131,7 +131,8 @@ class WorkerSide:
         return WorkerRecord(role=cfg.role, host=cfg.http_host or cfg.kv_host, http_port=cfg.http_port,
                             kv_host=cfg.kv_host, kv_port=self.send.port if self.send else 0,
                             engine_id=engine_id, model=self.model, transfer={"backend": cfg.kv_transport},
-                            status_port=self.status.port if self.status else 0, server=VLLM_SERVER)
+                            status_port=self.status.port if self.status else 0, server=VLLM_SERVER,
+                            kv_events=cfg.kv_events)
 
     def plane(self) -> Plane | None:
         """Where the signal plane listens, once registered (the scheduler side's handoffs name it)."""

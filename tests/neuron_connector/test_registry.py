@@ -33,7 +33,7 @@ def test_key_appears_with_the_json_and_disappears_on_stop(etcd_server: EtcdServe
             "role": "prefill", "host": "127.0.0.1", "http_port": 8100, "kv_host": "127.0.0.1",
             "kv_port": 14579, "engine_id": "prefill-8100",
             "transfer": {"engine_id": "prefill-8100", "transports": {}}, "model": "tiny", "kv_protocol": "neuron",
-            "status_port": 0, "server": "", "kv_secret_id": "", "dtype": ""}
+            "status_port": 0, "server": "", "kv_secret_id": "", "dtype": "", "kv_events": ""}
         assert record.key == "/workers/prefill/127.0.0.1/8100"
     finally:
         registration.stop()

@@ -37,7 +37,7 @@ def test_the_worker_shows_its_record_on_health(workers) -> None:
         "role": "prefill", "host": "127.0.0.1", "http_port": prefill.port, "kv_host": "127.0.0.1",
         "kv_port": prefill.kv_port, "engine_id": prefill.engine_id, "model": "neuron-di-builtin",
         "transfer": {"backend": "shm"}, "kv_protocol": "neuron", "status_port": 0, "server": "neuron-di",
-        "kv_secret_id": "none", "dtype": "float32"}}
+        "kv_secret_id": "none", "dtype": "float32", "kv_events": ""}}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

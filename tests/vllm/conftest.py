@@ -5,13 +5,15 @@ runs them).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator
 
 import pytest
 
-from stack.serving import Stack
+from stack.serving import Stack, free_port
 from stack.vllm import VllmOptions, start_colocated, start_neuron_1p1d
 from stack.etcd import EtcdServer
+from stack.xpyd import events_config
 from worker.model.loader import builtin_model_path
 
 # Short timeouts, so that the failure tests (test_stack_failures, run last) see them expire.
@@ -20,10 +22,15 @@ OPTIONS = VllmOptions(model=str(builtin_model_path()), max_model_len=1280,
                       extra_config={"abort_timeout": ABORT_TIMEOUT, "pull_timeout": PULL_TIMEOUT})
 
 
+# The reference server also publishes its KV cache events (tests/vllm/test_kv_events.py follows them).
+REFERENCE_EVENTS_PORT = free_port()
+
+
 @pytest.fixture(scope="session")
 def reference() -> Iterator[Stack]:
     """One plain `vllm serve`: what the disaggregated stacks must answer token for token."""
-    with start_colocated(OPTIONS) as stack:
+    events = ("--kv-events-config", events_config(REFERENCE_EVENTS_PORT, "*"))
+    with start_colocated(replace(OPTIONS, extra_args=(*OPTIONS.extra_args, *events))) as stack:
         yield stack
 
 

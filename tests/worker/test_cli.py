@@ -64,3 +64,11 @@ def test_a_kv_port_in_use_stops_the_worker_with_one_line(taken_port: int) -> Non
         f"worker failed: engine failed to start: KV connector (auto) failed to start: cannot bind the KV signal plane "
         f"on 127.0.0.1:{taken_port}: Address already in use (another process listens there; pick another KV port)")
     assert "Traceback" not in result.stderr and "terminate called" not in result.stderr
+
+
+def test_kv_events_config_is_vllms_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args, _ = parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6001"}'])
+    assert args.kv_events.endpoint == "tcp://*:6001" and parse_args([])[0].kv_events is None
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--kv-events-config", "{not json"])
+    assert exc.value.code == 2 and "--kv-events-config is not JSON" in capsys.readouterr().err

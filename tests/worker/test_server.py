@@ -136,7 +136,8 @@ def test_health(worker: WorkerProcess) -> None:
     assert (r.status_code, r.json()) == (200, {"status": "ok", "draining": False, "worker": {
         "role": "both", "host": "127.0.0.1", "http_port": worker.port, "kv_host": "127.0.0.1", "kv_port": 0,
         "engine_id": engine_id, "model": "neuron-di-builtin", "transfer": {"backend": "auto"},
-        "kv_protocol": "neuron", "status_port": 0, "server": "neuron-di", "kv_secret_id": "", "dtype": "float32"}})
+        "kv_protocol": "neuron", "status_port": 0, "server": "neuron-di", "kv_secret_id": "", "dtype": "float32",
+        "kv_events": ""}})
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(worker: WorkerProcess, model: dict) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from common.kv_events import KVEventsConfig, KVEventsError
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, secret_id
 from common.listen import hypercorn_bind, listen_socket
 from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
@@ -23,6 +24,7 @@ from worker.mock import flags as mock_flags
 from worker.multimodal import flags as embeds_flags
 from worker.server import prefill_queue_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
+from worker.server.kv_events_publisher import KVEventsPublisher
 
 if TYPE_CHECKING:
     from worker.multimodal.media import MediaPolicy
@@ -132,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--prefix-aware-transfer", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: pull only the prompt's KV blocks this worker's prefix cache lacks, and cache the "
                          "pulled ones for the next prompt with that prefix (default: on; needs prefix caching)")
+    kv.add_argument("--kv-events-config", default=None, metavar="JSON",
+                    help="publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\":true,"
+                         "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}' (default: off)")
     kv.add_argument("--etcd", default=None, help="host:port of etcd to register this worker in (optional)")
     kv.add_argument("--etcd-ttl", type=_positive, default=10, help="registration lease TTL in seconds (default 10)")
     embeds_flags.add_arguments(parser)
@@ -164,6 +169,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     except KVSecretError as exc:
         parser.error(str(exc))
     args.engine_id = args.engine_id or default_engine_id(args.port)
+    try:
+        args.kv_events = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
+    except KVEventsError as exc:
+        parser.error(str(exc))
     try:
         config = EngineConfig(model=args.model, served_model_name=args.served_model_name,
                               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -216,6 +225,8 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
     if args.drain_hands_back_streams:
         from worker.server.hand_back import HandBack
         worker.drain.hand_back = HandBack()
+    if args.kv_events is not None:
+        args.kv_events_publisher = KVEventsPublisher(args.kv_events)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain.signal)
@@ -232,6 +243,8 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
     finally:
         if puller is not None:
             await puller.stop()
+        if args.kv_events is not None:
+            args.kv_events_publisher.close()
     return worker.drain.forced
 
 
@@ -260,6 +273,11 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: 
     from worker.engine.llm_engine import LLMEngine
     from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
+    def published(engine: LLMEngine) -> LLMEngine:
+        if args.kv_events is not None:
+            args.kv_events_publisher.attach(engine)
+        return engine
+
     def build() -> LLMEngine:
         config = engine_config if role is None else replace(engine_config, role=role)
         loaded = model
@@ -268,13 +286,13 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: 
             loaded = loaded or MockModel.load(config.model, args.cost_model)
             config = loaded.with_real_capacity(config)
         if config.role == "both":
-            return LLMEngine(config, model=loaded)
+            return published(LLMEngine(config, model=loaded))
         connector = KVConnector(KVConnectorConfig(
             role=config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
             engine_id=args.engine_id, abort_timeout=args.kv_abort_timeout,
             pull_timeout=args.kv_pull_timeout, secret=args.kv_secret, integrity_check=args.kv_integrity_check))
         try:
-            return LLMEngine(config, kv_connector=connector, model=loaded)
+            return published(LLMEngine(config, kv_connector=connector, model=loaded))
         except BaseException:
             connector.close()
             raise
@@ -297,7 +315,9 @@ def worker_record(args: argparse.Namespace, engine: Any) -> Any:
                         kv_host=args.kv_host, kv_port=kv_port, engine_id=args.engine_id,
                         transfer={"backend": args.kv_transport}, model=engine.model_name,
                         kv_secret_id=secret_id(args.kv_secret) if engine.kv_connector is not None else "",
-                        dtype=engine.config.dtype, server=OUR_SERVER)
+                        dtype=engine.config.dtype, server=OUR_SERVER,
+                        kv_events=args.kv_events.connect_endpoint(args.advertise_host or args.host)
+                        if args.kv_events is not None else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,167 @@
+"""KV-aware routing against round-robin on multi-turn chats that share system prompts, over 1P2D and 2P2D.
+
+    python -m benchmarks.bench_kv_routing --json benchmarks/results/kv_routing.json     # PNG next to it
+    python -m benchmarks.bench_kv_routing --quick
+    python -m benchmarks.bench_kv_routing --trace mooncake_trace.jsonl --trace-scale 8
+
+For each topology and each routing (`--routing round_robin`, `--routing kv`) it starts the static xPyD
+stack (stack/xpyd.py: every worker publishes KV cache events) and sends the same load: chats from
+benchmarks/multiturn_load.py (`--conversations` x `--turns`, `--system-prompts` shared system texts,
+`--max-concurrency` chats at once), or a Mooncake-format trace (benchmarks/mooncake_trace.py; `--trace`
+a file, or `--synthetic-trace` one of our own). Workers are our engine, by default simulated (`--engine
+mock`: the real scheduler, prefix cache and KV transfer, the forward pass replaced by the cost model
+calibrated on this machine), so four workers and the proxy fit two cores; `--engine model` computes.
+It reports TTFT/TPOT/ITL per run, and from the KV-routed proxy's counters the prompt tokens its picked
+prefill worker held (`hit`) and the most any prefill worker held (`best`). JSON `ratios`:
+`kv_over_round_robin_ttft_p50` (the largest topology's), per topology `<topo>_kv_over_round_robin_ttft_p50`,
+and `prefix_hit_share` (hit / best over the KV-routed runs). Exit status: 0 all answered, 1 a stack
+failed, 2 bad arguments, 3 some requests failed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+from benchmarks.bench_cli import write_json
+from benchmarks.mooncake_trace import load_trace, run_trace, synthetic_trace
+from benchmarks.multiturn_load import MultiturnSpec, run_multiturn
+from benchmarks.serving_load import fetch_model, warm_up
+from benchmarks.serving_metrics import SLO, RequestResult, ratio, summarize
+from benchmarks.serving_report import format_table, plot_distributions
+from stack.serving import StackError, StackOptions
+from stack.xpyd import start_xpyd
+
+TOPOLOGIES = {"1p2d": (1, 2), "2p2d": (2, 2)}
+ROUTINGS = ("round_robin", "kv")
+MOCK = ("--engine", "mock")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_kv_routing", description=__doc__.split("\n")[0])
+    p.add_argument("--json", type=Path, help="write the report here (and the PNG next to it)")
+    p.add_argument("--quick", action="store_true", help="a short run: 8 chats of 3 turns, 2P2D only")
+    p.add_argument("--topologies", default=None, help="comma-separated of 1p2d,2p2d (default both)")
+    p.add_argument("--engine", choices=("mock", "model"), default="mock", help="simulated or computing workers")
+    p.add_argument("--conversations", type=int, default=None, help="chats (default 48, --quick 8)")
+    p.add_argument("--turns", type=int, default=None, help="turns per chat (default 6, --quick 3)")
+    p.add_argument("--system-prompts", type=int, default=4, help="shared system texts (default 4)")
+    p.add_argument("--system-chars", type=int, default=600, help="length of each system text (default 600)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="chats at once (default 12, --quick 4)")
+    p.add_argument("--trace", type=Path, help="replay this Mooncake-format trace instead of chats")
+    p.add_argument("--synthetic-trace", type=int, metavar="N", help="replay N requests of a generated trace")
+    p.add_argument("--trace-scale", type=int, default=8, help="divide trace lengths and blocks by this (default 8)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="stretch trace arrival times (default 1)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per stack (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
+    proxy = ["--routing", "kv", "--tokenizer", "builtin"] if routing == "kv" else []
+    return StackOptions(cores=(0, 1), worker_extra=MOCK if args.engine == "mock" else (),
+                        startup_timeout_s=300.0, proxy_extra=tuple(proxy))
+
+
+def route_counts(url: str) -> dict[str, float]:
+    """The KV-routed proxy's prompt / hit / best token counters (zeros for round-robin)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = dict(re.findall(r'^proxy_kv_route_tokens_total\{kind="(\w+)"\} ([0-9.e+]+)$', text, re.M))
+    return {kind: float(found.get(kind, 0.0)) for kind in ("prompt", "hit", "best")}
+
+
+async def _measure(url: str, args: argparse.Namespace) -> tuple[list[RequestResult], float, dict[str, float]]:
+    model = await fetch_model(url)
+    if args.warmup:
+        await warm_up(url, model, args.warmup)
+    before = route_counts(url)
+    if args.rows is not None:
+        results, duration = await run_trace(url, model, args.rows, scale=args.trace_scale, time_scale=args.time_scale)
+    else:
+        results, duration = await run_multiturn(url, model, args.spec)
+    after = route_counts(url)
+    return results, duration, {k: after[k] - before[k] for k in after}
+
+
+def run_all(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float, dict[str, float]]]:
+    runs = {}
+    for topo in args.topologies:
+        for routing in ROUTINGS:
+            name = f"{topo}_{routing}"
+            print(f"starting {name} ...", file=sys.stderr, flush=True)
+            with start_xpyd(stack_options(args, routing), *TOPOLOGIES[topo]) as stack:
+                runs[name] = asyncio.run(_measure(stack.url, args))
+    return runs
+
+
+def report(args: argparse.Namespace, runs: dict[str, Any], argv: Sequence[str],
+           load: tuple[float, ...], load_after: tuple[float, ...]) -> dict[str, Any]:
+    slo = SLO(2000.0, 200.0)
+    summaries = {name: summarize(results, duration, slo) for name, (results, duration, _) in runs.items()}
+    ratios: dict[str, float | None] = {}
+    for topo in args.topologies:
+        ratios[f"{topo}_kv_over_round_robin_ttft_p50"] = ratio(summaries[f"{topo}_kv"]["ttft_ms"]["p50"],
+                                                               summaries[f"{topo}_round_robin"]["ttft_ms"]["p50"])
+    ratios["kv_over_round_robin_ttft_p50"] = ratios[f"{args.topologies[-1]}_kv_over_round_robin_ttft_p50"]
+    hit = sum(runs[f"{t}_kv"][2]["hit"] for t in args.topologies)
+    best = sum(runs[f"{t}_kv"][2]["best"] for t in args.topologies)
+    ratios["prefix_hit_share"] = ratio(hit, best)
+    config = {k: v for k, v in vars(args).items() if k not in ("spec", "rows", "json", "trace")}
+    config.update(command=shlex.join(["python", "-m", "benchmarks.bench_kv_routing", *argv]),
+                  trace=str(args.trace) if args.trace else None, load_average_before=load, load_average_after=load_after)
+    out: dict[str, Any] = {"config": config, "ratios": ratios, "goals": {"kv_over_round_robin_ttft_p50": "<= 0.5",
+                                                                        "prefix_hit_share": ">= 0.9"}}
+    for name, (results, _, counts) in runs.items():
+        out[name] = {**summaries[name], "route_tokens": counts}
+    return out
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    topologies = args.topologies or ("2p2d" if args.quick else "1p2d,2p2d")
+    args.topologies = [t for t in topologies.split(",") if t]
+    if any(t not in TOPOLOGIES for t in args.topologies):
+        parser.error(f"--topologies: each one of {', '.join(TOPOLOGIES)}")
+    try:
+        args.spec = MultiturnSpec(args.conversations or (8 if args.quick else 48), args.turns or (3 if args.quick else 6),
+                                  system_chars=args.system_chars, opening_chars=(100, 200), user_chars=(40, 100),
+                                  output_len=(16, 32), max_concurrency=args.max_concurrency or (4 if args.quick else 12),
+                                  seed=args.seed, num_system_prompts=args.system_prompts)
+        args.rows = (load_trace(args.trace) if args.trace else
+                     synthetic_trace(args.synthetic_trace, 2.0, 4, 2, (2, 3), 128, args.seed)
+                     if args.synthetic_trace else None)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    load = os.getloadavg()
+    try:
+        runs = run_all(args)
+    except StackError as exc:
+        print(f"a stack failed: {exc}", file=sys.stderr)
+        return 1
+    out = report(args, runs, argv, load, os.getloadavg())
+    print(format_table({name: out[name] for name in runs}, out["ratios"]))
+    if args.json is not None:
+        write_json(args.json, out)
+        plot_distributions({name: results for name, (results, _, _) in runs.items()}, args.json.with_suffix(".png"))
+    failed = sum(not r.ok for results, _, _ in runs.values() for r in results)
+    if failed:
+        print(f"{failed} requests failed", file=sys.stderr)
+    return 3 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
