@@ -13,6 +13,9 @@ from common.openai_wire import error_body, json_bytes
 from common.request_body import DrainingRequest, request_body
 from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
 from common.timeline import PROXY, Timeline, parse_query
+from common.trace_asgi import TraceMiddleware
+from common.trace_spans import attach
+from common.tracing import Tracing
 from proxy.conditional_route import ConditionalRouter
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, HealthChecks
@@ -36,6 +39,8 @@ class ProxyState:
         self.metrics = Metrics()
         self.conditional = ConditionalRouter(config.conditional, self.metrics) if config.conditional else None
         self.timeline = Timeline(PROXY, registry=self.metrics.registry)
+        self.tracing = Tracing.start(config.otlp_traces_endpoint, "neuron-di-proxy")
+        attach(self.tracing, self.timeline)
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
                                    self.conditional, self.timeline)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
@@ -71,6 +76,8 @@ class ProxyState:
                 await task
         await asyncio.gather(*(client.close() for client in self._clients.values()))
         self._clients.clear()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def create_app(config: ProxyConfig) -> Quart:
@@ -81,6 +88,8 @@ def create_app(config: ProxyConfig) -> Quart:
     app.config["PROXY_STATE"] = state
     app.before_serving(state.start)
     app.after_serving(state.stop)
+    if state.tracing is not None:
+        app.asgi_app = TraceMiddleware(app.asgi_app, state.tracing, PROXY)  # type: ignore[method-assign]
 
     @app.post("/v1/completions")
     async def completions() -> Response:

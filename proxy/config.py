@@ -40,6 +40,7 @@ class ProxyConfig:
     shutdown_grace: float = 5.0  # seconds streams may run on after SIGTERM before they end with an error
     strategy: str = DEFAULT_STRATEGY  # the flow of disaggregated requests to kv_protocol "neuron" workers
     conditional: ConditionalConfig | None = None
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP endpoint of trace spans (common/tracing.py); None: off
 
     @property
     def colocated(self) -> bool:
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health check may take (default 2)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds streams may run on after SIGTERM; then they end with an error event (default 5)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry trace spans to this OTLP/HTTP endpoint, e.g. "
+                        "http://127.0.0.1:4318/v1/traces (default: no tracing)")
     cond = p.add_argument_group("conditional disaggregation (di mode)")
     cond.add_argument("--conditional-disaggregation", action="store_true",
                       help="prefill a prompt on a prefill worker only when its part the decode worker has not cached "
@@ -132,7 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        timeouts=Timeouts(args.connect_timeout, args.read_timeout),
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        shutdown_grace=args.shutdown_grace,
-                       strategy=args.disaggregation_strategy, conditional=_conditional(args))
+                       strategy=args.disaggregation_strategy, conditional=_conditional(args),
+                       otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _conditional(args: argparse.Namespace) -> ConditionalConfig | None:
