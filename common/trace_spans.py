@@ -5,6 +5,7 @@ Each process has a root span per request (`proxy.request`, `prefill.request`, `d
 request, from common/trace_asgi.py) and under it the spans of `SPANS`, each from one phase to another:
 
     proxy.request                 the client's request (parent: the client's traceparent, if it sent one)
+      proxy.route                 the request taken in -> its first leg sent (workers picked, legs built)
       proxy.prefill_leg           prefill leg sent -> its answer (the first token)
         prefill.request           the prefill worker's HTTP request (parent: the leg's traceparent header)
           prefill.queue           arrived -> admitted to the engine
@@ -38,9 +39,10 @@ from common.tracing import Tracing, context_from, headers
 REQUEST = "request"       # a worker's pseudo-phase: the HTTP request arrived (the root span starts)
 RESPONDED = "responded"   # a worker's pseudo-phase: the last byte of its answer went out (the root span ends)
 
-# source -> span name -> (start phase, end phase); the phases are the timeline's.
-SPANS: dict[str, dict[str, tuple[str, str]]] = {
-    tl.PROXY: {"prefill_leg": (tl.PREFILL_SENT, tl.PREFILL_ANSWERED), "decode_leg": (tl.DECODE_SENT, tl.DONE)},
+# source -> span name -> (start phase, end phase or phases: the first of them ends it); the timeline's phases.
+SPANS: dict[str, dict[str, tuple[str, str | tuple[str, ...]]]] = {
+    tl.PROXY: {"route": (tl.RECEIVED, (tl.PREFILL_SENT, tl.DECODE_SENT)),
+               "prefill_leg": (tl.PREFILL_SENT, tl.PREFILL_ANSWERED), "decode_leg": (tl.DECODE_SENT, tl.DONE)},
     tl.PREFILL: {"queue": (REQUEST, tl.ADMITTED), "prefill": (tl.ADMITTED, tl.PUBLISHED),
                  "published": (tl.PUBLISHED, tl.PUSH_STARTED), "push": (tl.PUSH_STARTED, tl.PUSH_DONE)},
     tl.DECODE: {"admission": (REQUEST, tl.ADMITTED), "pull": (tl.PULL_STARTED, tl.LOOKUP_ANSWERED),
@@ -72,7 +74,8 @@ class PhaseSpans:
     def __init__(self, tracing: Tracing, source: str, capacity: int = 1024) -> None:
         self.tracing = tracing
         self.source = source
-        self._table = SPANS[source]
+        self._table = {name: (start, (end,) if isinstance(end, str) else end)
+                       for name, (start, end) in SPANS[source].items()}
         self._capacity = capacity
         self._requests: OrderedDict[str, _Request] = OrderedDict()
         self._lock = threading.Lock()
@@ -109,8 +112,8 @@ class PhaseSpans:
                 if not any(start == phase for start, _ in self._table.values()):
                     return
                 request = self._request(uid)
-            ending = [(name, request.spans.pop(name)) for name, (_, end) in self._table.items()
-                      if end == phase and name in request.spans]
+            ending = [(name, request.spans.pop(name)) for name, (_, ends) in self._table.items()
+                      if phase in ends and name in request.spans]
             starting = [name for name, (start, _) in self._table.items() if start == phase]
             for name in starting:
                 parent = request.remote.get(name, request.parent)
@@ -123,7 +126,7 @@ class PhaseSpans:
                 del self._requests[uid]
             error = request.error
         for name, span in ending:
-            if error is not None or (last and self._table[name][1] != phase):
+            if error is not None or (last and phase not in self._table[name][1]):
                 span.set_status(StatusCode.ERROR, error or f"ended at {phase}")
             span.end(end_time=_ns(at))
 
