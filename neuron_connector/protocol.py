@@ -10,7 +10,8 @@ out-of-order replies), or `"status": "error"` for an `ErrorReply`.
                                                   server nonce) | ErrorReply (engine_id_in_use)
     KVMapInit (D's layout + descriptor, proof)  KVMapReply (agreed layout, proof) | ErrorReply
     LookupAll (request id, D's block ids,       LookupReply | ErrorReply
-      blocks D skips: its cached prefix)
+      blocks D skips: its cached prefix,
+      traceparent of its pull span if traced)
     Release (request id: D's request is gone)   no reply
                                                 Probe (is this session's peer still there?)
 
