@@ -69,13 +69,18 @@ class _Request:
 
 
 class PhaseSpans:
-    """Turns one process's timeline phases into spans (a timeline listener: `Timeline.listener`)."""
+    """Turns one process's timeline phases into spans (a timeline listener: `Timeline.listener`).
 
-    def __init__(self, tracing: Tracing, source: str, capacity: int = 1024) -> None:
+    `http=False`: a process that does not see the request's HTTP (NeuronConnector inside `vllm serve`):
+    no spans from or to REQUEST and RESPONDED; a decode request is done here at its first step."""
+
+    def __init__(self, tracing: Tracing, source: str, capacity: int = 1024, http: bool = True) -> None:
         self.tracing = tracing
         self.source = source
         self._table = {name: (start, (end,) if isinstance(end, str) else end)
-                       for name, (start, end) in SPANS[source].items()}
+                       for name, (start, end) in SPANS[source].items()
+                       if http or not {start, end} & {REQUEST, RESPONDED}}
+        self._last = LAST[source] if http or source != tl.DECODE else tl.FIRST_STEP
         self._capacity = capacity
         self._requests: OrderedDict[str, _Request] = OrderedDict()
         self._lock = threading.Lock()
@@ -85,6 +90,12 @@ class PhaseSpans:
         with self._lock:
             self._request(uid).parent = trace.set_span_in_context(root)
         self.phase(uid, REQUEST, at)
+
+    def adopt(self, uid: str, traceparent: str | None) -> None:
+        """`uid`'s spans here go under the span `traceparent` names (no root span of ours)."""
+        if traceparent:
+            with self._lock:
+                self._request(uid).parent = context_from({"traceparent": traceparent})
 
     def join(self, uid: str, span: str, traceparent: str | None) -> None:
         """`span` of `uid` has its parent in another process, named by `traceparent`."""
@@ -119,7 +130,7 @@ class PhaseSpans:
                 parent = request.remote.get(name, request.parent)
                 request.spans[name] = self.tracing.tracer.start_span(f"{self.source}.{name}", context=parent,
                                                                      start_time=_ns(at))
-            last = phase == LAST[self.source]
+            last = phase == self._last
             if last:
                 ending += list(request.spans.items())
                 request.spans.clear()
@@ -145,12 +156,12 @@ class PhaseSpans:
         return request
 
 
-def attach(tracing: Tracing | None, timeline: tl.Timeline | None) -> PhaseSpans | None:
+def attach(tracing: Tracing | None, timeline: tl.Timeline | None, http: bool = True) -> PhaseSpans | None:
     """Traces `timeline`'s requests (once; None when tracing is off or there is no timeline)."""
     if tracing is None or timeline is None:
         return None
     if not isinstance(timeline.listener, PhaseSpans):
-        timeline.listener = PhaseSpans(tracing, timeline.source)
+        timeline.listener = PhaseSpans(tracing, timeline.source, http=http)
         tracing.export_counts(timeline.registry)
     return timeline.listener
 

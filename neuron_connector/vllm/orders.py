@@ -73,6 +73,7 @@ class StepOrders:
     prefill: list[RemotePrefill] = field(default_factory=list)
     release: list[Release] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)      # for the worker side's timeline
+    traced: dict[str, str] = field(default_factory=dict)  # uid -> the traceparent its HTTP request carried
     idle: bool = False                                   # the step runs no tokens
 
 
