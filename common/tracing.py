@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import Iterator, Mapping, Sequence
 
+from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -155,6 +156,11 @@ def headers(context: Context) -> dict[str, str]:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context)
     return carrier
+
+
+def current_headers() -> dict[str, str]:
+    """The trace-context headers naming the span current here (none when nothing is traced)."""
+    return headers(otel_context.get_current())
 
 
 def context_from(carrier: Mapping[str, str]) -> Context:

@@ -130,3 +130,22 @@ def test_a_collector_unreachable_or_late_drops_and_counts_spans_and_requests_go_
         finally:
             for proxy in proxies:
                 proxy.process.stop()
+
+
+def test_decode_first_the_decode_workers_prefill_leg_joins_the_trace(traced: Traced) -> None:
+    proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(traced.prefill.port),
+                         "--prefill-kv-port", str(traced.prefill.kv_port), "--decode-ip", "127.0.0.1",
+                         "--decode-port", str(traced.decode.port), "--disaggregation-strategy", "decode_first",
+                         "--otlp-traces-endpoint", traced.receiver.endpoint])
+    try:
+        trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+        assert streamed(proxy.url, {"traceparent": f"00-{trace_id}-{client_span}-01"})
+        wanted = {"proxy.request", "proxy.decode_leg", "decode.request", "prefill.request", "prefill.push"}
+        wait_until(lambda: wanted <= {s.name for s in traced.receiver.spans(trace_id)}, timeout=20.0)
+        by_name = {s.name: s for s in traced.receiver.spans(trace_id)}
+        assert "proxy.prefill_leg" not in by_name   # the decode worker sends the prefill leg itself
+        assert by_name["decode.request"].parent_id == by_name["proxy.decode_leg"].span_id
+        assert by_name["prefill.request"].parent_id == by_name["decode.request"].span_id
+        assert by_name["prefill.push"].parent_id == by_name["decode.pull"].span_id
+    finally:
+        proxy.process.stop()
