@@ -16,6 +16,8 @@ last N); `examples/timeline.py` merges them by uid. A record:
      "error": null}
 
 `tokens` (proxy only, streamed answers): when each token's chunk reached the proxy.
+
+With tracing on, the timeline's `listener` (common/trace_spans.py) turns the phases into trace spans.
 """
 from __future__ import annotations
 
