@@ -29,6 +29,7 @@ PARENTS = {
 # The phase spans (not the legs nor the requests): with each leg's time on the wire (the leg's span outside
 # its worker's request span) they should account for the client's whole wait.
 PHASES = [name for name in PARENTS if not name.endswith((".request", "_leg"))]
+REQUESTS = 2  # per proxy, against a failing collector
 LEGS = {"proxy.prefill_leg": "prefill.request", "proxy.decode_leg": "decode.request"}
 
 
@@ -124,11 +125,12 @@ def test_a_collector_unreachable_or_late_drops_and_counts_spans_and_requests_go_
             for proxy in proxies:
                 wait_healthy(f"{proxy.url}/health", [proxy.process], 30)
             expected = streamed(traced.proxy.url)
-            for _ in range(2):
+            for _ in range(REQUESTS):
                 for proxy in proxies:
                     assert streamed(proxy.url) == expected
             for proxy in proxies:
-                wait_until(lambda: metric(proxy.url, "neuron_di_trace_spans_dropped_total") >= 1, timeout=20.0)
+                wait_until(lambda: metric(proxy.url, "neuron_di_trace_spans_dropped_total") == 4 * REQUESTS,
+                           timeout=20.0)  # each request's proxy.request, proxy.route and two leg spans
                 assert metric(proxy.url, "neuron_di_trace_spans_exported_total") == 0
         finally:
             for proxy in proxies:
