@@ -52,12 +52,20 @@ class TraceMiddleware:
             if message.get("type") == "http.response.start":
                 root.set_attribute("http.response.status_code", message["status"])
                 if message["status"] >= 400:
-                    root.set_status(StatusCode.ERROR, f"HTTP {message['status']}")
+                    failed(f"HTTP {message['status']}")
             await send(message)
+
+        def failed(why: str) -> None:
+            root.set_status(StatusCode.ERROR, why)
+            if spans is not None and uid is not None:
+                spans.fail(uid, why)
 
         token = otel_context.attach(trace.set_span_in_context(root))
         try:
             await self.app(scope, receive, traced_send)
+        except BaseException as exc:  # the client left, or the server stops
+            failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            raise
         finally:
             otel_context.detach(token)
             end = time.time()

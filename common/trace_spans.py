@@ -130,7 +130,8 @@ class PhaseSpans:
                 parent = request.remote.get(name, request.parent)
                 request.spans[name] = self.tracing.tracer.start_span(f"{self.source}.{name}", context=parent,
                                                                      start_time=_ns(at))
-            last = phase == self._last
+            # A request that failed here is done when its answer is (a prefill leg that never published).
+            last = phase == self._last or (phase == RESPONDED and request.error is not None)
             if last:
                 ending += list(request.spans.items())
                 request.spans.clear()

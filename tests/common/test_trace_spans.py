@@ -79,3 +79,22 @@ def test_spans_an_unreachable_endpoint_cannot_take_are_dropped_and_counted() -> 
 def test_tracing_is_off_without_an_endpoint() -> None:
     assert Tracing.start(None, "x") is None and Tracing.start("", "x") is None
     assert attach(None, tl.Timeline(tl.PROXY)) is None
+
+
+def test_a_prefill_leg_that_fails_before_it_publishes_ends_its_spans_with_its_answer(receiver: OTLPReceiver) -> None:
+    tracing = Tracing(receiver.endpoint, "test-prefill")
+    spans = attach(tracing, tl.Timeline(tl.PREFILL))
+    assert spans is not None
+    root = tracing.tracer.start_span("prefill.request")
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    spans.begin("u4", root, 10.0)
+    spans.phase("u4", tl.ADMITTED, 11.0)
+    spans.fail("u4", "HTTP 500")
+    spans.phase("u4", RESPONDED, 12.0)
+    root.end()
+    tracing.flush()
+    got = {s.name: s for s in receiver.spans(trace_id)}
+    assert not got["prefill.queue"].error
+    assert got["prefill.prefill"].error and got["prefill.prefill"].end_ns == 12 * 10**9
+    assert spans.headers("u4", "prefill") == {}
+    tracing.shutdown()
