@@ -27,7 +27,8 @@ PARENTS = {"proxy.prefill_leg": "proxy.request", "proxy.decode_leg": "proxy.requ
 
 @pytest.fixture(scope="module")
 def traced() -> Iterator[tuple[Stack, OTLPReceiver]]:
-    with OTLPReceiver() as receiver:
+    with OTLPReceiver() as receiver, pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")  # vLLM's own spans: OTLP/HTTP too
         flags = ("--otlp-traces-endpoint", receiver.endpoint)
         with start_neuron_1p1d(dataclasses.replace(OPTIONS, extra_args=flags, proxy_extra=flags)) as stack:
             yield stack, receiver
@@ -43,7 +44,8 @@ def test_vllm_and_its_connector_join_the_proxys_trace(traced: tuple[Stack, OTLPR
         assert reply.status_code == 200
         reply.read()
     wanted = {"proxy.request", "llm_request", *PARENTS}
-    wait_until(lambda: wanted <= {s.name for s in receiver.spans(trace_id)}, timeout=30.0)
+    wait_until(lambda: wanted <= {s.name for s in receiver.spans(trace_id)}, timeout=30.0,
+               what=f"{wanted} in the trace; all spans received: {sorted((s.name, s.trace_id) for s in receiver.spans())}")
     spans = receiver.spans(trace_id)
     by_name = {s.name: s for s in spans}
     for name, parent in PARENTS.items():
