@@ -44,8 +44,11 @@ def test_vllm_and_its_connector_join_the_proxys_trace(traced: tuple[Stack, OTLPR
         assert reply.status_code == 200
         reply.read()
     wanted = {"proxy.request", "llm_request", *PARENTS}
-    wait_until(lambda: wanted <= {s.name for s in receiver.spans(trace_id)}, timeout=30.0,
-               what=f"{wanted} in the trace; all spans received: {sorted((s.name, s.trace_id) for s in receiver.spans())}")
+    try:
+        wait_until(lambda: wanted <= {s.name for s in receiver.spans(trace_id)}, timeout=30.0)
+    except AssertionError:
+        got = sorted((s.name, s.service, s.trace_id == trace_id) for s in receiver.spans())
+        raise AssertionError(f"missing {wanted - {s.name for s in receiver.spans(trace_id)}}; received {got}")
     spans = receiver.spans(trace_id)
     by_name = {s.name: s for s in spans}
     for name, parent in PARENTS.items():
