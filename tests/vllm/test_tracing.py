@@ -45,7 +45,8 @@ def test_vllm_and_its_connector_join_the_proxys_trace(traced: tuple[Stack, OTLPR
         reply.read()
     wanted = {"proxy.request", "llm_request", *PARENTS}
     try:
-        wait_until(lambda: wanted <= {s.name for s in receiver.spans(trace_id)}, timeout=30.0)
+        wait_until(lambda: wanted <= {s.name for s in receiver.spans(trace_id)}
+                   and sum(s.name == "llm_request" for s in receiver.spans(trace_id)) == 2, timeout=30.0)
     except AssertionError:
         got = sorted((s.name, s.service, s.trace_id == trace_id) for s in receiver.spans())
         raise AssertionError(f"missing {wanted - {s.name for s in receiver.spans(trace_id)}}; received {got}")
