@@ -6,6 +6,7 @@
     python -m benchmarks.bench_serving --compare-transports --json out/transports.json
     python -m benchmarks.bench_serving --workload multiturn --json out/multiturn.json
     python -m benchmarks.bench_serving --compare-conditional --json out/conditional.json
+    python -m benchmarks.bench_serving --compare-tracing --quick     # tracing off vs on (tracing_overhead.py)
 
 Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
 (or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
@@ -56,6 +57,7 @@ from benchmarks.serving_load import LoadError, LoadSpec, SyntheticRequest, fetch
 from benchmarks.serving_metrics import SLO, RequestResult, ratio, summarize
 from benchmarks.serving_mixed import MIXED_DEFAULTS, MIXED_SYSTEMS, MixedWorkload, mixed_ratios, mixed_starters, mixed_sweep
 from benchmarks.sweep_rules import parse_rates
+from benchmarks.tracing_overhead import TRACING_DEFAULTS, TRACING_RATIOS, run_tracing_compare, tracing_ratios
 from benchmarks.serving_report import format_sweep_summary, format_sweep_system, format_table, plot_distributions, plot_sweep
 from stack.serving import StackError, StackOptions, start_colocated, start_di
 
@@ -71,7 +73,7 @@ TRANSPORT_RATIOS = {"tcp_ttft_p50_ratio": ("ttft_ms", "p50"), "tcp_e2e_p50_ratio
 TRANSPORTS = ("shm", "tcp")
 # --workload multiturn: 16 chats of 6 turns, 4 at once (--quick: 4 of 3).
 MULTITURN_DEFAULTS = {"conversations": (16, 4), "turns": (6, 3), "max_concurrency": (4, 4)}
-MODES = "--target, --compare, --compare-transports, --compare-conditional or --workload multiturn"
+MODES = "--target, --compare, --compare-transports, --compare-conditional, --compare-tracing or --workload multiturn"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--compare", action="store_true", help="start DI 1P1D and colocated stacks and compare them")
     what.add_argument("--compare-transports", action="store_true",
                       help="start the DI 1P1D stack over shm, then over tcp, and compare them")
+    what.add_argument("--compare-tracing", action="store_true",
+                      help="the DI stack untraced and traced (OTLP), same load in alternating rounds")
     what.add_argument("--compare-conditional", action="store_true",
                       help="the mixed workload against conditional disaggregation, always-disaggregate and colocated")
     load = p.add_argument_group("load")
@@ -129,12 +133,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     multiturn = args.workload == "multiturn"
-    if multiturn and (args.compare or args.compare_transports or args.compare_conditional):
+    if multiturn and (args.compare or args.compare_transports or args.compare_conditional or args.compare_tracing):
         parser.error("--workload multiturn runs against --target or on its own DI stacks, not with --compare*")
-    if not (multiturn or args.target or args.compare or args.compare_transports or args.compare_conditional):
+    if not (multiturn or args.target or args.compare or args.compare_transports or args.compare_conditional
+            or args.compare_tracing):
         parser.error(f"choose one of {MODES}")
     fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {}),
-                         **(MULTITURN_DEFAULTS if multiturn else {}),
+                         **(MULTITURN_DEFAULTS if multiturn else {}), **(TRACING_DEFAULTS if args.compare_tracing else {}),
                          **(MIXED_DEFAULTS if args.compare_conditional else {})})
     try:
         args.multiturn = multiturn_spec(args) if multiturn else None
@@ -191,6 +196,9 @@ def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]
         return {"target": asyncio.run(measure(args.target, args, requests))}
     options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout, threads=args.threads)
     stacks = [("di", start_di, options), ("colocated", start_colocated, options)]
+    if args.compare_tracing:
+        runs, args.spans_received = run_tracing_compare(args, requests, options, measure)
+        return runs
     if args.compare_transports:
         stacks = [(name, start_di, replace(options, kv_transport=name)) for name in TRANSPORTS]
     runs: dict[str, tuple[list[RequestResult], float]] = {}
@@ -223,9 +231,12 @@ def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], 
         if top in summaries:
             ratios.update({name: ratio(summaries[top][key][stat], summaries[bottom][key][stat])
                            for name, (key, stat) in table.items()})
-    config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "multiturn")}
+    ratios.update(tracing_ratios(summaries))
+    config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "multiturn", "spans_received")}
     config["command"] = shlex.join(["python", "-m", "benchmarks.bench_serving", *argv])
     out: dict[str, Any] = {"config": config, **ratios}
+    if hasattr(args, "spans_received"):  # --compare-tracing: what the traced stack exported
+        out["spans_received"] = args.spans_received
     for name, (results, _) in runs.items():
         out[name] = {**summaries[name], "requests": [_request_record(r) for r in results]}
     return out
@@ -293,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted("bench_serving.py")
     out = report(args, runs, argv)
-    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in {**RATIOS, **TRANSPORT_RATIOS} if k in out}))
+    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in {**RATIOS, **TRANSPORT_RATIOS, **TRACING_RATIOS} if k in out}))
     if args.multiturn and not args.target:
         prefix = prefix_report(prefix_runs)
         for name, kv in prefix.pop("kv").items():

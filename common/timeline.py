@@ -16,6 +16,8 @@ last N); `examples/timeline.py` merges them by uid. A record:
      "error": null}
 
 `tokens` (proxy only, streamed answers): when each token's chunk reached the proxy.
+
+With tracing on, the timeline's `listener` (common/trace_spans.py) turns the phases into trace spans.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -66,6 +68,14 @@ TOKEN_SPANS = ("time_to_first_token", "largest_gap")
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class PhaseListener(Protocol):
+    """Told of every phase as it is marked (common/trace_spans.py turns them into trace spans)."""
+
+    def phase(self, uid: str, phase: str, at: float) -> None: ...
+
+    def fail(self, uid: str, error: str) -> None: ...
+
+
 @dataclass(slots=True)
 class _Record:
     uid: str
@@ -88,6 +98,7 @@ class Timeline:
         self._records: OrderedDict[str, _Record] = OrderedDict()
         self._lock = threading.Lock()
         self._spans = SPANS[source]
+        self.listener: PhaseListener | None = None
         self._histogram = Histogram("neuron_di_timeline_seconds", "Time between two phases of disaggregated "
                                     "requests in this process, by span (common/timeline.py)", ["span"],
                                     buckets=_BUCKETS, registry=self.registry)
@@ -106,6 +117,8 @@ class Timeline:
                         if end == phase and start in record.phases]
         for span, seconds in observed:
             self._histogram.labels(span).observe(max(0.0, seconds))
+        if self.listener is not None:
+            self.listener.phase(uid, phase, at)
 
     def token(self, uid: str, at: float | None = None) -> None:
         """One token of `uid`'s streamed answer reached the proxy."""
@@ -126,6 +139,8 @@ class Timeline:
             if error is not None and record.error is None:
                 record.error = error
             tokens = list(record.tokens)
+        if error is not None and self.listener is not None:
+            self.listener.fail(uid, error)
         if self.source == PROXY:
             self.mark(uid, DONE, now)
             if len(tokens) > 1:
@@ -137,6 +152,8 @@ class Timeline:
             record = self._record(uid)
             if record.error is None:
                 record.error = error
+        if self.listener is not None:
+            self.listener.fail(uid, error)
 
     def get(self, uid: str) -> dict[str, Any] | None:
         with self._lock:

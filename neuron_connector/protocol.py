@@ -10,7 +10,8 @@ out-of-order replies), or `"status": "error"` for an `ErrorReply`.
                                                   server nonce) | ErrorReply (engine_id_in_use)
     KVMapInit (D's layout + descriptor, proof)  KVMapReply (agreed layout, proof) | ErrorReply
     LookupAll (request id, D's block ids,       LookupReply | ErrorReply
-      blocks D skips: its cached prefix)
+      blocks D skips: its cached prefix,
+      traceparent of its pull span if traced)
     Release (request id: D's request is gone)   no reply
                                                 Probe (is this session's peer still there?)
 
@@ -141,7 +142,7 @@ class LookupAll:
     `skipped_blocks`: how many leading blocks of the request D holds already (its prefix
     cache); D's block ids receive the blocks after them, so the two must add up to P's count.
     Without it P sends its last len(block ids) blocks, which is the same for a sender that
-    ignores the field."""
+    ignores the field. `traceparent`: D's pull span (W3C trace context), the parent of P's push span."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
@@ -149,6 +150,7 @@ class LookupAll:
     timeout_s: float | None = None
     checksum: str | None = None
     skipped_blocks: int | None = None
+    traceparent: str | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
@@ -159,6 +161,8 @@ class LookupAll:
             obj["checksum"] = self.checksum
         if self.skipped_blocks is not None:
             obj["skipped_blocks"] = self.skipped_blocks
+        if self.traceparent is not None:
+            obj["traceparent"] = self.traceparent
         return _dump(obj)
 
     @classmethod
@@ -175,7 +179,7 @@ class LookupAll:
         return cls(request_id=_request_id(obj),
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
                    timeout_s=None if timeout is None else float(timeout), checksum=checksum,
-                   skipped_blocks=skipped)
+                   skipped_blocks=skipped, traceparent=_get(obj, "traceparent", str, None))
 
 
 @dataclass(frozen=True, slots=True)

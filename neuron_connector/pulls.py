@@ -67,6 +67,7 @@ class _Pull:
     backoff: float
     engine_id: str | None = None        # the prefill engine expected at `peer`; None: any
     skipped: int | None = None          # leading blocks we hold already (LookupAll.skipped_blocks)
+    traceparent: str | None = None      # the pull's trace span (LookupAll.traceparent)
     sent_at: float | None = None        # set while a lookup is outstanding
     result: PullStatus = PENDING
     cancelled: bool = False
@@ -90,12 +91,12 @@ class PullTracker:
         self._releases: list[tuple[str, str]] = []  # (peer, request id) to tell that peer
 
     def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float,
-            engine_id: str | None = None, skipped: int | None = None) -> None:
+            engine_id: str | None = None, skipped: int | None = None, traceparent: str | None = None) -> None:
         """`dst`: our blocks for the request's blocks after the first `skipped` (None: its last len(dst))."""
         if request_id in self._pulls:
             raise DuplicateRequest(f"a pull of request {request_id!r} is already registered")
         self._pulls[request_id] = _Pull(request_id, peer, tuple(dst), deadline, now, self.first_backoff,
-                                        engine_id, skipped)
+                                        engine_id, skipped, traceparent)
 
     def due(self, now: float, ready_peers: set[str]) -> list[tuple[str, LookupAll]]:
         """(peer, lookup) pairs to send now; marks them outstanding."""
@@ -113,7 +114,8 @@ class PullTracker:
                 continue
             pull.sent_at = now
             left = max(pull.deadline - now, 0.001)
-            out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3), self.checksum, pull.skipped)))
+            out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3), self.checksum, pull.skipped,
+                                             pull.traceparent)))
         return out
 
     def take_stale_peers(self) -> list[str]:

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from common.timeline import LOOKUP_ANSWERED, PULL_STARTED, Timeline
+from common.trace_spans import LOOKUP_SPAN, spans_of
+from common.tracing import TRACEPARENT
 from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
 from neuron_connector.peer_link import LinkState, PeerLink
@@ -116,10 +118,12 @@ class RecvBuffer:
         address = self.maybe_setup_buffer(peer_host, peer_kv_port)
         now = time.monotonic()
         timeout = self.default_timeout if deadline_s is None else deadline_s
+        self.timeline.mark(request_id, PULL_STARTED)  # first: a traced pull's span is open for its lookup to name
+        spans = spans_of(self.timeline)
+        traceparent = spans.headers(request_id, LOOKUP_SPAN).get(TRACEPARENT) if spans is not None else None
         with self._lock:
             self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id,
-                            skipped_blocks)
-        self.timeline.mark(request_id, PULL_STARTED)
+                            skipped_blocks, traceparent)
         self._service.wake()
 
     def poll(self, request_id: str) -> PullStatus:

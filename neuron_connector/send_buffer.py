@@ -7,6 +7,7 @@ import time
 from typing import Any, Callable
 
 from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
+from common.trace_spans import PUSH_SPAN, spans_of
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
@@ -313,6 +314,8 @@ class SendBuffer:
         if isinstance(decision, InProgress):
             return None
         timeout = min(self.transfer_timeout, message.timeout_s or self.transfer_timeout)
+        if (spans := spans_of(self.timeline)) is not None:
+            spans.join(rid, PUSH_SPAN, message.traceparent)  # the push goes under the decode worker's pull
         return self._start(rid, peer, decision, timeout, message.checksum is not None)
 
     def _release(self, identity: bytes, rid: str) -> None:

@@ -13,6 +13,9 @@ from common.openai_wire import error_body, json_bytes
 from common.request_body import DrainingRequest, request_body
 from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
 from common.timeline import PROXY, Timeline, parse_query
+from common.trace_asgi import TraceMiddleware
+from common.trace_spans import attach
+from common.tracing import Tracing
 from proxy.conditional_route import ConditionalRouter
 from proxy.config import ProxyConfig
 from proxy.discovery import EtcdDiscovery, HealthChecks
@@ -43,6 +46,8 @@ class ProxyState:
                                              self.kv.indexes if self.kv else None) if config.conditional else None
         self.timeline = Timeline(PROXY, registry=self.metrics.registry)
         self.prefill_queue = PrefillQueue(config.prefill_queue, self.metrics) if config.prefill_queue else None
+        self.tracing = Tracing.start(config.otlp_traces_endpoint, "neuron-di-proxy")
+        attach(self.tracing, self.timeline)
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
                                    self.conditional, self.timeline, self.prefill_queue, config.resume_streams,
                                    self.kv)
@@ -87,6 +92,8 @@ class ProxyState:
             await self.prefill_queue.stop()
         await asyncio.gather(*(client.close() for client in self._clients.values()))
         self._clients.clear()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def create_app(config: ProxyConfig) -> Quart:
@@ -97,6 +104,8 @@ def create_app(config: ProxyConfig) -> Quart:
     app.config["PROXY_STATE"] = state
     app.before_serving(state.start)
     app.after_serving(state.stop)
+    if state.tracing is not None:
+        app.asgi_app = TraceMiddleware(app.asgi_app, state.tracing, PROXY)  # type: ignore[method-assign]
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -45,6 +45,7 @@ class ProxyConfig:
     prefill_queue: str | None = None  # nats://HOST:PORT of the global prefill queue; None: prefill legs over HTTP
     resume_streams: bool = False  # a stream whose decode worker is lost goes on on another (proxy/stream_moves.py)
     kv_routing: kv_route.KVRoutingConfig | None = None   # --routing kv (proxy/kv_route.py); None: round-robin
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP endpoint of trace spans (common/tracing.py); None: off
 
     @property
     def colocated(self) -> bool:
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-streams", action="store_true",
                    help="a streamed answer whose decode worker dies or hands it back (drain) goes on on another "
                         "decode worker from the tokens already sent (our workers)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry trace spans to this OTLP/HTTP endpoint, e.g. "
+                        "http://127.0.0.1:4318/v1/traces (default: no tracing)")
     cond = p.add_argument_group("conditional disaggregation (di mode)")
     cond.add_argument("--conditional-disaggregation", action="store_true",
                       help="prefill a prompt on a prefill worker only when its part the decode worker has not cached "
@@ -147,7 +151,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        shutdown_grace=args.shutdown_grace,
                        strategy=args.disaggregation_strategy, conditional=_conditional(args),
                        prefill_queue=_prefill_queue(args), resume_streams=args.resume_streams,
-                       kv_routing=kv_route.routing_config(args, load_tokenizer))
+                       kv_routing=kv_route.routing_config(args, load_tokenizer),
+                       otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _prefill_queue(args: argparse.Namespace) -> str | None:

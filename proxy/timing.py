@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from common.timeline import DECODE_FIRST, DECODE_SENT, PREFILL_ANSWERED, PREFILL_SENT, Timeline
+from common.trace_spans import LEG_SPAN, spans_of
 from proxy.metrics import Metrics
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -40,10 +41,12 @@ class AnswerTimer:
 
 
 def leg_sent(timeline: Timeline, role: str, headers: dict[str, str]) -> None:
-    """A prefill or decode leg of a disaggregated request went out."""
+    """A prefill or decode leg of a disaggregated request went out (traced: its traceparent joins `headers`)."""
     uid = headers.get(REQUEST_ID_HEADER)
     if uid is not None and role in _SENT:
         timeline.mark(uid, _SENT[role])
+        if (spans := spans_of(timeline)) is not None:
+            headers.update(spans.headers(uid, LEG_SPAN[role]))
 
 
 def leg_answered(timeline: Timeline, role: str, headers: dict[str, str]) -> None:

@@ -27,6 +27,7 @@ class VllmOptions:
     kv_transport: str = "auto"             # NeuronConnector's transport
     extra_config: dict[str, Any] = field(default_factory=dict)   # more NeuronConnector settings
     extra_args: tuple[str, ...] = ()       # more `vllm serve` flags for every server
+    proxy_extra: tuple[str, ...] = ()      # more flags for our proxy
     startup_timeout_s: float = 300.0
     dtype: str = "float32"                 # vLLM's --dtype
 
@@ -73,7 +74,7 @@ def wait_servers(stack: Stack, options: VllmOptions) -> None:
 
 
 def _proxy(stack: Stack, options: VllmOptions, args: list[str]) -> None:
-    start_proxy(stack, args, StackOptions(startup_timeout_s=options.startup_timeout_s))
+    start_proxy(stack, args, StackOptions(startup_timeout_s=options.startup_timeout_s, proxy_extra=options.proxy_extra))
 
 
 def start_colocated(options: VllmOptions, proxied: bool = False) -> Stack:

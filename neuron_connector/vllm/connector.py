@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from common.kv_events import KVEventsConfig
+from common.tracing import Tracing
 from neuron_connector.vllm.config import NeuronConnectorConfig
 from neuron_connector.vllm.orders import Scheduled, StepOrders
 from neuron_connector.vllm.plan import SchedulerPlan
@@ -77,7 +78,9 @@ class NeuronConnector(KVConnectorBase_V1):
         self._plan = (SchedulerPlan(self.config.role, block_size, model)
                       if role == KVConnectorRole.SCHEDULER else None)
         self._plane: Plane | None = None   # the scheduler side's copy of the worker side's address
-        self._worker = WorkerSide(self.config, model) if role == KVConnectorRole.WORKER else None
+        tracing = Tracing.start(vllm_config.observability_config.otlp_traces_endpoint,
+                                f"neuron-di-{self.config.role}-connector") if role == KVConnectorRole.WORKER else None
+        self._worker = WorkerSide(self.config, model, tracing) if role == KVConnectorRole.WORKER else None
 
     # ---- scheduler side -----------------------------------------------------------------
 
@@ -86,6 +89,7 @@ class NeuronConnector(KVConnectorBase_V1):
         count = self._plan.matched_tokens(request.request_id, request.kv_transfer_params,
                                           request.num_prompt_tokens, num_computed_tokens,
                                           request.prompt_token_ids)
+        self._plan.traced(request.request_id, request.trace_headers)
         return count, count > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

@@ -74,6 +74,7 @@ class StepOrders:
     release: list[Release] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)      # for the worker side's timeline
     expect: list[tuple[str, str]] = field(default_factory=list)   # (uid, the decode engine that will pull it)
+    traced: dict[str, str] = field(default_factory=dict)  # uid -> the traceparent its HTTP request carried
     idle: bool = False                                   # the step runs no tokens
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from common.timeline import ADMITTED, FIRST_STEP
 from common.handoff import DecodeParams, LegParams, PrefillParams
@@ -58,6 +58,12 @@ class SchedulerPlan:
                 if isinstance(leg, PrefillParams) and leg.request_id and leg.decode_engine_id:
                     self._orders.expect.append((leg.request_id, leg.decode_engine_id))
         return self._legs[request_id]
+
+    def traced(self, request_id: str, trace_headers: Mapping[str, str] | None) -> None:
+        """The request's trace context (vLLM keeps its HTTP request's `traceparent` when it traces)."""
+        leg = self._legs.get(request_id)
+        if leg is not None and trace_headers and (traceparent := trace_headers.get("traceparent")):
+            self._orders.traced[leg.request_id] = traceparent
 
     def matched_tokens(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int,
                        num_computed_tokens: int, prompt_token_ids: list[int] | None = None) -> int:

@@ -12,6 +12,8 @@ import torch
 from common.handoff import PrefillHandoff
 from common.kv_secret import describe_plane, resolve_secret
 from common.timeline import PULL_REPORTED, Timeline
+from common.trace_spans import attach
+from common.tracing import Tracing
 from common.worker_record import VLLM_SERVER, WorkerRecord
 from neuron_connector.errors import ConnectorError
 from neuron_connector.pulls import PullState
@@ -66,7 +68,7 @@ class WorkerSide:
     """Prefill: publishes finished requests' blocks and reports them sent once released.
     Decode: pulls admitted requests' prompt blocks and reports them received (or failed)."""
 
-    def __init__(self, config: NeuronConnectorConfig, model: str) -> None:
+    def __init__(self, config: NeuronConnectorConfig, model: str, tracing: Tracing | None = None) -> None:
         self.config = config
         self.model = config.model or model
         self.layout: KVLayout | None = None
@@ -86,6 +88,8 @@ class WorkerSide:
         self._activity = threading.Event()   # a buffer thread has something to report
         self._idle = False                   # the current step runs no tokens
         self.timeline = Timeline(config.role)
+        self.tracing = tracing
+        self._spans = attach(tracing, self.timeline, http=False)  # vLLM's HTTP request is vLLM's to trace
         self.status: StatusServer | None = None
         self.engine_id = ""
 
@@ -147,6 +151,9 @@ class WorkerSide:
         """Carries out the scheduler side's orders; a failure fails that request, not the engine.
         Publishing waits for `publish_computed`, once the step's forward computed the blocks."""
         self._idle = orders.idle
+        for uid, traceparent in orders.traced.items():
+            if self._spans is not None:
+                self._spans.adopt(uid, traceparent)
         for mark in orders.marks:
             self.timeline.mark(mark.uid, mark.phase, mark.at)
         self._computed += orders.publish
@@ -290,3 +297,6 @@ class WorkerSide:
         if self._transfer is not None:
             self._transfer.close()
             self._transfer = None
+        if self.tracing is not None:
+            self.tracing.shutdown()
+            self.tracing = None

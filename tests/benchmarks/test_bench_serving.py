@@ -213,6 +213,19 @@ def test_compare_quick_runs_both_stacks(tmp_path: Path) -> None:
     assert report["itl_p99_ratio"] == pytest.approx(report["di"]["itl_ms"]["p99"] / report["colocated"]["itl_ms"]["p99"])
 
 
+def test_tracing_comparison_has_a_closed_loop_and_traced_over_untraced_throughput() -> None:
+    argv = ["--compare-tracing", "--quick"]
+    args = bench_serving.parse_args(argv)
+    assert (args.num_prompts, args.max_concurrency, args.request_rate) == (24, 8, float("inf"))
+    args.spans_received = 40
+    off = [RequestResult(4, 2, start=0.0, chunk_times=[0.1, 0.12], end=0.2, output_tokens=2)] * 4
+    out = bench_serving.report(args, {"untraced": (off, 2.0), "traced": (off, 2.5)}, argv)
+    assert out["traced_request_throughput_ratio"] == pytest.approx(0.8)
+    assert out["traced_output_throughput_ratio"] == pytest.approx(0.8)
+    assert out["spans_received"] == 40 and "spans_received" not in out["config"]
+    json.dumps(out, allow_nan=False)
+
+
 def test_transport_comparison_has_its_load_and_tcp_over_shm_ratios() -> None:
     argv = ["--compare-transports", "--quick"]
     args = bench_serving.parse_args(argv)

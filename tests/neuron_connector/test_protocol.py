@@ -24,6 +24,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     LookupAll("req-1", (3,), timeout_s=2.5, checksum=CRC32C),
     LookupAll("req-1", (3,), skipped_blocks=0),
     LookupAll("req-1", (8, 9), timeout_s=1.0, skipped_blocks=5),
+    LookupAll("req-1", (3,), traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
     Release("req-1"),
 ])
 def test_requests_round_trip(message: object) -> None:

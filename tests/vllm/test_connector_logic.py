@@ -59,6 +59,17 @@ def test_decode_pulls_each_request_once() -> None:
     assert orders.pull == [] and orders.release == []     # the worker side's cancel tells prefill
 
 
+def test_a_traced_request_hands_its_traceparent_to_the_worker_side_by_uid() -> None:
+    plan = SchedulerPlan("decode", block_size=128)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    plan.matched_tokens("r1", DECODE_PARAMS, 300, 0)
+    plan.traced("r1", {"traceparent": traceparent})
+    plan.traced("r2", {"traceparent": traceparent})   # not a disaggregated leg: nothing to trace
+    plan.matched_tokens("r3", DECODE_PARAMS | {"request_id": "u3"}, 300, 0)
+    plan.traced("r3", None)                           # vLLM is not tracing
+    assert plan.take_orders().traced == {"u1": traceparent}
+
+
 def test_decode_leg_ended_before_its_pull_releases_it_on_prefill() -> None:
     """Aborted while it waited for blocks: its prefill peer must not hold the KV for nobody."""
     plan = SchedulerPlan("decode", block_size=128)

@@ -55,6 +55,9 @@ from worker.sampling_params import SamplingParams
 from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, PrefillHandoff, PrefillParams
 from common.openai_wire import error_body
 from common.timeline import Timeline, parse_query
+from common.trace_asgi import TraceMiddleware
+from common.trace_spans import attach, spans_of
+from common.tracing import Tracing
 from common.worker_record import WorkerRecord
 from common.request_body import DrainingRequest, request_body
 from worker.server.protocol import GenerateRequest, build_params, error_for, models_body, parse_body, parse_request
@@ -66,7 +69,7 @@ def create_app(engine_config: EngineConfig, *,
                engine_factory: Callable[[], LLMEngine] | None = None,
                drain_timeout: float = DEFAULT_TIMEOUT_S, media_policy: MediaPolicy | None = None,
                embeds_region: Callable[[int, Any], Any] | None = None, registrar: Registrar | None = None,
-               make_engine: EngineMaker | None = None) -> Quart:
+               make_engine: EngineMaker | None = None, tracing: Tracing | None = None) -> Quart:
     """A Quart app serving one engine; the engine starts in `before_serving` and stops in `after_serving`.
 
     `engine_factory` builds the engine on its thread; the default is `LLMEngine(engine_config)`.
@@ -74,13 +77,17 @@ def create_app(engine_config: EngineConfig, *,
     `embeds_region(hidden_size, dtype)` makes the RowRegion a prefill worker pulls encoded image parts into.
     `registrar` shows (and registers) the worker's record once the engine runs; `make_engine(role, model)`
     builds an engine of another role on the loaded model, for POST /role (without it the route answers 400).
-    A drain, once over, sets the worker's `drain.done`: the server should stop then.
+    A drain, once over, sets the worker's `drain.done`: the server should stop then. With `tracing`, each
+    request is traced (common/trace_spans.py).
     """
     app = Quart(__name__)
     app.request_class = DrainingRequest
     app.json.sort_keys = False  # bodies keep vLLM's key order
     worker = _Worker(engine_factory or (lambda: LLMEngine(engine_config)), drain_timeout,
-                     media_policy or MediaPolicy(), embeds_region, registrar, make_engine)
+                     media_policy or MediaPolicy(), embeds_region, registrar, make_engine, tracing)
+    if tracing is not None:
+        app.asgi_app = TraceMiddleware(app.asgi_app, tracing, "worker",  # type: ignore[method-assign]
+                                       lambda: spans_of(worker._timeline()))
     app.before_serving(worker.startup)
     app.after_serving(worker.shutdown)
     use_request_ids(app)
@@ -103,8 +110,9 @@ class _Worker:
 
     def __init__(self, factory: Callable[[], LLMEngine], drain_timeout: float, media_policy: MediaPolicy,
                  embeds_region: Callable[[int, Any], Any] | None, registrar: Registrar | None,
-                 make_engine: EngineMaker | None) -> None:
+                 make_engine: EngineMaker | None, tracing: Tracing | None = None) -> None:
         self.async_engine = AsyncEngine(factory)
+        self.tracing = tracing
         self.media_policy = media_policy
         self.embeds_region = embeds_region
         self.region: Any = None
@@ -151,6 +159,7 @@ class _Worker:
         self.images = PartResolver(ImageResolver(self.media_policy, hidden, dtype),
                                    None if self.region is None else EmbedsFetcher(self.region),
                                    engine.config.role == "decode")
+        attach(self.tracing, self._timeline())
         if engine.kv_connector is not None:
             engine.kv_connector.on_transfer = self.metrics.transfer_done
             engine.kv_connector.on_integrity_check = self.metrics.integrity_checked
@@ -167,6 +176,8 @@ class _Worker:
         await self.async_engine.stop()
         if self.images is not None:
             await self.images.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
     # ---- routes -------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from hypercorn.config import Config as HypercornConfig
 from common.kv_events import KVEventsConfig, KVEventsError
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, secret_id
 from common.listen import hypercorn_bind, listen_socket
+from common.tracing import Tracing
 from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
 from worker.dtype import AUTO, BF16_CPU_FLAGS
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--drain-hands-back-streams", action="store_true",
                         help="a drain ends each running stream after its tokens so far, for the proxy (with "
                              "--resume-streams) to go on with on another worker, instead of finishing it here")
+    server.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="send OpenTelemetry trace spans to this OTLP/HTTP endpoint, e.g. "
+                             "http://127.0.0.1:4318/v1/traces (default: no tracing)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     engine.add_argument("--served-model-name", default=None,
@@ -220,7 +224,8 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
                      drain_timeout=args.drain_timeout, media_policy=media_policy(args),
                      embeds_region=embeds_region(args) if args.role == "prefill" else None,
                      registrar=Registrar(lambda engine: worker_record(args, engine), args.etcd, args.etcd_ttl),
-                     make_engine=lambda role, model: engine_factory(args, engine_config, role, model))
+                     make_engine=lambda role, model: engine_factory(args, engine_config, role, model),
+                     tracing=Tracing.start(args.otlp_traces_endpoint, f"neuron-di-{args.role}"))
     worker = app.extensions["neuron_di_worker"]
     if args.drain_hands_back_streams:
         from worker.server.hand_back import HandBack

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from common.handoff import KV_TRANSFER_PARAMS, PrefillParams
+from common.tracing import current_headers
 from worker.engine.request import RequestOutput
 from worker.errors import RemotePrefillError
 from worker.model.logprobs import TokenLogprobs
@@ -96,7 +97,7 @@ async def _prefill(client: httpx.AsyncClient, url: str, request_id: str,
                    body: dict[str, Any]) -> TokenLogprobs | None:
     where = f"prefill worker {url}"
     try:
-        reply = await client.post(url, json=body, headers={"X-Request-Id": request_id})
+        reply = await client.post(url, json=body, headers={"X-Request-Id": request_id, **current_headers()})
     except httpx.HTTPError as exc:
         raise RemotePrefillError(f"remote prefill of request {request_id!r} on {where} failed: "
                                  f"{type(exc).__name__}: {exc or 'the connection was lost'}") from exc
