@@ -16,7 +16,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class Metrics:
     """Requests by status, TTFT, ITL, end-to-end latency, in-flight legs per worker, upstream errors,
     decode first tokens checked against prefill's, per kv_protocol, and (conditional disaggregation)
-    requests by path."""
+    requests by path, and the prefill queue's depth."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -41,6 +41,8 @@ class Metrics:
         self.paths = Counter("proxy_request_paths", "Requests conditional disaggregation sent by path: remote "
                              "(prefilled by a prefill worker) or local (served by a decode worker alone)",
                              ["path"], registry=self.registry)
+        self.prefill_queue_depth = Gauge("proxy_prefill_queue_depth", "Prefill jobs waiting in the global prefill "
+                                         "queue (0 without one)", registry=self.registry)
         for path in PATHS:
             self.paths.labels(path)
         for protocol in KV_PROTOCOLS:  # exported at 0 from the start, so that a rate exists
