@@ -6,6 +6,7 @@ from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from common.roles import DISAGGREGATED_ROLES
 from proxy.conditional import PATHS
 from proxy.errors import UpstreamError
 from proxy.workers import KV_PROTOCOLS, WorkerRecord
@@ -45,6 +46,9 @@ class Metrics:
                                          "queue (0 without one)", registry=self.registry)
         for path in PATHS:
             self.paths.labels(path)
+        for kind in UpstreamError.__subclasses__():  # exported at 0 from the start too
+            for role in DISAGGREGATED_ROLES:
+                self.upstream_errors.labels(role, kind.__name__)
         for protocol in KV_PROTOCOLS:  # exported at 0 from the start, so that a rate exists
             self.first_token_checks.labels(protocol)
             self.first_token_mismatches.labels(protocol)
