@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -47,18 +48,19 @@ async def _load(url: str, seconds: float, clients: int) -> list[int]:
     return answered
 
 
-def _series(prometheus: PrometheusServer, expr: str, start: float, end: float, step: float) -> list[tuple[str, list, list]]:
+def _series(prometheus: PrometheusServer, target: dict[str, str], start: float, end: float,
+            step: float) -> list[tuple[str, list, list]]:
     out = []
-    for result in prometheus.query_range(expr, start, end, step):
+    for result in prometheus.query_range(target["expr"], start, end, step):
         points = [(float(t) - start, float(v)) for t, v in result["values"] if not math.isnan(float(v))]
         if points:
-            out.append((_label(result["metric"]), *map(list, zip(*points))))
+            out.append((_label(target.get("legendFormat", ""), result["metric"]), *map(list, zip(*points))))
     return out
 
 
-def _label(metric: dict[str, str]) -> str:
-    keep = [v for k, v in sorted(metric.items()) if k not in ("__name__", "model_name")]
-    return " ".join(keep)[:40] or "value"
+def _label(legend: str, metric: dict[str, str]) -> str:
+    """Grafana's legend: `{{name}}` replaced by the series' label `name`."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: metric.get(m.group(1), ""), legend).strip()[:48] or "value"
 
 
 def render(prometheus: PrometheusServer, start: float, end: float, out: Path) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def render(prometheus: PrometheusServer, start: float, end: float, out: Path) ->
     last: dict[str, Any] = {}
     for ax, panel in zip(axes.flat, panels):
         for target in panel["targets"]:
-            for label, xs, ys in _series(prometheus, target["expr"], start, end, step):
+            for label, xs, ys in _series(prometheus, target, start, end, step):
                 ax.plot(xs, ys, linewidth=1.2, label=label)
                 last[f"{panel['title']} | {label}"] = round(ys[-1], 6)
         ax.set_title(panel["title"], fontsize=9)
@@ -84,7 +86,7 @@ def render(prometheus: PrometheusServer, start: float, end: float, out: Path) ->
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle("neuron-di: where the time went (1P1D, our worker, seconds since the run began)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     return last

@@ -109,7 +109,11 @@ class Forwarder:
         if decision.local:
             uid = uuid.uuid4().hex
             self.timeline.begin(uid, LOCAL, LOCAL, received)
-            return await self._single(decode, request, uid=uid, took=took)
+            try:
+                return await self._single(decode, request, uid=uid, took=took)
+            except BaseException as exc:
+                self.timeline.fail(uid, str(exc) or type(exc).__name__)
+                raise
         return await self._disaggregated(request, received, decode, took)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
