@@ -52,6 +52,7 @@ setup(
             "kubernetes-validate>=1.30,<2",
             # The docs site, built with --strict by tests/test_docs.py.
             "mkdocs>=1.6,<2",
+            "pyyaml>=6,<7",   # the alert rules and their unit tests, read by tests/deploy/
         ],
         # The planner's kubernetes connector (python -m planner --connector kubernetes)
         "kubernetes": ["kubernetes>=31,<38"],

@@ -19,6 +19,7 @@ environment variable in brackets.
   --decode-port N       decode worker HTTP port (DECODE_PORT; default 8200)
   --kv-transport T      auto, shm or tcp (KV_TRANSPORT; default auto)
   --startup-timeout S   seconds each process may take to become ready (STARTUP_TIMEOUT; default 300)
+  --status N            print a summary of the proxy's GET /status every N seconds (STATUS; default 0: never)
   -h, --help            show this help
 USAGE
 }
@@ -29,6 +30,7 @@ PREFILL_PORT="${PREFILL_PORT:-8100}"
 KV_PORT="${KV_PORT:-14579}"
 DECODE_PORT="${DECODE_PORT:-8200}"
 KV_TRANSPORT="${KV_TRANSPORT:-auto}"
+STATUS="${STATUS:-0}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL="$2"; shift 2 ;;
@@ -38,6 +40,7 @@ while [ $# -gt 0 ]; do
     --decode-port) DECODE_PORT="$2"; shift 2 ;;
     --kv-transport) KV_TRANSPORT="$2"; shift 2 ;;
     --startup-timeout) STARTUP_TIMEOUT="$2"; shift 2 ;;
+    --status) STATUS="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -64,4 +67,5 @@ start proxy "$PYTHON" proxy_server.py --host 127.0.0.1 --port "$PROXY_PORT" \
   --prefill-ip 127.0.0.1 --prefill-port "$PREFILL_PORT" --decode-ip 127.0.0.1 --decode-port "$DECODE_PORT"
 wait_proxy_ready "$PROXY_PORT"
 echo "1P1D serving on http://127.0.0.1:$PROXY_PORT/v1 (prefill :$PREFILL_PORT, decode :$DECODE_PORT)"
+show_status "$STATUS" "$PROXY_PORT"
 serve_forever

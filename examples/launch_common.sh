@@ -74,6 +74,18 @@ worker_up() { curl -sf --max-time 2 "$1/health" | grep -q "\"role\": *\"$2\""; }
 # worker of every role it needs (its /health answers 200 as soon as the proxy itself runs).
 wait_proxy_ready() { wait_for proxy http_ok "http://127.0.0.1:$1/ready"; }
 
+# show_status N PORT: prints a one-screen summary of the proxy's GET /status every N seconds on the
+# terminal (N=0: never); stopped with everything else.
+show_status() {
+  [[ "$1" =~ ^[0-9]+([.][0-9]+)?$ ]] || fail "--status takes a number of seconds, got $1"
+  [ "$1" = 0 ] && return 0
+  setsid "$PYTHON" -m stack.status_summary --url "http://127.0.0.1:$2" --every "$1" < /dev/null &
+  CHILD_PIDS+=("$!")
+  CHILD_NAMES+=("status")
+  CHILD_WORKER+=(0)
+  CHILD_GONE+=(0)
+}
+
 stop_all() {
   local i pid deadline
   for ((i = ${#CHILD_PIDS[@]} - 1; i >= 0; i--)); do

@@ -25,6 +25,7 @@ names. Each option can also be given as the environment variable in brackets.
   --etcd-peer-port N    etcd peer port (ETCD_PEER_PORT; default 2380)
   --kv-transport T      auto, shm or tcp (KV_TRANSPORT; default auto)
   --startup-timeout S   seconds each process may take to become ready (STARTUP_TIMEOUT; default 300)
+  --status N            print a summary of the proxy's GET /status every N seconds (STATUS; default 0: never)
   -h, --help            show this help
 USAGE
 }
@@ -39,6 +40,7 @@ DECODE_PORT="${DECODE_PORT:-8200}"
 ETCD_PORT="${ETCD_PORT:-2379}"
 ETCD_PEER_PORT="${ETCD_PEER_PORT:-2380}"
 KV_TRANSPORT="${KV_TRANSPORT:-auto}"
+STATUS="${STATUS:-0}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --num-prefill) NUM_PREFILL="$2"; shift 2 ;;
@@ -52,6 +54,7 @@ while [ $# -gt 0 ]; do
     --etcd-peer-port) ETCD_PEER_PORT="$2"; shift 2 ;;
     --kv-transport) KV_TRANSPORT="$2"; shift 2 ;;
     --startup-timeout) STARTUP_TIMEOUT="$2"; shift 2 ;;
+    --status) STATUS="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -98,4 +101,5 @@ sys.exit(not (workers["prefill"]["healthy"] >= int(sys.argv[1]) and workers["dec
 }
 wait_for proxy workers_healthy
 echo "${NUM_PREFILL}P${NUM_DECODE}D serving on http://127.0.0.1:$PROXY_PORT/v1 (etcd $ETCD)"
+show_status "$STATUS" "$PROXY_PORT"
 serve_forever

@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException
 from common.openai_wire import error_body, json_bytes
 from common.request_body import DrainingRequest, request_body
 from common.roles import DISAGGREGATED_ROLES, ENCODE_ROLE, ROLES
-from common.timeline import PROXY, Timeline, parse_query
+from common.timeline import PROXY, parse_query
 from common.trace_asgi import TraceMiddleware
 from common.trace_spans import attach
 from common.tracing import Tracing
@@ -25,6 +25,9 @@ from proxy.forward import Forwarder
 from proxy.kv_route import start_kv_routing
 from proxy.metrics import Metrics
 from proxy.prefill_queue import PrefillQueue
+from proxy.phase_timeline import PhaseTimeline
+from proxy.pool_metrics import PoolCollector
+from proxy.status import StatusSources, status as fleet_status
 from proxy.requests import CHAT, COMPLETIONS, Endpoint, parse_request
 from proxy.upstream import AiohttpUpstream, Upstream
 from proxy.workers import WorkerPool, WorkerRecord, kv_secret_mismatches
@@ -44,7 +47,7 @@ class ProxyState:
         ) if config.kv_routing else (None, None)
         self.conditional = ConditionalRouter(config.conditional, self.metrics,
                                              self.kv.indexes if self.kv else None) if config.conditional else None
-        self.timeline = Timeline(PROXY, registry=self.metrics.registry)
+        self.timeline = PhaseTimeline(self.metrics.registry)
         self.prefill_queue = PrefillQueue(config.prefill_queue, self.metrics) if config.prefill_queue else None
         self.tracing = Tracing.start(config.otlp_traces_endpoint, "neuron-di-proxy")
         attach(self.tracing, self.timeline)
@@ -53,6 +56,9 @@ class ProxyState:
                                    self.kv)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
+        self.metrics.registry.register(PoolCollector(self.pool, _needed_roles(self), lambda: self.health.draining))
+        self.status = StatusSources(self.pool, self.client, self.forwarder.legs_in_flight, lambda: self.health.draining,
+                                    self.metrics.registry, self.timeline, _needed_roles(self))
         self._clients: dict[str, Upstream] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -130,6 +136,10 @@ def create_app(config: ProxyConfig) -> Quart:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), 200, content_type="text/plain; version=0.0.4")
+
+    @app.get("/status")
+    async def status() -> Response:
+        return _json_response(await fleet_status(state.status), 200)
 
     @app.get("/timeline")
     async def timeline() -> Response:

@@ -46,6 +46,7 @@ class HealthChecks:
         self._silent_rounds: dict[str, int] = {}  # worker key -> health checks in a row it did not answer
         self._servers: dict[str, str] = {}  # static worker key -> the server its GET /v1/models names
         self._seen: set[str] = set()  # the workers found healthy at least once
+        self.draining: set[str] = set()  # the keys of the workers whose last answer said they drain
 
     async def run(self, interval: float) -> None:
         """A round every `interval` s, forever (the proxy awaits its first round before serving)."""
@@ -65,6 +66,9 @@ class HealthChecks:
                 continue
             if answer is not None and shows_draining(answer):
                 why = "it drains (it takes no new request)"
+                self.draining.add(worker.key)
+            else:
+                self.draining.discard(worker.key)
             record = None if why else self._checked(worker, answer)
             if record is not None and not record.server and worker.key in self._static:
                 record = replace(record, server=await self._server(record))

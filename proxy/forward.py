@@ -18,7 +18,6 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from common.timeline import RECEIVED, Timeline
 from proxy.abandon import Abandoner
 from proxy.answers import Answer, AnswerAssembler, JSONAnswer, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
@@ -33,6 +32,7 @@ from proxy.legs import InFlightLegs
 from proxy.metrics import Metrics
 from proxy.prefill_queue import PrefillQueue
 from proxy.queued_flow import QueuedFlow, queue_legs
+from proxy.phase_timeline import LOCAL, REMOTE, PhaseTimeline
 from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used, refuse_unserved
 from proxy.sse import SSEDecoder
 from proxy.explain import explained, stream_error_status
@@ -54,11 +54,11 @@ class Forwarder:
 
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
                  colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
-                 timeline: Timeline | None = None, prefill_queue: PrefillQueue | None = None,
+                 timeline: PhaseTimeline | None = None, prefill_queue: PrefillQueue | None = None,
                  resume_streams: bool = False, kv: KVRouter | None = None) -> None:
         self._pool = pool
         self._kv = kv  # --routing kv: picks both workers by cached prefix against load
-        self.timeline = timeline if timeline is not None else Timeline("proxy", registry=metrics.registry)
+        self.timeline = timeline if timeline is not None else PhaseTimeline(metrics.registry)
         self._clients = clients
         self._metrics = metrics
         self._colocated = colocated
@@ -81,6 +81,9 @@ class Forwarder:
         instead of waiting for the read timeout."""
         if ended := self._legs.end(worker, why):
             log.warning("%s worker %s: %s; ending its %d legs in flight", worker.role, worker.address, why, ended)
+
+    def legs_in_flight(self, worker: WorkerRecord) -> int:
+        return self._legs.count(worker)
 
     def end_streams(self) -> None:
         """Shutdown: every streamed leg still open is dropped, and its client's stream ends with an error
@@ -122,7 +125,13 @@ class Forwarder:
         decision = await self._conditional.decide(request, decode, prefill_legs)
         took = functools.partial(self._conditional.record, decision=decision)
         if decision.local:
-            return await self._single(decode, request, took=took)
+            uid = uuid.uuid4().hex
+            self.timeline.begin(uid, LOCAL, LOCAL, received)
+            try:
+                return await self._single(decode, request, uid=uid, took=took)
+            except BaseException as exc:
+                self.timeline.fail(uid, str(exc) or type(exc).__name__)
+                raise
         return await self._disaggregated(request, received, decode, took, prefill)
 
     async def _single(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any] | None = None,
@@ -164,8 +173,8 @@ class Forwarder:
                        took: Took | None) -> Answer:
         """The request's legs to `prefill` and `decode`, as the flow says, and the answer made of them."""
         uid, seed, started = uuid.uuid4().hex, leg_seed(request), time.perf_counter()
-        self.timeline.mark(uid, RECEIVED, received)
         flow = stitched_flow(self._strategy, prefill)
+        self.timeline.begin(uid, flow.__name__ if flow is not None else "decode_first", REMOTE, received)
         abandon, rid = functools.partial(self._abandoner.abandon, prefill, uid), uid
         mover = self._mover(request, uid, seed, prefill, decode) if flow is not None else None
         request = request if mover is None else with_token_ids(request)

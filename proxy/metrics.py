@@ -6,6 +6,7 @@ from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from common.roles import DISAGGREGATED_ROLES
 from proxy.conditional import PATHS
 from proxy.errors import UpstreamError
 from proxy.workers import KV_PROTOCOLS, WorkerRecord
@@ -16,7 +17,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class Metrics:
     """Requests by status, TTFT, ITL, end-to-end latency, in-flight legs per worker, upstream errors,
     decode first tokens checked against prefill's, per kv_protocol, and (conditional disaggregation)
-    requests by path."""
+    requests by path, and the prefill queue's depth."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -45,6 +46,9 @@ class Metrics:
                                          "stream (waiting, or taken and not yet acked)", registry=self.registry)
         for path in PATHS:
             self.paths.labels(path)
+        for kind in UpstreamError.__subclasses__():  # exported at 0 from the start too
+            for role in DISAGGREGATED_ROLES:
+                self.upstream_errors.labels(role, kind.__name__)
         for protocol in KV_PROTOCOLS:  # exported at 0 from the start, so that a rate exists
             self.first_token_checks.labels(protocol)
             self.first_token_mismatches.labels(protocol)

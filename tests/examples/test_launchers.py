@@ -183,8 +183,14 @@ def _proxy_sees(proxy_port: int, num_prefill: int, num_decode: int) -> bool:
 @needs_di
 def test_launch_1p1d_serves_then_stops_everything_on_ctrl_c(launch):
     ports = {name: free_port() for name in ("PROXY_PORT", "PREFILL_PORT", "DECODE_PORT", "KV_PORT")}
-    launcher = launch(LAUNCH_1P1D, ["--kv-transport", "shm"], {k: str(v) for k, v in ports.items()})
+    launcher = launch(LAUNCH_1P1D, ["--kv-transport", "shm", "--status", "1"], {k: str(v) for k, v in ports.items()})
     _serve_one(launcher, ports["PROXY_PORT"], lambda: "1P1D serving on" in launcher.output())
+    # --status 1: a summary of the proxy's GET /status every second, the request just answered in it
+    wait_until(lambda: "answers 1 x 200" in launcher.output(), what="a status summary with the answer")
+    summary = launcher.output().rsplit("-- neuron-di status", 1)[1]
+    assert re.search(rf"prefill +127\.0\.0\.1:{ports['PREFILL_PORT']} +healthy", summary), summary
+    assert re.search(rf"decode +127\.0\.0\.1:{ports['DECODE_PORT']} +healthy", summary), summary
+    launcher.remember_descendants()
     _interrupt_stops_everything(launcher, list(ports.values()))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any, Iterator
 
 import httpx
@@ -77,15 +78,28 @@ async def answers(url: str, count: int, concurrency: int) -> list[str]:
         return list(await asyncio.gather(*(one(i) for i in range(count))))
 
 
+def timed_paths(proxy: Server) -> dict[str, int]:
+    """The requests whose phases the proxy observed so far, by (flow, path): "local" or "remote"."""
+    metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    found = re.findall(r'^proxy_phase_seconds_count\{flow="(\w+)",path="(\w+)",phase="request"\} (\S+)$', metrics, re.M)
+    assert all((flow == "local") == (path == "local") for flow, path, _ in found), found
+    counts: dict[str, int] = {}
+    for _, path, n in found:
+        counts[path] = counts.get(path, 0) + int(float(n))
+    return counts
+
+
 @pytest.mark.parametrize("concurrency", [1, 16])
 def test_a_mix_of_local_and_remote_requests_answers_as_one_worker(stack: tuple[Server, list[WorkerProcess]],
                                                                    concurrency: int) -> None:
     proxy, (_, _, both) = stack
-    before = paths(proxy)
+    before, timed_before = paths(proxy), timed_paths(proxy)
     via_proxy = asyncio.run(answers(proxy.url, 16, concurrency))
-    after = paths(proxy)
+    after, timed_after = paths(proxy), timed_paths(proxy)
     assert via_proxy == asyncio.run(answers(both.url, 16, concurrency))
     taken = {path: after[path] - before.get(path, 0) for path in after}
     assert taken["local"] > 0 and taken["remote"] > 0 and sum(taken.values()) == 16, taken
+    # Each request's phases are observed once, under the path it took (the local ones' flow: local).
+    assert {path: timed_after[path] - timed_before.get(path, 0) for path in timed_after} == taken
     if concurrency == 1:  # the prefill side is idle for each: the prompt's length alone decides
         assert taken == {"local": 8, "remote": 8}

@@ -24,6 +24,7 @@ from common.timeline import ADMITTED, FIRST_STEP, PULL_REPORTED, Timeline
 from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, IntegrityError, ProtocolError,
                               PullState, RecvBuffer, SendBuffer, UnknownRequest)
 from transfer import KVLayout, TransferError, create_transfer_engine
+from worker.engine.held_blocks import HeldBlocks
 from worker.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class KVConnector:
         self.on_pull: Callable[[int, int, int], None] = lambda pulled, skipped, block_bytes: None
         self._block_bytes = 0
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.held = HeldBlocks()   # prefill: the block sets published and not released yet
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._transfer: Any = None
         self.engine_id = config.engine_id              # the transfer engine's transfer_id if "", once allocated
@@ -113,7 +115,13 @@ class KVConnector:
 
     def publish(self, request_id: str, block_ids: list[int], output_token: int) -> None:
         assert self.send is not None
-        self.send.publish(request_id, block_ids, output_token)
+        new = self.held.hold(request_id, len(block_ids))
+        try:
+            self.send.publish(request_id, block_ids, output_token)
+        except BaseException:
+            if new:  # a duplicate leaves the first one held
+                self.held.release(request_id)
+            raise
 
     def handoff(self, request_id: str) -> PrefillHandoff:
         """Prefill: where a decode worker pulls `request_id`'s blocks from (the kv_transfer_params of the answer)."""
@@ -131,6 +139,7 @@ class KVConnector:
 
     def _on_release(self, request_id: str) -> None:
         # SendBuffer thread: queue it for the engine thread and wake that thread up.
+        self.held.release(request_id)
         self._released.put(request_id)
         self.wake()
 

@@ -43,6 +43,7 @@ from worker.multimodal.parts import PartResolver
 from worker.multimodal.images import ImageResolver
 from worker.server.choice import Choice, choice_spec
 from worker.server.generation import Part, collect, events
+from worker.server.fleet_gauges import fleet_gauges_page
 from worker.server.metrics import ServerMetrics
 from worker.server.registrar import Registrar
 from worker.server.role_flip import EngineMaker, RoleFlip
@@ -229,6 +230,9 @@ class _Worker:
         page = self.metrics.render(self.async_engine.stats)
         if (timeline := self._timeline()) is not None:
             page += generate_latest(timeline.registry)
+        engine = self.async_engine.llm_engine
+        page += fleet_gauges_page(self.model_name, engine.kv_connector if engine is not None else None,
+                                  self.drain.started or self.drain.refusing is not None)
         return Response(page, content_type=ServerMetrics.content_type)
 
     async def timeline_page(self) -> Response:

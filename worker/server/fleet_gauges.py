@@ -1,0 +1,42 @@
+"""What an operator's alerts read from a worker besides its engine's series: blocks held for a decode peer's pull
+(how many, the oldest set's age, and the abort timeout that should have freed it) and whether it drains."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.engine.kv_connector import KVConnector
+
+
+class _FleetGauges(Collector):
+    def __init__(self, model_name: str, connector: KVConnector | None, draining: bool) -> None:
+        self._model, self._connector, self._draining = model_name, connector, draining
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name"]
+        draining = GaugeMetricFamily("neuron_di_draining", "1 while the worker drains (takes no new request)",
+                                     labels=labels)
+        draining.add_metric([self._model], float(self._draining))
+        yield draining
+        if self._connector is None or self._connector.role != "prefill":
+            return
+        blocks, oldest = self._connector.held.snapshot()
+        for name, doc, value in (
+                ("neuron_di_kv_blocks_held", "Prefill: KV blocks held for a decode peer's pull", blocks),
+                ("neuron_di_kv_held_oldest_seconds", "Prefill: how long the oldest block set held for a pull has "
+                 "waited (0 when none is)", oldest),
+                ("neuron_di_kv_abort_timeout_seconds", "Prefill: --kv-abort-timeout, after which blocks nobody "
+                 "pulled are freed", self._connector.config.abort_timeout)):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric([self._model], float(value))
+            yield family
+
+
+def fleet_gauges_page(model_name: str, connector: KVConnector | None, draining: bool) -> bytes:
+    """The gauges above as Prometheus text, read now."""
+    registry = CollectorRegistry()
+    registry.register(_FleetGauges(model_name, connector, draining))
+    return generate_latest(registry)
