@@ -54,7 +54,7 @@ async def _serve(config: ProxyConfig, hyper: Config) -> None:
 
     async def shutdown_trigger() -> None:
         await stop.wait()
-        loop.call_later(config.shutdown_grace, app.config["PROXY_STATE"].forwarder.end_streams)
+        loop.call_later(config.shutdown_grace, app.config["PROXY_STATE"].forwarder.legs.end_streams)
 
     await serve(app, hyper, shutdown_trigger=shutdown_trigger)
 

@@ -2,6 +2,7 @@
 disaggregated request's prefill answer and decode leg become the answer one server would give."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -9,12 +10,13 @@ from typing import Any, AsyncGenerator, Callable
 
 from common.openai_wire import json_bytes
 from common.timeline import Timeline
-from proxy.flows import DecodeLeg, json_object
+from proxy.errors import ProxyError
+from proxy.flows import DecodeLeg, first_or_failure, json_object
 from proxy.metrics import Metrics
 from proxy.requests import ClientRequest
 from proxy.stitch import StreamStitcher, first_token_repeated, merge_bodies, prefill_answer, prefill_finished
 from proxy.stream_moves import StreamMover
-from proxy.streams import cancel_leg, stitched
+from proxy.streams import cancel_leg, relayed, stitched
 from proxy.timing import AnswerTimer
 from proxy.workers import WorkerRecord
 
@@ -74,6 +76,21 @@ class AnswerAssembler:
         if token_used and (matched := first_token_repeated(first, rest)) is not None:
             self._first_token(leg.worker, matched)
         return merge_bodies(response_id, first, rest, token_used)
+
+    async def relay(self, request: ClientRequest, uid: str | None, leg: DecodeLeg, started: float) -> Answer:
+        """One leg's answer as it comes (a single leg, or decode_first's decode leg), ending the timeline of the
+        request id `uid` if given; a stream waits for its first event, so that an early failure still gets an
+        HTTP status."""
+        if leg.queue is None:
+            answer = JSONAnswer(await leg.task)
+            if uid is not None:
+                self._timeline.finish(uid)
+            return answer
+        first = await first_or_failure(asyncio.ensure_future(leg.queue.get()), leg.task)
+        if isinstance(first, ProxyError):
+            raise first
+        return StreamAnswer(relayed(first, leg.queue, leg.task, AnswerTimer(self._metrics, started, self._timeline,
+                                                                              uid)))
 
     def _first_token(self, decode: WorkerRecord, matched: bool) -> None:
         """Counts one checked first token; a different one means the KV did not arrive intact."""

@@ -43,7 +43,7 @@ class ProxyState:
         self.pool = WorkerPool(config.workers, on_lost=self._worker_lost)
         self.metrics = Metrics()
         self.kv, self.kv_follower = start_kv_routing(
-            config.kv_routing, self.pool, lambda w: self.forwarder.legs_in_flight(w), self.metrics.registry,
+            config.kv_routing, self.pool, lambda w: self.forwarder.legs.count(w), self.metrics.registry,
         ) if config.kv_routing else (None, None)
         self.conditional = ConditionalRouter(config.conditional, self.metrics,
                                              self.kv.indexes if self.kv else None) if config.conditional else None
@@ -57,7 +57,7 @@ class ProxyState:
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self.metrics.registry.register(PoolCollector(self.pool, _needed_roles(self), lambda: self.health.draining))
-        self.status = StatusSources(self.pool, self.client, self.forwarder.legs_in_flight, lambda: self.health.draining,
+        self.status = StatusSources(self.pool, self.client, self.forwarder.legs.count, lambda: self.health.draining,
                                     self.metrics.registry, self.timeline, _needed_roles(self))
         self._clients: dict[str, Upstream] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -70,7 +70,7 @@ class ProxyState:
         return client
 
     def _worker_lost(self, worker: WorkerRecord, why: str) -> None:
-        self.forwarder.end_legs(worker, why)
+        self.forwarder.legs.end(worker, why)
         if self.conditional is not None:
             self.conditional.forget(worker)
         if self.kv is not None:

@@ -9,8 +9,9 @@
                    itself and streams every token, the first included
 
 kv_protocol "nixl" (vLLM's NixlConnector) always goes prefill first, with vLLM's own handoff,
-whatever the strategy. `concurrent` and `prefill_first` end in a prefill answer and a decode
-leg that the forwarder stitches; `decode_first` is a single leg the forwarder relays.
+whatever the strategy. Each flow gets the leg client (proxy/leg_client.py) and returns prefill's
+answer and the decode leg: `concurrent` and `prefill_first` a prefill answer that the forwarder
+stitches with the decode leg; `decode_first` no prefill answer, and the decode leg is relayed whole.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillHandoff, nixl_prefill_params
 from proxy.errors import UpstreamProtocol
@@ -26,6 +27,9 @@ from proxy.requests import (ClientRequest, decode_body, neuron_decode_leg, neuro
                             prefill_body, prefill_token_used)
 from proxy.stitch import prefill_finished
 from proxy.workers import WorkerRecord
+
+if TYPE_CHECKING:
+    from proxy.leg_client import LegClient, Took
 
 STRATEGIES = ("concurrent", "prefill_first", "decode_first")
 DEFAULT_STRATEGY = "concurrent"
@@ -41,35 +45,27 @@ class DecodeLeg:
     queue: asyncio.Queue[Any] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class LegCalls:
-    """What a flow needs from the forwarder: one whole leg's answer, and a started decode leg."""
-
-    call: Callable[[WorkerRecord, str, dict[str, Any], dict[str, str]], Awaitable[bytes]]
-    start_decode: Callable[[WorkerRecord, ClientRequest, dict[str, Any], dict[str, str]], DecodeLeg]
+# Prefill's answer (None: decode's leg is the whole answer), and the decode leg (None: not called).
+Handoff = tuple[dict[str, Any] | None, DecodeLeg | None]
+Flow = Callable[["LegClient", ClientRequest, WorkerRecord, WorkerRecord, str, int | None, "Took | None"],
+                Awaitable[Handoff]]
 
 
-Handoff = tuple[dict[str, Any], DecodeLeg | None]  # prefill's answer, and the decode leg (None: not called)
-Flow = Callable[[LegCalls, ClientRequest, WorkerRecord, WorkerRecord, str, int | None], Awaitable[Handoff]]
-
-
-def stitched_flow(strategy: str, prefill: WorkerRecord) -> Flow | None:
-    """The two-leg flow for a request to `prefill`; None when decode alone is called (decode_first)."""
+def flow_for(strategy: str, prefill: WorkerRecord) -> Flow:
+    """The flow of a request to `prefill`."""
     if prefill.kv_protocol == "nixl":
         return prefill_first  # vLLM's own handoff, whatever the strategy
-    if strategy == "decode_first":
-        return None
-    return prefill_first if strategy == "prefill_first" else concurrent
+    return {"decode_first": decode_first, "prefill_first": prefill_first}.get(strategy, concurrent)
 
 
-async def concurrent(legs: LegCalls, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
-                     uid: str, seed: int | None) -> Handoff:
+async def concurrent(legs: LegClient, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
+                     uid: str, seed: int | None, took: Took | None = None) -> Handoff:
     """Both legs at once; decode pulls the KV blocks when prefill has them."""
     headers = {"X-Request-Id": uid}
     pbody = prefill_body(request, seed, neuron_prefill_params(uid, decode), prefill_token_used(prefill, seed))
     dbody = decode_body(request, seed, neuron_decode_params(uid, prefill))
     prefill_task = spawn(legs.call(prefill, request.endpoint.path, pbody, headers))
-    leg = legs.start_decode(decode, request, dbody, headers)
+    leg = legs.start_decode(decode, request, dbody, headers, took)
     try:
         return json_object(await first_or_failure(prefill_task, leg.task), prefill), leg
     except BaseException:
@@ -77,8 +73,8 @@ async def concurrent(legs: LegCalls, request: ClientRequest, prefill: WorkerReco
         raise
 
 
-async def prefill_first(legs: LegCalls, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
-                        uid: str, seed: int | None) -> Handoff:
+async def prefill_first(legs: LegClient, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
+                        uid: str, seed: int | None, took: Took | None = None) -> Handoff:
     """Prefill answers with where its KV lies; then decode starts with that (EOS at token one: never)."""
     headers = {"X-Request-Id": uid}
     nixl = prefill.kv_protocol == "nixl"
@@ -89,7 +85,14 @@ async def prefill_first(legs: LegCalls, request: ClientRequest, prefill: WorkerR
     if prefill_finished(first):
         return first, None
     handoff = nixl_handoff(first, prefill) if nixl else neuron_handoff(first, uid, prefill)
-    return first, legs.start_decode(decode, request, decode_body(request, seed, handoff), headers)
+    return first, legs.start_decode(decode, request, decode_body(request, seed, handoff), headers, took)
+
+
+async def decode_first(legs: LegClient, request: ClientRequest, prefill: WorkerRecord, decode: WorkerRecord,
+                       uid: str, seed: int | None, took: Took | None = None) -> Handoff:
+    """One leg, to decode, naming `prefill`: decode asks it for the prompt's KV itself and answers whole."""
+    body = decode_first_body(request, uid, seed, prefill)
+    return None, legs.start_decode(decode, request, body, {"X-Request-Id": uid}, took)
 
 
 def decode_first_body(request: ClientRequest, uid: str, seed: int | None, prefill: WorkerRecord) -> dict[str, Any]:

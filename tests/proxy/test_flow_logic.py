@@ -10,8 +10,7 @@ import pytest
 
 from common.handoff import DecodeParams
 from proxy import COMPLETIONS, ConfigError, UpstreamProtocol, WorkerRecord, parse_args, parse_request
-from proxy.flows import (LegCalls, DecodeLeg, concurrent, decode_first_body, neuron_handoff, prefill_first,
-                         stitched_flow)
+from proxy.flows import DecodeLeg, concurrent, decode_first, decode_first_body, flow_for, neuron_handoff, prefill_first
 from proxy.requests import ClientRequest
 from worker.errors import RemotePrefillError
 from worker.server.protocol import error_for
@@ -45,10 +44,10 @@ def test_bad_strategy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 
 @pytest.mark.parametrize("strategy, flow", [("concurrent", concurrent), ("prefill_first", prefill_first),
-                                            ("decode_first", None)])
+                                            ("decode_first", decode_first)])
 def test_neuron_workers_take_the_strategys_flow_nixl_workers_always_prefill_first(strategy: str, flow: Any) -> None:
-    assert stitched_flow(strategy, PREFILL) is flow
-    assert stitched_flow(strategy, NIXL_PREFILL) is prefill_first
+    assert flow_for(strategy, PREFILL) is flow
+    assert flow_for(strategy, NIXL_PREFILL) is prefill_first
 
 
 def test_decode_first_body_names_the_prefill_workers_http_api_and_signal_plane() -> None:
@@ -85,7 +84,7 @@ class _Legs:
         return json.dumps(self.answer).encode()
 
     def start_decode(self, worker: WorkerRecord, request: ClientRequest, body: dict[str, Any],
-                     headers: dict[str, str]) -> DecodeLeg:
+                     headers: dict[str, str], took: object = None) -> DecodeLeg:
         self.sent.append((worker.role, body))
         return DecodeLeg(worker, asyncio.ensure_future(asyncio.sleep(0)))
 
@@ -98,7 +97,7 @@ def test_prefill_first_starts_decode_with_prefills_handoff_unless_its_token_ende
     legs = _Legs(answer)
 
     async def run() -> tuple[dict[str, Any], DecodeLeg | None]:
-        return await prefill_first(LegCalls(legs.call, legs.start_decode), _request(), PREFILL, DECODE, "u1", None)
+        return await prefill_first(legs, _request(), PREFILL, DECODE, "u1", None)  # type: ignore[arg-type]
 
     first, leg = asyncio.run(run())
     assert first == answer and (leg is not None) == decoded
@@ -120,3 +119,11 @@ def test_decode_workers_remote_prefill_url_and_its_failure_statuses() -> None:
     assert (status, body["error"]["type"], headers) == (502, "kv_transfer_error", {})
     status, _, headers = error_for(RemotePrefillError("... answered HTTP 503", retryable=True))
     assert status == 503 and headers == {"Retry-After": "1"}
+
+
+def test_decode_first_sends_one_leg_to_decode_naming_the_prefill_worker_and_no_prefill_answer() -> None:
+    legs = _Legs({})
+    request = _request(stream=True)
+    first, leg = asyncio.run(decode_first(legs, request, PREFILL, DECODE, "u1", 7))  # type: ignore[arg-type]
+    assert first is None and leg is not None and leg.worker == DECODE
+    assert legs.sent == [("decode", decode_first_body(request, "u1", 7, PREFILL))]
