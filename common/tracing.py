@@ -12,6 +12,7 @@ leg's HTTP headers, `context_from(carrier)` where it arrives.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import threading
 from typing import Iterator, Mapping, Sequence
@@ -34,6 +35,13 @@ EXPORT_TIMEOUT_S = 2.0      # one export's HTTP timeout: a slow collector costs 
 MAX_QUEUED_SPANS = 4096     # spans waiting to leave; more are dropped (and counted)
 BATCH_DELAY_MS = 500        # how long a span may wait for its batch
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def add_traces_endpoint_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--otlp-traces-endpoint`, the flag `vllm serve` has too, for a process that can trace."""
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="send OpenTelemetry trace spans to this OTLP/HTTP endpoint, e.g. "
+                             "http://127.0.0.1:4318/v1/traces (default: no tracing)")
 
 
 class SpanCounts:

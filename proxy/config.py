@@ -11,6 +11,7 @@ from common.errors import TokenizerLoadError
 from common.prefill_job import nats_url
 from common.roles import DEFAULT_HOST, DEFAULT_KV_PORT, DEFAULT_PROXY_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE
 from common.tokenizer import Tokenizer
+from common.tracing import add_traces_endpoint_flag
 from proxy.conditional import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_QUEUE, ConditionalPolicy
 from proxy.conditional_route import ConditionalConfig
 from proxy.errors import ConfigError
@@ -100,9 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-streams", action="store_true",
                    help="a streamed answer whose decode worker dies or hands it back (drain) goes on on another "
                         "decode worker from the tokens already sent (our workers)")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry trace spans to this OTLP/HTTP endpoint, e.g. "
-                        "http://127.0.0.1:4318/v1/traces (default: no tracing)")
+    add_traces_endpoint_flag(p)
     cond = p.add_argument_group("conditional disaggregation (di mode)")
     cond.add_argument("--conditional-disaggregation", action="store_true",
                       help="prefill a prompt on a prefill worker only when its part the decode worker has not cached "

@@ -17,7 +17,7 @@ from hypercorn.config import Config as HypercornConfig
 from common.kv_events import KVEventsConfig, KVEventsError
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, secret_id
 from common.listen import hypercorn_bind, listen_socket
-from common.tracing import Tracing
+from common.tracing import Tracing, add_traces_endpoint_flag
 from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
 from worker.dtype import AUTO, BF16_CPU_FLAGS
@@ -80,9 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--drain-hands-back-streams", action="store_true",
                         help="a drain ends each running stream after its tokens so far, for the proxy (with "
                              "--resume-streams) to go on with on another worker, instead of finishing it here")
-    server.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                        help="send OpenTelemetry trace spans to this OTLP/HTTP endpoint, e.g. "
-                             "http://127.0.0.1:4318/v1/traces (default: no tracing)")
+    add_traces_endpoint_flag(server)
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     engine.add_argument("--served-model-name", default=None,
