@@ -2,7 +2,8 @@
 
 A prefill leg carries `PrefillParams` (which request the KV it keeps belongs to); its answer carries a
 `PrefillHandoff` (where its signal plane serves that KV); the decode leg carries `DecodeParams` (where to
-pull the KV from, and for decode_first the prefill worker's HTTP API). The dicts keep vLLM's connector
+pull the KV from, and for decode_first the prefill worker's HTTP API), or `QueuedDecodeParams`
+(decode_first through the global prefill queue: the decode worker puts the prefill leg on the queue). The dicts keep vLLM's connector
 conventions (`remote_host`, `remote_port`, `remote_engine_id`), so vLLM workers and the proxy exchange
 them as they are. `parse` of each raises `HandoffError` (a ValueError) naming the bad key.
 
@@ -18,6 +19,7 @@ PREFILL, DECODE = "prefill", "decode"
 
 _ROLE, _REQUEST_ID, _PULLED_ON_STOP, _DECODE_ENGINE = "role", "request_id", "pulled_on_stop", "decode_engine_id"
 _HOST, _PORT, _ENGINE_ID, _URL = "remote_host", "remote_port", "remote_engine_id", "remote_url"
+_QUEUE = "prefill_queue"
 
 
 class HandoffError(ValueError):
@@ -125,6 +127,35 @@ class DecodeParams:
         if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
             raise HandoffError(_URL, f"must be an http(s) URL, got {url!r}")
         return cls(host, port, _opt_request_id(obj), _opt_str(obj, _ENGINE_ID), url.rstrip("/") if url else None)
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedDecodeParams:
+    """A decode leg of decode_first through the global prefill queue: the decode worker puts request
+    `request_id`'s prefill leg on the queue, and pulls the KV from whichever prefill worker takes it."""
+
+    request_id: str
+
+    role = DECODE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {_ROLE: DECODE, _REQUEST_ID: self.request_id, _QUEUE: True}
+
+    def pull_from(self, host: str, port: int, request_id: str, engine_id: str | None) -> DecodeParams:
+        """The decode leg once a prefill worker took the job: its signal plane, the id it runs the job under."""
+        return DecodeParams(host, port, request_id, engine_id)
+
+
+def queued_leg(obj: Any) -> QueuedDecodeParams | None:
+    """A request's `kv_transfer_params` as a queued decode leg; None when they are not one."""
+    if not isinstance(obj, Mapping) or obj.get(_ROLE) != DECODE or _QUEUE not in obj:
+        return None
+    if obj[_QUEUE] is not True:
+        raise HandoffError(_QUEUE, f"must be true, got {obj[_QUEUE]!r}")
+    request_id = _opt_request_id(obj)
+    if not request_id:
+        raise HandoffError(_REQUEST_ID, "must name the request (a queued decode leg)")
+    return QueuedDecodeParams(request_id)
 
 
 @dataclass(frozen=True, slots=True)

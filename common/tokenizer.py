@@ -57,6 +57,11 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """`text` with the special tokens the tokenizer's own post-processor adds (a BOS or none): how a
+        Hugging Face tokenizer, and so `vllm serve`, encodes a completion prompt."""
+        return self.inner.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=True)
 

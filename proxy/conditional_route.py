@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from common.tokenizer import Tokenizer
+from common.worker_record import OUR_SERVER
 from proxy.conditional import LOCAL, REMOTE, ConditionalPolicy, prefill_queue
 from proxy.metrics import Metrics
 from proxy.kv_index import KVIndexes
 from proxy.prefix_index import DEFAULT_BLOCK_SIZE, PrefixIndex
-from proxy.prompt_tokens import prompt_token_ids
+from proxy.prompt_tokens import encoding_of, prompt_token_ids
 from proxy.requests import ClientRequest
 from proxy.workers import VLLM_SERVER, WorkerRecord
 
@@ -55,7 +56,8 @@ class ConditionalRouter:
         per healthy prefill worker. A prompt the proxy cannot count goes the remote way, and so does a seeded one
         to a `vllm serve` decode worker: its prefill there may be cut into chunks, which vLLM's CPU build cannot
         do for a seeded request (it stops its engine), while as a decode leg it computes one token."""
-        ids = await asyncio.to_thread(prompt_token_ids, request, self._config.tokenizer)
+        ids = await asyncio.to_thread(prompt_token_ids, request, self._config.tokenizer,
+                                      encoding_of(decode) if self._events is not None else OUR_SERVER)
         path, prompt = REMOTE, None
         if ids is not None and not (request.seed is not None and decode.server == VLLM_SERVER):
             cached = (self._events.overlaps(ids, [decode.key])[0] if self._events is not None

@@ -157,9 +157,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
 def _prefill_queue(args: argparse.Namespace) -> str | None:
     if args.prefill_queue is None:
         return None
-    if args.mode == "colocated" or args.kv_protocol != "neuron" or args.disaggregation_strategy == "decode_first":
-        raise ConfigError("--prefill-queue is for di mode with kv_protocol neuron workers and strategy concurrent "
-                          "or prefill_first")
+    if args.mode == "colocated" or args.kv_protocol != "neuron":
+        raise ConfigError("--prefill-queue is for di mode with kv_protocol neuron workers")
     try:
         return nats_url(args.prefill_queue)
     except ValueError as exc:

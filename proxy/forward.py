@@ -139,6 +139,9 @@ class Forwarder:
             if self._queued is not None and prefill.kv_protocol == "neuron":  # the prefill leg goes through NATS
                 queued = dataclasses.replace(self._queued, start_decode=functools.partial(self.legs.start_decode,
                                                                                           took=took))
+                if relay:  # decode_first: the decode worker puts the prefill leg on the queue itself
+                    leg = queued.decode_first_leg(request, decode, uid, seed)
+                    return await self._assembler.relay(request, uid, leg, started)
                 first, leg, prefill, rid = await queued.handoff(request, decode, uid, seed)
                 abandon = functools.partial(self._abandoner.abandon, prefill, rid)
             else:

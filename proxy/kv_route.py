@@ -19,7 +19,7 @@ from proxy.errors import ConfigError
 from proxy.kv_events_follower import KVEventMetrics, KVEventsFollower
 from proxy.kv_choice import DECODE_LEG_FACTOR, DEFAULT_LEG_TOKENS, choose
 from proxy.kv_index import DEFAULT_CAPACITY, KVIndexes
-from proxy.prompt_tokens import prompt_token_ids
+from proxy.prompt_tokens import encoding_of, prompt_ids_by_encoding
 from proxy.requests import ClientRequest
 from proxy.workers import WorkerPool, WorkerRecord
 
@@ -57,23 +57,30 @@ class KVRouter:
 
     async def picks(self, request: ClientRequest) -> Picks | None:
         """Both workers for `request`; None for a prompt the proxy does not count (round-robin then)."""
-        ids = await asyncio.to_thread(prompt_token_ids, request, self._config.tokenizer)
-        if ids is None or not self._pool.healthy("prefill") or not self._pool.healthy("decode"):
+        workers = [*self._pool.healthy("prefill"), *self._pool.healthy("decode")]
+        if not self._pool.healthy("prefill") or not self._pool.healthy("decode"):
             return None
-        prefill, cached = self._pick("prefill", ids)
-        self.tokens.labels("prompt").inc(len(ids))
+        ids = await asyncio.to_thread(prompt_ids_by_encoding, request, self._config.tokenizer, workers)
+        if ids is None:
+            return None
+        prefill, cached, prompt_len = self._pick("prefill", ids)
+        self.tokens.labels("prompt").inc(prompt_len)
         self.tokens.labels("hit").inc(cached[0])
         self.tokens.labels("best").inc(cached[1])
-        decode, _ = self._pick("decode", ids, prefill.kv_protocol)
+        decode, _, _ = self._pick("decode", ids, prefill.kv_protocol)
         return Picks(prefill, decode)
 
-    def _pick(self, role: str, ids: list[int], kv_protocol: str | None = None) -> tuple[WorkerRecord, tuple[int, int]]:
+    def _pick(self, role: str, ids: dict[str, list[int]],
+              kv_protocol: str | None = None) -> tuple[WorkerRecord, tuple[int, int], int]:
+        """The worker of `role` to pick, the prompt tokens it and the best one hold, and the prompt's length on it;
+        each worker's overlap is looked up with the prompt's ids as that worker encodes them."""
         workers = self._pool.healthy(role, kv_protocol) or self._pool.healthy(role)
-        cached = self.indexes.overlaps(ids, [w.key for w in workers])
+        cached = [self.indexes.overlaps(ids[encoding_of(w)], [w.key])[0] for w in workers]
         turn = self._turns[role] = self._turns[role] + 1
         weight = self._config.leg_tokens * (DECODE_LEG_FACTOR if role == "decode" else 1)
-        i = choose(len(ids), cached, [self._legs(w) for w in workers], turn, weight)
-        return workers[i], (cached[i], max(cached))
+        prompt_len = max(len(v) for v in ids.values())
+        i = choose(prompt_len, cached, [self._legs(w) for w in workers], turn, weight)
+        return workers[i], (cached[i], max(cached)), len(ids[encoding_of(workers[i])])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 The proxy puts the prefill leg on the queue as a job (proxy/prefill_queue.py) instead of sending it to a
 worker it picked; the prefill worker that takes the job says so at once (TAKEN, with its worker record).
 `concurrent`: the decode leg starts then, naming that worker, while the prefill runs. `prefill_first`:
-it starts once the prefill's answer says where the KV lies. A job taken again (its first taker died
+it starts once the prefill's answer says where the KV lies. `decode_first`: the decode leg goes alone,
+naming no prefill worker; the decode worker puts the prefill leg on the queue (worker/server/queued_prefill.py). A job taken again (its first taker died
 before acking it, and the stream gave it to another) restarts the decode leg on the new taker; a decode
 leg that fails before the prefill answered waits `retake_s` for such a new taker before the request
 fails. The prefill's answer (the first token) comes back through the queue as an HTTP prefill leg's would.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from common.errors import RegistrationError
-from common.handoff import PrefillParams
+from common.handoff import PrefillParams, QueuedDecodeParams
 from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
 from proxy.errors import KV_TRANSFER_ERROR, UpstreamProtocol, UpstreamStatus, UpstreamTimeout
 from proxy.flows import DecodeLeg, json_object, neuron_handoff
@@ -43,6 +44,11 @@ class QueuedFlow:
     prefill_first: bool
     timeout_s: float = 600.0
     retake_s: float = 10.0
+
+    def decode_first_leg(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None) -> DecodeLeg:
+        """decode_first: the one leg, to `decode`, which puts the prefill leg on the queue itself."""
+        body = decode_body(request, seed, QueuedDecodeParams(uid).to_dict())
+        return self.start_decode(decode, request, body, {"X-Request-Id": uid})
 
     async def handoff(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None) -> Handoff:
         """The prefill's answer, the decode leg (None: not called), the prefill worker that took the job and the

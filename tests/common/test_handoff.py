@@ -7,7 +7,7 @@ import json
 import pytest
 
 from common.handoff import (DecodeParams, ForeignParams, HandoffError, PrefillHandoff, PrefillParams,
-                            nixl_prefill_params, parse_leg)
+                            QueuedDecodeParams, nixl_prefill_params, parse_leg, queued_leg)
 
 DECODE = {"role": "decode", "request_id": "u1", "remote_host": "10.0.0.1", "remote_port": 14600,
           "remote_engine_id": "p-1", "remote_url": "http://10.0.0.1:8100"}
@@ -87,3 +87,16 @@ def test_each_type_refuses_what_is_not_its_own(parse, obj, key: str | None) -> N
     with pytest.raises(HandoffError) as info:
         parse(obj)
     assert info.value.key == key
+
+
+def test_a_queued_decode_leg_names_its_request_and_becomes_a_decode_leg_once_taken() -> None:
+    leg = QueuedDecodeParams("u1")
+    assert json.dumps(leg.to_dict()) == '{"role": "decode", "request_id": "u1", "prefill_queue": true}'
+    assert queued_leg(json.loads(json.dumps(leg.to_dict()))) == leg
+    assert queued_leg(DECODE) is None and queued_leg({"role": "prefill", "prefill_queue": True}) is None
+    assert leg.pull_from("h", 1, "u1-take2", "p-1") == DecodeParams("h", 1, "u1-take2", "p-1")
+    for obj, key in (({"role": "decode", "prefill_queue": 1, "request_id": "u"}, "prefill_queue"),
+                     ({"role": "decode", "prefill_queue": True}, "request_id")):
+        with pytest.raises(HandoffError) as info:
+            queued_leg(obj)
+        assert info.value.key == key

@@ -2,17 +2,26 @@
 index, and the choice of a worker (vLLM's own encoder is checked in tests/vllm/test_kv_events.py)."""
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventsConfig, KVEventsError,
                               decode_frames, encode_batch)
+from common.tokenizer import Tokenizer
+from common.worker_record import OUR_SERVER, WorkerRecord
+from proxy import COMPLETIONS, parse_request
 from proxy.kv_choice import choose, kv_costs
 from proxy.kv_index import KVIndexes, WorkerKVIndex, prompt_hashes
+from proxy.kv_route import KVRouter, KVRoutingConfig
+from proxy.prompt_tokens import encoding_of, prompt_token_ids
+from proxy.workers import WorkerPool
 from scheduler import BlockManager
 from scheduler.sequence import Sequence
 
@@ -147,3 +156,23 @@ def test_routing_kv_with_a_tokenizer_and_static_endpoints() -> None:
                          "builtin", "--kv-events", "127.0.0.1:1=tcp://127.0.0.1:5557"])
     assert config.kv_routing is not None and config.kv_routing.static_endpoints == (("127.0.0.1:1", "tcp://127.0.0.1:5557"),)
     assert parse_args(["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]).kv_routing is None
+
+
+def test_each_worker_is_matched_with_the_prompt_as_its_server_encodes_it() -> None:
+    """Our worker starts a completion prompt with the BOS; `vllm serve` on the built-in model adds none: the
+    router looks up each worker's index with that worker's ids, and picks the one holding the prompt."""
+    tokenizer, text = Tokenizer.builtin(), "the same prompt, two ways of encoding it " * 4
+    request = parse_request(COMPLETIONS, json.dumps({"model": "m", "prompt": text}).encode(), True)
+    ours, theirs = WorkerRecord("prefill", "h", 1, server=OUR_SERVER), WorkerRecord("prefill", "h", 2)
+    ids = {server: prompt_token_ids(request, tokenizer, encoding_of(w)) for server, w in (("ours", ours),
+                                                                                           ("vllm", theirs))}
+    assert ids["ours"] == [tokenizer.bos_token_id, *ids["vllm"]]
+    assert ids["vllm"] == tokenizer.encode_with_specials(text)
+    for holder in (ours, theirs):
+        indexes = KVIndexes()
+        held = ids["ours" if holder is ours else "vllm"]
+        n = len(held) // BS
+        indexes.index(holder.key).apply(EventBatch(0, 0.0, (stored(held[:n * BS], list(range(n))),)))
+        pool = WorkerPool([ours, theirs, WorkerRecord("decode", "h", 3)])
+        router = KVRouter(KVRoutingConfig(tokenizer), pool, indexes, lambda _: 0, CollectorRegistry())
+        assert [asyncio.run(router.picks(request)).prefill for _ in range(2)] == [holder, holder]

@@ -24,10 +24,12 @@ from tests.proxy.flow_clients import paths
 from tests.proxy.test_conditional_exact import MODEL, answers
 from tests.worker_process import WorkerProcess
 
-# Each proxy's flags beside the workers and the queue: both strategies the queue serves, and conditional
-# disaggregation (long prompts through the queue, short ones served by the decode worker alone).
+# Each proxy's flags beside the workers and the queue: the strategies the queue serves (decode_first: the
+# decode worker puts the prefill leg on the queue), and conditional disaggregation (long prompts through the
+# queue, short ones served by the decode worker alone).
 PROXIES = {"concurrent": ["--disaggregation-strategy", "concurrent"],
            "prefill_first": ["--disaggregation-strategy", "prefill_first"],
+           "decode_first": ["--disaggregation-strategy", "decode_first"],
            "conditional": ["--conditional-disaggregation", "--tokenizer", "builtin", "--max-local-prefill-tokens", "48"]}
 T = TypeVar("T")
 
@@ -42,7 +44,8 @@ class QueueStack:
             queue = ["--prefill-queue", self.nats.url, "--prefill-queue-max-jobs", "2"]
             # A pull from a prefill worker killed mid-job ends (its blocks freed) at the pull timeout.
             kinds = [("prefill", "shm", queue), ("prefill", "shm", queue),
-                     ("decode", "shm", ["--kv-pull-timeout", "5"]), ("both", "shm", [])]
+                     ("decode", "shm", ["--kv-pull-timeout", "5", "--prefill-queue", self.nats.url]),
+                     ("both", "shm", [])]
             with ThreadPoolExecutor(len(kinds)) as pool:  # started side by side: each loads its model
                 started = [pool.submit(WorkerProcess, *kind) for kind in kinds]
                 wait(started)
@@ -61,6 +64,9 @@ class QueueStack:
 
     def stream_messages(self) -> int:
         return self._jetstream(lambda js: js.stream_info(STREAM_NAME)).state.messages
+
+    def jobs_published(self) -> int:
+        return self._jetstream(lambda js: js.stream_info(STREAM_NAME)).state.last_seq
 
     def retaken(self, worker: WorkerProcess) -> int:
         """Jobs `worker` ran that another worker had taken first (run under an id common.prefill_job.attempt_id
@@ -114,11 +120,16 @@ def stack() -> Iterator[QueueStack]:
 def test_queued_requests_answer_as_one_worker(stack: QueueStack, name: str) -> None:
     proxy = stack.proxies[name]
     before = paths(proxy)
+    published = stack.jobs_published()
     via_queue = asyncio.run(answers(proxy.url, 16, 16))
     assert via_queue == asyncio.run(answers(stack.both.url, 16, 16))
+    jobs = stack.jobs_published() - published   # one per request whose prefill went through the queue
     if name == "conditional":
         after = paths(proxy)
         assert all(after[path] > before.get(path, 0) for path in ("local", "remote")), (before, after)
+        assert jobs == after["remote"] - before.get("remote", 0), (jobs, before, after)
+    else:
+        assert jobs == 16
     stack.settled()
     assert "proxy_prefill_queue_depth 0.0" in httpx.get(f"{proxy.url}/metrics", timeout=10).text
 
@@ -166,29 +177,37 @@ def test_a_job_whose_client_left_is_dropped_never_run(stack: QueueStack) -> None
 
 
 def test_nats_down_is_a_clear_503_and_serving_resumes_when_it_is_back(stack: QueueStack) -> None:
-    proxy = stack.proxies["concurrent"]
+    """Through the proxy (concurrent) and through the decode worker (decode_first)."""
+    proxies = [stack.proxies["concurrent"], stack.proxies["decode_first"]]
     body = {"model": MODEL, "prompt": "the queue is back", "max_tokens": 4, "temperature": 0}
     stack.nats.kill()
-    reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10)
-    assert reply.status_code == 503, reply.text
-    message = reply.json()["error"]["message"]
-    assert "prefill queue" in message and "NATS" in message and stack.nats.url in message, message
+    for proxy in proxies:
+        reply = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10)
+        assert reply.status_code == 503, reply.text
+        message = reply.json()["error"]["message"]
+        assert "prefill queue" in message and "NATS" in message and stack.nats.url in message, message
     stack.nats.restart()
     back = time.monotonic()
-    wait_until(lambda: httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10).status_code == 200,
-               timeout=30, interval=0.1)
-    print(f"serving again {time.monotonic() - back:.2f} s after nats-server came back")
+    for proxy in proxies:
+        wait_until(lambda: httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10).status_code == 200,
+                   timeout=30, interval=0.1)
+        print(f"serving again {time.monotonic() - back:.2f} s after nats-server came back")
     stack.settled()
 
 
 def test_a_prefill_worker_killed_holding_jobs_loses_nothing(stack: QueueStack) -> None:
-    """Last: it kills a prefill worker while 48 requests (new prompts) at concurrency 12 keep both busy; it
-    holds a job from taking it until its KV has left (running, waiting or transferring)."""
-    proxy, (victim, survivor) = stack.proxies["concurrent"], stack.prefills
+    """Last: it kills a prefill worker while 56 requests (new prompts) keep both busy, 32 at concurrency 8 whose
+    proxy puts their prefill legs on the queue (concurrent) and 24 at 6 whose decode worker does (decode_first);
+    it holds a job from taking it until its KV has left (running, waiting or transferring)."""
+    proxies, (victim, survivor) = [stack.proxies["concurrent"], stack.proxies["decode_first"]], stack.prefills
     holding = ("neuron_di_requests_running", "neuron_di_requests_waiting", "neuron_di_requests_transferring")
+    loads = [(proxies[0], 32, 8), (proxies[1], 24, 6)]
 
-    async def run() -> list[str]:
-        load = asyncio.ensure_future(answers(proxy.url, 48, 12))
+    async def all_of(url_of: Callable[[Server], str]) -> list[list[str]]:
+        return list(await asyncio.gather(*(answers(url_of(proxy), n, c) for proxy, n, c in loads)))
+
+    async def run() -> list[list[str]]:
+        load = asyncio.ensure_future(all_of(lambda proxy: proxy.url))
         while not load.done() and await asyncio.to_thread(lambda: sum(victim.metric(name) for name in holding)) == 0:
             await asyncio.sleep(0.005)
         assert not load.done(), "the victim took no job"
@@ -197,7 +216,9 @@ def test_a_prefill_worker_killed_holding_jobs_loses_nothing(stack: QueueStack) -
 
     via_queue = asyncio.run(run())
     assert stack.retaken(survivor) > 0, "no job of the killed worker was given to the survivor"
-    assert via_queue == asyncio.run(answers(stack.both.url, 48, 12))
+    assert via_queue == asyncio.run(all_of(lambda _: stack.both.url))
+    print("decode_first retakes:", stack.decode.proc.output().count("its prefill job was taken again"),
+          "survivor retakes:", stack.retaken(survivor))
     stack.workers.remove(victim)
     survivor.wait_blocks_free()
     stack.decode.wait_blocks_free()

@@ -17,11 +17,13 @@ WORKERS = ["--prefill", "127.0.0.1:8100", "--decode", "127.0.0.1:8200"]
 def test_the_proxy_takes_a_nats_url_and_is_off_by_default() -> None:
     assert parse_args(WORKERS).prefill_queue is None
     assert parse_args([*WORKERS, "--prefill-queue", "nats://127.0.0.1"]).prefill_queue == "nats://127.0.0.1:4222"
+    for strategy in ("concurrent", "prefill_first", "decode_first"):
+        argv = [*WORKERS, "--prefill-queue", "nats://h", "--disaggregation-strategy", strategy]
+        assert parse_args(argv).prefill_queue == "nats://h:4222"
 
 
 @pytest.mark.parametrize("extra, words", [
     (["--prefill-queue", "http://127.0.0.1:4222"], "expected nats://HOST:PORT"),
-    (["--prefill-queue", "nats://h:4222", "--disaggregation-strategy", "decode_first"], "strategy concurrent"),
     (["--prefill-queue", "nats://h:4222", "--kv-protocol", "nixl"], "kv_protocol neuron"),
 ])
 def test_the_proxy_refuses_what_the_queue_does_not_serve(extra: list[str], words: str) -> None:
@@ -42,7 +44,8 @@ def test_the_worker_flags() -> None:
     assert worker_args().prefill_queue is None
     args = worker_args("--prefill-queue", "nats://10.0.0.1:4333", "--prefill-queue-max-jobs", "4")
     assert (args.prefill_queue, args.prefill_queue_max_jobs) == ("nats://10.0.0.1:4333", 4)
-    for bad in (["--role", "decode", "--prefill-queue", "nats://h"], ["--prefill-queue-max-jobs", "0"],
+    assert worker_args("--role", "decode", "--prefill-queue", "nats://h").prefill_queue == "nats://h:4222"
+    for bad in (["--role", "both", "--prefill-queue", "nats://h"], ["--prefill-queue-max-jobs", "0"],
                 ["--prefill-queue", "h:4222"]):
         with pytest.raises(SystemExit):
             worker_args(*bad)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
@@ -48,12 +49,13 @@ from worker.server.metrics import ServerMetrics
 from worker.server.registrar import Registrar
 from worker.server.role_flip import EngineMaker, RoleFlip
 from worker.server.remote_prefill import RemotePrefills, first_output
+from worker.server.queued_prefill import QueuedPrefills, queued_decode
 from worker.server.prompts import request_prompts
 from worker.server.request_id import use_request_ids
 from worker.server.responses import Kind, ResponseShape
 from worker.server.token_text import TokenStrings
 from worker.sampling_params import SamplingParams
-from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, PrefillHandoff, PrefillParams
+from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, PrefillHandoff, PrefillParams, QueuedDecodeParams
 from common.openai_wire import error_body
 from common.timeline import Timeline, parse_query
 from common.trace_asgi import TraceMiddleware
@@ -128,6 +130,7 @@ class _Worker:
         self.max_model_len = 0
         self.created = int(time.time())
         self.remote_prefills = RemotePrefills()  # decode_first: the prefill legs this decode worker sends
+        self.queued_prefills: QueuedPrefills | None = None  # decode_first through the global prefill queue
         self.strings: TokenStrings | None = None  # the texts logprobs show for tokens
 
     @property
@@ -283,7 +286,10 @@ class _Worker:
             prompts = await self._prompts(req)
             params = [build_params(req, len(p.token_ids), self.max_model_len) for p in prompts]
             prefill_url = req.leg.remote_url if isinstance(req.leg, DecodeParams) else None
-            parts = await self._start(req, prompts, params)
+            queued = isinstance(req.leg, QueuedDecodeParams)  # decode_first through the global prefill queue
+            start = functools.partial(self._start, prompts=prompts, params=params)
+            parts = await (queued_decode(self.queued_prefills, req, request.path, body, prompts, start) if queued
+                           else start(req))
         prefill = None
         if prefill_url:  # image rows are the prefill worker's to fetch: it gets the client's chat body then
             prompt = prompts[0]
@@ -293,7 +299,7 @@ class _Worker:
         shape = ResponseShape(kind, g.request_id, self.model_name)
         # A decode leg awaits its first output (the pulled KV) before the headers go out, so a
         # failed transfer is a plain HTTP error the proxy can act on, not a 200 stream.
-        if req.is_decode_leg:
+        if req.is_decode_leg and not queued:
             parts[0].first = await self._first(parts[0].stream, prefill)
         if not req.stream:
             return await self._collect(shape, req, parts)
@@ -303,9 +309,9 @@ class _Worker:
         return response
 
     async def _start(self, req: GenerateRequest, prompts: list[MultiModalPrompt],
-                     params: list[SamplingParams]) -> list[Part]:
-        """Admits one engine request per choice (id `X-Request-Id`, or `{id}-{index}` for several; choice i
-        of a prompt seeded seed + i, as vLLM seeds them); one refused aborts those admitted."""
+                     params: list[SamplingParams], engine_id: str | None = None) -> list[Part]:
+        """Admits one engine request per choice (id `engine_id` or `X-Request-Id`, or `{id}-{index}` for several;
+        choice i of a prompt seeded seed + i, as vLLM seeds them); one refused aborts those admitted."""
         assert self.metrics is not None and self.strings is not None
         many = req.n * len(prompts) > 1
         parts: list[Part] = []
@@ -314,7 +320,7 @@ class _Worker:
                 for j in range(req.n):
                     index = i * req.n + j
                     seeded = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
-                    request_id = f"{g.request_id}-{index}" if many else g.request_id
+                    request_id = f"{g.request_id}-{index}" if many else engine_id or g.request_id
                     stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded,
                                                               req.leg, prompt.spans or None, req.resume_from)
                     choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)

@@ -235,17 +235,15 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
         loop.add_signal_handler(sig, worker.drain.signal)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
     await worker.startup()
-    puller = None
+    queue = None
     if args.prefill_queue:
-        from worker.server.prefill_puller import worker_puller
-
-        puller = worker_puller(worker, args.prefill_queue, args.host, args.port, args.prefill_queue_max_jobs)
-        puller.start()
+        queue = prefill_queue_flags.queue_side(worker, args)
+        queue.start()
     try:
         await serve(app, server, shutdown_trigger=worker.drain.done.wait)
     finally:
-        if puller is not None:
-            await puller.stop()
+        if queue is not None:
+            await queue.stop()
         if args.kv_events is not None:
             args.kv_events_publisher.close()
     return worker.drain.forced

@@ -2,17 +2,23 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
 from common.prefill_job import nats_url
+
+if TYPE_CHECKING:
+    from worker.server.prefill_puller import PrefillPuller
+    from worker.server.queued_prefill import QueuedPrefills
 
 DEFAULT_MAX_JOBS = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("global prefill queue (role prefill)")
+    group = parser.add_argument_group("global prefill queue (roles prefill and decode)")
     group.add_argument("--prefill-queue", metavar="nats://HOST:PORT", default=None,
-                       help="pull prefill jobs from the NATS JetStream queue the proxy (--prefill-queue) fills, "
-                            "while this worker has room (default: off, prefill legs come over HTTP only)")
+                       help="role prefill: pull prefill jobs from this NATS JetStream queue (filled by the proxy's "
+                            "--prefill-queue) while this worker has room; role decode: put the prefill legs of "
+                            "decode_first requests on it (default: off, prefill legs go over HTTP only)")
     group.add_argument("--prefill-queue-max-jobs", type=int, default=DEFAULT_MAX_JOBS, metavar="N",
                        help="room: pull a job only while this worker's jobs and engine requests are fewer than N "
                             f"(default {DEFAULT_MAX_JOBS})")
@@ -24,9 +30,21 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--prefill-queue-max-jobs must be at least 1, got {args.prefill_queue_max_jobs}")
     if args.prefill_queue is None:
         return
-    if args.role != "prefill":
-        parser.error("--prefill-queue is for role prefill")
+    if args.role not in ("prefill", "decode"):
+        parser.error("--prefill-queue is for role prefill or decode")
     try:
         args.prefill_queue = nats_url(args.prefill_queue)
     except ValueError as exc:
         parser.error(f"--prefill-queue: {exc}")
+
+
+def queue_side(worker: Any, args: argparse.Namespace) -> PrefillPuller | QueuedPrefills:
+    """The worker's side of the queue, to start and stop: a prefill worker's puller, or the requester a decode
+    worker puts decode_first's prefill legs on the queue through."""
+    from worker.server.prefill_puller import worker_puller
+    from worker.server.queued_prefill import QueuedPrefills
+
+    if args.role == "decode":
+        worker.queued_prefills = QueuedPrefills(args.prefill_queue)
+        return worker.queued_prefills
+    return worker_puller(worker, args.prefill_queue, args.host, args.port, args.prefill_queue_max_jobs)

@@ -10,7 +10,8 @@ from typing import Any, Mapping
 
 from werkzeug.exceptions import HTTPException
 
-from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, HandoffError, LegParams, parse_leg
+from common.handoff import (KV_TRANSFER_PARAMS, DecodeParams, HandoffError, LegParams, QueuedDecodeParams, parse_leg,
+                            queued_leg)
 from common.openai_wire import WORKER_DRAINING, error_body, load_object
 from common.stream_resume import HANDED_BACK, RESUME_FROM, TOKEN_IDS, resume_from, wants_token_ids
 from common.unserved import first_unserved
@@ -44,7 +45,7 @@ class GenerateRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     # Disaggregation: the leg this request is (kv_transfer_params), None for a whole request.
-    leg: LegParams | None = None
+    leg: LegParams | QueuedDecodeParams | None = None
     token_ids: bool = False               # each choice carries its token ids (common/stream_resume.py)
     resume_from: tuple[int, ...] = ()     # the outputs of an answer another worker began
 
@@ -59,7 +60,7 @@ class GenerateRequest:
 
     @property
     def is_decode_leg(self) -> bool:
-        return isinstance(self.leg, DecodeParams)
+        return isinstance(self.leg, (DecodeParams, QueuedDecodeParams))
 
     def wire_sampling(self) -> dict[str, Any]:
         """The sampling fields as a request body spells them (the constraint as the client sent it)."""
@@ -112,7 +113,7 @@ def parse_request(kind: Kind, body: Mapping[str, Any], model_name: str) -> Gener
         raise invalid("a disaggregated leg (kv_transfer_params) carries one choice of one prompt: send a leg "
                       "pair per prompt and choice (choice i with seed + i)", "n" if n > 1 else "prompt")
     try:
-        return dataclasses.replace(request, leg=parse_leg(params))
+        return dataclasses.replace(request, leg=queued_leg(params) or parse_leg(params))
     except HandoffError as exc:
         raise invalid(str(exc), KV_TRANSFER_PARAMS) from exc
 

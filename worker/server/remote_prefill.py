@@ -47,15 +47,7 @@ class RemotePrefills:
         result is the first token's entry."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-        body = {**leg, "max_tokens": 1, "stream": False,
-                KV_TRANSFER_PARAMS: PrefillParams(request_id).to_dict()}
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
-        if body.get("min_tokens"):
-            body["min_tokens"] = 1
-        if body.get("logprobs") not in (None, False):
-            body["return_tokens_as_token_ids"] = True
-        body.pop("stream_options", None)
+        body = prefill_leg_body(request_id, leg)
         task = asyncio.ensure_future(_prefill(self._client, f"{url}{path}", request_id, body))
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -72,6 +64,20 @@ class RemotePrefills:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+def prefill_leg_body(request_id: str, leg: dict[str, Any]) -> dict[str, Any]:
+    """`leg` (a request body) as the prefill leg of `request_id`: one token, not streamed (at most one
+    min_tokens, so it may be asked for); logprobs, where asked for, naming token ids."""
+    body = {**leg, "max_tokens": 1, "stream": False, KV_TRANSFER_PARAMS: PrefillParams(request_id).to_dict()}
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    if body.get("min_tokens"):
+        body["min_tokens"] = 1
+    if body.get("logprobs") not in (None, False):
+        body["return_tokens_as_token_ids"] = True
+    body.pop("stream_options", None)
+    return body
 
 
 async def first_output(stream: RequestStream, prefill: asyncio.Task[TokenLogprobs | None]) -> RequestOutput:
@@ -103,7 +109,8 @@ async def _prefill(client: httpx.AsyncClient, url: str, request_id: str,
                                  f"{type(exc).__name__}: {exc or 'the connection was lost'}") from exc
     if reply.status_code != 200:
         raise RemotePrefillError(f"remote prefill of request {request_id!r} on {where} answered HTTP "
-                                 f"{reply.status_code}: {_message(reply.content)}", retryable=reply.status_code == 503)
+                                 f"{reply.status_code}: {error_message(reply.content)}",
+                                 retryable=reply.status_code == 503)
     return first_logprobs(reply.json()) if body.get("return_tokens_as_token_ids") else None
 
 
@@ -127,7 +134,7 @@ def first_logprobs(answer: dict[str, Any]) -> TokenLogprobs | None:
     return TokenLogprobs(token_id, logprob, 0, tuple((t, lp) for t, lp in alternatives if t != token_id))
 
 
-def _message(body: bytes) -> str:
+def error_message(body: bytes) -> str:
     """The message of a worker's OpenAI error body, else the body's start."""
     try:
         return str(json.loads(body)["error"]["message"])[:300]
