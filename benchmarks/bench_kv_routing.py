@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-trace", type=int, metavar="N", help="replay N requests of a generated trace")
     p.add_argument("--trace-scale", type=int, default=8, help="divide trace lengths and blocks by this (default 8)")
     p.add_argument("--time-scale", type=float, default=1.0, help="stretch trace arrival times (default 1)")
+    p.add_argument("--kv-load-tokens", type=int, default=None, metavar="N",
+                   help="the KV-routed proxy's --kv-load-tokens (default: the proxy's own)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per stack (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
     proxy = ["--routing", "kv", "--tokenizer", "builtin"] if routing == "kv" else []
+    if routing == "kv" and args.kv_load_tokens is not None:
+        proxy += ["--kv-load-tokens", str(args.kv_load_tokens)]
     return StackOptions(cores=(0, 1), worker_extra=MOCK if args.engine == "mock" else (),
                         startup_timeout_s=300.0, proxy_extra=tuple(proxy))
 
