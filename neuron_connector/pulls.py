@@ -71,6 +71,7 @@ class _Pull:
     sent_at: float | None = None        # set while a lookup is outstanding
     result: PullStatus = PENDING
     cancelled: bool = False
+    answered: bool = False              # the peer's success reply came and is being verified: the KV is here
 
 
 @dataclass
@@ -180,9 +181,15 @@ class PullTracker:
                 self._end(pull, PullStatus(PullState.FAILED, error=error))
         self._releases = [(p, rid) for p, rid in self._releases if p != peer]
 
+    def answered(self, request_id: str) -> None:
+        """The peer's success reply to the pull came and is being verified: the peer's part is over."""
+        if (pull := self._pulls.get(request_id)) is not None:
+            pull.answered = True
+
     def peer_lost(self, peer: str) -> int:
-        """The connection to the peer was lost: its pulls fail now; how many did."""
-        lost = [pull for pull in self._pulls.values() if pull.peer == peer and pull.result is PENDING]
+        """The connection to the peer was lost: its pulls fail now, but those it answered; how many did."""
+        lost = [pull for pull in self._pulls.values()
+                if pull.peer == peer and pull.result is PENDING and not pull.answered]
         for pull in lost:
             self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
                 f"pull of {pull.request_id!r}: the connection to prefill peer {peer} was lost "

@@ -226,13 +226,20 @@ class RecvBuffer:
             self.connection_dict[address].send(payload)
 
     def _drain(self, channel: DealerChannel) -> None:
+        """The replies the peer sent, then its lost connection, if lost: a peer that answered and exited
+        (a drained prefill worker's last push) has its answers taken first, so those pulls end as answered."""
         address = channel.address
-        if channel.disconnected():
+        lost = channel.disconnected()
+        self._take_replies(channel)
+        if lost:
             with self._lock:
                 if (link := self._links.get(address)) is not None:
                     link.reset()     # whoever answers there next is asked who it is
                 failed = self._pulls.peer_lost(address)
             log.warning("lost the connection to prefill peer %s: %d pull(s) from it failed", address, failed)
+
+    def _take_replies(self, channel: DealerChannel) -> None:
+        address = channel.address
         while (payload := channel.recv()) is not None:
             try:
                 reply = decode_reply(payload)
@@ -241,6 +248,8 @@ class RecvBuffer:
                 continue
             if (self._verifier is not None and isinstance(reply, LookupReply) and reply.success
                     and reply.checksum is not None):
+                with self._lock:
+                    self._pulls.answered(reply.request_id)
                 self._verifier.submit(self._verify, address, reply)
                 continue
             with self._lock:

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # GIL from the engine thread hundreds of times per push while a slow (tcp, loaded host) transfer runs.
 _BUSY_POLL_S, _IDLE_POLL_S = 0.05, 1.0
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
+# How long closing waits for replies already queued (a push's "done", answers to held lookups) to reach
+# their peers: the engine frees a push's blocks right after its reply is queued, so a drained worker may
+# close before the socket sent it. Bounded, for a peer that is gone.
+_CLOSE_FLUSH_S = 2.0
 
 
 class SendBuffer:
@@ -135,7 +139,7 @@ class SendBuffer:
                 log.info("closing: answered %d held lookup(s) of requests never published here", len(parked))
             for held in parked:
                 self._reply(held.identity, LookupReply(held.message.request_id, False, error=why).to_bytes())
-            self._router.close()
+            self._router.close(flush_s=_CLOSE_FLUSH_S)
         self._context.term()
         self._service.close()
 
