@@ -24,15 +24,11 @@ from transfer import LayoutMismatch as TransferLayoutMismatch
 
 log = logging.getLogger(__name__)
 
-# How often expiry runs when nothing happens: while blocks are held, and while nothing is. A push
-# that ends wakes the thread through its token's callback: polling running pushes would take the
-# GIL from the engine thread hundreds of times per push while a slow (tcp, loaded host) transfer runs.
+# How often expiry runs when nothing happens, blocks held or not. A push that ends wakes the thread (its token's
+# callback): polling running pushes would take the GIL from the engine thread hundreds of times per push.
 _BUSY_POLL_S, _IDLE_POLL_S = 0.05, 1.0
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
-# How long closing waits for replies already queued (a push's "done", answers to held lookups) to reach
-# their peers: the engine frees a push's blocks right after its reply is queued, so a drained worker may
-# close before the socket sent it. Bounded, for a peer that is gone.
-_CLOSE_FLUSH_S = 2.0
+_CLOSE_FLUSH_S = 2.0     # closing waits this long at most for queued replies (a drained worker's last push's)
 
 
 class SendBuffer:

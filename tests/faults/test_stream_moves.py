@@ -13,7 +13,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.faults.stream_clients import Streamed, bodies, metric, reference, run_streams
+from stack.worker_metrics import metric
+from tests.faults.stream_clients import Streamed, bodies, reference, run_streams
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.worker_process import WorkerProcess
@@ -100,7 +101,7 @@ def _kill_one(stack: Stack, count: int, tokens: int) -> None:
     _assert_exact(got, want)
     moved = [g for g in got if g.moves]
     assert moved, "no stream was on the killed worker mid-answer"
-    assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="worker_lost"') >= len(moved)
+    assert metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="worker_lost") >= len(moved)
     for worker in (stack.prefill, stack.decodes[1]):
         worker.wait_blocks_free(timeout=15)
     print(f"\nkill -9, {count} streams of {tokens} tokens: {len(moved)} moved; largest gap a client saw: "
@@ -121,12 +122,12 @@ def _drain_one(stack: Stack, count: int, tokens: int, again: bool = True) -> Non
         assert drained.proc.proc.wait(timeout=60) == 0, drained.proc.tail()
         took.append(time.monotonic() - started)
 
-    before = metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"')
+    before = metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back")
     got, want = _under_load(stack, drain, count, tokens)
     _assert_exact(got, want)
     moved = [g for g in got if g.moves]
     assert moved and "handed back" in drained.proc.output()
-    assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"') - before >= len(moved)
+    assert metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back") - before >= len(moved)
     for worker in (stack.prefill, stack.decodes[0]):
         worker.wait_blocks_free(timeout=15)
     print(f"\ndrain, {count} streams of {tokens} tokens: {len(moved)} handed back; the worker exited "
