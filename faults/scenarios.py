@@ -53,6 +53,39 @@ def kill_and_restart(kind: str) -> Scenario:
     return run
 
 
+def drain_and_restart(kind: str) -> Scenario:
+    """SIGTERM (a drain) to the first worker of `kind` mid-load: it leaves the fleet, finishes or hands back what
+    it holds and exits 0, and no request fails; then it is started again and a second load runs."""
+    def run(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
+        result = ScenarioResult(f"drain_{kind}_{faults.topology}", faults.topology, planned=True)
+        victim = faults.names(kind)[0]
+        size = campaign.size
+
+        async def during() -> Load:
+            load = Load(faults.url, prompts(size.requests, campaign.seed), size)
+            running = asyncio.create_task(load.run())
+            await load.wait_done(size.requests // 3, size.deadline_s)
+            result.exit_status = await asyncio.to_thread(faults.drain, victim)
+            return await running
+        load = asyncio.run(during())
+        ended = time.monotonic()
+        held = wait_blocks_free(faults, without=victim)
+        if not any(held.values()):
+            result.fault_blocks_free_s = round(time.monotonic() - ended, 2)
+        restarted = time.monotonic()
+        faults.restart(victim)
+        result.up_s = round(time.monotonic() - restarted, 2)
+        record_recovery(result, faults, campaign, restarted, f"{victim} was started again")
+        after = asyncio.run(Load(faults.url, prompts(size.requests, campaign.seed + 1), size).run())
+        asyncio.run(result.tally.add_load(load, campaign.reference))
+        asyncio.run(result.tally.add_load(after, campaign.reference))
+        if result.exit_status:
+            result.tally.problems.append(f"{victim} exited with status {result.exit_status} after its drain")
+        result.blocks_leaked = {k: max(v, held.get(k, 0)) for k, v in wait_blocks_free(faults).items()}
+        return result
+    return run
+
+
 def client_disconnect(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
     """Clients leave before the first byte or mid-stream, among ordinary clients; then a burst of
     clients that all leave, timed from the last one gone to every block free."""
@@ -143,5 +176,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "kill_decode_2p2d": ("2p2d", kill_and_restart("decode")),
     "kill_proxy_2p2d": ("2p2d", kill_and_restart("proxy")),
     "kill_etcd_2p2d": ("2p2d", kill_and_restart("etcd")),
+    "drain_prefill_2p2d": ("2p2d", drain_and_restart("prefill")),
+    "drain_decode_2p2d": ("2p2d", drain_and_restart("decode")),
     **{name: ("two_hosts", scenario) for name, scenario in LINK_SCENARIOS.items()},
 }
