@@ -23,9 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QB 32          /* query rows per block: their scores (QB x context, fp32) stay in L2 */
-#define QK_ROWS 8      /* score micro-kernel: 8 rows x 32 keys, 16 accumulators */
-#define PV_ROWS 4      /* value micro-kernel: 4 rows x 64 dims, 16 accumulators */
+#define QB 48          /* query rows per block: their scores (QB x context, fp32) stay in L2 */
+#define QK_ROWS 12     /* score micro-kernel: 12 rows x 32 keys, 24 accumulators */
+#define PV_ROWS 6      /* value micro-kernel: 6 rows x 64 dims, 24 accumulators */
 #define KEY_TILE 32    /* keys per score micro-kernel step (two vectors of 16) */
 
 typedef struct {
