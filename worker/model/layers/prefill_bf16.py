@@ -19,6 +19,7 @@ except ImportError:  # built without a C compiler
 
 NATIVE = _prefill_bf16 is not None and _prefill_bf16.supported()
 PAIR_LANES = 32  # head_dim must be a multiple of the kernel's bf16 vector width
+PROFILER_NAME = "prefill_bf16::chunk_attention"   # what torch's profiler calls the kernel's calls
 
 
 def applies(kv_pool: torch.Tensor) -> bool:
@@ -43,9 +44,10 @@ def chunk_attention(q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch
     tables = block_tables.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     row = 0
-    for seq, (n, ctx) in enumerate(zip(query_lens, context_lens.tolist())):
-        _prefill_bf16.prefill(q[row].data_ptr(), layer_kv[0].data_ptr(), layer_kv[1].data_ptr(),
-                              tables[seq].data_ptr(), out[row].data_ptr(), n, heads, kv_heads, head_dim,
-                              q.stride(0), num_blocks, block_size, tables.shape[1], ctx, head_dim ** -0.5)
-        row += n
+    with torch.profiler.record_function(PROFILER_NAME):
+        for seq, (n, ctx) in enumerate(zip(query_lens, context_lens.tolist())):
+            _prefill_bf16.prefill(q[row].data_ptr(), layer_kv[0].data_ptr(), layer_kv[1].data_ptr(),
+                                  tables[seq].data_ptr(), out[row].data_ptr(), n, heads, kv_heads, head_dim,
+                                  q.stride(0), num_blocks, block_size, tables.shape[1], ctx, head_dim ** -0.5)
+            row += n
     return out
