@@ -85,3 +85,19 @@ def test_block_id_outside_the_pool_is_an_error_not_a_stray_read() -> None:
 ], ids=["head-dim-16", "float32", "meta"])
 def test_native_path_stays_off_where_it_does_not_apply(pool: torch.Tensor) -> None:
     assert not prefill_bf16.applies(pool)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [2, 3])
+def test_heads_split_across_threads_give_the_same_numbers(threads: int) -> None:
+    layer_kv, tables = pool_and_tables([120], 4, 64)
+    q = torch.randn(120, 8, 64).bfloat16()
+    one = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor([120]), [120])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        split = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor([120]), [120])
+    finally:
+        torch.set_num_threads(before)
+    assert prefill_bf16.head_ranges(4, threads) == ([(0, 2), (2, 4)] if threads == 2 else [(0, 1), (1, 2), (2, 4)])
+    assert torch.equal(split, one)

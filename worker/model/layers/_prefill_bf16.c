@@ -30,6 +30,7 @@
 
 typedef struct {
     int64_t n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, max_blocks, ctx;
+    int64_t first_head, end_head;   /* the KV heads this call computes (callers split heads across threads) */
     float scale;
 } Dims;
 
@@ -203,7 +204,7 @@ static int attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, co
     uint16_t *p = malloc((size_t)(QB * padded) * sizeof(uint16_t));
     float sums[QB];
     int rc = kp && vp && qb && s && p ? OK : NO_MEMORY;
-    for (int64_t h = 0; rc == OK && h < d->kv_heads; h++) {
+    for (int64_t h = d->first_head; rc == OK && h < d->end_head; h++) {
         rc = pack_head(k, v, table, h, padded, kp, vp, d);
         for (int64_t g = 0; rc == OK && g < group; g++)
             attend_head(q, h * group + g, kp, vp, padded, qb, s, p, sums, out, d);
@@ -226,14 +227,16 @@ static PyObject *prefill(PyObject *module, PyObject *args)
     double scale = 0;
     int rc;
     (void)module;
-    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLLd", &q, &k, &v, &table, &out, &d.n, &d.heads, &d.kv_heads,
-                          &d.head_dim, &d.q_stride, &d.num_blocks, &d.block_size, &d.max_blocks, &d.ctx, &scale))
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLLdLL", &q, &k, &v, &table, &out, &d.n, &d.heads, &d.kv_heads,
+                          &d.head_dim, &d.q_stride, &d.num_blocks, &d.block_size, &d.max_blocks, &d.ctx, &scale,
+                          &d.first_head, &d.end_head))
         return NULL;
     d.scale = (float)scale;
     if (d.head_dim % 32 || d.kv_heads < 1 || d.heads % d.kv_heads || d.block_size < 1 || d.n < 1 || d.n > d.ctx
-        || d.max_blocks * d.block_size < d.ctx) {
+        || d.max_blocks * d.block_size < d.ctx || d.first_head < 0 || d.end_head > d.kv_heads
+        || d.first_head >= d.end_head) {
         PyErr_SetString(PyExc_ValueError, "head_dim must be a multiple of 32, heads a multiple of kv_heads, "
-                                          "0 < n <= ctx and the table must cover ctx");
+                                          "0 < n <= ctx, the table must cover ctx and the head range be in range");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -253,7 +256,8 @@ static PyMethodDef methods[] = {
     {"supported", supported, METH_NOARGS, "supported(): whether this CPU has AVX-512 BF16."},
     {"prefill", prefill, METH_VARARGS,
      "prefill(q, k_plane, v_plane, table, out, n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, "
-     "max_blocks, ctx, scale): causal attention of one sequence's last n positions over its context."},
+     "max_blocks, ctx, scale, first_head, end_head): causal attention of one sequence's last n positions over "
+     "its context, for KV heads first_head .. end_head - 1 (and their query heads)."},
     {NULL, NULL, 0, NULL},
 };
 
