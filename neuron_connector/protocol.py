@@ -92,6 +92,13 @@ def _request_id(obj: dict[str, Any]) -> str:
     return rid
 
 
+def _generation(obj: dict[str, Any]) -> int | None:
+    generation = _get(obj, "generation", int, None)
+    if generation is not None and not 0 < generation < 2**61:
+        raise ProtocolError(f"field 'generation' must be in [1, 2**61), got {generation}")
+    return generation
+
+
 def _nonempty(obj: dict[str, Any], name: str) -> str:
     value = _get(obj, name, str)
     if not value:
@@ -142,7 +149,9 @@ class LookupAll:
     `skipped_blocks`: how many leading blocks of the request D holds already (its prefix
     cache); D's block ids receive the blocks after them, so the two must add up to P's count.
     Without it P sends its last len(block ids) blocks, which is the same for a sender that
-    ignores the field. `traceparent`: D's pull span (W3C trace context), the parent of P's push span."""
+    ignores the field. `traceparent`: D's pull span (W3C trace context), the parent of P's push span.
+    `generation`: the handoff's generation (transfer.fences): P's push writes only into D's blocks
+    while D holds them open for it, and P's reply names it, so D drops a reply of an older handoff."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
@@ -151,10 +160,13 @@ class LookupAll:
     checksum: str | None = None
     skipped_blocks: int | None = None
     traceparent: str | None = None
+    generation: int | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
                                "block_ids_in_peer_device": list(self.block_ids_in_peer_device)}
+        if self.generation is not None:
+            obj["generation"] = self.generation
         if self.timeout_s is not None:
             obj["timeout_s"] = self.timeout_s
         if self.checksum is not None:
@@ -179,7 +191,8 @@ class LookupAll:
         return cls(request_id=_request_id(obj),
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
                    timeout_s=None if timeout is None else float(timeout), checksum=checksum,
-                   skipped_blocks=skipped, traceparent=_get(obj, "traceparent", str, None))
+                   skipped_blocks=skipped, traceparent=_get(obj, "traceparent", str, None),
+                   generation=_generation(obj))
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +270,8 @@ class Probe:
 @dataclass(frozen=True, slots=True)
 class LookupReply:
     """`success=False` without `error`: not finished yet, retry. With `error`: terminal.
-    `checksum`: on success, the value of the checksum the lookup asked for (a uint32 CRC-32C)."""
+    `checksum`: on success, the value of the checksum the lookup asked for (a uint32 CRC-32C).
+    `generation`: the handoff generation of the lookup it answers, when that named one."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
@@ -266,9 +280,12 @@ class LookupReply:
     block_ids_in_peer_device: tuple[int, ...] = field(default=())
     error: str | None = None
     checksum: int | None = None
+    generation: int | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id, "success": self.success}
+        if self.generation is not None:
+            obj["generation"] = self.generation
         if self.success:
             if self.output_token is not None:     # None: the prefill worker does not know it (vLLM's)
                 obj["output_token"] = self.output_token
@@ -282,13 +299,15 @@ class LookupReply:
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> LookupReply:
         rid, success = _request_id(obj), _get(obj, "success", bool)
+        generation = _generation(obj)
         if not success:
-            return cls(request_id=rid, success=False, error=_get(obj, "error", str, None))
+            return cls(request_id=rid, success=False, error=_get(obj, "error", str, None), generation=generation)
         checksum = _get(obj, "checksum", int, None)
         if checksum is not None and not 0 <= checksum < 2**32:
             raise ProtocolError(f"field 'checksum' must be a 32-bit unsigned integer, got {checksum}")
         return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int, None),
-                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum)
+                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum,
+                   generation=generation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
@@ -19,14 +20,13 @@ from neuron_connector.protocol import (
 from neuron_connector.pullers import Pullers
 from neuron_connector.send_stats import Push, SendStats
 from neuron_connector.sessions import SessionTable, proof_refusal
-from transfer import CompletionToken, KVLayout, TransferError
+from transfer import CompletionToken, KVLayout, StaleHandoff, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
 
 log = logging.getLogger(__name__)
 
-# How often expiry runs when nothing happens: while blocks are held, and while nothing is. A push
-# that ends wakes the thread through its token's callback: polling running pushes would take the
-# GIL from the engine thread hundreds of times per push while a slow (tcp, loaded host) transfer runs.
+# Expiry period (blocks held / none). An ended push wakes the thread through its token's callback: polling
+# running pushes would take the engine thread's GIL hundreds of times per slow (tcp) push.
 _BUSY_POLL_S, _IDLE_POLL_S = 0.05, 1.0
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
 
@@ -87,9 +87,8 @@ class SendBuffer:
         (at once if it did so before) or `abort_timeout` passes. `output_token`: the first token,
         None when the engine does not know it yet (the decode peer then samples it itself).
 
-        Raises DuplicateRequest for an id already published (the first entry stays),
-        ConnectorError when the buffer is not serving, ValueError for bad block ids.
-        """
+        Raises DuplicateRequest for an id already published (the first entry stays), ConnectorError
+        when the buffer is not serving, ValueError for bad block ids."""
         if not self._service.serving:
             raise ConnectorError("SendBuffer is not serving (call start(); not after close())")
         if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
@@ -316,7 +315,7 @@ class SendBuffer:
         timeout = min(self.transfer_timeout, message.timeout_s or self.transfer_timeout)
         if (spans := spans_of(self.timeline)) is not None:
             spans.join(rid, PUSH_SPAN, message.traceparent)  # the push goes under the decode worker's pull
-        return self._start(rid, peer, decision, timeout, message.checksum is not None)
+        return self._start(rid, peer, decision, timeout, message)
 
     def _release(self, identity: bytes, rid: str) -> None:
         """A decode peer's request is gone; the release itself goes out at the end of this loop turn."""
@@ -333,16 +332,16 @@ class SendBuffer:
             log.warning("%s released request %s, which another decode peer is pulling: ignored",
                         session.describe(), rid)
 
-    def _start(self, rid: str, peer: Any, start: Start, timeout: float, checksum: bool) -> LookupReply | None:
-        token, started = CompletionToken(), time.monotonic()
-        try:
-            self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token,
-                                                   timeout=timeout, checksum=checksum)
+    def _start(self, rid: str, peer: Any, start: Start, timeout: float, lookup: LookupAll) -> LookupReply | None:
+        token, started, checksum = CompletionToken(), time.monotonic(), lookup.checksum is not None
+        try:  # with a generation the push writes only into blocks the peer still holds for it (transfer.fences)
+            self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token, timeout=timeout,
+                                                   checksum=checksum, generation=lookup.generation)
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
         self.timeline.mark(rid, PUSH_STARTED)
-        self._running[rid] = Push(token, started, len(start.src), checksum)
+        self._running[rid] = Push(token, started, len(start.src), checksum, lookup.generation)
         token.add_done_callback(lambda _: self._pushed(rid))
         return None
 
@@ -362,6 +361,7 @@ class SendBuffer:
                 error = None
             except TransferError as exc:
                 error = f"transfer of {rid!r} failed: {exc}"
+                self.stats.stale_pushes += isinstance(exc, StaleHandoff)
                 self.timeline.fail(rid, error)
             if error is None and self._on_transfer is not None:
                 try:
@@ -375,7 +375,7 @@ class SendBuffer:
             if identity is None:
                 log.warning("decode engine %r left before the reply for %s", done[0].decode(), rid)
             else:
-                self._reply(identity, done[1].to_bytes())
+                self._reply(identity, replace(done[1], generation=push.generation).to_bytes())
 
     def _transfer_done(self, rid: str, error: str | None,
                        checksum: int | None = None) -> tuple[bytes, LookupReply] | None:
