@@ -34,6 +34,7 @@ HANDSHAKE_REQUIRED = "handshake_required"
 LAYOUT_MISMATCH = "layout_mismatch"
 UNAUTHORIZED = "unauthorized"
 ENGINE_ID_IN_USE = "engine_id_in_use"
+STALE_INCARNATION = "stale_incarnation"
 
 # HMAC labels of the two handshake proofs (common.kv_secret.proof).
 DECODE_PROOF = b"neuron-di signal plane: decode proof v1"
@@ -108,18 +109,23 @@ def _nonempty(obj: dict[str, Any], name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
-    """Opens a session: D's engine id (one live session per id) and a fresh client nonce."""
+    """Opens a session: D's engine id (one live session per id), a fresh client nonce, and D's
+    incarnation (random, new whenever its signal plane starts: a restart with the same engine id
+    is another incarnation)."""
 
     TYPE: ClassVar[str] = "handshake"
     engine_id: str
     nonce: str
+    incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "engine_id": self.engine_id, "nonce": self.nonce})
+        return _dump(_with("incarnation", self.incarnation,
+                           {"type": self.TYPE, "engine_id": self.engine_id, "nonce": self.nonce}))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Handshake:
-        return cls(engine_id=_nonempty(obj, "engine_id"), nonce=_nonempty(obj, "nonce"))
+        return cls(engine_id=_nonempty(obj, "engine_id"), nonce=_nonempty(obj, "nonce"),
+                   incarnation=_get(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +157,8 @@ class LookupAll:
     Without it P sends its last len(block ids) blocks, which is the same for a sender that
     ignores the field. `traceparent`: D's pull span (W3C trace context), the parent of P's push span.
     `generation`: the handoff's generation (transfer.fences): P's push writes only into D's blocks
-    while D holds them open for it, and P's reply names it, so D drops a reply of an older handoff."""
+    while D holds them open for it, and P's reply names it, so D drops a reply of an older handoff.
+    `incarnation`: P's incarnation D first asked (HandshakeReply): another refuses it, terminally."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
@@ -161,10 +168,12 @@ class LookupAll:
     skipped_blocks: int | None = None
     traceparent: str | None = None
     generation: int | None = None
+    incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
-                               "block_ids_in_peer_device": list(self.block_ids_in_peer_device)}
+        obj: dict[str, Any] = _with("incarnation", self.incarnation, {
+            "type": self.TYPE, "request_id": self.request_id,
+            "block_ids_in_peer_device": list(self.block_ids_in_peer_device)})
         if self.generation is not None:
             obj["generation"] = self.generation
         if self.timeout_s is not None:
@@ -192,7 +201,7 @@ class LookupAll:
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
                    timeout_s=None if timeout is None else float(timeout), checksum=checksum,
                    skipped_blocks=skipped, traceparent=_get(obj, "traceparent", str, None),
-                   generation=_generation(obj))
+                   generation=_generation(obj), incarnation=_get(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +223,9 @@ class Release:
 @dataclass(frozen=True, slots=True)
 class HandshakeReply:
     """P's identity: `timestamp` is when its signal plane started, so a restart shows;
-    `nonce` is this session's server nonce; `authenticated`: P requires the KV secret."""
+    `nonce` is this session's server nonce; `authenticated`: P requires the KV secret;
+    `incarnation`: random, new whenever P's signal plane starts (a restart at the same address
+    with the same engine id is another incarnation, which never had the old one's KV)."""
 
     TYPE: ClassVar[str] = "handshake"
     timestamp: float
@@ -222,17 +233,19 @@ class HandshakeReply:
     transfer: dict[str, Any]
     nonce: str
     authenticated: bool = False
+    incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "status": "ok", "timestamp": self.timestamp,
-                      "engine_id": self.engine_id, "transfer": self.transfer, "nonce": self.nonce,
-                      "authenticated": self.authenticated})
+        return _dump(_with("incarnation", self.incarnation, {
+            "type": self.TYPE, "status": "ok", "timestamp": self.timestamp, "engine_id": self.engine_id,
+            "transfer": self.transfer, "nonce": self.nonce, "authenticated": self.authenticated}))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> HandshakeReply:
         return cls(timestamp=float(_get(obj, "timestamp", (int, float))),
                    engine_id=_get(obj, "engine_id", str), transfer=_get(obj, "transfer", dict),
-                   nonce=_nonempty(obj, "nonce"), authenticated=_get(obj, "authenticated", bool, False))
+                   nonce=_nonempty(obj, "nonce"), authenticated=_get(obj, "authenticated", bool, False),
+                   incarnation=_get(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +351,11 @@ Reply = Union[HandshakeReply, KVMapReply, LookupReply, Probe, ErrorReply]
 
 _REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll, Release)}
 _REPLIES: dict[str, Any] = {c.TYPE: c for c in (HandshakeReply, KVMapReply, LookupReply, Probe)}
+
+
+def _with(name: str, value: Any, obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` with the optional field `name`, when it has a value."""
+    return obj if value is None else {**obj, name: value}
 
 
 def _with_proof(obj: dict[str, Any], proof: str | None) -> dict[str, Any]:

@@ -82,6 +82,7 @@ class _Pull:
     generation: int | None = None       # the handoff's generation (transfer.fences); None: unfenced
     writer: int | None = None           # pid of the same-host process the lookup went to
     held: bool = False                  # ended, but a writer still holds its blocks: result withheld
+    incarnation: str | None = None      # the peer's incarnation its first lookup went to
 
 
 @dataclass
@@ -103,6 +104,7 @@ class PullTracker:
         self._finished: dict[str, None] = {}      # ids turned terminal, not yet taken (in order)
         self._releases: list[tuple[str, str]] = []  # (peer, request id) to tell that peer
         self._writers: dict[str, int | None] = {}   # peer -> pid of its process, when on this host
+        self._incarnations: dict[str, str | None] = {}   # peer -> the incarnation its latest handshake named
         self.stale_replies = 0                     # replies naming a handoff generation not current
         self.quarantined = 0                       # pulls ended while a writer held their blocks
 
@@ -130,10 +132,12 @@ class PullTracker:
                 # peer may have restarted as the engine the pull names since.
                 self._stale.add(pull.peer)
                 continue
-            pull.sent_at, pull.writer = now, self._writers.get(pull.peer)
+            if pull.writer is None and pull.incarnation is None:    # bound to whoever its first lookup asks
+                pull.writer, pull.incarnation = self._writers.get(pull.peer), self._incarnations.get(pull.peer)
+            pull.sent_at = now
             left = max(pull.deadline - now, 0.001)
             out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3), self.checksum, pull.skipped,
-                                             pull.traceparent, pull.generation)))
+                                             pull.traceparent, pull.generation, pull.incarnation)))
         return out
 
     def take_stale_peers(self) -> list[str]:
@@ -142,14 +146,21 @@ class PullTracker:
         stale, self._stale = sorted(self._stale), set()
         return stale
 
-    def peer_ready(self, peer: str, engine_id: str, writer: int | None = None) -> None:
+    def peer_ready(self, peer: str, engine_id: str, writer: int | None = None, incarnation: str | None = None) -> None:
         """The peer completed a handshake as `engine_id` (`writer`: its pid when on this host): its
-        pulls expecting another engine fail.
+        pulls expecting another engine fail, and so do those whose lookups went to another
+        incarnation (the process restarted at the address: it never had their KV).
 
         Even one with a lookup outstanding: another engine answering at the address means the
         one asked is gone, as `resend_peer` assumes after a restart.
         """
-        self._engines[peer], self._writers[peer] = engine_id, writer
+        self._engines[peer], self._writers[peer], self._incarnations[peer] = engine_id, writer, incarnation
+        for pull in self._pulls.values():
+            if (pull.peer == peer and pull.result is PENDING and incarnation is not None
+                    and pull.incarnation not in (None, incarnation)):
+                self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
+                    f"pull of {pull.request_id!r}: prefill {engine_id} at {peer} restarted (incarnation "
+                    f"{pull.incarnation}, now {incarnation}); the new process never had its KV")))
         for pull in self._pulls.values():
             if pull.peer == peer and pull.result is PENDING and pull.engine_id not in (None, engine_id):
                 self._end(pull, PullStatus(PullState.FAILED, error=EngineMismatch(

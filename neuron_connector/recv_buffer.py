@@ -13,6 +13,7 @@ from common.trace_spans import LOOKUP_SPAN, spans_of
 from common.tracing import TRACEPARENT
 from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
+from neuron_connector.incarnation import new_incarnation
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
     CRC32C, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
@@ -81,6 +82,7 @@ class RecvBuffer:
                                   checksum=CRC32C if integrity_check else None, close_blocks=self._close_blocks,
                                   reclaim_blocks=self._reclaim_blocks)
         self._generations = generations()
+        self.incarnation = new_incarnation()   # this life of our signal plane, named in every handshake
         self._verifier = ThreadPoolExecutor(1, f"kv-verify-{engine_id}") if integrity_check else None
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
@@ -98,8 +100,8 @@ class RecvBuffer:
         with self._lock:
             link = self._links.get(address)
             if link is None or link.state is LinkState.FAILED:
-                self._links[address] = PeerLink(address, self.engine_id, self.layout.to_dict(),
-                                                self._descriptor(), self._secret, self._resend_after)
+                self._links[address] = PeerLink(address, self.engine_id, self.layout.to_dict(), self._descriptor(),
+                                                self._secret, self._resend_after, incarnation=self.incarnation)
         self._service.wake()
         return address
 
@@ -334,7 +336,8 @@ class RecvBuffer:
             elif link.ready and not was_ready and link.info is not None:
                 transfer = link.info.transfer
                 writer = transfer.get("pid") if transfer.get("host_id") == host_identity() else None
-                self._pulls.peer_ready(address, link.info.engine_id, writer if isinstance(writer, int) else None)
+                self._pulls.peer_ready(address, link.info.engine_id, writer if isinstance(writer, int) else None,
+                                       link.info.incarnation)
         elif isinstance(reply, ErrorReply) and reply.reply_to == LookupAll.TYPE and reply.request_id:
             self._pulls.on_reply(LookupReply(reply.request_id, False, error=reply.message), now)
         else:

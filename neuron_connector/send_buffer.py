@@ -11,12 +11,13 @@ from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeli
 from common.trace_spans import PUSH_SPAN, spans_of
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
+from neuron_connector.incarnation import new_incarnation, stale_lookup
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
-    BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
-    UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
-    Probe, Release, decode_request, handshake_proof, request_fields)
+    BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF, UNAUTHORIZED, ErrorReply,
+    Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply, Probe, Release, decode_request,
+    handshake_proof, request_fields)
 from neuron_connector.pullers import Pullers
 from neuron_connector.send_stats import Push, SendStats
 from neuron_connector.sessions import SessionTable, proof_refusal
@@ -41,13 +42,13 @@ class SendBuffer:
     completed. A lookup that asks for a checksum gets the one the push computed over the bytes it sent
     (in the copy's pass over shm, on the transfer thread otherwise: never on this buffer's thread).
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it still waits,
-    so a peer that gave up never has its blocks written afterwards.
+    and writes only into blocks the peer still holds for the lookup's handoff (transfer.fences).
 
     Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake
-    names; with a `secret` the session is established only once the peer proved it holds the secret,
-    and this side proves it back. A request whose decode engine (named by `expect`, or by its first
-    lookup) lost its session is released within seconds (`pullers.Pullers`).
-    """
+    names; with a `secret` it is established only once the peer proved it holds the secret, and this
+    side proves it back. A request whose decode engine (named by `expect`, or by its first lookup) lost
+    its session is released within seconds (`pullers.Pullers`). A lookup addressed to another
+    incarnation of this engine (`incarnation`, drawn at `start`) is refused."""
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
@@ -70,7 +71,7 @@ class SendBuffer:
         self._service = ServiceThread()
         self._context = new_context()
         self._router: RouterChannel | None = None
-        self._started_at = 0.0
+        self._started_at, self.incarnation = 0.0, ""   # this life of the signal plane (neuron_connector.incarnation)
         self.stats = SendStats()
         self.port = kv_port
         self.timeline = timeline if timeline is not None else Timeline("prefill")
@@ -78,7 +79,7 @@ class SendBuffer:
     def start(self) -> None:
         """Binds the ROUTER (PeerUnavailable if the port is taken) and starts serving."""
         self._router = RouterChannel(self._context, *self._bind)
-        self._started_at = time.time()
+        self._started_at, self.incarnation = time.time(), new_incarnation()
         self.port = self._router.port
         self._service.start(self._serve, f"kv-send-{self.port}")
 
@@ -201,14 +202,10 @@ class SendBuffer:
         assert self._router is not None
         delivery = self._router.send(identity, reply)
         if delivery is Delivery.PEER_GONE:
-            log.warning("dropped a reply to %s: its connection is gone", self._name(identity))
+            log.warning("dropped a reply to %s: its connection is gone", self._sessions.name(identity))
             self._sessions.drop(identity)
         elif delivery is Delivery.QUEUE_FULL:
-            log.warning("dropped a reply to %s: its queue is full", self._name(identity))
-
-    def _name(self, identity: bytes) -> str:
-        session = self._sessions.get(identity)
-        return session.describe() if session is not None else f"connection {identity.hex()}"
+            log.warning("dropped a reply to %s: its queue is full", self._sessions.name(identity))
 
     def _handle(self, identity: bytes, payload: bytes) -> bytes | None:
         try:
@@ -236,7 +233,7 @@ class SendBuffer:
             return refusal
         session = self._sessions.open(identity, message.engine_id, message.nonce)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
-                              authenticated=self._secret is not None)
+                              authenticated=self._secret is not None, incarnation=self.incarnation)
 
     def _engine_id_taken(self, identity: bytes, engine_id: str, reply_to: str) -> ErrorReply | None:
         """The refusal of connection `identity` as `engine_id` while another live session holds it."""
@@ -296,7 +293,8 @@ class SendBuffer:
             # that never authenticated: it must complete the handshake first.
             return ErrorReply(f"connection {identity.hex()} has not completed the handshake",
                               HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
-        assert session.transfer_peer is not None
+        if (refusal := stale_lookup(message, self.incarnation, self.engine_id)) is not None:
+            return refusal
         peer = session.transfer_peer
         identity = session.engine_id.encode()     # the table knows peers by their engine id
         with self._lock:
@@ -324,7 +322,7 @@ class SendBuffer:
         if session is None:
             self.stats.unauthorized += 1
             log.warning("ignored a release of %s from %s, which has not completed the handshake",
-                        rid, self._name(identity))
+                        rid, self._sessions.name(identity))
             return
         with self._lock:
             accepted = self._table.release(rid, session.engine_id.encode(), time.monotonic())
