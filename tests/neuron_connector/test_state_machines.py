@@ -345,4 +345,3 @@ def test_a_lost_peer_fails_its_pulls_at_once_and_later_pulls_wait_for_it() -> No
     tracker.add("after", "p:1", [3], deadline=30, now=1)
     tracker.expire(2, set())
     assert tracker.poll("after").state is PullState.PENDING
-

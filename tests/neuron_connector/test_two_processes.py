@@ -37,16 +37,26 @@ def start_prefill(port: int, *extra: str, backend: str = "shm") -> Process:
     return proc
 
 
-@pytest.fixture(params=["shm", "tcp"])
-def decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
-    engine, pool = engine_with_pool(request.param)
+def _decode(backend: str) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
+    engine, pool = engine_with_pool(backend)
     recv = RecvBuffer(engine, LAYOUT, engine_id="127.0.0.1:8200", default_timeout=20.0)
     recv.start()
     try:
-        yield recv, pool, request.param
+        yield recv, pool, backend
     finally:
         recv.close()
         engine.close()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
+    yield from _decode(request.param)
+
+
+# Over tcp our own listener takes the fence (tests/transfer/test_fences.py covers it in-process): slow.
+@pytest.fixture(params=["shm", pytest.param("tcp", marks=pytest.mark.slow)])
+def fenced_decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
+    yield from _decode(request.param)
 
 
 def test_handshake_and_pull_across_processes(decode) -> None:
@@ -141,11 +151,11 @@ def test_a_prefill_frozen_through_the_handshake_still_serves_the_pull() -> None:
         engine.close()
 
 
-def test_a_prefill_frozen_past_the_heartbeat_never_writes_into_blocks_reused_since(decode) -> None:
+def test_a_prefill_frozen_past_the_heartbeat_never_writes_into_blocks_reused_since(fenced_decode) -> None:
     """The prefill freezes (SIGSTOP) with a lookup of ours in its socket buffer; we fail that pull at the
     heartbeat timeout and reuse its blocks for a pull from another prefill. Resumed, the frozen one pushes
     into those blocks under the old handoff's generation: the write is refused, they keep the new KV."""
-    recv, pool, backend = decode
+    recv, pool, backend = fenced_decode
     port, other_port = free_port(), free_port()
     frozen = start_prefill(port, "--seed", "11", "--publish", "w:1:1", "--publish", "stale:2,9,4:777",
                            backend=backend)
