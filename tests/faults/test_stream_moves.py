@@ -17,7 +17,7 @@ from stack.worker_metrics import metric
 from tests.faults.stream_clients import Streamed, bodies, reference, run_streams
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 DECODE_FLAGS = ["--drain-hands-back-streams", "--drain-timeout", "60"]
 STREAMS, TOKENS = 8, 96
@@ -29,9 +29,9 @@ class Stack:
         self.proxy: Server | None = None
 
     def start(self) -> None:
-        self.prefill = self._add(WorkerProcess("prefill", "shm"))
-        self.decodes = [self._add(WorkerProcess("decode", "shm", DECODE_FLAGS)) for _ in range(2)]
-        self.both = self._add(WorkerProcess("both"))
+        self.workers = start_workers(("prefill", "shm", ()), ("decode", "shm", DECODE_FLAGS),
+                                     ("decode", "shm", DECODE_FLAGS), ("both", "shm", ()))
+        self.prefill, *self.decodes, self.both = self.workers
         self.proxy = start_proxy(["--prefill", f"127.0.0.1:{self.prefill.port}:{self.prefill.kv_port}",
                                   *[f"--decode=127.0.0.1:{d.port}" for d in self.decodes],
                                   "--resume-streams", "--health-interval", "0.5"])

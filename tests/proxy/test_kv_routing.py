@@ -13,7 +13,7 @@ from stack.serving import free_port
 from stack.worker_metrics import metric
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 MODEL = "neuron-di-builtin"
 SYSTEM = "You are a careful assistant. Answer in one short line of Python.\n" * 3
@@ -29,8 +29,8 @@ def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
     workers: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
-        for role in ("prefill", "prefill", "decode", "decode", "both"):
-            workers.append(WorkerProcess(role, "shm", events_flag() if role != "both" else ()))
+        workers = start_workers(*((role, "shm", events_flag() if role != "both" else ())
+                                  for role in ("prefill", "prefill", "decode", "decode", "both")))
         p1, p2, d1, d2, _ = workers
         proxy = start_proxy([f"--prefill=127.0.0.1:{p1.port}:{p1.kv_port}",
                              f"--prefill=127.0.0.1:{p2.port}:{p2.kv_port}",

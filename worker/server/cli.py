@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import secrets
 import signal
@@ -234,6 +235,9 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
         loop.add_signal_handler(sig, worker.drain.signal)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
     await worker.startup()
+    # What start built (torch, the model) lives as long as the worker: frozen, the collector does not scan
+    # it while serving, nor walk it at exit (torch's made every stop ~0.5 s longer).
+    gc.freeze()
     puller = None
     if args.prefill_queue:
         from worker.server.prefill_puller import worker_puller
