@@ -14,7 +14,9 @@ setup(
     # slower Python/torch path (the shm transport's copy loop, the decode attention).
     ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c", "transfer/_crc32c.c"],
                            depends=["transfer/_crc32c.h"], optional=True),
-                 Extension("worker.model.layers._paged_decode", ["worker/model/layers/_paged_decode.c"], optional=True)],
+                 Extension("worker.model.layers._paged_decode", ["worker/model/layers/_paged_decode.c"], optional=True),
+                 Extension("worker.model.layers._prefill_bf16", ["worker/model/layers/_prefill_bf16.c"],
+                           extra_compile_args=["-O3"], optional=True)],
     install_requires=[
         # Pinned exactly: a range admitting newer releases pulls CUDA builds.
         "torch==2.13.0",

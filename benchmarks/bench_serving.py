@@ -6,7 +6,8 @@
     python -m benchmarks.bench_serving --compare-transports --json out/transports.json
     python -m benchmarks.bench_serving --workload multiturn --json out/multiturn.json
     python -m benchmarks.bench_serving --compare-conditional --json out/conditional.json
-    python -m benchmarks.bench_serving --compare-tracing --quick     # tracing off vs on (tracing_overhead.py)
+    python -m benchmarks.bench_serving --compare-tracing --quick     # tracing off vs on (feature_overhead.py)
+    python -m benchmarks.bench_serving --compare-integrity --quick   # KV checksums off vs on
 
 Sends synthetic prompts (token ids, fixed seed) as streamed completions with Poisson arrivals
 (or all at once) and an optional concurrency cap; reports TTFT, TPOT, ITL and end-to-end
@@ -25,6 +26,8 @@ conversations at once); alone it starts the DI stack with prefix-aware transfer 
 (`--no-prefix-aware-transfer` on the decode worker), and reports the KV bytes the decode worker
 pulled per request in each and their ratio (benchmarks/prefix_compare.py); with `--target` it only
 runs the chats against that endpoint.
+`--compare-tracing` and `--compare-integrity` run two DI stacks, the feature off and on, in alternating rounds
+(benchmarks/feature_overhead.py).
 `--compare-conditional` runs the mixed workload of serving_mixed.py (short chat turns and long
 documents) against conditional disaggregation, always-disaggregate and colocated stacks at rising
 rates (default the ~24M benchmark model) and reports each one's goodput and conditional's ratios.
@@ -33,7 +36,9 @@ JSON (`--json`): `config` (every option and the command line that reproduces the
 `shm`, `tcp`, `tcp_ttft_p50_ratio` and `tcp_e2e_p50_ratio` (tcp over shm), or `prefix_aware`,
 `full_transfer` (each with `kv`: the decode worker's KV counts and their per-request values),
 `kv_bytes_per_request_ratio` (on over off), `kv_bytes_cut` and `same_answers`, or `slo`, `workload`,
-`systems` (per system its `rates` and `goodput_rps`; `paths` for conditional) and `ratios`.
+`systems` (per system its `rates` and `goodput_rps`; `paths` for conditional) and `ratios`, or `untraced`,
+`traced` and `traced_*_throughput_ratio`, or `unchecked`, `checked`, `checked_e2e_p50_ratio` and
+`checked_request_throughput_ratio` (on over off).
 Exit status: 0 all requests answered, 1 a stack or the endpoint could not be used, 2 bad
 arguments, 3 some requests failed (they are counted and their errors listed).
 """
@@ -41,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import shlex
@@ -57,7 +61,7 @@ from benchmarks.serving_load import LoadError, LoadSpec, SyntheticRequest, fetch
 from benchmarks.serving_metrics import SLO, RequestResult, ratio, summarize
 from benchmarks.serving_mixed import MIXED_DEFAULTS, MIXED_SYSTEMS, MixedWorkload, mixed_ratios, mixed_starters, mixed_sweep
 from benchmarks.sweep_rules import parse_rates
-from benchmarks.tracing_overhead import TRACING_DEFAULTS, TRACING_RATIOS, run_tracing_compare, tracing_ratios
+from benchmarks.feature_overhead import OVERHEAD_DEFAULTS, OVERHEAD_RATIOS, overhead_ratios, run_overhead_compare
 from benchmarks.serving_report import format_sweep_summary, format_sweep_system, format_table, plot_distributions, plot_sweep
 from stack.serving import StackError, StackOptions, start_colocated, start_di
 
@@ -73,7 +77,8 @@ TRANSPORT_RATIOS = {"tcp_ttft_p50_ratio": ("ttft_ms", "p50"), "tcp_e2e_p50_ratio
 TRANSPORTS = ("shm", "tcp")
 # --workload multiturn: 16 chats of 6 turns, 4 at once (--quick: 4 of 3).
 MULTITURN_DEFAULTS = {"conversations": (16, 4), "turns": (6, 3), "max_concurrency": (4, 4)}
-MODES = "--target, --compare, --compare-transports, --compare-conditional, --compare-tracing or --workload multiturn"
+MODES = ("--target, --compare, --compare-transports, --compare-conditional, --compare-tracing, --compare-integrity "
+         "or --workload multiturn")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="start the DI 1P1D stack over shm, then over tcp, and compare them")
     what.add_argument("--compare-tracing", action="store_true",
                       help="the DI stack untraced and traced (OTLP), same load in alternating rounds")
+    what.add_argument("--compare-integrity", action="store_true",
+                      help="the DI stack with KV checksums off and on (the default), same load in alternating rounds")
     what.add_argument("--compare-conditional", action="store_true",
                       help="the mixed workload against conditional disaggregation, always-disaggregate and colocated")
     load = p.add_argument_group("load")
@@ -133,13 +140,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     multiturn = args.workload == "multiturn"
-    if multiturn and (args.compare or args.compare_transports or args.compare_conditional or args.compare_tracing):
+    overhead = args.compare_tracing or args.compare_integrity
+    if multiturn and (args.compare or args.compare_transports or args.compare_conditional or overhead):
         parser.error("--workload multiturn runs against --target or on its own DI stacks, not with --compare*")
     if not (multiturn or args.target or args.compare or args.compare_transports or args.compare_conditional
-            or args.compare_tracing):
+            or overhead):
         parser.error(f"choose one of {MODES}")
     fill_defaults(args, {**DEFAULTS, **(TRANSPORT_DEFAULTS if args.compare_transports else {}),
-                         **(MULTITURN_DEFAULTS if multiturn else {}), **(TRACING_DEFAULTS if args.compare_tracing else {}),
+                         **(MULTITURN_DEFAULTS if multiturn else {}), **(OVERHEAD_DEFAULTS if overhead else {}),
                          **(MIXED_DEFAULTS if args.compare_conditional else {})})
     try:
         args.multiturn = multiturn_spec(args) if multiturn else None
@@ -196,8 +204,11 @@ def run(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float]
         return {"target": asyncio.run(measure(args.target, args, requests))}
     options = StackOptions(args.core_pair, args.model, args.kv_transport, args.startup_timeout, threads=args.threads)
     stacks = [("di", start_di, options), ("colocated", start_colocated, options)]
-    if args.compare_tracing:
-        runs, args.spans_received = run_tracing_compare(args, requests, options, measure)
+    if args.compare_tracing or args.compare_integrity:
+        feature = "tracing" if args.compare_tracing else "integrity"
+        runs, spans = run_overhead_compare(feature, args, requests, options, measure)
+        if spans is not None:
+            args.spans_received = spans
         return runs
     if args.compare_transports:
         stacks = [(name, start_di, replace(options, kv_transport=name)) for name in TRANSPORTS]
@@ -231,7 +242,7 @@ def report(args: argparse.Namespace, runs: dict[str, tuple[list[RequestResult], 
         if top in summaries:
             ratios.update({name: ratio(summaries[top][key][stat], summaries[bottom][key][stat])
                            for name, (key, stat) in table.items()})
-    ratios.update(tracing_ratios(summaries))
+    ratios.update(overhead_ratios(summaries))
     config = {k: json_value(v) for k, v in vars(args).items() if k not in ("spec", "multiturn", "spans_received")}
     config["command"] = shlex.join(["python", "-m", "benchmarks.bench_serving", *argv])
     out: dict[str, Any] = {"config": config, **ratios}
@@ -304,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted("bench_serving.py")
     out = report(args, runs, argv)
-    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in {**RATIOS, **TRANSPORT_RATIOS, **TRACING_RATIOS} if k in out}))
+    print(format_table({name: out[name] for name in runs}, {k: out[k] for k in (*RATIOS, *TRANSPORT_RATIOS, *OVERHEAD_RATIOS) if k in out}))
     if args.multiturn and not args.target:
         prefix = prefix_report(prefix_runs)
         for name, kv in prefix.pop("kv").items():

@@ -1,11 +1,12 @@
 """Where the time of one long prefill goes, per dtype: linear layers, attention, the rest.
 
-    python -m benchmarks.profile_prefill [--prompt-len 2000] [--dtype float32 bfloat16] [--json PATH]
+    python -m benchmarks.profile_prefill [--prompt-len 2000] [--dtype float32 bfloat16] [--torch-attention] [--json PATH]
 
 One prompt of --prompt-len tokens on the ~24M benchmark model, one torch thread, run as the worker
 runs it (chunked prefill, --max-num-batched-tokens a step; --no-chunks: the whole prompt in one step).
 Wall time is the best of --repeats; the split comes from torch's profiler over one more run (ops'
-self time, so nothing is counted twice).
+self time, so nothing is counted twice). bf16 prompt attention runs the native kernel where the CPU has
+AVX-512 BF16; --torch-attention runs torch's flash kernel instead, as before that kernel.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_engine import make_prompts
 from worker import EngineConfig, LLMEngine, SamplingParams, create_bench_model
+from worker.model.layers import prefill_bf16
 
 # Profiler op name -> the part of the model it belongs to; anything else is "other".
 PARTS = {"mkldnn::_linear_pointwise": "linear", "aten::mm": "linear", "aten::addmm": "linear",
          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-         "aten::_scaled_dot_product_attention_math": "attention"}
+         "aten::_scaled_dot_product_attention_math": "attention", prefill_bf16.PROFILER_NAME: "attention"}
 
 
 def profile_prefill(path: Path, dtype: str, prompt_len: int, budget: int | None, repeats: int) -> dict[str, float]:
@@ -55,12 +57,16 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--no-chunks", action="store_true", help="the whole prompt in one step")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-attention", action="store_true", help="bf16 attention in torch, not the native kernel")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     budget = None if args.no_chunks else args.max_num_batched_tokens
+    if args.torch_attention:
+        prefill_bf16.NATIVE = False
     path = create_bench_model()
-    report: dict[str, object] = {"prompt_len": args.prompt_len, "chunk_tokens": budget, "load_before": os.getloadavg()}
+    report: dict[str, object] = {"prompt_len": args.prompt_len, "chunk_tokens": budget, "native_bf16_attention":
+                                 prefill_bf16.NATIVE, "load_before": os.getloadavg()}
     print(f"{'dtype':<10}{'wall s':>8}{'tok/s':>8}{'linear s':>10}{'attn s':>8}{'other s':>9}   "
           f"(prompt {args.prompt_len}, {'one step' if budget is None else f'{budget}-token chunks'})")
     for dtype in args.dtype:

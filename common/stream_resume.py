@@ -10,10 +10,12 @@ way. Both keys are this project's own: a vLLM server ignores them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 TOKEN_IDS = "neuron_di_token_ids"     # body: true -> each choice (streamed or not) carries its `token_ids`
 RESUME_FROM = "neuron_di_resume_from"  # body: the output token ids the answer already has
+RESUME_TEXT = "neuron_di_resume_text_chars"  # body: how many characters of their text the client has
 HANDED_BACK = "stream_handed_back"     # error type: a draining worker ended the stream for another to resume
 
 
@@ -25,11 +27,26 @@ def wants_token_ids(body: Mapping[str, Any]) -> bool:
     return bool(value)
 
 
-def resume_from(body: Mapping[str, Any]) -> tuple[int, ...]:
-    """The output token ids `body` resumes from (empty: a new answer); ValueError if not a list of ints."""
-    value = body.get(RESUME_FROM)
+@dataclass(frozen=True)
+class Resumed:
+    """What an answer another worker began already has: its output token ids, and how many characters of their
+    text the client got (None: all of it). A worker holds back text that may begin a stop string or is part of a
+    character, so the client may have less than the tokens' text: the resuming worker shows the rest first."""
+
+    token_ids: tuple[int, ...] = ()
+    text_chars: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.token_ids)
+
+
+def resume_from(body: Mapping[str, Any]) -> Resumed:
+    """What `body` resumes from (empty: a new answer); ValueError if the keys are malformed."""
+    value, chars = body.get(RESUME_FROM), body.get(RESUME_TEXT)
+    if chars is not None and (not isinstance(chars, int) or isinstance(chars, bool) or chars < 0):
+        raise ValueError(f"`{RESUME_TEXT}` must be a count of characters")
     if value is None:
-        return ()
+        return Resumed()
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"`{RESUME_FROM}` must be a list of token ids")
-    return tuple(value)
+    return Resumed(tuple(value), chars)

@@ -43,8 +43,8 @@ QUICK = LoadSize(requests=8, concurrency=4, deadline_s=120.0)
 FULL = LoadSize(requests=40, concurrency=8, deadline_s=120.0)
 STARTERS: dict[str, Callable[[], FaultStack]] = {"1p1d": start_1p1d, "2p2d": start_2p2d,
                                                  "two_hosts": start_two_hosts}
-COLUMNS = ("scenario", "sent", "ok", "clear error", "hung", "wrong", "unclear", "blocks leaked", "recover s",
-           "abandoned free s")
+COLUMNS = ("scenario", "sent", "ok", "clear error", "hung", "wrong", "unclear", "blocks leaked", "freed s",
+           "recover s", "abandoned free s")
 
 
 def run_campaign(names: list[str], size: LoadSize, seed: int = 0) -> list[ScenarioResult]:
@@ -72,7 +72,8 @@ def row(result: ScenarioResult) -> list[str]:
     if result.skipped:
         return [result.name, "skipped", *["-"] * (len(COLUMNS) - 2)]
     t = result.tally
-    optional = ["-" if v is None else f"{v:.2f}" for v in (result.recover_s, result.abandoned_free_s)]
+    optional = ["-" if v is None else f"{v:.2f}"
+                for v in (result.fault_blocks_free_s, result.recover_s, result.abandoned_free_s)]
     return [result.name, *(str(v) for v in (t.sent, t.ok, t.clear_error, t.hung, t.wrong, t.unclear)),
             str(sum(result.blocks_leaked.values())), *optional]
 

@@ -32,12 +32,15 @@ class ScenarioResult:
     recovered: bool | None = None         # False: it did not serve again within its deadline
     abandoned_free_s: float | None = None  # last client gone -> both workers at 0 blocks
     skipped: str = ""                     # why the scenario could not run here ("" when it ran)
+    planned: bool = False                 # a planned change (a drain): no request may fail at all
+    exit_status: int | None = None        # of the drained process
 
     @property
     def passed(self) -> bool:
         t = self.tally
         return (t.hung == t.wrong == t.unclear == 0 and not any(self.blocks_leaked.values())
-                and self.recovered is not False)
+                and self.recovered is not False and not (self.planned and t.clear_error)
+                and self.exit_status in (None, 0))
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed}

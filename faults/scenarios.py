@@ -11,6 +11,7 @@ import asyncio
 import random
 import time
 from dataclasses import replace
+from typing import Callable
 
 import httpx
 
@@ -22,10 +23,14 @@ from faults.stacks import FaultStack
 from faults.two_hosts import LINK_SCENARIOS
 
 
-def kill_and_restart(kind: str) -> Scenario:
-    """SIGKILL the first process of `kind` mid-load, let the load run on, restart it, load again."""
+Fault = Callable[[FaultStack, str, ScenarioResult], None]
+
+
+def _fault_then_restart(kind: str, fault: str, inject: Fault, planned: bool = False) -> Scenario:
+    """`inject` the fault into the first process of `kind` mid-load, let the load run on, start it again, load
+    again. `planned`: a drain, which no request may notice."""
     def run(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
-        result = ScenarioResult(f"kill_{kind}_{faults.topology}", faults.topology)
+        result = ScenarioResult(f"{fault}_{kind}_{faults.topology}", faults.topology, planned=planned)
         victim = faults.names(kind)[0]
         size = campaign.size
 
@@ -33,7 +38,7 @@ def kill_and_restart(kind: str) -> Scenario:
             load = Load(faults.url, prompts(size.requests, campaign.seed), size)
             running = asyncio.create_task(load.run())
             await load.wait_done(size.requests // 3, size.deadline_s)
-            await asyncio.to_thread(faults.kill, victim)
+            await asyncio.to_thread(inject, faults, victim, result)
             return await running
         load = asyncio.run(during())
         ended = time.monotonic()
@@ -46,11 +51,28 @@ def kill_and_restart(kind: str) -> Scenario:
         record_recovery(result, faults, campaign, restarted, f"{victim} was restarted")
         after = asyncio.run(Load(faults.url, prompts(size.requests, campaign.seed + 1), size).run())
         # Only the proxy's own clients may see their connection cut: it is the process that died.
-        asyncio.run(result.tally.add_load(load, campaign.reference, cut_is_clear=kind == "proxy"))
+        asyncio.run(result.tally.add_load(load, campaign.reference, cut_is_clear=kind == "proxy" and not planned))
         asyncio.run(result.tally.add_load(after, campaign.reference))
         result.blocks_leaked = {k: max(v, held.get(k, 0)) for k, v in wait_blocks_free(faults).items()}
         return result
     return run
+
+
+def kill_and_restart(kind: str) -> Scenario:
+    """SIGKILL the first process of `kind` mid-load, let the load run on, restart it, load again."""
+    return _fault_then_restart(kind, "kill", lambda faults, victim, _: faults.kill(victim))
+
+
+def _drain(faults: FaultStack, victim: str, result: ScenarioResult) -> None:
+    result.exit_status = faults.drain(victim)
+    if result.exit_status:
+        result.tally.problems.append(f"{victim} exited with status {result.exit_status} after its drain")
+
+
+def drain_and_restart(kind: str) -> Scenario:
+    """SIGTERM (a drain) to the first worker of `kind` mid-load: it leaves the fleet, finishes or hands back what
+    it holds and exits 0, and no request fails; then it is started again and a second load runs."""
+    return _fault_then_restart(kind, "drain", _drain, planned=True)
 
 
 def client_disconnect(faults: FaultStack, campaign: Campaign) -> ScenarioResult:
@@ -143,5 +165,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "kill_decode_2p2d": ("2p2d", kill_and_restart("decode")),
     "kill_proxy_2p2d": ("2p2d", kill_and_restart("proxy")),
     "kill_etcd_2p2d": ("2p2d", kill_and_restart("etcd")),
+    "drain_prefill_2p2d": ("2p2d", drain_and_restart("prefill")),
+    "drain_decode_2p2d": ("2p2d", drain_and_restart("decode")),
     **{name: ("two_hosts", scenario) for name, scenario in LINK_SCENARIOS.items()},
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -32,9 +33,11 @@ ABORT_TIMEOUT_S = 10
 PULL_TIMEOUT_S = 20
 PULL_HOLD_S = PULL_TIMEOUT_S + 5
 ETCD_TTL_S = 2
+# Streams move off a lost or drained decode worker (docs/stream-moves.md), as a production stack would run.
 FAULT_OPTIONS = StackOptions(kv_transport="tcp",  # a killed shm worker cannot unlink its pool
                              worker_extra=("--kv-abort-timeout", str(ABORT_TIMEOUT_S),
-                                           "--kv-pull-timeout", str(PULL_TIMEOUT_S)))
+                                           "--kv-pull-timeout", str(PULL_TIMEOUT_S), "--drain-hands-back-streams"),
+                             proxy_extra=("--resume-streams",))
 
 
 @dataclass
@@ -64,6 +67,12 @@ class FaultStack:
 
     def kill(self, name: str) -> None:
         self.stack.process(name).kill()
+
+    def drain(self, name: str, timeout_s: float = 120.0) -> int:
+        """SIGTERM to the process `name` (a worker drains: it leaves, finishes what it holds, exits); its exit status."""
+        process = self.stack.process(name)
+        process.proc.send_signal(signal.SIGTERM)
+        return process.proc.wait(timeout=timeout_s)
 
     def restart(self, name: str, timeout_s: float = 120.0) -> None:
         """Starts the killed process `name` again and waits until it answers its health check."""
@@ -153,7 +162,7 @@ def _wait_workers(faults: FaultStack, options: StackOptions) -> None:
 
 def _proxy(faults: FaultStack, backends: list[str], options: StackOptions) -> None:
     port = free_port()
-    faults.stack.start("proxy", proxy_args(port, backends))
+    faults.stack.start("proxy", [*proxy_args(port, backends), *options.proxy_extra])
     faults.stack.url = f"http://127.0.0.1:{port}"
     faults.health_urls["proxy"] = f"{faults.stack.url}/ready"
     wait_healthy(faults.health_urls["proxy"], faults.stack.processes, options.startup_timeout_s)

@@ -26,6 +26,9 @@ proxy reads back and watches (`proxy.discovery.EtcdDiscovery`).
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from common.errors import RegistrationError
 from common.roles import DEFAULT_KV_PORT
 from common.worker_record import WorkerRecord
@@ -33,10 +36,21 @@ from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, EngineIdInUse, EngineMismatch, HandshakeError, IntegrityError,
     LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout, Unauthorized, UnknownRequest)
 from neuron_connector.pulls import PullState, PullStatus
-from neuron_connector.recv_buffer import RecvBuffer
 from neuron_connector.registry import Registration
-from neuron_connector.send_buffer import SendBuffer
-from neuron_connector.send_stats import SendStats
+
+if TYPE_CHECKING:
+    from neuron_connector.recv_buffer import RecvBuffer
+    from neuron_connector.send_buffer import SendBuffer
+    from neuron_connector.send_stats import SendStats
+
+# The buffers import torch (seconds): loaded on first use, so registering a worker (`Registration`) stays cheap.
+_LAZY = {"RecvBuffer": "recv_buffer", "SendBuffer": "send_buffer", "SendStats": "send_stats"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
 
 __all__ = [
     "DEFAULT_KV_PORT",

@@ -171,8 +171,10 @@ class RouterChannel:
         except zmq.ZMQError:
             return Delivery.PEER_GONE   # EHOSTUNREACH: no connection has that routing id
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, flush_s: float = 0.0) -> None:
+        """Closes the socket; replies already queued still go out for up to `flush_s` seconds (the context's
+        `term()` waits for them), so a peer is never told "gone" in place of its last answer."""
+        self.socket.close(linger=int(flush_s * 1000))
 
 
 class DealerChannel:

@@ -41,6 +41,7 @@ class PeerInfo:
     transfer: dict[str, Any]
     kv_map: dict[str, Any]
     timestamp: float
+    incarnation: str | None = None      # this life of the peer's signal plane (neuron_connector.incarnation)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class PeerLink:
     transfer: dict[str, Any]        # our transfer descriptor
     secret: bytes | None = field(default=None, repr=False)
     resend_after: float = 1.0
+    incarnation: str | None = None  # ours, named in every handshake
     state: LinkState = LinkState.NEW
     error: ConnectorError | None = None
     info: PeerInfo | None = None
@@ -70,7 +72,7 @@ class PeerLink:
             return None
         self._sent_at = now
         if self.state is LinkState.HANDSHAKE_SENT:
-            return Handshake(self.engine_id, self._nonce).to_bytes()
+            return Handshake(self.engine_id, self._nonce, self.incarnation).to_bytes()
         return self._kv_map_init()
 
     def on_handshake(self, reply: HandshakeReply | ErrorReply, now: float) -> bytes | None:
@@ -114,7 +116,8 @@ class PeerLink:
             self.fail(Unauthorized(f"prefill peer {self.address} ({hello.engine_id}) failed to prove the KV "
                                    "secret (another secret file?): refused"))
             return
-        self.info = PeerInfo(self.address, hello.engine_id, hello.transfer, reply.kv_map, hello.timestamp)
+        self.info = PeerInfo(self.address, hello.engine_id, hello.transfer, reply.kv_map, hello.timestamp,
+                             hello.incarnation)
         self.state = LinkState.READY
 
     def reset(self) -> None:

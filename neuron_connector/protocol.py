@@ -34,6 +34,7 @@ HANDSHAKE_REQUIRED = "handshake_required"
 LAYOUT_MISMATCH = "layout_mismatch"
 UNAUTHORIZED = "unauthorized"
 ENGINE_ID_IN_USE = "engine_id_in_use"
+STALE_INCARNATION = "stale_incarnation"
 
 # HMAC labels of the two handshake proofs (common.kv_secret.proof).
 DECODE_PROOF = b"neuron-di signal plane: decode proof v1"
@@ -92,6 +93,13 @@ def _request_id(obj: dict[str, Any]) -> str:
     return rid
 
 
+def _generation(obj: dict[str, Any]) -> int | None:
+    generation = _get(obj, "generation", int, None)
+    if generation is not None and not 0 < generation < 2**61:
+        raise ProtocolError(f"field 'generation' must be in [1, 2**61), got {generation}")
+    return generation
+
+
 def _nonempty(obj: dict[str, Any], name: str) -> str:
     value = _get(obj, name, str)
     if not value:
@@ -101,18 +109,23 @@ def _nonempty(obj: dict[str, Any], name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
-    """Opens a session: D's engine id (one live session per id) and a fresh client nonce."""
+    """Opens a session: D's engine id (one live session per id), a fresh client nonce, and D's
+    incarnation (random, new whenever its signal plane starts: a restart with the same engine id
+    is another incarnation)."""
 
     TYPE: ClassVar[str] = "handshake"
     engine_id: str
     nonce: str
+    incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "engine_id": self.engine_id, "nonce": self.nonce})
+        return _dump(_with("incarnation", self.incarnation,
+                           {"type": self.TYPE, "engine_id": self.engine_id, "nonce": self.nonce}))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Handshake:
-        return cls(engine_id=_nonempty(obj, "engine_id"), nonce=_nonempty(obj, "nonce"))
+        return cls(engine_id=_nonempty(obj, "engine_id"), nonce=_nonempty(obj, "nonce"),
+                   incarnation=_get(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +155,10 @@ class LookupAll:
     `skipped_blocks`: how many leading blocks of the request D holds already (its prefix
     cache); D's block ids receive the blocks after them, so the two must add up to P's count.
     Without it P sends its last len(block ids) blocks, which is the same for a sender that
-    ignores the field. `traceparent`: D's pull span (W3C trace context), the parent of P's push span."""
+    ignores the field. `traceparent`: D's pull span (W3C trace context), the parent of P's push span.
+    `generation`: the handoff's generation (transfer.fences): P's push writes only into D's blocks
+    while D holds them open for it, and P's reply names it, so D drops a reply of an older handoff.
+    `incarnation`: P's incarnation D first asked (HandshakeReply): another refuses it, terminally."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
@@ -151,10 +167,15 @@ class LookupAll:
     checksum: str | None = None
     skipped_blocks: int | None = None
     traceparent: str | None = None
+    generation: int | None = None
+    incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id,
-                               "block_ids_in_peer_device": list(self.block_ids_in_peer_device)}
+        obj: dict[str, Any] = _with("incarnation", self.incarnation, {
+            "type": self.TYPE, "request_id": self.request_id,
+            "block_ids_in_peer_device": list(self.block_ids_in_peer_device)})
+        if self.generation is not None:
+            obj["generation"] = self.generation
         if self.timeout_s is not None:
             obj["timeout_s"] = self.timeout_s
         if self.checksum is not None:
@@ -179,7 +200,8 @@ class LookupAll:
         return cls(request_id=_request_id(obj),
                    block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
                    timeout_s=None if timeout is None else float(timeout), checksum=checksum,
-                   skipped_blocks=skipped, traceparent=_get(obj, "traceparent", str, None))
+                   skipped_blocks=skipped, traceparent=_get(obj, "traceparent", str, None),
+                   generation=_generation(obj), incarnation=_get(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +223,9 @@ class Release:
 @dataclass(frozen=True, slots=True)
 class HandshakeReply:
     """P's identity: `timestamp` is when its signal plane started, so a restart shows;
-    `nonce` is this session's server nonce; `authenticated`: P requires the KV secret."""
+    `nonce` is this session's server nonce; `authenticated`: P requires the KV secret;
+    `incarnation`: random, new whenever P's signal plane starts (a restart at the same address
+    with the same engine id is another incarnation, which never had the old one's KV)."""
 
     TYPE: ClassVar[str] = "handshake"
     timestamp: float
@@ -209,17 +233,19 @@ class HandshakeReply:
     transfer: dict[str, Any]
     nonce: str
     authenticated: bool = False
+    incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "status": "ok", "timestamp": self.timestamp,
-                      "engine_id": self.engine_id, "transfer": self.transfer, "nonce": self.nonce,
-                      "authenticated": self.authenticated})
+        return _dump(_with("incarnation", self.incarnation, {
+            "type": self.TYPE, "status": "ok", "timestamp": self.timestamp, "engine_id": self.engine_id,
+            "transfer": self.transfer, "nonce": self.nonce, "authenticated": self.authenticated}))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> HandshakeReply:
         return cls(timestamp=float(_get(obj, "timestamp", (int, float))),
                    engine_id=_get(obj, "engine_id", str), transfer=_get(obj, "transfer", dict),
-                   nonce=_nonempty(obj, "nonce"), authenticated=_get(obj, "authenticated", bool, False))
+                   nonce=_nonempty(obj, "nonce"), authenticated=_get(obj, "authenticated", bool, False),
+                   incarnation=_get(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +283,8 @@ class Probe:
 @dataclass(frozen=True, slots=True)
 class LookupReply:
     """`success=False` without `error`: not finished yet, retry. With `error`: terminal.
-    `checksum`: on success, the value of the checksum the lookup asked for (a uint32 CRC-32C)."""
+    `checksum`: on success, the value of the checksum the lookup asked for (a uint32 CRC-32C).
+    `generation`: the handoff generation of the lookup it answers, when that named one."""
 
     TYPE: ClassVar[str] = "lookup_all"
     request_id: str
@@ -266,9 +293,12 @@ class LookupReply:
     block_ids_in_peer_device: tuple[int, ...] = field(default=())
     error: str | None = None
     checksum: int | None = None
+    generation: int | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"type": self.TYPE, "request_id": self.request_id, "success": self.success}
+        if self.generation is not None:
+            obj["generation"] = self.generation
         if self.success:
             if self.output_token is not None:     # None: the prefill worker does not know it (vLLM's)
                 obj["output_token"] = self.output_token
@@ -282,13 +312,15 @@ class LookupReply:
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> LookupReply:
         rid, success = _request_id(obj), _get(obj, "success", bool)
+        generation = _generation(obj)
         if not success:
-            return cls(request_id=rid, success=False, error=_get(obj, "error", str, None))
+            return cls(request_id=rid, success=False, error=_get(obj, "error", str, None), generation=generation)
         checksum = _get(obj, "checksum", int, None)
         if checksum is not None and not 0 <= checksum < 2**32:
             raise ProtocolError(f"field 'checksum' must be a 32-bit unsigned integer, got {checksum}")
         return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int, None),
-                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum)
+                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum,
+                   generation=generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +351,11 @@ Reply = Union[HandshakeReply, KVMapReply, LookupReply, Probe, ErrorReply]
 
 _REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll, Release)}
 _REPLIES: dict[str, Any] = {c.TYPE: c for c in (HandshakeReply, KVMapReply, LookupReply, Probe)}
+
+
+def _with(name: str, value: Any, obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` with the optional field `name`, when it has a value."""
+    return obj if value is None else {**obj, name: value}
 
 
 def _with_proof(obj: dict[str, Any], proof: str | None) -> dict[str, Any]:

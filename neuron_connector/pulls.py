@@ -20,6 +20,13 @@ the heartbeat timeout) fails every pull from it at once: whatever comes back at 
 another process, which never had their KV. A pull added while the peer is away waits for it
 until its deadline, as any pull does (a peer restarted at the address may be its target).
 
+A pull may carry its handoff generation (transfer.fences): its lookups name it, a reply naming
+another is dropped (`stale_replies`), and every terminal pull closes its blocks' fence through
+`close_blocks` (blocks, generation) -> how many a writer still holds. A pull ended while its
+writer holds blocks (a prefill frozen mid-copy) is quarantined: it reports PENDING, its result
+withheld, until `unhold` sees the writer let go (or the writer's process gone), so FAILED still
+means our blocks are safe to reuse.
+
 A pull may name the prefill engine it expects. A peer whose handshake names another
 engine fails it; a pull that began after the handshake first asks for a new one, since the
 peer may have restarted as the engine the pull names since.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable
 
 from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, EngineMismatch, IntegrityError, PeerUnavailable, ProtocolError,
@@ -71,6 +79,11 @@ class _Pull:
     sent_at: float | None = None        # set while a lookup is outstanding
     result: PullStatus = PENDING
     cancelled: bool = False
+    answered: bool = False              # the peer's success reply came and is being verified: the KV is here
+    generation: int | None = None       # the handoff's generation (transfer.fences); None: unfenced
+    writer: int | None = None           # pid of the same-host process the lookup went to
+    held: bool = False                  # ended, but a writer still holds its blocks: result withheld
+    incarnation: str | None = None      # the peer's incarnation its first lookup went to
 
 
 @dataclass
@@ -82,6 +95,8 @@ class PullTracker:
     first_backoff: float = 0.005
     max_backoff: float = 0.02
     checksum: str | None = None         # one of protocol.CHECKSUMS: verify every pull with it
+    close_blocks: Callable[[tuple[int, ...], int], int] | None = None   # fence close: blocks still held
+    reclaim_blocks: Callable[[tuple[int, ...], int], None] | None = None  # their writer died holding them
 
     def __post_init__(self) -> None:
         self._pulls: dict[str, _Pull] = {}
@@ -89,14 +104,20 @@ class PullTracker:
         self._stale: set[str] = set()             # peers to handshake with again
         self._finished: dict[str, None] = {}      # ids turned terminal, not yet taken (in order)
         self._releases: list[tuple[str, str]] = []  # (peer, request id) to tell that peer
+        self._writers: dict[str, int | None] = {}   # peer -> pid of its process, when on this host
+        self._incarnations: dict[str, str | None] = {}   # peer -> the incarnation its latest handshake named
+        self.stale_replies = 0                     # replies naming a handoff generation not current
+        self.quarantined = 0                       # pulls ended while a writer held their blocks
 
     def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float,
-            engine_id: str | None = None, skipped: int | None = None, traceparent: str | None = None) -> None:
-        """`dst`: our blocks for the request's blocks after the first `skipped` (None: its last len(dst))."""
+            engine_id: str | None = None, skipped: int | None = None, traceparent: str | None = None,
+            generation: int | None = None) -> None:
+        """`dst`: our blocks for the request's blocks after the first `skipped` (None: its last len(dst));
+        `generation`: the handoff generation their fence is open for."""
         if request_id in self._pulls:
             raise DuplicateRequest(f"a pull of request {request_id!r} is already registered")
         self._pulls[request_id] = _Pull(request_id, peer, tuple(dst), deadline, now, self.first_backoff,
-                                        engine_id, skipped, traceparent)
+                                        engine_id, skipped, traceparent, generation=generation)
 
     def due(self, now: float, ready_peers: set[str]) -> list[tuple[str, LookupAll]]:
         """(peer, lookup) pairs to send now; marks them outstanding."""
@@ -112,10 +133,12 @@ class PullTracker:
                 # peer may have restarted as the engine the pull names since.
                 self._stale.add(pull.peer)
                 continue
+            if pull.writer is None and pull.incarnation is None:    # bound to whoever its first lookup asks
+                pull.writer, pull.incarnation = self._writers.get(pull.peer), self._incarnations.get(pull.peer)
             pull.sent_at = now
             left = max(pull.deadline - now, 0.001)
             out.append((pull.peer, LookupAll(pull.request_id, pull.dst, round(left, 3), self.checksum, pull.skipped,
-                                             pull.traceparent)))
+                                             pull.traceparent, pull.generation, pull.incarnation)))
         return out
 
     def take_stale_peers(self) -> list[str]:
@@ -124,13 +147,21 @@ class PullTracker:
         stale, self._stale = sorted(self._stale), set()
         return stale
 
-    def peer_ready(self, peer: str, engine_id: str) -> None:
-        """The peer completed a handshake as `engine_id`: its pulls expecting another engine fail.
+    def peer_ready(self, peer: str, engine_id: str, writer: int | None = None, incarnation: str | None = None) -> None:
+        """The peer completed a handshake as `engine_id` (`writer`: its pid when on this host): its
+        pulls expecting another engine fail, and so do those whose lookups went to another
+        incarnation (the process restarted at the address: it never had their KV).
 
         Even one with a lookup outstanding: another engine answering at the address means the
         one asked is gone, as `resend_peer` assumes after a restart.
         """
-        self._engines[peer] = engine_id
+        self._engines[peer], self._writers[peer], self._incarnations[peer] = engine_id, writer, incarnation
+        for pull in self._pulls.values():
+            if (pull.peer == peer and pull.result is PENDING and incarnation is not None
+                    and pull.incarnation not in (None, incarnation)):
+                self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
+                    f"pull of {pull.request_id!r}: prefill {engine_id} at {peer} restarted (incarnation "
+                    f"{pull.incarnation}, now {incarnation}); the new process never had its KV")))
         for pull in self._pulls.values():
             if pull.peer == peer and pull.result is PENDING and pull.engine_id not in (None, engine_id):
                 self._end(pull, PullStatus(PullState.FAILED, error=EngineMismatch(
@@ -140,6 +171,9 @@ class PullTracker:
     def on_reply(self, reply: LookupReply, now: float, local_checksum: int | None = None) -> None:
         """`local_checksum`: the checksum of our blocks the reply names, when it carries one."""
         pull = self._pulls.get(reply.request_id)
+        if reply.generation is not None and (pull is None or reply.generation != pull.generation):
+            self.stale_replies += 1   # the answer of a handoff given up (its request id reused since)
+            return
         if pull is None or pull.result is not PENDING or pull.sent_at is None:
             return  # a duplicate answer to a resent lookup
         pull.sent_at = None
@@ -180,9 +214,15 @@ class PullTracker:
                 self._end(pull, PullStatus(PullState.FAILED, error=error))
         self._releases = [(p, rid) for p, rid in self._releases if p != peer]
 
+    def answered(self, request_id: str) -> None:
+        """The peer's success reply to the pull came and is being verified: the peer's part is over."""
+        if (pull := self._pulls.get(request_id)) is not None:
+            pull.answered = True
+
     def peer_lost(self, peer: str) -> int:
-        """The connection to the peer was lost: its pulls fail now; how many did."""
-        lost = [pull for pull in self._pulls.values() if pull.peer == peer and pull.result is PENDING]
+        """The connection to the peer was lost: its pulls fail now, but those it answered; how many did."""
+        lost = [pull for pull in self._pulls.values()
+                if pull.peer == peer and pull.result is PENDING and not pull.answered]
         for pull in lost:
             self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
                 f"pull of {pull.request_id!r}: the connection to prefill peer {peer} was lost "
@@ -212,17 +252,25 @@ class PullTracker:
             return True
         if pull.result is PENDING and not pull.cancelled:
             self.release(request_id, pull.peer)
-        if pull.sent_at is None or pull.result is not PENDING:
-            self._forget(request_id)
-            return True
-        pull.cancelled = True
-        return False
+        if pull.held or (pull.sent_at is not None and pull.result is PENDING):
+            pull.cancelled = True
+            return False
+        if pull.result is PENDING:
+            pull.cancelled = True
+            self._end(pull, PullStatus(PullState.FAILED, error=UnknownRequest(
+                f"pull of {pull.request_id!r} was cancelled")))
+            if pull.held:
+                return False
+        self._forget(request_id)
+        return True
 
     def poll(self, request_id: str) -> PullStatus:
         """The pull's status; a terminal status is reported once, then the id is forgotten."""
         pull = self._pulls.get(request_id)
         if pull is None:
             raise UnknownRequest(f"no pull of request {request_id!r} is registered")
+        if pull.held:
+            return PENDING
         if pull.result is not PENDING:
             self._forget(request_id)
         return pull.result
@@ -255,9 +303,32 @@ class PullTracker:
     def __len__(self) -> int:
         return len(self._pulls)
 
+    def unhold(self, writer_gone: Callable[[int], bool]) -> int:
+        """Quarantined pulls whose writer let go of their blocks (or whose writer's process is gone:
+        its blocks are reclaimed) turn terminal now; how many are still held."""
+        held = 0
+        for pull in self._pulls.values():
+            if not pull.held:
+                continue
+            assert self.close_blocks is not None and pull.generation is not None
+            if self.close_blocks(pull.dst, pull.generation):
+                if pull.writer is None or not writer_gone(pull.writer):
+                    held += 1
+                    continue
+                if self.reclaim_blocks is not None:
+                    self.reclaim_blocks(pull.dst, pull.generation)
+            pull.held = False
+            self._finished[pull.request_id] = None
+        return held
+
     def _end(self, pull: _Pull, result: PullStatus) -> None:
-        """Every terminal result is set here, so none goes unannounced."""
+        """Every terminal result is set here, so none goes unannounced (a quarantined one once released)."""
         pull.sent_at, pull.result = None, result
+        if self.close_blocks is not None and pull.generation is not None and self.close_blocks(
+                pull.dst, pull.generation):
+            pull.held = True
+            self.quarantined += 1
+            return
         self._finished[pull.request_id] = None
 
     def _forget(self, request_id: str) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,12 +13,15 @@ from common.trace_spans import LOOKUP_SPAN, spans_of
 from common.tracing import TRACEPARENT
 from neuron_connector.channel import DealerChannel, Poller, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, HandshakeError, PeerUnavailable, ProtocolError
+from neuron_connector.incarnation import new_incarnation
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
     CRC32C, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
     LookupReply, Probe, decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
 from transfer import KVLayout, TransferError
+from transfer.fences import Fences, generations
+from transfer.region import host_identity
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,13 @@ class RecvBuffer:
     matches; otherwise it fails with IntegrityError (and our blocks are free to reuse, as
     after any failure). Our checksum is summed on a thread of its own, so a large pull never
     holds up the signal plane.
+
+    Every pull is a handoff with a fresh generation (transfer.fences): its blocks are opened for it
+    before its first lookup, and closed when it ends. The prefill's push writes only into blocks open
+    for the generation its lookup named, so a push that comes late (a prefill frozen past the
+    heartbeat, resumed after we failed the pull and reused the blocks) writes nothing; a pull ended
+    while its writer is mid-write stays PENDING until the writer lets go (`quarantined` counts them);
+    a reply naming an older generation is dropped (`stale_replies`).
     """
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str,
@@ -68,7 +79,10 @@ class RecvBuffer:
         self.default_timeout = default_timeout
         self._resend_after = resend_after
         self._pulls = PullTracker(resend_after=resend_after, grace=grace, max_backoff=max_backoff,
-                                  checksum=CRC32C if integrity_check else None)
+                                  checksum=CRC32C if integrity_check else None, close_blocks=self._close_blocks,
+                                  reclaim_blocks=self._reclaim_blocks)
+        self._generations = generations()
+        self.incarnation = new_incarnation()   # this life of our signal plane, named in every handshake
         self._verifier = ThreadPoolExecutor(1, f"kv-verify-{engine_id}") if integrity_check else None
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
@@ -86,8 +100,8 @@ class RecvBuffer:
         with self._lock:
             link = self._links.get(address)
             if link is None or link.state is LinkState.FAILED:
-                self._links[address] = PeerLink(address, self.engine_id, self.layout.to_dict(),
-                                                self._descriptor(), self._secret, self._resend_after)
+                self._links[address] = PeerLink(address, self.engine_id, self.layout.to_dict(), self._descriptor(),
+                                                self._secret, self._resend_after, incarnation=self.incarnation)
         self._service.wake()
         return address
 
@@ -121,10 +135,36 @@ class RecvBuffer:
         self.timeline.mark(request_id, PULL_STARTED)  # first: a traced pull's span is open for its lookup to name
         spans = spans_of(self.timeline)
         traceparent = spans.headers(request_id, LOOKUP_SPAN).get(TRACEPARENT) if spans is not None else None
+        fences = self._fences()
         with self._lock:
+            generation = None if fences is None else next(self._generations)
             self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id,
-                            skipped_blocks, traceparent)
+                            skipped_blocks, traceparent, generation)
+            if fences is not None and generation is not None:
+                fences.open(dst_block_ids, generation)   # before the first lookup can name it
         self._service.wake()
+
+    @property
+    def stale_replies(self) -> int:
+        """Replies dropped because they answered a handoff generation that is not the pull's."""
+        return self._pulls.stale_replies
+
+    @property
+    def quarantined(self) -> int:
+        """Pulls that ended while their writer still held their blocks (freed once it let go)."""
+        return self._pulls.quarantined
+
+    def _fences(self) -> Fences | None:
+        return getattr(self._engine, "fences", None)
+
+    def _close_blocks(self, blocks: tuple[int, ...], generation: int) -> int:
+        fences = self._fences()
+        return 0 if fences is None else fences.close(blocks, generation)
+
+    def _reclaim_blocks(self, blocks: tuple[int, ...], generation: int) -> None:
+        if (fences := self._fences()) is not None:
+            log.warning("reclaimed blocks %s: the process writing them died mid-write", list(blocks))
+            fences.reclaim(blocks, generation)
 
     def poll(self, request_id: str) -> PullStatus:
         """PENDING, DONE(output_token) or FAILED(error); terminal states are reported once."""
@@ -182,6 +222,7 @@ class RecvBuffer:
             with self._lock:
                 ready = {a for a, link in self._links.items() if link.ready}
                 self._pulls.expire(time.monotonic(), ready)
+                self._pulls.unhold(_process_gone)
                 finished = self._pulls.take_finished()
             self._announce(finished)
 
@@ -226,13 +267,20 @@ class RecvBuffer:
             self.connection_dict[address].send(payload)
 
     def _drain(self, channel: DealerChannel) -> None:
+        """The replies the peer sent, then its lost connection, if lost: a peer that answered and exited
+        (a drained prefill worker's last push) has its answers taken first, so those pulls end as answered."""
         address = channel.address
-        if channel.disconnected():
+        lost = channel.disconnected()
+        self._take_replies(channel)
+        if lost:
             with self._lock:
                 if (link := self._links.get(address)) is not None:
                     link.reset()     # whoever answers there next is asked who it is
                 failed = self._pulls.peer_lost(address)
             log.warning("lost the connection to prefill peer %s: %d pull(s) from it failed", address, failed)
+
+    def _take_replies(self, channel: DealerChannel) -> None:
+        address = channel.address
         while (payload := channel.recv()) is not None:
             try:
                 reply = decode_reply(payload)
@@ -241,6 +289,8 @@ class RecvBuffer:
                 continue
             if (self._verifier is not None and isinstance(reply, LookupReply) and reply.success
                     and reply.checksum is not None):
+                with self._lock:
+                    self._pulls.answered(reply.request_id)
                 self._verifier.submit(self._verify, address, reply)
                 continue
             with self._lock:
@@ -293,9 +343,23 @@ class RecvBuffer:
             if link.error is not None:
                 self._pulls.fail_peer(address, link.error)
             elif link.ready and not was_ready and link.info is not None:
-                self._pulls.peer_ready(address, link.info.engine_id)
+                transfer = link.info.transfer
+                writer = transfer.get("pid") if transfer.get("host_id") == host_identity() else None
+                self._pulls.peer_ready(address, link.info.engine_id, writer if isinstance(writer, int) else None,
+                                       link.info.incarnation)
         elif isinstance(reply, ErrorReply) and reply.reply_to == LookupAll.TYPE and reply.request_id:
             self._pulls.on_reply(LookupReply(reply.request_id, False, error=reply.message), now)
         else:
             log.warning("unexpected reply from %s: %r", address, reply)
         return None
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether the same-host process `pid` has exited (a quarantined pull's writer)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -4,31 +4,33 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
 from common.trace_spans import PUSH_SPAN, spans_of
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
+from neuron_connector.incarnation import new_incarnation, stale_lookup
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
-    BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF,
-    UNAUTHORIZED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply,
-    Probe, Release, decode_request, handshake_proof, request_fields)
+    BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF, UNAUTHORIZED, ErrorReply,
+    Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply, Probe, Release, decode_request,
+    handshake_proof, request_fields)
 from neuron_connector.pullers import Pullers
 from neuron_connector.send_stats import Push, SendStats
 from neuron_connector.sessions import SessionTable, proof_refusal
-from transfer import CompletionToken, KVLayout, TransferError
+from transfer import CompletionToken, KVLayout, StaleHandoff, TransferError
 from transfer import LayoutMismatch as TransferLayoutMismatch
 
 log = logging.getLogger(__name__)
 
-# How often expiry runs when nothing happens: while blocks are held, and while nothing is. A push
-# that ends wakes the thread through its token's callback: polling running pushes would take the
-# GIL from the engine thread hundreds of times per push while a slow (tcp, loaded host) transfer runs.
+# Expiry period (blocks held / none). An ended push wakes the thread through its token's callback: polling
+# running pushes would take the engine thread's GIL hundreds of times per slow (tcp) push.
 _BUSY_POLL_S, _IDLE_POLL_S = 0.05, 1.0
 _MAX_BATCH = 256         # messages handled per loop turn, so transfers are checked often
+_CLOSE_FLUSH_S = 2.0     # closing waits this long at most for queued replies (a drained worker's last push's)
 
 
 class SendBuffer:
@@ -41,13 +43,13 @@ class SendBuffer:
     completed. A lookup that asks for a checksum gets the one the push computed over the bytes it sent
     (in the copy's pass over shm, on the transfer thread otherwise: never on this buffer's thread).
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it still waits,
-    so a peer that gave up never has its blocks written afterwards.
+    and writes only into blocks the peer still holds for the lookup's handoff (transfer.fences).
 
     Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake
-    names; with a `secret` the session is established only once the peer proved it holds the secret,
-    and this side proves it back. A request whose decode engine (named by `expect`, or by its first
-    lookup) lost its session is released within seconds (`pullers.Pullers`).
-    """
+    names; with a `secret` it is established only once the peer proved it holds the secret, and this
+    side proves it back. A request whose decode engine (named by `expect`, or by its first lookup) lost
+    its session is released within seconds (`pullers.Pullers`). A lookup addressed to another
+    incarnation of this engine (`incarnation`, drawn at `start`) is refused."""
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
@@ -70,7 +72,7 @@ class SendBuffer:
         self._service = ServiceThread()
         self._context = new_context()
         self._router: RouterChannel | None = None
-        self._started_at = 0.0
+        self._started_at, self.incarnation = 0.0, ""   # this life of the signal plane (neuron_connector.incarnation)
         self.stats = SendStats()
         self.port = kv_port
         self.timeline = timeline if timeline is not None else Timeline("prefill")
@@ -78,7 +80,7 @@ class SendBuffer:
     def start(self) -> None:
         """Binds the ROUTER (PeerUnavailable if the port is taken) and starts serving."""
         self._router = RouterChannel(self._context, *self._bind)
-        self._started_at = time.time()
+        self._started_at, self.incarnation = time.time(), new_incarnation()
         self.port = self._router.port
         self._service.start(self._serve, f"kv-send-{self.port}")
 
@@ -87,9 +89,8 @@ class SendBuffer:
         (at once if it did so before) or `abort_timeout` passes. `output_token`: the first token,
         None when the engine does not know it yet (the decode peer then samples it itself).
 
-        Raises DuplicateRequest for an id already published (the first entry stays),
-        ConnectorError when the buffer is not serving, ValueError for bad block ids.
-        """
+        Raises DuplicateRequest for an id already published (the first entry stays), ConnectorError
+        when the buffer is not serving, ValueError for bad block ids."""
         if not self._service.serving:
             raise ConnectorError("SendBuffer is not serving (call start(); not after close())")
         if not block_ids or any(b < 0 or b >= self.layout.num_blocks for b in block_ids):
@@ -135,7 +136,7 @@ class SendBuffer:
                 log.info("closing: answered %d held lookup(s) of requests never published here", len(parked))
             for held in parked:
                 self._reply(held.identity, LookupReply(held.message.request_id, False, error=why).to_bytes())
-            self._router.close()
+            self._router.close(flush_s=_CLOSE_FLUSH_S)
         self._context.term()
         self._service.close()
 
@@ -202,14 +203,10 @@ class SendBuffer:
         assert self._router is not None
         delivery = self._router.send(identity, reply)
         if delivery is Delivery.PEER_GONE:
-            log.warning("dropped a reply to %s: its connection is gone", self._name(identity))
+            log.warning("dropped a reply to %s: its connection is gone", self._sessions.name(identity))
             self._sessions.drop(identity)
         elif delivery is Delivery.QUEUE_FULL:
-            log.warning("dropped a reply to %s: its queue is full", self._name(identity))
-
-    def _name(self, identity: bytes) -> str:
-        session = self._sessions.get(identity)
-        return session.describe() if session is not None else f"connection {identity.hex()}"
+            log.warning("dropped a reply to %s: its queue is full", self._sessions.name(identity))
 
     def _handle(self, identity: bytes, payload: bytes) -> bytes | None:
         try:
@@ -237,7 +234,7 @@ class SendBuffer:
             return refusal
         session = self._sessions.open(identity, message.engine_id, message.nonce)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
-                              authenticated=self._secret is not None)
+                              authenticated=self._secret is not None, incarnation=self.incarnation)
 
     def _engine_id_taken(self, identity: bytes, engine_id: str, reply_to: str) -> ErrorReply | None:
         """The refusal of connection `identity` as `engine_id` while another live session holds it."""
@@ -297,7 +294,8 @@ class SendBuffer:
             # that never authenticated: it must complete the handshake first.
             return ErrorReply(f"connection {identity.hex()} has not completed the handshake",
                               HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
-        assert session.transfer_peer is not None
+        if (refusal := stale_lookup(message, self.incarnation, self.engine_id)) is not None:
+            return refusal
         peer = session.transfer_peer
         identity = session.engine_id.encode()     # the table knows peers by their engine id
         with self._lock:
@@ -316,7 +314,7 @@ class SendBuffer:
         timeout = min(self.transfer_timeout, message.timeout_s or self.transfer_timeout)
         if (spans := spans_of(self.timeline)) is not None:
             spans.join(rid, PUSH_SPAN, message.traceparent)  # the push goes under the decode worker's pull
-        return self._start(rid, peer, decision, timeout, message.checksum is not None)
+        return self._start(rid, peer, decision, timeout, message)
 
     def _release(self, identity: bytes, rid: str) -> None:
         """A decode peer's request is gone; the release itself goes out at the end of this loop turn."""
@@ -325,7 +323,7 @@ class SendBuffer:
         if session is None:
             self.stats.unauthorized += 1
             log.warning("ignored a release of %s from %s, which has not completed the handshake",
-                        rid, self._name(identity))
+                        rid, self._sessions.name(identity))
             return
         with self._lock:
             accepted = self._table.release(rid, session.engine_id.encode(), time.monotonic())
@@ -333,16 +331,16 @@ class SendBuffer:
             log.warning("%s released request %s, which another decode peer is pulling: ignored",
                         session.describe(), rid)
 
-    def _start(self, rid: str, peer: Any, start: Start, timeout: float, checksum: bool) -> LookupReply | None:
-        token, started = CompletionToken(), time.monotonic()
-        try:
-            self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token,
-                                                   timeout=timeout, checksum=checksum)
+    def _start(self, rid: str, peer: Any, start: Start, timeout: float, lookup: LookupAll) -> LookupReply | None:
+        token, started, checksum = CompletionToken(), time.monotonic(), lookup.checksum is not None
+        try:  # with a generation the push writes only into blocks the peer still holds for it (transfer.fences)
+            self._engine.queue_transfer_with_token(peer, list(start.src), list(start.dst), token, timeout=timeout,
+                                                   checksum=checksum, generation=lookup.generation)
         except (TransferError, ConnectorError, ValueError) as exc:
             done = self._transfer_done(rid, f"transfer of {rid!r} could not start: {exc}")
             return None if done is None else done[1]
         self.timeline.mark(rid, PUSH_STARTED)
-        self._running[rid] = Push(token, started, len(start.src), checksum)
+        self._running[rid] = Push(token, started, len(start.src), checksum, lookup.generation)
         token.add_done_callback(lambda _: self._pushed(rid))
         return None
 
@@ -362,6 +360,7 @@ class SendBuffer:
                 error = None
             except TransferError as exc:
                 error = f"transfer of {rid!r} failed: {exc}"
+                self.stats.stale_pushes += isinstance(exc, StaleHandoff)
                 self.timeline.fail(rid, error)
             if error is None and self._on_transfer is not None:
                 try:
@@ -375,7 +374,7 @@ class SendBuffer:
             if identity is None:
                 log.warning("decode engine %r left before the reply for %s", done[0].decode(), rid)
             else:
-                self._reply(identity, done[1].to_bytes())
+                self._reply(identity, replace(done[1], generation=push.generation).to_bytes())
 
     def _transfer_done(self, rid: str, error: str | None,
                        checksum: int | None = None) -> tuple[bytes, LookupReply] | None:

@@ -20,6 +20,7 @@ class SendStats:
     unauthorized: int = 0      # kv_map_init without a valid proof; releases before the handshake
     engine_id_conflicts: int = 0   # handshakes naming the engine id of another live session
     orphaned: int = 0          # requests released because the decode engine that was to pull them is gone
+    stale_pushes: int = 0      # pushes refused: the decode peer no longer held its blocks for the handoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +31,4 @@ class Push:
     started: float
     num_blocks: int
     summed: bool
+    generation: int | None = None   # the decode peer's handoff generation, echoed in the reply

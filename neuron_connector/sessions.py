@@ -51,6 +51,11 @@ class SessionTable:
     def get(self, routing_id: bytes) -> Session | None:
         return self._sessions.get(routing_id)
 
+    def name(self, routing_id: bytes) -> str:
+        """The connection's session described for a log line, or the connection's id."""
+        session = self._sessions.get(routing_id)
+        return session.describe() if session is not None else f"connection {routing_id.hex()}"
+
     def established(self, routing_id: bytes) -> Session | None:
         session = self._sessions.get(routing_id)
         return session if session is not None and session.established else None

@@ -9,7 +9,6 @@ request for several answers (prompts, choices) is one such request per answer (p
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 import uuid
@@ -137,12 +136,10 @@ class Forwarder:
         request = request if mover is None else with_token_ids(request)
         try:
             if self._queued is not None and prefill.kv_protocol == "neuron":  # the prefill leg goes through NATS
-                queued = dataclasses.replace(self._queued, start_decode=functools.partial(self.legs.start_decode,
-                                                                                          took=took))
                 if relay:  # decode_first: the decode worker puts the prefill leg on the queue itself
-                    leg = queued.decode_first_leg(request, decode, uid, seed)
+                    leg = self._queued.decode_first_leg(request, decode, uid, seed, took)
                     return await self._assembler.relay(request, uid, leg, started)
-                first, leg, prefill, rid = await queued.handoff(request, decode, uid, seed)
+                first, leg, prefill, rid = await self._queued.handoff(request, decode, uid, seed, took)
                 abandon = functools.partial(self._abandoner.abandon, prefill, rid)
             else:
                 first, leg = await flow(self.legs, request, prefill, decode, uid, seed, took)

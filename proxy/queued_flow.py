@@ -21,13 +21,14 @@ from common.handoff import PrefillParams, QueuedDecodeParams
 from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
 from proxy.errors import KV_TRANSFER_ERROR, UpstreamProtocol, UpstreamStatus, UpstreamTimeout
 from proxy.flows import DecodeLeg, json_object, neuron_handoff
+from proxy.leg_client import Took
 from proxy.prefill_queue import JobReplies, PrefillQueue
 from proxy.requests import ClientRequest, decode_body, neuron_decode_params, prefill_body
 from proxy.stitch import prefill_finished
 from proxy.workers import WorkerRecord
 
 Handoff = tuple[dict[str, Any], DecodeLeg | None, WorkerRecord, str]
-StartDecode = Callable[[WorkerRecord, ClientRequest, dict[str, Any], dict[str, str]], DecodeLeg]
+StartDecode = Callable[[WorkerRecord, ClientRequest, dict[str, Any], dict[str, str], Took | None], DecodeLeg]
 Abandon = Callable[[WorkerRecord, str], object]
 QUEUE_ROLE = "prefill"
 
@@ -45,19 +46,22 @@ class QueuedFlow:
     timeout_s: float = 600.0
     retake_s: float = 10.0
 
-    def decode_first_leg(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None) -> DecodeLeg:
-        """decode_first: the one leg, to `decode`, which puts the prefill leg on the queue itself."""
+    def decode_first_leg(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None,
+                         took: Took | None = None) -> DecodeLeg:
+        """decode_first: the one leg, to `decode`, which puts the prefill leg on the queue itself (`took` told
+        which decode worker took it)."""
         body = decode_body(request, seed, QueuedDecodeParams(uid).to_dict())
-        return self.start_decode(decode, request, body, {"X-Request-Id": uid})
+        return self.start_decode(decode, request, body, {"X-Request-Id": uid}, took)
 
-    async def handoff(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None) -> Handoff:
-        """The prefill's answer, the decode leg (None: not called), the prefill worker that took the job and the
-        request id it ran it under."""
+    async def handoff(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None,
+                      took: Took | None = None) -> Handoff:
+        """The prefill's answer, the decode leg (None: not called; `took` told which decode worker took it), the
+        prefill worker that took the job and the request id it ran it under."""
         params = PrefillParams(uid, pulled_on_stop=not self.prefill_first).to_dict()
         job = PrefillJob(uid, request.endpoint.path, prefill_body(request, seed, params), "-",
                          deadline=time.time() + self.timeout_s, answer_after_pull=not self.prefill_first)
         replies = await self.queue.submit(job)
-        run = _Run(self, request, decode, uid, seed)
+        run = _Run(self, request, decode, uid, seed, took)
         try:
             return await asyncio.wait_for(run.until_answered(replies), self.timeout_s)
         except asyncio.TimeoutError as exc:
@@ -75,8 +79,8 @@ class _Run:
     """One queued request's state: who took its job, its decode leg."""
 
     def __init__(self, flow: QueuedFlow, request: ClientRequest, decode: WorkerRecord, uid: str,
-                 seed: int | None) -> None:
-        self.flow, self.request, self.decode, self.uid, self.seed = flow, request, decode, uid, seed
+                 seed: int | None, took: Took | None) -> None:
+        self.flow, self.request, self.decode, self.uid, self.seed, self.took = flow, request, decode, uid, seed, took
         self.taker: WorkerRecord | None = None
         self.rid = uid   # the request id the taker runs the job under
         self.leg: DecodeLeg | None = None
@@ -154,7 +158,7 @@ class _Run:
         ended (its connection closed: the decode worker ends it once its pull from the dead taker fails)."""
         if self.leg is not None:
             self.leg.task.cancel()
-        self.leg = self.flow.start_decode(self.decode, self.request, body, {"X-Request-Id": self.rid})
+        self.leg = self.flow.start_decode(self.decode, self.request, body, {"X-Request-Id": self.rid}, self.took)
 
     def fail(self) -> None:
         if self.leg is not None:

@@ -175,10 +175,13 @@ class StreamStitcher:
             usage = {**usage, "stream_moves": self.moves}
         return self._closing({**self._head, "choices": [], **(self._usage_chunk or {}), **ours, "usage": usage})
 
-    def resumed(self) -> None:
-        """Decode's stream goes on on another worker, which does not repeat prefill's token."""
+    def resumed(self) -> int:
+        """Decode's stream goes on on another worker, which does not repeat prefill's token and shows the answer's
+        text from where the client's ends: how many characters of it the client has."""
         self._seam_open = False
+        self._decode_len = self._sent   # what the next leg shows starts there
         self.moves += 1
+        return self._sent
 
     @property
     def finished(self) -> bool:
@@ -213,7 +216,7 @@ class StreamStitcher:
     def _advance(self, text: str) -> str:
         """Decode's text grows by `text`: the part of it the client has not had yet."""
         start, self._decode_len = self._decode_len, self._decode_len + len(text)
-        if self.prefill_token and self._first_token_matched is None:  # decode's text as far as prefill's token reaches
+        if self.prefill_token and self._first_token_matched is None and not self.moves:  # as far as prefill's token
             self._decode_head += text
             if len(self._decode_head) >= len(self._first_text):
                 self._first_token_matched = self._decode_head.startswith(self._first_text)

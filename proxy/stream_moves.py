@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from common.stream_resume import HANDED_BACK, RESUME_FROM, TOKEN_IDS, wants_token_ids
+from common.stream_resume import HANDED_BACK, RESUME_FROM, RESUME_TEXT, TOKEN_IDS, wants_token_ids
 from common.worker_record import VLLM_SERVER
 from proxy.errors import UpstreamUnavailable, WorkerLost
 from proxy.flows import DecodeLeg
@@ -146,12 +146,13 @@ class StreamMover:
                  leg.worker.address, why.replace("_", " "), len(self._ids), worker.address)
         self._metrics.moves.labels(why).inc()
         self._moved_from = self._last
-        stitcher.resumed()
-        return self._open_leg(worker, self._resumed_body(), {"X-Request-Id": f"{self._uid}-moved{self.moves}"})
+        text_chars = stitcher.resumed()
+        return self._open_leg(worker, self._resumed_body(text_chars),
+                              {"X-Request-Id": f"{self._uid}-moved{self.moves}"})
 
-    def _resumed_body(self) -> dict[str, Any]:
+    def _resumed_body(self, text_chars: int) -> dict[str, Any]:
         body = {k: v for k, v in self._request.body.items() if k not in _NOT_RESUMED}
-        body.update({RESUME_FROM: list(self._ids), TOKEN_IDS: True})
+        body.update({RESUME_FROM: list(self._ids), RESUME_TEXT: text_chars, TOKEN_IDS: True})
         if self._seed is not None:
             body["seed"] = self._seed
         return body

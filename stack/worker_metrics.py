@@ -1,4 +1,4 @@
-"""What a running worker's Prometheus `/metrics` says: a gauge summed over its labels, the KV
+"""What a running process's Prometheus `/metrics` says: a series summed over its labels, the KV
 blocks in use, and a wait until every worker of a stack holds no block."""
 from __future__ import annotations
 
@@ -8,12 +8,27 @@ from typing import Mapping
 
 import httpx
 
+_SAMPLE = re.compile(r"^([\w:]+)(\{[^}]*\})?\s+(\S+)$")
+
+
+def metric(url: str, name: str, default: float | None = None, timeout_s: float = 10.0, **labels: str) -> float:
+    """The sum of the samples of `name` on `url`/metrics whose labels include every `labels` item (others are
+    ignored); `default` when there is none, or, without a default, a LookupError naming the series."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    values = [float(match.group(3)) for line in text.splitlines()
+              if (match := _SAMPLE.match(line)) and match.group(1) == name
+              and all(label in (match.group(2) or "") for label in wanted)]
+    if values:
+        return sum(values)
+    if default is None:
+        raise LookupError(f"series {name} {labels or ''} not on {url}/metrics")
+    return default
+
 
 def metric_sum(url: str, name: str, timeout_s: float = 10.0) -> int:
-    """The sum of the worker's samples of the metric `name` over all their labels."""
-    text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
-    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+]+)$"
-    return int(sum(float(value) for value in re.findall(pattern, text, re.M)))
+    """The sum of the worker's samples of the metric `name` over all their labels (0 if it has none)."""
+    return int(metric(url, name, default=0.0, timeout_s=timeout_s))
 
 
 def blocks_used(url: str) -> int:

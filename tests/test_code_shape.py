@@ -205,10 +205,13 @@ def test_no_sys_path_edits() -> None:
 
 
 # The keys of `kv_transfer_params` (ours and vLLM's NixlConnector's) and the field itself. "role" and
-# "request_id" are keys too, but words every part of the system uses for other things.
+# "request_id" are keys too, but words every part of the system uses for other things: those are caught
+# where they are read from or written into a value named as the handoff (HANDOFF_NAMES).
 HANDOFF_KEYS = frozenset({"kv_transfer_params", "remote_host", "remote_port", "remote_engine_id", "remote_url",
                           "remote_block_ids", "do_remote_prefill", "do_remote_decode", "pulled_on_stop"})
 HANDOFF_MODULE = ROOT / "common" / "handoff.py"
+SHARED_KEYS = frozenset({"role", "request_id"})
+HANDOFF_NAMES = ("kv", "handoff", "transfer")
 
 
 def test_handoff_keys_are_spelled_only_in_the_handoff_module() -> None:
@@ -220,3 +223,30 @@ def test_handoff_keys_are_spelled_only_in_the_handoff_module() -> None:
                for node in ast.walk(ast.parse(path.read_text(), str(path)))
                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in HANDOFF_KEYS]
     assert not spelled, "kv_transfer_params keys spelled outside common/handoff.py:\n  " + "\n  ".join(spelled)
+
+
+def _named_as_handoff(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return any(part in name.lower() for part in HANDOFF_NAMES)
+
+
+def _shared_key_of_handoff(node: ast.AST) -> bool:
+    """`params["role"]`, `params.get("request_id")` or `params["role"] = ...` on a value named as the handoff."""
+    if isinstance(node, ast.Subscript):
+        target, key = node.value, node.slice
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr in ("get", "pop", "setdefault") and node.args):
+        target, key = node.func.value, node.args[0]
+    else:
+        return False
+    return (isinstance(key, ast.Constant) and key.value in SHARED_KEYS) and _named_as_handoff(target)
+
+
+def test_handoff_role_and_request_id_are_read_only_in_the_handoff_module() -> None:
+    """"role" and "request_id" of `kv_transfer_params` are read and written through common.handoff too."""
+    spelled = [f"{path.relative_to(ROOT)}:{node.lineno}"
+               for path in sources(tuple(name for name in SIZED if name != "tests") + ("setup.py",))
+               if path != HANDOFF_MODULE
+               for node in ast.walk(ast.parse(path.read_text(), str(path))) if _shared_key_of_handoff(node)]
+    assert not spelled, "kv_transfer_params' role or request_id read outside common/handoff.py:\n  " + "\n  ".join(
+        spelled)

@@ -6,10 +6,16 @@ import shutil
 import pytest
 
 from transfer import memcopy
-from worker.model.layers import paged_decode
+from worker.model.layers import paged_decode, prefill_bf16
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the Python/torch paths run")
 @pytest.mark.parametrize("module", [memcopy, paged_decode], ids=lambda m: m.__name__)
 def test_native_loop_is_built(module) -> None:
     assert module.NATIVE, f"{module.__name__}'s C extension was not built; reinstall (pip install -e .)"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: torch's attention runs")
+def test_native_bf16_prefill_is_built() -> None:
+    # Built wherever a compiler is; it runs only where the CPU has AVX-512 BF16 (prefill_bf16.NATIVE).
+    assert prefill_bf16._prefill_bf16 is not None, "reinstall (pip install -e .) to build _prefill_bf16"

@@ -14,20 +14,32 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class WorkerProcess:
-    """`python -m worker --role ROLE` (the command line stack/serving.py builds) on free ports."""
+    """`python -m worker --role ROLE` (the command line stack/serving.py builds) on free ports.
+
+    `wait=False` only launches it (see `start_workers`); `wait_ready()` then waits for its GET /health."""
 
     def __init__(self, role: str = "both", transport: str = "shm", extra: Sequence[str] = (),
-                 port: int | None = None, kv_port: int | None = None) -> None:
+                 port: int | None = None, kv_port: int | None = None, wait: bool = True) -> None:
         self.role, self.transport, self.extra = role, transport, tuple(extra)
+        self._fixed_port, self._fixed_kv_port = port, kv_port
+        self._launch()
+        if wait:
+            self.wait_ready()
+
+    def _launch(self) -> None:
+        self.port = self._fixed_port or free_port()
+        self.kv_port = (self._fixed_kv_port if self._fixed_kv_port is not None
+                        else free_port() if self.role == "prefill" else 0)
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = worker_args(self.role, self.port, StackOptions(kv_transport=self.transport),
+                           self.kv_port if self.role != "both" else None)
+        self.proc: Process = Process(f"{self.role}-worker", [*args, *self.extra], env=WORKER_ENV)
+
+    def wait_ready(self) -> None:
+        """Waits until the worker answers GET /health; stops it if it does not."""
         # Ports picked here are free only when picked: one another process took first is picked again.
-        attempts = 3 if port is None and kv_port is None else 1
+        attempts = 3 if self._fixed_port is None and self._fixed_kv_port is None else 1
         for attempt in range(1, attempts + 1):
-            self.port = port or free_port()
-            self.kv_port = kv_port if kv_port is not None else (free_port() if role == "prefill" else 0)
-            self.url = f"http://127.0.0.1:{self.port}"
-            args = worker_args(role, self.port, StackOptions(kv_transport=transport),
-                               self.kv_port if role != "both" else None)
-            self.proc: Process = Process(f"{role}-worker", [*args, *self.extra], env=WORKER_ENV)
             try:
                 wait_healthy(f"{self.url}/health", [self.proc], 120.0)
                 return
@@ -35,6 +47,7 @@ class WorkerProcess:
                 self.proc.stop()
                 if PORT_TAKEN not in str(exc) or attempt == attempts:
                     raise
+                self._launch()
             except BaseException:
                 self.proc.stop()
                 raise
@@ -63,3 +76,19 @@ class WorkerProcess:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def start_workers(*specs: tuple[str, str, Sequence[str]]) -> list[WorkerProcess]:
+    """Workers (role, transport, extra flags) launched at once, then waited for: a start is mostly one core's
+    imports, so on two cores a pair is ready in about the time of one. All are stopped if one fails."""
+    workers: list[WorkerProcess] = []
+    try:
+        for role, transport, extra in specs:
+            workers.append(WorkerProcess(role, transport, extra, wait=False))
+        for worker in workers:
+            worker.wait_ready()
+    except BaseException:
+        for worker in workers:
+            worker.stop()
+        raise
+    return workers

@@ -13,6 +13,9 @@ installed, else shm for same-host peers and tcp for the rest).
 
 With a KV secret (`create_transfer_engine(..., secret=...)`) the tcp listener writes only
 for writers that prove it; nixl cannot, so it is refused then.
+
+A transfer queued with the receiver's handoff `generation` writes only into blocks the
+receiver holds open for it (transfer.fences: shm and tcp; nixl writes are not fenced).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from transfer.backend import Backend, Link
 from transfer.blocks import Run, plan_runs
 from transfer.engine import DEFAULT_TIMEOUT, TransferEngine
 from transfer.errors import (BackendUnavailable, InvalidBlocks, LayoutMismatch, PeerLost,
-                             RegionNotRegistered, TransferError, TransferTimeout, Unauthorized)
+                             RegionNotRegistered, StaleHandoff, TransferError, TransferTimeout, Unauthorized)
 from transfer.factory import available_backends, create_transfer_engine
 from transfer.layout import KVLayout
 from transfer.token import CompletionToken
@@ -29,5 +32,5 @@ __all__ = [
     "KVLayout", "CompletionToken", "TransferEngine", "create_transfer_engine", "available_backends",
     "DEFAULT_TIMEOUT", "Backend", "Link", "Run", "plan_runs",
     "TransferError", "LayoutMismatch", "InvalidBlocks", "TransferTimeout", "PeerLost",
-    "RegionNotRegistered", "BackendUnavailable", "Unauthorized",
+    "RegionNotRegistered", "BackendUnavailable", "Unauthorized", "StaleHandoff",
 ]

@@ -125,7 +125,96 @@ static PyObject *crc32c_ranges(PyObject *module, PyObject *args)
     return PyLong_FromUnsignedLong(crc);
 }
 
+
+/* Handoff fences (transfer.fences): one int64 word per destination block, shared with the writer
+   when the pool is in shared memory. A word is 0 (closed) or generation << 2 | state, state OPEN
+   (the owner holds the block for that handoff), BUSY (a writer of that handoff is writing) or
+   REVOKED (the owner closed the handoff while a writer was writing: quarantined until it lets go).
+   Every change is a compare-and-swap, so a writer and the owner never both win a block. */
+enum { CLOSED = 0, OPEN = 1, BUSY = 2, REVOKED = 3 };
+
+static int ids_arg(Py_buffer *ids, Py_ssize_t *count)
+{
+    if (ids->len % (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "block ids must be an int64 buffer");
+        return 0;
+    }
+    *count = ids->len / (Py_ssize_t)sizeof(int64_t);
+    return 1;
+}
+
+static int cas(int64_t *word, int64_t expected, int64_t desired)
+{
+    return __atomic_compare_exchange_n(word, &expected, desired, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+/* One pass over the ids: op 0 open, 1 acquire, 2 release, 3 close, 4 count held (BUSY or REVOKED),
+   5 reclaim (the writer died holding them: closed now).
+   acquire returns 1 when every block was OPEN for the generation (all BUSY now), else 0 and takes none;
+   release returns how many blocks were REVOKED meanwhile (closed now); close returns how many stay
+   quarantined (a writer holds them); open returns 0. */
+static int64_t fence_walk(int64_t *words, const int64_t *ids, Py_ssize_t n, int64_t gen, int op)
+{
+    int64_t open = gen << 2 | OPEN, busy = gen << 2 | BUSY, revoked = gen << 2 | REVOKED, out = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t *w = words + ids[i];
+        switch (op) {
+        case 0: __atomic_store_n(w, open, __ATOMIC_RELEASE); break;
+        case 1:
+            if (!cas(w, open, busy)) {
+                for (Py_ssize_t j = 0; j < i; j++)   /* let go of those taken: the owner may have revoked them */
+                    if (!cas(words + ids[j], busy, open))
+                        cas(words + ids[j], revoked, CLOSED);
+                return 0;
+            }
+            break;
+        case 2:
+            if (!cas(w, busy, open) && cas(w, revoked, CLOSED))
+                out++;
+            break;
+        case 3:
+            if (!cas(w, open, CLOSED) && (cas(w, busy, revoked) || __atomic_load_n(w, __ATOMIC_ACQUIRE) == revoked))
+                out++;
+            break;
+        case 5:
+            if (!cas(w, busy, CLOSED))
+                cas(w, revoked, CLOSED);
+            break;
+        default: {
+            int64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+            out += v == busy || v == revoked;
+        }
+        }
+    }
+    return op == 1 ? 1 : out;
+}
+
+static PyObject *fence(PyObject *module, PyObject *args)
+{
+    unsigned long long words;
+    long long gen;
+    int op;
+    Py_buffer ids = {0};
+    Py_ssize_t n;
+    int64_t out;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "Ky*Li:fence", &words, &ids, &gen, &op))
+        return NULL;
+    if (!ids_arg(&ids, &n) || op < 0 || op > 5 || gen <= 0 || gen >= ((long long)1 << 61)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "fence: op in 0..5, generation in [1, 2**61)");
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    out = fence_walk((int64_t *)(uintptr_t)words, (const int64_t *)ids.buf, n, gen, op);
+    PyBuffer_Release(&ids);
+    return PyLong_FromLongLong(out);
+}
+
 static PyMethodDef methods[] = {
+    {"fence", fence, METH_VARARGS,
+     "fence(words, ids, generation, op) -> int: one atomic pass of op (0 open, 1 acquire, 2 release, "
+     "3 close, 4 held, 5 reclaim) over the int64 words at `words` indexed by the int64 block ids."},
     {"copy_ranges", copy_ranges, METH_VARARGS,
      "copy_ranges(dst, src, dst_offsets, src_offsets, lengths): memmove each range, GIL released."},
     {"copy_ranges_crc32c", copy_ranges_crc32c, METH_VARARGS,

@@ -16,14 +16,17 @@ class Link(ABC):
     """A connection to one peer's region. Used by one thread at a time."""
 
     @abstractmethod
-    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        """Copies our blocks (run.local) into the peer's blocks (run.remote)."""
+    def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
+        """Copies our blocks (run.local) into the peer's blocks (run.remote). With a handoff
+        `generation`, the transports that fence (shm, tcp) write only into blocks the peer holds
+        open for it (transfer.fences), and raise StaleHandoff otherwise."""
 
-    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float,
+                     generation: int | None = None) -> int:
         """`write`, and the CRC-32C of the bytes sent (transfer.checksum). Transports that copy
         the bytes themselves sum them in the copy's pass; the others read them once more here,
         on the peer's transfer thread."""
-        self.write(region, runs, deadline)
+        self.write(region, runs, deadline, generation)
         return runs_crc32c(region, runs)
 
     @abstractmethod

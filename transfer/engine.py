@@ -20,6 +20,7 @@ from transfer.backend import Backend
 from transfer.blocks import plan_runs
 from transfer.checksum import blocks_crc32c
 from transfer.errors import InvalidBlocks, PeerLost, RegionNotRegistered, TransferError
+from transfer.fences import Fences
 from transfer.layout import KVLayout
 from transfer.peer import Job, Peer
 from transfer.region import SHM_PREFIX, Region, host_identity, reap_stale_segments
@@ -146,8 +147,12 @@ class TransferEngine:
     # -- transfers --------------------------------------------------------------------
     def queue_transfer_with_token(self, peer: str, src_block_ids: Sequence[int],
                                   dst_block_ids: Sequence[int], token: CompletionToken | None = None,
-                                  timeout: float = DEFAULT_TIMEOUT, checksum: bool = False) -> CompletionToken:
+                                  timeout: float = DEFAULT_TIMEOUT, checksum: bool = False,
+                                  generation: int | None = None) -> CompletionToken:
         """Queues a copy of our blocks src into the peer's blocks dst; returns its token at once.
+
+        With the peer's handoff `generation`, bytes land only in blocks the peer holds open for it
+        (transfer.fences); otherwise the token ends with StaleHandoff.
 
         With `checksum`, the token's `checksum` is the CRC-32C of the bytes sent, as the
         receiver's `checksum(dst)` sums them (computed by the transfer, never by the caller's
@@ -164,12 +169,18 @@ class TransferEngine:
                 runs = plan_runs(_ints(src_block_ids), _ints(dst_block_ids),
                                  region.layout.num_blocks, handle.layout.num_blocks)
                 if runs:
-                    handle.submit(Job(token, region, runs, checksum))
+                    handle.submit(Job(token, region, runs, checksum, generation))
                 else:
                     token._finish(None, 0 if checksum else None)  # nothing to move: a prompt served from cache
         except TransferError as exc:
             token._finish(exc)
         return token
+
+    @property
+    def fences(self) -> Fences | None:
+        """The handoff fences of our pool (transfer.fences); None without a pool or the native module."""
+        region = self._region
+        return None if region is None else region.fences
 
     def checksum(self, block_ids: Sequence[int], dst_block_ids: Sequence[int] | None = None) -> int:
         """CRC-32C of our blocks `block_ids` as a push lays them into the peer's `dst_block_ids`

@@ -7,6 +7,7 @@
     ├── PeerLost            the peer closed, died or never answered
     ├── RegionNotRegistered the local or the peer's KV region is not (or no longer) registered
     ├── Unauthorized        the writer could not prove the shared KV secret to the listener
+    ├── StaleHandoff        the receiver no longer holds the blocks for this handoff's generation
     └── BackendUnavailable  the backend cannot run on this machine (e.g. no torch-neuronx)
 """
 from __future__ import annotations
@@ -42,3 +43,8 @@ class Unauthorized(TransferError):
 
 class BackendUnavailable(TransferError):
     pass
+
+
+class StaleHandoff(TransferError):
+    """The destination blocks are not (or no longer) open for the write's handoff generation
+    (transfer.fences): nothing was written, or what was is discarded by the receiver."""

@@ -47,7 +47,7 @@ class NeuronLink(Link):
         self._send = torch.ops.neuron._nrt_create_send_communicator(remote_ip, peer_core, core)
         self._engine = torch.classes.neuron.NeuronTransferEngine(_BATCH, remote_ip, True, 0)
 
-    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+    def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
         ours = local_ranges(region.layout, runs)
         theirs = remote_ranges(self._layout, runs)
         token = self._torch.classes.neuron.CompletionToken()

@@ -40,7 +40,8 @@ class NixlLink(Link):
         self._address = address
         self._layout = layout
 
-    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
+    def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
+        # One-sided RDMA writes: the peer's fence words are not taken (nixl writes are not fenced).
         agent, lock = self._backend.agent, self._backend.lock
         ours = [(region.address + off, n, 0) for off, n in local_ranges(region.layout, runs).pairs()]
         theirs = [(self._address + off, n, 0) for off, n in remote_ranges(self._layout, runs).pairs()]

@@ -23,6 +23,7 @@ class Job:
     region: Region
     runs: Sequence[Run]
     summed: bool = False     # the token also reports the CRC-32C of the bytes sent
+    generation: int | None = None   # the receiver's handoff generation (transfer.fences)
 
 
 class Peer:
@@ -75,9 +76,9 @@ class Peer:
             if self._link is None:
                 self._link = self._open_link(deadline)
             if job.summed:
-                checksum: int | None = self._link.write_summed(job.region, job.runs, deadline)
+                checksum: int | None = self._link.write_summed(job.region, job.runs, deadline, job.generation)
             else:
-                self._link.write(job.region, job.runs, deadline)
+                self._link.write(job.region, job.runs, deadline, job.generation)
                 checksum = None
         except (PeerLost, TransferTimeout) as exc:
             # The stream or mapping is in an unknown state: start over next time.

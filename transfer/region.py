@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from transfer.errors import LayoutMismatch, RegionNotRegistered
+from transfer.fences import Fences
+from transfer.fences import available as fences_available
 from transfer.layout import KVLayout
 
 SHM_DIR = Path("/dev/shm")
@@ -52,19 +54,21 @@ def pretouch(flat: torch.Tensor, write: bool) -> None:
 
 
 class ShmSegment:
-    """A named POSIX shared-memory file: a state header page followed by the pool bytes.
+    """A named POSIX shared-memory file: a state header page, the pool bytes, then one handoff
+    fence word per block (transfer.fences).
 
     The owner creates and unlinks it; peers map it by name. The header's state word lets
     a peer see that the owner unregistered the pool even though its mapping stays valid.
     """
 
-    def __init__(self, name: str, pool_bytes: int, create: bool) -> None:
+    def __init__(self, name: str, pool_bytes: int, create: bool, num_blocks: int = 0) -> None:
         self.name = name
         self.owner = create
-        total = HEADER_BYTES + pool_bytes
+        total = HEADER_BYTES + pool_bytes + 8 * num_blocks
         whole = self._map(SHM_DIR / name, total, create)
         self.state = whole[:8].view(torch.int64)
-        self.pool_flat = whole[HEADER_BYTES:]
+        self.pool_flat = whole[HEADER_BYTES:HEADER_BYTES + pool_bytes]
+        self.fence_words = whole[HEADER_BYTES + pool_bytes:].view(torch.int64)
         if create:
             self.state[0] = _REGISTERED
             # An owner that exits without close() still removes its name from /dev/shm.
@@ -144,6 +148,7 @@ class Region:
     tensor: torch.Tensor
     segment: ShmSegment | None = None
     flat: torch.Tensor = field(init=False)
+    fences: Fences | None = field(init=False)
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -153,6 +158,9 @@ class Region:
         if not t.is_contiguous() or t.device.type != "cpu":
             raise LayoutMismatch("a KV region must be a contiguous CPU tensor")
         self.flat = t.view(-1).view(torch.uint8)
+        words = self.segment.fence_words if self.segment is not None else torch.zeros(
+            self.layout.num_blocks, dtype=torch.int64)
+        self.fences = Fences(words) if fences_available() and words.numel() == self.layout.num_blocks else None
 
     @property
     def address(self) -> int:
@@ -165,7 +173,7 @@ class Region:
             flat = torch.empty(layout.total_bytes, dtype=torch.uint8)
             pretouch(flat, write=True)
             return cls(layout, _as_pool(flat, layout))
-        segment = ShmSegment(shm_name, layout.total_bytes, create=True)
+        segment = ShmSegment(shm_name, layout.total_bytes, create=True, num_blocks=layout.num_blocks)
         return cls(layout, _as_pool(segment.pool_flat, layout), segment)
 
 

@@ -15,7 +15,9 @@ from typing import Any, Sequence
 
 from transfer.backend import Backend, Link, remaining
 from transfer.blocks import Run, local_ranges, remote_ranges
-from transfer.errors import PeerLost, RegionNotRegistered, TransferError
+from transfer.errors import PeerLost, RegionNotRegistered, StaleHandoff, TransferError
+from transfer.fences import Fences, run_blocks
+from transfer.fences import available as fences_available
 from transfer.layout import KVLayout
 from transfer.memcopy import copy_ranges, copy_ranges_crc32c
 from transfer.region import Region, ShmSegment, host_identity, unlink_segment
@@ -62,13 +64,33 @@ class ShmLink(Link):
         self._watch = watch
         self._layout = layout
         self._address = segment.pool_flat.data_ptr()
+        self._fences = Fences(segment.fence_words) if fences_available() and segment.fence_words.numel() else None
 
-    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        self._copy(region, runs, deadline, None)
+    def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
+        self._fenced(region, runs, deadline, None, generation)
 
-    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
-        crc = self._copy(region, runs, deadline, 0)
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float,
+                     generation: int | None = None) -> int:
+        crc = self._fenced(region, runs, deadline, 0, generation)
         assert crc is not None
+        return crc
+
+    def _fenced(self, region: Region, runs: Sequence[Run], deadline: float, crc: int | None,
+                generation: int | None) -> int | None:
+        """The copy, inside the peer's fence of the handoff: its blocks are ours to write only while
+        we hold them for `generation` (transfer.fences), so a stale handoff writes nothing."""
+        if generation is None or self._fences is None:
+            return self._copy(region, runs, deadline, crc)
+        blocks = run_blocks([(r.remote, r.count) for r in runs])
+        if not self._fences.acquire(blocks, generation):
+            raise StaleHandoff(f"peer {self._watch.pid} no longer holds its blocks for handoff {generation}: "
+                               "nothing written")
+        try:
+            crc = self._copy(region, runs, deadline, crc)
+        finally:
+            current = self._fences.release(blocks, generation)
+        if not current:
+            raise StaleHandoff(f"peer {self._watch.pid} gave up handoff {generation} while it was written")
         return crc
 
     def _copy(self, region: Region, runs: Sequence[Run], deadline: float, crc: int | None) -> int | None:
@@ -131,7 +153,7 @@ class ShmBackend(Backend):
         watch = _ProcessWatch(int(descriptor["pid"]))
         try:
             segment = ShmSegment(descriptor["transports"]["shm"]["segment"],
-                                 peer_layout.total_bytes, create=False)
+                                 peer_layout.total_bytes, create=False, num_blocks=peer_layout.num_blocks)
         except TransferError as exc:
             # A killed owner's segment is gone too (unlinked by a link that saw it die), and the
             # owner may still be tearing down its threads: that is a lost peer, not a pool the

@@ -25,8 +25,9 @@ from typing import Any, Sequence
 from common.kv_secret import proof, verify
 from transfer.backend import Backend, Link, remaining
 from transfer.blocks import Ranges, Run, byte_ranges, local_ranges
-from transfer.errors import (InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, TransferError,
-                             Unauthorized)
+from transfer.errors import (InvalidBlocks, LayoutMismatch, PeerLost, RegionNotRegistered, StaleHandoff,
+                             TransferError, Unauthorized)
+from transfer.fences import run_blocks
 from transfer.layout import KVLayout
 from transfer.memcopy import crc32c_ranges
 from transfer.region import Region
@@ -68,17 +69,19 @@ class TcpLink(Link):
             self._sock.close()
             raise
 
-    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        self._write(region, runs, deadline, summed=False)
+    def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
+        self._write(region, runs, deadline, False, generation)
 
-    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
-        crc = self._write(region, runs, deadline, summed=True)
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float,
+                     generation: int | None = None) -> int:
+        crc = self._write(region, runs, deadline, True, generation)
         assert crc is not None
         return crc
 
-    def _write(self, region: Region, runs: Sequence[Run], deadline: float, summed: bool) -> int | None:
+    def _write(self, region: Region, runs: Sequence[Run], deadline: float, summed: bool,
+               generation: int | None) -> int | None:
         ranges = local_ranges(region.layout, runs)
-        tid = self._request(wire.OP_WRITE, runs, ranges.nbytes, deadline)
+        tid = self._request(runs, ranges.nbytes, deadline, generation)
         if not summed:
             send_ranges(self._sock, region.address, ranges, deadline)
             crc = None
@@ -92,9 +95,10 @@ class TcpLink(Link):
         self._reply(tid, deadline)
         return crc
 
-    def _request(self, op: int, runs: Sequence[Run], size: int, deadline: float) -> int:
+    def _request(self, runs: Sequence[Run], size: int, deadline: float, generation: int | None) -> int:
         tid = next(self._ids)
-        head = wire.encode_request(wire.Request(op, tid, [(r.remote, r.count) for r in runs], size))
+        op = wire.OP_WRITE if generation is None else wire.OP_FENCED_WRITE
+        head = wire.encode_request(wire.Request(op, tid, [(r.remote, r.count) for r in runs], size, generation))
         send_bytes(self._sock, head, deadline)
         return tid
 
@@ -125,6 +129,7 @@ class TcpBackend(Backend):
                          self._listener.getsockname()[1])
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self.stale_writes = 0    # fenced writes refused: their handoff's blocks were not open for them
         threading.Thread(target=self._accept, name="tcp-listener", daemon=True).start()
 
     def bind(self, region: Region) -> None:
@@ -190,7 +195,9 @@ class TcpBackend(Backend):
                 if not trusted:
                     self._refuse(conn, wire.OP_WRITE, tid, "a write before an authenticated hello", deadline)
                 ranges = wire.decode_ranges(recv_bytes(conn, 16 * count, deadline))
-                self._serve_write(conn, tid, ranges, payload, deadline)
+                generation = None if op != wire.OP_FENCED_WRITE else wire.decode_generation(
+                    recv_bytes(conn, wire.GENERATION_BYTES, deadline))
+                self._serve_write(conn, tid, ranges, payload, deadline, generation)
         except TransferError as exc:
             log.debug("tcp connection ended: %s", exc)
         except Exception:  # noqa: BLE001 - a bad peer must not take the listener down
@@ -236,15 +243,29 @@ class TcpBackend(Backend):
         return region, spans
 
     def _serve_write(self, conn: socket.socket, tid: int, ranges: list[tuple[int, int]],
-                     payload: int, deadline: float) -> None:
+                     payload: int, deadline: float, generation: int | None) -> None:
+        """Receives into our blocks; a fenced write only while they are open for its generation
+        (transfer.fences), else its bytes are read and dropped, and it is answered StaleHandoff."""
+        blocks = fences = None
         try:
             region, spans = self._target(ranges, payload)
+            if generation is not None and region.fences is not None:
+                fences, blocks = region.fences, run_blocks(ranges)
+                if not fences.acquire(blocks, generation):
+                    fences = None
+                    self.stale_writes += 1
+                    raise StaleHandoff(f"blocks {ranges[:8]} are not held for handoff {generation} "
+                                       f"by {self._transfer_id}: its bytes were dropped")
         except TransferError as exc:
             drain(conn, payload, deadline)
             send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid, exc), deadline)
             return
-        recv_ranges(conn, region.address, spans, deadline)
-        send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid), deadline)
+        try:
+            recv_ranges(conn, region.address, spans, deadline)
+        finally:
+            current = fences is None or fences.release(blocks, generation)  # type: ignore[arg-type]
+        error = None if current else StaleHandoff(f"handoff {generation} was given up while it was written")
+        send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid, error), deadline)
 
 
 def _peer_name(conn: socket.socket) -> str:

@@ -226,6 +226,19 @@ def test_tracing_comparison_has_a_closed_loop_and_traced_over_untraced_throughpu
     json.dumps(out, allow_nan=False)
 
 
+def test_integrity_comparison_has_a_closed_loop_and_checked_over_unchecked_ratios() -> None:
+    argv = ["--compare-integrity", "--quick"]
+    args = bench_serving.parse_args(argv)
+    assert (args.num_prompts, args.max_concurrency, args.request_rate) == (24, 8, float("inf"))
+    fast = [RequestResult(4, 2, start=0.0, chunk_times=[0.1, 0.12], end=0.2, output_tokens=2)] * 4
+    slow = [RequestResult(4, 2, start=0.0, chunk_times=[0.1, 0.12], end=0.25, output_tokens=2)] * 4
+    out = bench_serving.report(args, {"unchecked": (fast, 2.0), "checked": (slow, 2.5)}, argv)
+    assert out["checked_e2e_p50_ratio"] == pytest.approx(1.25)
+    assert out["checked_request_throughput_ratio"] == pytest.approx(0.8)
+    assert "spans_received" not in out
+    json.dumps(out, allow_nan=False)
+
+
 def test_transport_comparison_has_its_load_and_tcp_over_shm_ratios() -> None:
     argv = ["--compare-transports", "--quick"]
     args = bench_serving.parse_args(argv)

@@ -15,7 +15,7 @@ import yaml
 from stack.prometheus import ALERTS, PrometheusServer, dashboard_queries, prometheus_binary
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 RULES_DIR = ALERTS.parent
 STREAMED, WHOLE = 3, 2   # requests sent through the proxy: streamed completions, whole chat answers
@@ -35,10 +35,8 @@ def fleet() -> Iterator[Fleet]:
     prometheus_binary()  # a clear error if it is not installed
     started: list = []
     try:
-        prefill = WorkerProcess("prefill", "shm")
-        started.append(prefill)
-        decode = WorkerProcess("decode", "shm")
-        started.append(decode)
+        prefill, decode = start_workers(("prefill", "shm", ()), ("decode", "shm", ()))
+        started += [prefill, decode]
         proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                              "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
                              "--health-interval", "0.5"])

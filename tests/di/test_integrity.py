@@ -16,7 +16,7 @@ from tests.di.test_engine_pair import run_pair, wait_all_free
 from tests.di.test_parity import body, pair_answers, prompts
 from stack.serving import free_port
 from tests.neuron_connector.kv import corrupting_engine
-from tests.worker_process import WorkerProcess
+from tests.worker_process import start_workers
 from worker import EngineConfig, KVTransferError, LLMEngine, SamplingParams
 from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
@@ -24,12 +24,9 @@ NUM_BLOCKS = 128
 
 
 def test_checked_pulls_answer_as_unchecked_ones_and_count_no_failure() -> None:
-    prefill = WorkerProcess("prefill", "shm")
-    decodes: list[WorkerProcess] = []
+    prefill, plain, checked = start_workers(("prefill", "shm", ()), ("decode", "shm", ["--no-kv-integrity-check"]),
+                                            ("decode", "shm", ()))
     try:
-        decodes.append(WorkerProcess("decode", "shm", ["--no-kv-integrity-check"]))
-        decodes.append(WorkerProcess("decode", "shm"))
-        plain, checked = decodes
         bodies = [body(p) for p in prompts()[::5]]             # 10 prompts, 1 to ~900 tokens
         want = asyncio.run(pair_answers(prefill, plain, bodies, concurrency=4))
         got = asyncio.run(pair_answers(prefill, checked, bodies, concurrency=4))
@@ -37,10 +34,10 @@ def test_checked_pulls_answer_as_unchecked_ones_and_count_no_failure() -> None:
         assert checked.metric("neuron_di_kv_integrity_checks_total") == len(bodies)
         assert checked.metric("neuron_di_kv_integrity_failures_total") == 0
         assert plain.metric("neuron_di_kv_integrity_checks_total") == 0
-        for worker in (prefill, *decodes):
+        for worker in (prefill, plain, checked):
             worker.wait_blocks_free()
     finally:
-        for worker in (*decodes, prefill):
+        for worker in (plain, checked, prefill):
             worker.stop()
 
 

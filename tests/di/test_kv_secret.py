@@ -14,7 +14,7 @@ from tests.di.conftest import write_secret
 from tests.di.workers import disaggregated
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 ABORT_TIMEOUT_S = 3
 BODY = {"model": "neuron-di-builtin", "prompt": list(range(60, 130)), "max_tokens": 5, "temperature": 0,
@@ -29,9 +29,9 @@ def workers(kv_secret_file: str, tmp_path_factory: pytest.TempPathFactory) -> It
              "decode": ("decode", [kv_secret_file]), "wrong-decode": ("decode", [other]), "open-decode": ("decode", [])}
     started: dict[str, WorkerProcess] = {}
     try:
-        for name, (role, secret) in specs.items():
-            extra = ["--kv-abort-timeout", str(ABORT_TIMEOUT_S)] + (["--kv-secret-file", *secret] if secret else [])
-            started[name] = WorkerProcess(role, "tcp", extra)
+        started = dict(zip(specs, start_workers(*(
+            (role, "tcp", ["--kv-abort-timeout", str(ABORT_TIMEOUT_S)] + (["--kv-secret-file", *secret] if secret else []))
+            for role, secret in specs.values()))))
         yield started
     finally:
         for worker in started.values():

@@ -39,10 +39,10 @@ class GatedTcpBackend(TcpBackend):
         self.gate = threading.Event()
 
     def _serve_write(self, conn: socket.socket, tid: int, ranges: list[tuple[int, int]],
-                     payload: int, deadline: float) -> None:
+                     payload: int, deadline: float, generation: int | None = None) -> None:
         self.arrived.set()
         self.gate.wait(GATE_TIMEOUT_S)
-        super()._serve_write(conn, tid, ranges, payload, deadline)
+        super()._serve_write(conn, tid, ranges, payload, deadline, generation)
 
 
 def builtin_layout() -> KVLayout:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.proxy.registration import registered_workers
 from tests.di.workers import disaggregated
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 from tests.helpers import wait_until
 
 BODY = {"model": "neuron-di-builtin", "prompt": list(range(50, 90)), "max_tokens": 5, "temperature": 0,
@@ -38,8 +38,9 @@ def test_restarted_worker_is_reconnected(victim: str, secured: bool, want: list,
     # Secured: a decode worker that comes back with its --engine-id gets it again (its old session is gone),
     # and both sides prove the KV secret anew.
     extra = ["--kv-secret-file", kv_secret_file] if secured else []
-    workers = {"prefill": WorkerProcess("prefill", "tcp", extra),
-               "decode": WorkerProcess("decode", "tcp", extra + (["--engine-id", "decode-kept"] if secured else []))}
+    prefill, decode = start_workers(("prefill", "tcp", extra),
+                                    ("decode", "tcp", extra + (["--engine-id", "decode-kept"] if secured else [])))
+    workers = {"prefill": prefill, "decode": decode}
     try:
         assert one_request(workers["prefill"], workers["decode"]) == want
         workers[victim].proc.kill()

@@ -7,19 +7,14 @@ from typing import Any, Iterator, Sequence
 
 import httpx
 
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 
 @contextmanager
 def worker_pair(transport: str, prefill_extra: Sequence[str] = (),
                 decode_extra: Sequence[str] = ()) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     """A prefill and a decode worker (separate processes) over one transport, both always stopped."""
-    prefill = WorkerProcess("prefill", transport, prefill_extra)
-    try:
-        decode = WorkerProcess("decode", transport, decode_extra)
-    except BaseException:
-        prefill.stop()
-        raise
+    prefill, decode = start_workers(("prefill", transport, prefill_extra), ("decode", transport, decode_extra))
     try:
         yield prefill, decode
     finally:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,10 +86,3 @@ async def run_streams(url: str, requests: list[tuple[str, dict[str, Any]]], prog
 async def reference(url: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Streamed]:
     async with httpx.AsyncClient(timeout=120.0) as client:
         return list(await asyncio.gather(*(whole(client, url, path, body) for path, body in requests)))
-
-
-def metric(url: str, name: str, labels: str) -> float:
-    """One sample of a proxy's /metrics (0 if absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    match = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} ([0-9.e+]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0

@@ -18,16 +18,25 @@ from tests.helpers import ROOT
 
 def test_table_has_a_row_per_scenario_and_lists_every_problem() -> None:
     clean = ScenarioResult("kill_decode_1p1d", "1p1d", Tally(sent=10, ok=7, clear_error=3), {"decode worker": 0},
-                           recover_s=4.5, recovered=True)
+                           recover_s=4.5, fault_blocks_free_s=1.25, recovered=True)
     leaky = ScenarioResult("client_disconnect_1p1d", "1p1d", Tally(sent=4, ok=3, hung=1, problems=["no answer"]),
                            {"prefill worker": 2}, abandoned_free_s=0.25)
     lines = fault_campaign.format_table([clean, leaky]).splitlines()
     assert lines[0].split()[:3] == ["scenario", "sent", "ok"]
-    assert lines[1].split() == ["kill_decode_1p1d", "10", "7", "3", "0", "0", "0", "0", "4.50", "-"]
-    assert lines[2].split() == ["client_disconnect_1p1d", "4", "3", "0", "1", "0", "0", "2", "-", "0.25"]
+    assert lines[1].split() == ["kill_decode_1p1d", "10", "7", "3", "0", "0", "0", "0", "1.25", "4.50", "-"]
+    assert lines[2].split() == ["client_disconnect_1p1d", "4", "3", "0", "1", "0", "0", "2", "-", "-", "0.25"]
     assert lines[3:] == ["  client_disconnect_1p1d: no answer",
                          "  client_disconnect_1p1d: prefill worker holds 2 KV blocks after the load stopped"]
     assert clean.passed and not leaky.passed
+
+
+def test_a_drain_that_fails_a_request_or_exits_badly_does_not_pass() -> None:
+    def drain(tally: Tally, status: int) -> ScenarioResult:
+        return ScenarioResult("drain_decode_2p2d", "2p2d", tally, {"decode worker 1": 0}, planned=True,
+                              exit_status=status, recovered=True)
+    assert drain(Tally(sent=10, ok=10), 0).passed
+    assert not drain(Tally(sent=10, ok=9, clear_error=1), 0).passed   # a kill may fail a request; a drain not
+    assert not drain(Tally(sent=10, ok=10), 1).passed
 
 
 def test_skipped_scenario_shows_its_reason_and_does_not_fail() -> None:

@@ -13,10 +13,11 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.faults.stream_clients import Streamed, bodies, metric, reference, run_streams
+from stack.worker_metrics import metric
+from tests.faults.stream_clients import Streamed, bodies, reference, run_streams
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 DECODE_FLAGS = ["--drain-hands-back-streams", "--drain-timeout", "60"]
 STREAMS, TOKENS = 8, 96
@@ -28,9 +29,9 @@ class Stack:
         self.proxy: Server | None = None
 
     def start(self) -> None:
-        self.prefill = self._add(WorkerProcess("prefill", "shm"))
-        self.decodes = [self._add(WorkerProcess("decode", "shm", DECODE_FLAGS)) for _ in range(2)]
-        self.both = self._add(WorkerProcess("both"))
+        self.workers = start_workers(("prefill", "shm", ()), ("decode", "shm", DECODE_FLAGS),
+                                     ("decode", "shm", DECODE_FLAGS), ("both", "shm", ()))
+        self.prefill, *self.decodes, self.both = self.workers
         self.proxy = start_proxy(["--prefill", f"127.0.0.1:{self.prefill.port}:{self.prefill.kv_port}",
                                   *[f"--decode=127.0.0.1:{d.port}" for d in self.decodes],
                                   "--resume-streams", "--health-interval", "0.5"])
@@ -92,48 +93,57 @@ def _assert_exact(got: list[Streamed], want: list[Streamed]) -> None:
                (w.usage["prompt_tokens"], w.usage["completion_tokens"]), i
 
 
+def _busiest(stack: Stack, picked: list[WorkerProcess]) -> WorkerProcess:
+    """The decode worker running the most streams (on a loaded host the proxy may have sent every stream to one
+    of the two, its health check of the other late), added to `picked`."""
+    busiest = max(stack.decodes, key=lambda w: metric(w.url, "neuron_di_requests_running", 0.0))
+    picked.append(busiest)
+    return busiest
+
+
 def _kill_one(stack: Stack, count: int, tokens: int) -> None:
     """SIGKILL to a decode worker mid-stream; it is started again afterwards."""
     assert stack.proxy is not None
-    victim = stack.decodes[0]
-    got, want = _under_load(stack, lambda: victim.proc.kill(), count, tokens)
+    picked: list[WorkerProcess] = []
+    got, want = _under_load(stack, lambda: _busiest(stack, picked).proc.kill(), count, tokens)
     _assert_exact(got, want)
-    moved = [g for g in got if g.moves]
+    moved, [victim] = [g for g in got if g.moves], picked
     assert moved, "no stream was on the killed worker mid-answer"
-    assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="worker_lost"') >= len(moved)
-    for worker in (stack.prefill, stack.decodes[1]):
+    assert metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="worker_lost") >= len(moved)
+    for worker in (stack.prefill, *(w for w in stack.decodes if w is not victim)):
         worker.wait_blocks_free(timeout=15)
     print(f"\nkill -9, {count} streams of {tokens} tokens: {len(moved)} moved; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
-    stack.decodes[0] = stack._add(victim.restarted())
+    stack.decodes[stack.decodes.index(victim)] = stack._add(victim.restarted())
     stack.wait_decodes(2)
 
 
 def _drain_one(stack: Stack, count: int, tokens: int, again: bool = True) -> None:
     """POST /drain to a decode worker mid-stream: it hands its streams back and exits; started `again` after."""
     assert stack.proxy is not None
-    drained = stack.decodes[1]
     took: list[float] = []
+    picked: list[WorkerProcess] = []
 
     def drain() -> None:
+        drained = _busiest(stack, picked)
         started = time.monotonic()
         assert httpx.post(f"{drained.url}/drain", timeout=10).status_code == 202
         assert drained.proc.proc.wait(timeout=60) == 0, drained.proc.tail()
         took.append(time.monotonic() - started)
 
-    before = metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"')
+    before = metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back")
     got, want = _under_load(stack, drain, count, tokens)
     _assert_exact(got, want)
-    moved = [g for g in got if g.moves]
+    moved, [drained] = [g for g in got if g.moves], picked
     assert moved and "handed back" in drained.proc.output()
-    assert metric(stack.proxy.url, "proxy_stream_moves_total", 'reason="handed_back"') - before >= len(moved)
-    for worker in (stack.prefill, stack.decodes[0]):
+    assert metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back") - before >= len(moved)
+    for worker in (stack.prefill, *(w for w in stack.decodes if w is not drained)):
         worker.wait_blocks_free(timeout=15)
     print(f"\ndrain, {count} streams of {tokens} tokens: {len(moved)} handed back; the worker exited "
           f"{took[0]:.2f} s after POST /drain; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
     if again:
-        stack.decodes[1] = stack._add(drained.restarted())
+        stack.decodes[stack.decodes.index(drained)] = stack._add(drained.restarted())
         stack.wait_decodes(2)
 
 

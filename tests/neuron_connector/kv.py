@@ -57,12 +57,13 @@ class CorruptingLink(Link):
                  backend: CorruptingShmBackend) -> None:
         self._link, self._peer_pool, self._layout, self._backend = link, peer_pool, peer_layout, backend
 
-    def write(self, region: Region, runs: Sequence[Run], deadline: float) -> None:
-        self._link.write(region, runs, deadline)
+    def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
+        self._link.write(region, runs, deadline, generation)
         self._corrupt(runs)
 
-    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float) -> int:
-        checksum = self._link.write_summed(region, runs, deadline)
+    def write_summed(self, region: Region, runs: Sequence[Run], deadline: float,
+                     generation: int | None = None) -> int:
+        checksum = self._link.write_summed(region, runs, deadline, generation)
         self._corrupt(runs)
         return checksum
 
@@ -91,7 +92,8 @@ class CorruptingShmBackend(ShmBackend):
 
     def connect(self, descriptor: dict[str, Any], peer_layout: KVLayout, deadline: float) -> Link:
         link = super().connect(descriptor, peer_layout, deadline)
-        peer_pool = ShmSegment(descriptor["transports"]["shm"]["segment"], peer_layout.total_bytes, create=False)
+        peer_pool = ShmSegment(descriptor["transports"]["shm"]["segment"], peer_layout.total_bytes, create=False,
+                               num_blocks=peer_layout.num_blocks)
         return CorruptingLink(link, peer_pool, peer_layout, self)
 
 

@@ -17,6 +17,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
 
 @pytest.mark.parametrize("message", [
     Handshake("d0", "n1"),
+    Handshake("d0", "n1", incarnation="5f0c"),
     KVMapInit(LAYOUT, {"engine_id": "d0", "transports": {"tcp": {"port": 1}}}),
     KVMapInit(LAYOUT, {}, proof="ab12"),
     LookupAll("req-1", (3, 0, 7)),
@@ -25,6 +26,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     LookupAll("req-1", (3,), skipped_blocks=0),
     LookupAll("req-1", (8, 9), timeout_s=1.0, skipped_blocks=5),
     LookupAll("req-1", (3,), traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+    LookupAll("req-1", (3,), generation=2**61 - 1, incarnation="5f0c"),
     Release("req-1"),
 ])
 def test_requests_round_trip(message: object) -> None:
@@ -34,6 +36,7 @@ def test_requests_round_trip(message: object) -> None:
 @pytest.mark.parametrize("message", [
     HandshakeReply(1234.5, "p0", {"engine_id": "p0"}, "n2"),
     HandshakeReply(1234.5, "p0", {}, "n2", authenticated=True),
+    HandshakeReply(1234.5, "p0", {}, "n2", incarnation="a1b2"),
     KVMapReply(LAYOUT),
     KVMapReply(LAYOUT, proof="cd34"),
     Probe(),
@@ -42,6 +45,8 @@ def test_requests_round_trip(message: object) -> None:
     LookupReply("req-1", True, 42, (5, 6)),
     LookupReply("req-1", True, 42, (5, 6), checksum=0),
     LookupReply("req-1", True, 42, (5, 6), checksum=2**32 - 1),
+    LookupReply("req-1", True, 42, (5, 6), generation=1),
+    LookupReply("req-1", False, error="gone", generation=3),
     ErrorReply("no", HANDSHAKE_REQUIRED, "lookup_all", "req-1"),
     ErrorReply("bad json"),
 ])
@@ -84,6 +89,8 @@ def test_wire_format_matches_the_design() -> None:
     (b'{"type": "kv_map_init", "kv_map": [], "transfer": {}}', "'kv_map' must be"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "timeout_s": 0}',
      "'timeout_s' must be positive"),
+    (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "generation": 0}',
+     "'generation' must be in"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "checksum": "md5"}',
      "'checksum' must be one of \\['crc32c'\\], got 'md5'"),
     (b'{"type": "lookup_all", "request_id": "r", "block_ids_in_peer_device": [], "checksum": true}',

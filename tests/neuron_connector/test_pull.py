@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -376,3 +377,19 @@ def test_requests_of_a_decode_engine_whose_session_went_are_released_within_seco
         assert pair.releases() == ["named"] and pair.send.pending() == 1
         pair.send.publish("asked", [4], output_token=1)        # its prefill finishes after decode-0 went
         wait_until(lambda: pair.releases() == ["named", "asked"], timeout=1, what="release at publish")
+
+
+@pytest.mark.parametrize("attempt", range(10))
+def test_a_prefill_that_closes_once_its_blocks_are_released_still_delivers_the_pull(attempt: int) -> None:
+    """A drained prefill worker exits as soon as its last push's blocks are released, which happens right
+    after the push's reply is queued: the reply still reaches the decode peer, whose pull ends DONE."""
+    with running_pair("shm") as pair:
+        pair.send.publish("last", [2, 4], output_token=7)
+        _pull(pair, "last", [1, 3])
+        deadline = time.monotonic() + 10
+        while not pair.releases():   # close the moment the drain would see nothing held
+            assert time.monotonic() < deadline, "the push never released its blocks"
+        pair.send.close()
+        status = wait_terminal(pair.recv, "last", timeout=10)
+        assert status.state is PullState.DONE and status.output_token == 7, status
+        assert torch.equal(pair.d_pool[:, :, [1, 3]], pair.p_pool[:, :, [2, 4]])

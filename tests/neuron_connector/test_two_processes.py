@@ -37,16 +37,26 @@ def start_prefill(port: int, *extra: str, backend: str = "shm") -> Process:
     return proc
 
 
-@pytest.fixture(params=["shm", "tcp"])
-def decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
-    engine, pool = engine_with_pool(request.param)
+def _decode(backend: str) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
+    engine, pool = engine_with_pool(backend)
     recv = RecvBuffer(engine, LAYOUT, engine_id="127.0.0.1:8200", default_timeout=20.0)
     recv.start()
     try:
-        yield recv, pool, request.param
+        yield recv, pool, backend
     finally:
         recv.close()
         engine.close()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
+    yield from _decode(request.param)
+
+
+# Over tcp our own listener takes the fence (tests/transfer/test_fences.py covers it in-process): slow.
+@pytest.fixture(params=["shm", pytest.param("tcp", marks=pytest.mark.slow)])
+def fenced_decode(request: pytest.FixtureRequest) -> Iterator[tuple[RecvBuffer, torch.Tensor, str]]:
+    yield from _decode(request.param)
 
 
 def test_handshake_and_pull_across_processes(decode) -> None:
@@ -139,3 +149,34 @@ def test_a_prefill_frozen_through_the_handshake_still_serves_the_pull() -> None:
         proc.stop()
         recv.close()
         engine.close()
+
+
+def test_a_prefill_frozen_past_the_heartbeat_never_writes_into_blocks_reused_since(fenced_decode) -> None:
+    """The prefill freezes (SIGSTOP) with a lookup of ours in its socket buffer; we fail that pull at the
+    heartbeat timeout and reuse its blocks for a pull from another prefill. Resumed, the frozen one pushes
+    into those blocks under the old handoff's generation: the write is refused, they keep the new KV."""
+    recv, pool, backend = fenced_decode
+    port, other_port = free_port(), free_port()
+    frozen = start_prefill(port, "--seed", "11", "--publish", "w:1:1", "--publish", "stale:2,9,4:777",
+                           backend=backend)
+    other = start_prefill(other_port, "--seed", "22", "--publish", "fresh:5,6,7:555",
+                          "--engine-id", "prefill-other", backend=backend)
+    try:
+        recv.request_pull("w", "127.0.0.1", port, [10])   # the session and the transfer link are up
+        assert wait_terminal(recv, "w").state is PullState.DONE
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            recv.request_pull("stale", "127.0.0.1", port, [1, 2, 3], deadline_s=60)
+            status = wait_terminal(recv, "stale", timeout=15)
+            assert isinstance(status.error, PeerUnavailable), status
+            recv.request_pull("fresh", "127.0.0.1", other_port, [1, 2, 3])
+            assert wait_terminal(recv, "fresh").output_token == 555
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        wait_until(lambda: "RELEASED stale" in frozen.output(), timeout=15, what="the stale push to end")
+        assert torch.equal(pool[:, :, [1, 2, 3]], seeded(LAYOUT, 22)[:, :, [5, 6, 7]])
+        assert re.search(r"transfer of 'stale' failed: .*for handoff \d+", frozen.output()), frozen.output()[-2000:]
+        assert recv._engine.fences.closed()   # no block open, nothing quarantined: all back to the pool
+    finally:
+        frozen.stop()
+        other.stop()

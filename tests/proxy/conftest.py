@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from stack.serving import Process, free_port, wait_healthy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 
 @dataclass
@@ -102,8 +102,7 @@ def proxied_2p2d(worker_flags: Sequence[str],
     workers: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            workers.append(WorkerProcess(role, "shm", list(worker_flags)))
+        workers = start_workers(*((role, "shm", worker_flags) for role in ("prefill", "prefill", "decode", "decode")))
         proxy = start_proxy(proxy_flags(workers))
         yield proxy, workers
     finally:
@@ -120,8 +119,8 @@ def proxied_1p1d(decode_flags: Sequence[str] = ()) -> Iterator[tuple[Server, Wor
     started: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
-        for role in ("prefill", "decode", "both"):
-            started.append(WorkerProcess(role, "shm", decode_flags if role == "decode" else ()))
+        started = start_workers(*((role, "shm", decode_flags if role == "decode" else ())
+                                  for role in ("prefill", "decode", "both")))
         prefill, decode, both = started
         proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                              "--prefill-kv-port", str(prefill.kv_port),

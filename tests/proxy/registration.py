@@ -7,7 +7,6 @@ import asyncio
 import aetcd
 
 from neuron_connector import Registration, WorkerRecord
-from proxy.discovery import read_workers
 
 
 async def register_forever(etcd: str, role: str, host: str, port: int, kv_port: int, model: str,
@@ -27,6 +26,8 @@ async def register_forever(etcd: str, role: str, host: str, port: int, kv_port: 
 
 def registered_workers(etcd: str, role: str | None = None) -> list[WorkerRecord]:
     """The workers registered in etcd at host:port `etcd` (of `role`, if given), sorted by key."""
+    from proxy.discovery import read_workers   # the whole proxy: not for fake workers, which only register
+
     host, _, port = etcd.rpartition(":")
 
     async def read() -> list[WorkerRecord]:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import send_and_leave, wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 # Long enough that a leg nobody cancelled would still run when the checks below are done.
 BODY = {"model": "neuron-di-builtin", "prompt": "def fibonacci(n):\n    " * 12, "max_tokens": 400,
@@ -27,8 +27,7 @@ def stack() -> Iterator[tuple[Server, WorkerProcess, WorkerProcess]]:
     started: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
-        for role in ("prefill", "decode"):
-            started.append(WorkerProcess(role, "shm"))
+        started = start_workers(("prefill", "shm", ()), ("decode", "shm", ()))
         prefill, decode = started
         proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                              "--prefill-kv-port", str(prefill.kv_port),

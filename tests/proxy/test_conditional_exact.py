@@ -12,7 +12,7 @@ import pytest
 
 from tests.proxy.flow_clients import paths
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 MODEL = "neuron-di-builtin"
 MAX_LOCAL = 48  # prompt tokens; the built-in model's tokenizer makes one token per byte
@@ -24,8 +24,7 @@ def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
     workers: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
-        for role in ("prefill", "decode", "both"):
-            workers.append(WorkerProcess(role, "shm"))
+        workers = start_workers(*((role, "shm", ()) for role in ("prefill", "decode", "both")))
         prefill, decode, _ = workers
         proxy = start_proxy(["--prefill", f"127.0.0.1:{prefill.port}:{prefill.kv_port}",
                              "--decode", f"127.0.0.1:{decode.port}", "--conditional-disaggregation",

@@ -23,7 +23,7 @@ from stack.serving import free_port
 from tests.helpers import send_and_leave, wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import GREEDY, request_body
-from tests.worker_process import WorkerProcess
+from tests.worker_process import start_workers
 
 LONG = {"max_tokens": 1500, "ignore_eos": True}  # seconds of decoding: time to kill the decode worker in it
 DEADLINE_S = 60.0
@@ -33,9 +33,8 @@ class Stack:
     """tcp prefill + decode workers (restarted when a test killed one), one proxy per strategy."""
 
     def __init__(self) -> None:
-        self.workers = {"prefill": WorkerProcess("prefill", "tcp"),
-                        "decode": WorkerProcess("decode", "tcp", ["--kv-pull-timeout", "5"])}
-        prefill, decode = self.workers["prefill"], self.workers["decode"]
+        prefill, decode = start_workers(("prefill", "tcp", ()), ("decode", "tcp", ["--kv-pull-timeout", "5"]))
+        self.workers = {"prefill": prefill, "decode": decode}
         self.proxies: dict[str, Server] = {}
         for strategy in STRATEGIES:
             self.proxies[strategy] = start_proxy([

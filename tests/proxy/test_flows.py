@@ -17,7 +17,7 @@ import pytest
 from proxy.flows import STRATEGIES
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import GREEDY, SEEDED, answer, paths, request_body
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 
 LOCAL_TOKENS = 32  # conditional proxies: a prompt of at most this many uncached tokens is served by decode alone
@@ -29,8 +29,7 @@ class Stack:
     def __init__(self) -> None:
         self.workers: list[WorkerProcess] = []
         self.proxies: dict[str, Server] = {}
-        for role in ("prefill", "decode", "both"):
-            self.workers.append(WorkerProcess(role, "shm"))
+        self.workers = start_workers(*((role, "shm", ()) for role in ("prefill", "decode", "both")))
         self.prefill, self.decode, self.both = self.workers
         for strategy in STRATEGIES:
             self.proxies[strategy] = start_proxy([

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
 from stack.serving import free_port
+from stack.worker_metrics import metric
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 MODEL = "neuron-di-builtin"
 SYSTEM = "You are a careful assistant. Answer in one short line of Python.\n" * 3
@@ -29,8 +29,8 @@ def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
     workers: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
-        for role in ("prefill", "prefill", "decode", "decode", "both"):
-            workers.append(WorkerProcess(role, "shm", events_flag() if role != "both" else ()))
+        workers = start_workers(*((role, "shm", events_flag() if role != "both" else ())
+                                  for role in ("prefill", "prefill", "decode", "decode", "both")))
         p1, p2, d1, d2, _ = workers
         proxy = start_proxy([f"--prefill=127.0.0.1:{p1.port}:{p1.kv_port}",
                              f"--prefill=127.0.0.1:{p2.port}:{p2.kv_port}",
@@ -42,11 +42,6 @@ def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
             proxy.process.stop()
         for worker in workers:
             worker.stop()
-
-
-def metric(proxy: Server, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{proxy.url}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*{labels}[^}}]*\}} ([0-9.e+]+)$", text, re.M))
 
 
 def request(i: int) -> tuple[str, dict[str, Any]]:
@@ -88,26 +83,26 @@ def test_kv_routed_answers_equal_one_both_worker(stack: tuple[Server, list[Worke
         assert routed == alone
     for worker in workers:
         worker.wait_blocks_free()
-    assert metric(proxy, "proxy_kv_index_blocks") > 0
-    assert metric(proxy, "proxy_kv_route_tokens_total", 'kind="hit"') > 0
-    assert metric(proxy, "proxy_kv_event_bad_frames_total") == 0
+    assert metric(proxy.url, "proxy_kv_index_blocks", 0.0) > 0
+    assert metric(proxy.url, "proxy_kv_route_tokens_total", 0.0, kind="hit") > 0
+    assert metric(proxy.url, "proxy_kv_event_bad_frames_total", 0.0) == 0
 
 
 def test_a_prompt_goes_where_its_prefix_is(stack: tuple[Server, list[WorkerProcess]]) -> None:
     proxy = stack[0]
     body = {"model": MODEL, "prompt": SYSTEM + "a conversation of its own, turn 1\n", "max_tokens": 3,
             "temperature": 0.0}
-    hits = metric(proxy, "proxy_kv_route_tokens_total", 'kind="hit"')
-    batches = metric(proxy, "proxy_kv_event_batches_total")
+    hits = metric(proxy.url, "proxy_kv_route_tokens_total", 0.0, kind="hit")
+    batches = metric(proxy.url, "proxy_kv_event_batches_total", 0.0)
     with httpx.Client(timeout=60) as client:
         assert client.post(f"{proxy.url}/v1/completions", json=body).status_code == 200
         # The prefill worker computed the new blocks, the decode worker pulled them: both told the proxy.
-        wait_until(lambda: metric(proxy, "proxy_kv_event_batches_total") >= batches + 2, timeout=10)
-        before = {k: metric(proxy, "proxy_kv_route_tokens_total", f'kind="{k}"') for k in ("hit", "best")}
+        wait_until(lambda: metric(proxy.url, "proxy_kv_event_batches_total", 0.0) >= batches + 2, timeout=10)
+        before = {k: metric(proxy.url, "proxy_kv_route_tokens_total", 0.0, kind=k) for k in ("hit", "best")}
         for turn in range(2, 5):
             body["prompt"] += f"turn {turn}\n"
             assert client.post(f"{proxy.url}/v1/completions", json=body).status_code == 200
-        after = {k: metric(proxy, "proxy_kv_route_tokens_total", f'kind="{k}"') for k in ("hit", "best")}
+        after = {k: metric(proxy.url, "proxy_kv_route_tokens_total", 0.0, kind=k) for k in ("hit", "best")}
     assert after["hit"] - before["hit"] == after["best"] - before["best"] > 0
     assert hits < after["hit"]
 
@@ -128,17 +123,17 @@ def test_conditional_reads_the_decode_workers_cache_from_its_events(stack: tuple
             def heard() -> bool:   # the proxy's subscriptions join late: new blocks until it heard of some
                 warm = f"warm-up {next(sent)}: " + "y = 1\n" * 30
                 client.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": warm, "max_tokens": 1})
-                return metric(proxy, "proxy_kv_event_batches_total") > 0
+                return metric(proxy.url, "proxy_kv_event_batches_total", 0.0) > 0
 
             wait_until(heard, timeout=30, interval=0.2)
             for text in (prompt, prompt + "# more"):
-                batches = metric(proxy, "proxy_kv_event_batches_total")
+                batches = metric(proxy.url, "proxy_kv_event_batches_total", 0.0)
                 reply = client.post(f"{proxy.url}/v1/completions",
                                     json={"model": MODEL, "prompt": text, "max_tokens": 2, "temperature": 0.0})
                 assert reply.status_code == 200, reply.text
                 if text == prompt:   # the decode worker pulled its blocks and said so
-                    wait_until(lambda: metric(proxy, "proxy_kv_event_batches_total") > batches, timeout=10)
-        paths = {k: metric(proxy, "proxy_request_paths_total", f'path="{k}"') for k in ("local", "remote")}
+                    wait_until(lambda: metric(proxy.url, "proxy_kv_event_batches_total", 0.0) > batches, timeout=10)
+        paths = {k: metric(proxy.url, "proxy_request_paths_total", 0.0, path=k) for k in ("local", "remote")}
         assert paths["remote"] >= 1 and paths["local"] >= 1, paths
     finally:
         proxy.process.stop()

@@ -15,12 +15,11 @@ import httpx
 import openai
 import pytest
 
-from stack.worker_metrics import metric_sum
+from stack.worker_metrics import metric, metric_sum
 from tests.di.workers import worker_pair
 from tests.helpers import wait_until
 from tests.lm_eval_check import assert_same_scores, evaluate
 from tests.surface import PREFILL_ALONE, SHAPES, assert_load_equal, assert_shape_equal
-from tests.vllm.client import metric
 from tests.timeline_checks import assert_phases_add_up, request_timeline, uid_of
 from tests.worker_process import WorkerProcess
 from tests.proxy.conftest import Server, proxied_1p1d, start_proxy

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from common.stream_resume import HANDED_BACK, RESUME_FROM, TOKEN_IDS
+from common.stream_resume import HANDED_BACK, RESUME_FROM, RESUME_TEXT, TOKEN_IDS
 from proxy import CHAT, COMPLETIONS, StreamStitcher, UpstreamUnavailable, WorkerRecord, parse_request
 from proxy.flows import DecodeLeg
 from proxy.stream_moves import MoveMetrics, StreamMover
@@ -52,6 +52,30 @@ def test_token_ids_are_noted_and_hidden_and_the_resumed_body_carries_them() -> N
         mover.observe(_chunk([10]))   # the moved leg repeats nothing
         mover.move(DecodeLeg(OTHER, asyncio.get_event_loop().create_future()), "handed_back", stitcher, None)
         assert opened[1][1][RESUME_FROM] == [7, 8, 9, 10]
+    asyncio.run(run())
+
+
+def _texts(events: list[bytes]) -> str:
+    return "".join(json.loads(e.decode()[len("data: "):])["choices"][0]["text"] for e in events)
+
+
+def test_a_move_before_decode_repeated_prefills_token_loses_no_text() -> None:
+    """Decode lost before its first chunk (the repeat of prefill's token): the next leg's first token is the
+    answer's second, and the client sees its text (it once vanished: the stitcher still awaited the repeat)."""
+    async def run() -> None:
+        for decode_chunks, client_has in (([], 1), ([([7], "_"), ([8], "I")], 2)):
+            mover, opened = _mover({"prompt": "hi", "max_tokens": 9})
+            first = mover.prefill_answer({"choices": [{"index": 0, "text": "_", "token_ids": [7]}]})
+            request = parse_request(COMPLETIONS, b'{"model": "m", "prompt": "hi", "stream": true}', True)
+            stitcher = StreamStitcher(request, "cmpl-uid", 0, first)
+            shown = _texts(stitcher.first())
+            for ids, text in decode_chunks:
+                shown += _texts(stitcher.feed(mover.observe(_chunk(ids, text)) or ""))
+            mover.move(DecodeLeg(DECODE, asyncio.get_event_loop().create_future()), "worker_lost", stitcher, None)
+            assert opened[0][1][RESUME_TEXT] == client_has == len(shown)
+            for ids, text in (([9], "N" if decode_chunks else "I"), ([10], "D")):
+                shown += _texts(stitcher.feed(mover.observe(_chunk(ids, text)) or ""))
+            assert shown == ("_IND" if decode_chunks else "_ID")
     asyncio.run(run())
 
 

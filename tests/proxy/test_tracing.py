@@ -11,6 +11,7 @@ import pytest
 
 from stack.otlp_receiver import OTLPReceiver, ReceivedSpan
 from stack.serving import free_port, wait_healthy
+from stack.worker_metrics import metric
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.worker_process import WorkerProcess
@@ -79,11 +80,6 @@ def covered(intervals: list[tuple[int, int]], start: int, end: int) -> float:
     return total / (end - start)
 
 
-def metric(url: str, name: str) -> float:
-    lines = [line for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines() if line.startswith(name)]
-    return float(lines[0].split()[-1]) if lines else 0.0
-
-
 def test_one_streamed_request_is_one_trace_across_the_three_processes(traced: Traced) -> None:
     streamed(traced.proxy.url)  # the first request opens the proxy's connections to the workers
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
@@ -110,8 +106,8 @@ def test_one_streamed_request_is_one_trace_across_the_three_processes(traced: Tr
     print(f"phase spans and legs on the wire cover {share:.1%} of the request's {root.seconds * 1000:.1f} ms "
           f"({(1 - share) * root.seconds * 1000:.1f} ms not; phase spans alone {alone:.1%})")
     assert share >= 0.95
-    assert metric(traced.proxy.url, "neuron_di_trace_spans_exported_total") >= 3
-    assert metric(traced.proxy.url, "neuron_di_trace_spans_dropped_total") == 0
+    assert metric(traced.proxy.url, "neuron_di_trace_spans_exported_total", 0.0) >= 3
+    assert metric(traced.proxy.url, "neuron_di_trace_spans_dropped_total", 0.0) == 0
 
 
 def test_a_collector_unreachable_or_late_drops_and_counts_spans_and_requests_go_on(traced: Traced) -> None:
@@ -129,9 +125,9 @@ def test_a_collector_unreachable_or_late_drops_and_counts_spans_and_requests_go_
                 for proxy in proxies:
                     assert streamed(proxy.url) == expected
             for proxy in proxies:
-                wait_until(lambda: metric(proxy.url, "neuron_di_trace_spans_dropped_total") == 4 * REQUESTS,
+                wait_until(lambda: metric(proxy.url, "neuron_di_trace_spans_dropped_total", 0.0) == 4 * REQUESTS,
                            timeout=20.0)  # each request's proxy.request, proxy.route and two leg spans
-                assert metric(proxy.url, "neuron_di_trace_spans_exported_total") == 0
+                assert metric(proxy.url, "neuron_di_trace_spans_exported_total", 0.0) == 0
         finally:
             for proxy in proxies:
                 proxy.process.stop()

@@ -16,7 +16,7 @@ import pytest
 from proxy.discovery import LOST_AFTER_FAILED_CHECKS
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 HEALTH_INTERVAL = 1.0
 # A worker is lost after LOST_AFTER_FAILED_CHECKS silent health rounds, each an interval apart and
@@ -35,9 +35,8 @@ def stack() -> Iterator[tuple[Server, WorkerProcess, WorkerProcess]]:
     started: list[WorkerProcess] = []
     proxy: Server | None = None
     try:
-        for role in ("prefill", "decode"):
-            # One sequence at a time: a long request sent to the prefill worker itself keeps the others waiting.
-            started.append(WorkerProcess(role, "shm", ["--max-num-seqs", "1"] if role == "prefill" else []))
+        # One sequence at a time: a long request sent to the prefill worker itself keeps the others waiting.
+        started = start_workers(("prefill", "shm", ["--max-num-seqs", "1"]), ("decode", "shm", ()))
         prefill, decode = started
         proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                              "--prefill-kv-port", str(prefill.kv_port),

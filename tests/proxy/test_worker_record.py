@@ -12,7 +12,7 @@ import pytest
 
 from stack.serving import free_port
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 PROMPT = "def fibonacci(n):\n    "
 SAMPLING = {"model": "neuron-di-builtin", "max_tokens": 8, "temperature": 0.0}
@@ -22,8 +22,7 @@ SAMPLING = {"model": "neuron-di-builtin", "max_tokens": 8, "temperature": 0.0}
 def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess, WorkerProcess]]:
     started: list[WorkerProcess] = []
     try:
-        for role in ("prefill", "decode", "both"):
-            started.append(WorkerProcess(role, "shm"))
+        started = start_workers(*((role, "shm", ()) for role in ("prefill", "decode", "both")))
         yield started[0], started[1], started[2]
     finally:
         for worker in started:

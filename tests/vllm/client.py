@@ -65,12 +65,3 @@ async def limited(concurrency: int, coros: Sequence[Awaitable[Any]]) -> list[Any
 async def answers(url: str, endpoint: str, payloads: list[dict[str, Any]], concurrency: int) -> list[Seen]:
     async with httpx.AsyncClient(timeout=300.0) as client:
         return await limited(concurrency, [request(client, url, endpoint, p) for p in payloads])
-
-
-def metric(url: str, name: str) -> float:
-    """One sample of a Prometheus metric at url/metrics (summed over label sets)."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and (line[len(name)] in " {")]
-    assert values, f"{name} not in {url}/metrics"
-    return sum(values)

@@ -20,8 +20,9 @@ import pytest
 
 from stack.etcd import EtcdServer
 from stack.serving import Stack
+from stack.worker_metrics import metric
 from tests.proxy.conftest import Server, start_proxy
-from tests.vllm.client import Seen, answers, body, metric
+from tests.vllm.client import Seen, answers, body
 from tests.vllm.conftest import OPTIONS
 from tests.vllm.test_parity import kv_usage_back_to_zero
 

@@ -8,8 +8,8 @@ import pytest
 
 from stack.serving import Stack
 from stack.vllm import SERVED_NAME
+from stack.worker_metrics import metric
 from tests.surface import PREFILL_ALONE, SHAPES, assert_load_equal, assert_shape_equal
-from tests.vllm.client import metric
 from tests.vllm.test_parity import kv_usage_back_to_zero
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")

@@ -15,10 +15,11 @@ import pytest
 from stack.serving import Stack
 from stack.vllm import SERVED_NAME
 from stack.etcd import EtcdServer
+from stack.worker_metrics import metric
 from tests.helpers import wait_until
 from tests.proxy.registration import registered_workers
 from tests.timeline_checks import assert_phases_add_up, request_timeline, uid_of
-from tests.vllm.client import answers, body, metric
+from tests.vllm.client import answers, body
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
 

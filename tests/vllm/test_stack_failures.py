@@ -12,8 +12,9 @@ import pytest
 
 from stack.serving import Stack
 from stack.serving import Process, free_port, wait_healthy
+from stack.worker_metrics import metric
 from tests.helpers import wait_until
-from tests.vllm.client import body, metric
+from tests.vllm.client import body
 from tests.vllm.conftest import ABORT_TIMEOUT, PULL_TIMEOUT
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")

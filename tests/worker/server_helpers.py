@@ -1,10 +1,9 @@
-"""Test helpers for the worker server: an in-process server, metric scraping."""
+"""Test helpers for the worker server: an in-process server."""
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
-import httpx
+
 from hypercorn.asyncio import serve
 from quart import Quart
 
@@ -33,17 +32,3 @@ class InProcessServer:
         self._thread.join(timeout=30)
         assert not self._thread.is_alive(), "in-process server did not shut down"
         self._loop.close()
-
-
-_SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})?\s+(\S+)$")
-
-
-def metric(base_url: str, name: str, **labels: str) -> float:
-    """The value of one series on /metrics (labels given must match; others are ignored)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match.group(1) == name and all(f'{k}="{v}"' in (match.group(2) or "")
-                                                     for k, v in labels.items()):
-            return float(match.group(3))
-    raise AssertionError(f"series {name} {labels} not on /metrics")

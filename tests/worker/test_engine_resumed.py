@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from common.stream_resume import Resumed
 from tests.worker.test_engine import engine, prompts, run_all
 from worker import LLMEngine, RequestOutput, SamplingParams
 from worker.errors import InvalidRequestError
@@ -18,8 +19,8 @@ CASES = {
 
 
 def _outputs(eng: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
-             resumed: tuple[int, ...] = ()) -> list[RequestOutput]:
-    eng.add_request(request_id, prompt, params, resumed=resumed)
+             resumed: tuple[int, ...] = (), text_chars: int | None = None) -> list[RequestOutput]:
+    eng.add_request(request_id, prompt, params, resumed=Resumed(resumed, text_chars))
     return [out for out in run_all(eng) if out.request_id == request_id]
 
 
@@ -49,9 +50,23 @@ def test_a_stop_string_across_the_move_still_stops(tiny_llama: Path) -> None:
     assert (rest[-1].finish_reason, rest[-1].stop_reason) == ("stop", stop)
 
 
+def test_text_the_client_never_got_comes_first_on_the_resuming_worker(tiny_llama: Path) -> None:
+    """The worker that began the answer held some of its tokens' text back (a stop string's possible start, part
+    of a character, a move before decode repeated prefill's token): the resuming one shows it with its first token."""
+    eng, prompt, params = engine(tiny_llama), prompts(1, seed=5)[0], CASES["greedy"]
+    whole = _outputs(eng, "whole", prompt, params)
+    ids, text = [out.new_token_ids[0] for out in whole], "".join(out.text_delta for out in whole)
+    shown = "".join(out.text_delta for out in whole[:5])
+    assert len(shown) >= 2
+    for client_has in (0, len(shown) - 1, len(shown)):
+        rest = _outputs(engine(tiny_llama), f"held-{client_has}", prompt, params, tuple(ids[:5]), client_has)
+        assert [out.new_token_ids[0] for out in rest] == ids[5:]
+        assert text[:client_has] + "".join(out.text_delta for out in rest) == text
+
+
 def test_resumed_outputs_must_leave_something_to_generate(tiny_llama: Path) -> None:
     eng = engine(tiny_llama)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
-        eng.add_request("r", prompts(1)[0], SamplingParams(max_tokens=2), resumed=(5, 6))
+        eng.add_request("r", prompts(1)[0], SamplingParams(max_tokens=2), resumed=Resumed((5, 6)))
     with pytest.raises(InvalidRequestError, match="token ids"):
-        eng.add_request("r", prompts(1)[0], SamplingParams(max_tokens=8), resumed=(10**9,))
+        eng.add_request("r", prompts(1)[0], SamplingParams(max_tokens=8), resumed=Resumed((10**9,)))

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
+from stack.worker_metrics import metric
 from tests.helpers import wait_until
-from tests.worker.server_helpers import metric
 from tests.worker_process import WorkerProcess
 from worker.model.loader import builtin_model_path
 

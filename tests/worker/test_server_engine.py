@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
+from stack.worker_metrics import metric
 from tests.helpers import wait_until
-from tests.worker.server_helpers import InProcessServer, metric
+from tests.worker.server_helpers import InProcessServer
 from worker.server.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine, RequestOutput

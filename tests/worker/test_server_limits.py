@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from stack.serving import free_port
+from stack.worker_metrics import metric
 
 from tests.helpers import ROOT, wait_until
-from tests.worker.server_helpers import metric
 from tests.worker_process import WorkerProcess
 from worker.server.cli import parse_args
 

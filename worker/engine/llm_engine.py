@@ -5,12 +5,13 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
 from scheduler import QueueFull, Scheduler, SchedulerConfig, WillNeverFit
 from common.handoff import LegParams
+from common.stream_resume import Resumed
 from transfer.layout import KVLayout
 from worker.config import EngineConfig
 from worker.engine.decode_side import DecodeSide
@@ -109,7 +110,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     leg: LegParams | None = None,
-                    mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Sequence[int] = ()) -> None:
+                    mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Resumed = Resumed()) -> None:
         """Queues a request; raises InvalidRequestError or QueueFullError instead of queueing it.
 
         `leg` (the parsed `kv_transfer_params`: role "prefill" or "decode") makes it one leg of a
@@ -118,7 +119,7 @@ class LLMEngine:
         the outputs of an answer another worker began (worker/engine/resumed.py).
         """
         self._validate(request_id, prompt_token_ids, params)
-        check_resumed(resumed, params.max_tokens, self.model_config.vocab_size, leg is not None)
+        check_resumed(resumed.token_ids, params.max_tokens, self.model_config.vocab_size, leg is not None)
         spans = check_spans(mm or [], len(prompt_token_ids), self.model_config.hidden_size, self.kv_layout.torch_dtype)
         role_leg = self.role.leg(request_id, leg)
         if role_leg.pull_target is not None and params.prompt_logprobs is not None:

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from common.stream_resume import RESUME_FROM
+from common.stream_resume import RESUME_FROM, Resumed
 from worker.engine.request import Request
 from worker.errors import invalid
 from worker.model.sampler import skip_sample
 
 
-def take_resumed(request: Request, resumed: Sequence[int], vocab_size: int) -> None:
-    """Makes `resumed` the outputs of `request`, which has none yet; what they showed was handed out already."""
+def take_resumed(request: Request, resumed: Resumed, vocab_size: int) -> None:
+    """Makes `resumed` the outputs of `request`, which has none yet; the text the client has of them was handed
+    out already, the rest (held back by the worker that began the answer) comes with the next token's."""
     assert request.num_output_tokens == 0
-    for token_id in resumed:
+    for token_id in resumed.token_ids:
         request.token_ids.append(token_id)
         skip_sample(vocab_size, request.params, request.generator)
         request.advance(token_id)
         request.detokenizer.step(request.output_token_ids, False)
+    if resumed.text_chars is not None:
+        request.detokenizer.num_emitted = min(resumed.text_chars, request.detokenizer.num_emitted)
 
 
 def check_resumed(resumed: Sequence[int], max_tokens: int, vocab_size: int, is_leg: bool) -> None:

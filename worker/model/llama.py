@@ -43,6 +43,15 @@ def unpack_checkpoint(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return state
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose random init is skipped on "meta" (the loader's build, which assigns the checkpoint's
+    weights): there torch's normal_ imports torch._dynamo, a second of every worker's start."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -113,7 +122,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.rotary = rotary_for(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from worker.errors import ModelLoadError
 from worker.model.model_config import ModelConfig
-from worker.model.llama import LlamaForCausalLM, pack_checkpoint, rotary_for
+from worker.model.llama import LlamaForCausalLM, pack_checkpoint
 
 BUILTIN_MODEL_NAME = "neuron-di-builtin"
 # What a user should know before reading the built-in model's text.
@@ -67,6 +67,4 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype) -> Lla
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # The rotary tables are not in the checkpoint (built on "meta" above); compute them for real.
-    model.model.rotary = rotary_for(config)
     return model.eval()

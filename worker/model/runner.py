@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.model.layers import paged_decode
+from worker.model.layers import paged_decode, prefill_bf16
 from scheduler import ScheduledChunk, ScheduledStep
 from worker.model.layers.attention import AttentionMetadata, SeqGroup, build_mask
 from worker.model.layers.linear import pack_linears
@@ -157,7 +157,8 @@ class ModelRunner:
             return self._group(chunks, with_mask=False, query_index=None)
         max_query_len = max(query_lens)
         rows = [row * max_query_len + i for row, n in enumerate(query_lens) for i in range(n)]
-        return self._group(chunks, with_mask=True, query_index=self._tensor(rows))
+        # The native bf16 kernel reads each chunk's context through its table: it needs no mask.
+        return self._group(chunks, with_mask=not prefill_bf16.applies(self.kv_pool), query_index=self._tensor(rows))
 
     def _group(self, chunks: list[ScheduledChunk], with_mask: bool, query_index: torch.Tensor | None) -> SeqGroup:
         tables = [c.seq.block_table for c in chunks]
@@ -170,7 +171,7 @@ class ModelRunner:
                               max_blocks * self.block_size, self.kv_pool.dtype).to(self.device)
         return SeqGroup(block_tables=self._tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
                         context_lens=self._tensor(context_lens), max_context_len=max(context_lens),
-                        mask=mask, query_index=query_index)
+                        mask=mask, query_index=query_index, query_lens=[c.num_tokens for c in chunks])
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -324,7 +324,7 @@ class _Worker:
                     stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded,
                                                               req.leg, prompt.spans or None, req.resume_from)
                     choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)
-                    choice.resumes(req.resume_from)
+                    choice.resumes(req.resume_from.token_ids)
                     parts.append(Part(choice, stream, self.metrics.timer(len(prompt.token_ids)), i,
                                       len(prompt.token_ids)))
         except BaseException:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from common.handoff import LegParams
+from common.stream_resume import Resumed
 from worker.engine.llm_engine import EngineStats, LLMEngine
 from worker.engine.request import RequestOutput
 from worker.errors import WorkerError
@@ -34,7 +35,7 @@ class _Add:
     admitted: asyncio.Future[None]
     leg: LegParams | None = None
     mm: list[tuple[int, ImageEmbeds]] | None = None
-    resumed: tuple[int, ...] = ()
+    resumed: Resumed = Resumed()
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        leg: LegParams | None = None,
-                       mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: tuple[int, ...] = ()) -> RequestStream:
+                       mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Resumed = Resumed()) -> RequestStream:
         """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here.
 
         A request that fails later (e.g. its KV transfer) raises its error from the stream.

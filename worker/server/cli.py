@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import secrets
 import signal
@@ -218,23 +219,25 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
     from worker.server.app import create_app  # imports torch: only once the command line is known to be good
     from worker.server.registrar import Registrar
 
-    app = create_app(engine_config, engine_factory=engine_factory(args, engine_config),
+    events = KVEventsPublisher(args.kv_events) if args.kv_events is not None else None
+    app = create_app(engine_config, engine_factory=engine_factory(args, engine_config, events=events),
                      drain_timeout=args.drain_timeout, media_policy=media_policy(args),
                      embeds_region=embeds_region(args) if args.role == "prefill" else None,
                      registrar=Registrar(lambda engine: worker_record(args, engine), args.etcd, args.etcd_ttl),
-                     make_engine=lambda role, model: engine_factory(args, engine_config, role, model),
+                     make_engine=lambda role, model: engine_factory(args, engine_config, role, model, events),
                      tracing=Tracing.start(args.otlp_traces_endpoint, f"neuron-di-{args.role}"))
     worker = app.extensions["neuron_di_worker"]
     if args.drain_hands_back_streams:
         from worker.server.hand_back import HandBack
         worker.drain.hand_back = HandBack()
-    if args.kv_events is not None:
-        args.kv_events_publisher = KVEventsPublisher(args.kv_events)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain.signal)
     logger.info("starting the engine, then serving on http://%s:%d (role %s)", args.host, args.port, args.role)
     await worker.startup()
+    # What start built (torch, the model) lives as long as the worker: frozen, the collector does not scan
+    # it while serving, nor walk it at exit (torch's made every stop ~0.5 s longer).
+    gc.freeze()
     queue = None
     if args.prefill_queue:
         queue = prefill_queue_flags.queue_side(worker, args)
@@ -244,8 +247,8 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
     finally:
         if queue is not None:
             await queue.stop()
-        if args.kv_events is not None:
-            args.kv_events_publisher.close()
+        if events is not None:
+            events.close()
     return worker.drain.forced
 
 
@@ -266,17 +269,18 @@ def embeds_region(args: argparse.Namespace) -> Callable[[int, Any], Any]:
 
 
 def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: str | None = None,
-                   model: Any = None) -> Callable[[], Any]:
+                   model: Any = None, events: KVEventsPublisher | None = None) -> Callable[[], Any]:
     """Builds the engine (with its KV connector for roles prefill and decode) on the engine thread: of `role`
-    (default: the command line's) on `model` (default: loaded from the command line's, or the simulated one)."""
+    (default: the command line's) on `model` (default: loaded from the command line's, or the simulated one),
+    its KV cache events published by `events`."""
     from dataclasses import replace
 
     from worker.engine.llm_engine import LLMEngine
     from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
     def published(engine: LLMEngine) -> LLMEngine:
-        if args.kv_events is not None:
-            args.kv_events_publisher.attach(engine)
+        if events is not None:
+            events.attach(engine)
         return engine
 
     def build() -> LLMEngine:

@@ -13,7 +13,7 @@ from werkzeug.exceptions import HTTPException
 from common.handoff import (KV_TRANSFER_PARAMS, DecodeParams, HandoffError, LegParams, QueuedDecodeParams, parse_leg,
                             queued_leg)
 from common.openai_wire import WORKER_DRAINING, error_body, load_object
-from common.stream_resume import HANDED_BACK, RESUME_FROM, TOKEN_IDS, resume_from, wants_token_ids
+from common.stream_resume import HANDED_BACK, RESUME_FROM, RESUME_TEXT, TOKEN_IDS, Resumed, resume_from, wants_token_ids
 from common.unserved import first_unserved
 from worker.errors import (DrainingError, InvalidRequestError, KVTransferError, QueueFullError, RemotePrefillError,
                            StreamHandedBack, invalid)
@@ -47,7 +47,7 @@ class GenerateRequest:
     # Disaggregation: the leg this request is (kv_transfer_params), None for a whole request.
     leg: LegParams | QueuedDecodeParams | None = None
     token_ids: bool = False               # each choice carries its token ids (common/stream_resume.py)
-    resume_from: tuple[int, ...] = ()     # the outputs of an answer another worker began
+    resume_from: Resumed = Resumed()      # the outputs of an answer another worker began
 
     @property
     def hide_output(self) -> bool:
@@ -122,7 +122,8 @@ def _resume_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     try:
         return {"token_ids": wants_token_ids(body), "resume_from": resume_from(body)}
     except ValueError as exc:
-        raise invalid(str(exc), RESUME_FROM if RESUME_FROM in str(exc) else TOKEN_IDS) from exc
+        param = next((key for key in (RESUME_TEXT, RESUME_FROM) if key in str(exc)), TOKEN_IDS)
+        raise invalid(str(exc), param) from exc
 
 
 def _max_tokens(kind: Kind, body: Mapping[str, Any], echo: bool) -> int | None:

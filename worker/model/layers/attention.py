@@ -2,7 +2,8 @@
 
 Every step writes the new tokens' K/V into their slots of the pool first, then each sequence
 attends over its whole context gathered through its block table (decodes on an fp32 CPU pool
-read it through the table in place: see paged_decode). A step may mix decodes and prompt
+read it through the table in place: see paged_decode; prompt chunks on a bf16 pool with AVX-512
+BF16 likewise: see prefill_bf16). A step may mix decodes and prompt
 chunks: each kind runs its own attention over its own rows. Because every layer writes before
 it reads, a sequence may read blocks that another sequence of the same batch is filling in this
 very step (prefix-cache hits on a block computed in the same prefill).
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.layers import paged_decode
+from worker.model.layers import paged_decode, prefill_bf16
 
 # torch's CPU flash kernel, which also returns each query's log-sum-exp (F.scaled_dot_product_attention
 # does not): two partial attentions merge exactly with it. None where this torch lacks it.
@@ -33,6 +34,7 @@ class SeqGroup:
                                        # or decodes on the native path (see _decode_attention)
     query_index: torch.Tensor | None   # chunks: (tokens,) row in the padded (seqs * max_query_len)
                                        # layout; None for decodes and for fresh equal-length chunks
+    query_lens: list[int] | None = None   # each sequence's new tokens this step
 
     @property
     def num_seqs(self) -> int:
@@ -88,6 +90,8 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _chunk_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      group: SeqGroup) -> torch.Tensor:
     """Prompt chunks: each attends over its context so far (cached prefix, earlier chunks, itself)."""
+    if group.query_lens is not None and prefill_bf16.applies(layer_kv):
+        return prefill_bf16.chunk_attention(q, layer_kv, group.block_tables, group.context_lens, group.query_lens)
     if group.query_index is None:
         # Fresh chunks of equal length, nothing before them to read: attend over the new tokens themselves.
         n = group.num_seqs

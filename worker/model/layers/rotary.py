@@ -10,7 +10,9 @@ from torch import nn
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies for each rotated pair, after the checkpoint's `rope_scaling`."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # Computed on the CPU even under a "meta" device context (the loader's build): the tables are not in a
+    # checkpoint, and there torch's reference ops would import torch._dynamo (~1 s).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -53,7 +55,7 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         signed_sin = emb.sin()

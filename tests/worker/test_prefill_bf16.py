@@ -1,0 +1,103 @@
+"""The native bf16 prompt attention: SDPA's numbers in bf16 (within bf16 rounding), read from the paged pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.model.layers import prefill_bf16
+
+needs_native = pytest.mark.skipif(not prefill_bf16.NATIVE,
+                                  reason="_prefill_bf16 is not built or this CPU lacks AVX-512 BF16")
+
+BLOCKS, BLOCK_SIZE = 160, 16
+
+
+def pool_and_tables(lens: list[int], kv_heads: int, head_dim: int,
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random bf16 one-layer pool (2, blocks, block_size, kv_heads, d) and scattered, 0-padded tables."""
+    gen = torch.Generator().manual_seed(seed)
+    layer_kv = torch.randn(2, BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen).bfloat16()
+    needed = [-(-n // BLOCK_SIZE) for n in lens]
+    ids = torch.randperm(BLOCKS, generator=gen)[:sum(needed)].tolist()
+    tables = torch.zeros(len(lens), max(needed), dtype=torch.int64)
+    for row, n in enumerate(needed):
+        tables[row, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+    return layer_kv, tables
+
+
+def reference(q: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tensor, lens: list[int],
+              query_lens: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Per sequence: its context copied out of the pool, then SDPA with a causal mask offset to the chunk."""
+    rows, start = [], 0
+    for table, ctx, n in zip(tables, lens, query_lens):
+        kv = layer_kv[:, table].flatten(1, 2)[:, :ctx].transpose(1, 2).to(dtype)   # (2, kv_heads, ctx, d)
+        visible = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+        q_heads = q[start:start + n].transpose(0, 1).unsqueeze(0).to(dtype)
+        out = F.scaled_dot_product_attention(q_heads, kv[0:1], kv[1:2], attn_mask=visible, enable_gqa=True)
+        rows.append(out[0].transpose(0, 1))
+        start += n
+    return torch.cat(rows)
+
+
+@needs_native
+@pytest.mark.parametrize("lens, query_lens, heads, kv_heads, head_dim", [
+    ([1], [1], 8, 4, 64),                      # one token
+    ([300], [300], 8, 4, 64),                  # a fresh prompt: plain causal
+    ([700], [180], 8, 4, 64),                  # a chunk after its cached prefix
+    ([37, 90, 5], [37, 20, 5], 6, 2, 32),      # ragged batch, group of 3
+    ([200], [64], 4, 4, 128),                  # no GQA, wide heads
+], ids=["one-token", "fresh", "prefixed", "ragged", "wide"])
+def test_native_prefill_follows_sdpa_in_bf16(lens: list[int], query_lens: list[int], heads: int, kv_heads: int,
+                                             head_dim: int) -> None:
+    layer_kv, tables = pool_and_tables(lens, kv_heads, head_dim)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor(lens), query_lens)
+    exact = reference(q, layer_kv, tables, lens, query_lens, torch.float32)
+    sdpa_error = (reference(q, layer_kv, tables, lens, query_lens, torch.bfloat16).float() - exact).abs()
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    # bf16 output rounding (2**-9 of |out| <= ~3.5 here) bounds both; the native error is SDPA's order.
+    assert (out.float() - exact).abs().max() <= max(2 * sdpa_error.max().item(), 2.0 ** -8)
+
+
+@needs_native
+def test_native_prefill_takes_the_query_as_a_split_view() -> None:
+    layer_kv, tables = pool_and_tables([50], 2, 64)
+    qk = torch.randn(50, 4 + 2, 64).bfloat16()   # q and k heads rotated as one tensor, as the model does
+    q = qk[:, :4]
+    out = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor([50]), [50])
+    assert torch.equal(out, prefill_bf16.chunk_attention(q.contiguous(), layer_kv, tables, torch.tensor([50]), [50]))
+
+
+@needs_native
+def test_block_id_outside_the_pool_is_an_error_not_a_stray_read() -> None:
+    layer_kv, tables = pool_and_tables([40], 2, 64)
+    tables[0, 1] = BLOCKS
+    with pytest.raises(ValueError, match="outside the pool"):
+        prefill_bf16.chunk_attention(torch.randn(40, 4, 64).bfloat16(), layer_kv, tables, torch.tensor([40]), [40])
+
+
+@pytest.mark.parametrize("pool", [
+    torch.zeros(1, 2, 4, 4, 2, 16, dtype=torch.bfloat16),    # head_dim not a multiple of 32
+    torch.zeros(1, 2, 4, 4, 2, 64),                          # fp32: torch's attention, unchanged
+    torch.zeros(1, 2, 4, 4, 2, 64, dtype=torch.bfloat16, device="meta"),   # CPU only
+], ids=["head-dim-16", "float32", "meta"])
+def test_native_path_stays_off_where_it_does_not_apply(pool: torch.Tensor) -> None:
+    assert not prefill_bf16.applies(pool)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [2, 3])
+def test_heads_split_across_threads_give_the_same_numbers(threads: int) -> None:
+    layer_kv, tables = pool_and_tables([120], 4, 64)
+    q = torch.randn(120, 8, 64).bfloat16()
+    one = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor([120]), [120])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        split = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor([120]), [120])
+    finally:
+        torch.set_num_threads(before)
+    assert prefill_bf16.head_ranges(4, threads) == ([(0, 2), (2, 4)] if threads == 2 else [(0, 1), (1, 2), (2, 4)])
+    assert torch.equal(split, one)

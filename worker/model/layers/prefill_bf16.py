@@ -1,0 +1,73 @@
+"""bf16 prompt attention on AVX-512 BF16 dot products, read from the paged pool (_prefill_bf16.c).
+
+torch's CPU flash kernel runs bf16 no faster than fp32 on a CPU without AMX (one thread, the
+benchmark model's shapes, 2000 causal tokens: ~64 ms a layer in either dtype), so attention
+ate most of what bf16 gained in the linear layers. The native kernel multiplies bf16 pairs
+with fp32 accumulation, keeps scores, softmax and sums in fp32 as the flash kernel does, and
+reads K and V through the block table (no gather, no mask). Results follow SDPA's in bf16
+within bf16 rounding. Without a C compiler or without AVX-512 BF16, `applies` is False and
+attention runs as before. With more than one torch thread, the KV heads are split across threads
+(the kernel releases the GIL); each head's numbers are the same whatever the split.
+"""
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+try:
+    from worker.model.layers import _prefill_bf16
+except ImportError:  # built without a C compiler
+    _prefill_bf16 = None
+
+NATIVE = _prefill_bf16 is not None and _prefill_bf16.supported()
+PAIR_LANES = 32  # head_dim must be a multiple of the kernel's bf16 vector width
+PROFILER_NAME = "prefill_bf16::chunk_attention"   # what torch's profiler calls the kernel's calls
+
+
+def applies(kv_pool: torch.Tensor) -> bool:
+    """Whether prompt chunks over `kv_pool` can use the native kernel (bf16 CPU pool, AVX-512 BF16)."""
+    return (NATIVE and kv_pool.device.type == "cpu" and kv_pool.dtype == torch.bfloat16
+            and kv_pool.is_contiguous() and kv_pool.shape[-1] % PAIR_LANES == 0)
+
+
+@functools.cache
+def _threads(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="prefill-bf16")
+
+
+def head_ranges(kv_heads: int, threads: int) -> list[tuple[int, int]]:
+    """KV heads split into at most `threads` contiguous, near-equal ranges."""
+    parts = max(1, min(threads, kv_heads))
+    return [(kv_heads * i // parts, kv_heads * (i + 1) // parts) for i in range(parts)]
+
+
+def chunk_attention(q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, query_lens: list[int]) -> torch.Tensor:
+    """Each sequence's chunk (its last query_lens[s] positions) attends causally over its context.
+
+    q: (tokens, heads, d), the chunks' rows one sequence after another; layer_kv: one layer of
+    the pool, (2, blocks, block_size, kv_heads, d), already holding the chunks' K and V;
+    block_tables (seqs, max_blocks) and context_lens (seqs,) int64. Returns q's shape, contiguous.
+    """
+    assert _prefill_bf16 is not None
+    heads, head_dim = q.shape[1:]
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    num_blocks, block_size, kv_heads = layer_kv.shape[1:4]
+    tables = block_tables.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    ranges = head_ranges(kv_heads, torch.get_num_threads())
+    row = 0
+    with torch.profiler.record_function(PROFILER_NAME):
+        for seq, (n, ctx) in enumerate(zip(query_lens, context_lens.tolist())):
+            args = (q[row].data_ptr(), layer_kv[0].data_ptr(), layer_kv[1].data_ptr(), tables[seq].data_ptr(),
+                    out[row].data_ptr(), n, heads, kv_heads, head_dim, q.stride(0), num_blocks, block_size,
+                    tables.shape[1], ctx, head_dim ** -0.5)
+            if len(ranges) == 1:
+                _prefill_bf16.prefill(*args, *ranges[0])
+            else:
+                list(_threads(len(ranges)).map(lambda heads_range: _prefill_bf16.prefill(*args, *heads_range), ranges))
+            row += n
+    return out
