@@ -91,13 +91,13 @@ def test_flow_answers_as_one_vllm_server(reference: Stack, neuron_stack: Stack, 
                                           concurrency: int) -> None:
     proxy = proxies[flow]
     want = wanted(reference, endpoint, sampled)
-    before = metric(proxy.url, 'proxy_request_paths_total{path="local"}') if flow == "conditional" else 0
+    before = metric(proxy.url, "proxy_request_paths_total", path="local") if flow == "conditional" else 0
     got = asyncio.run(answers(proxy.url, endpoint, payloads(endpoint, stream, sampled), concurrency))
     mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     assert not mismatched, f"prompts {mismatched} differ, first: {got[mismatched[0]]} != {want[mismatched[0]]}"
     kv_usage_back_to_zero(neuron_stack)
     if flow == "conditional" and not sampled:   # seeded requests stay remote on a vLLM decode server
-        local = metric(proxy.url, 'proxy_request_paths_total{path="local"}') - before
+        local = metric(proxy.url, "proxy_request_paths_total", path="local") - before
         assert 0 < local < NUM_PROMPTS
 
 
