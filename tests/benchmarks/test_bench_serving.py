@@ -18,10 +18,9 @@ from benchmarks import bench_serving
 from benchmarks.serving_load import LoadSpec, make_requests, run_load
 from benchmarks.serving_metrics import RequestResult
 from benchmarks.serving_report import plot_distributions
-from stack.serving import Stack, StackError, StackOptions, start_colocated, start_di, wait_healthy
+from stack.serving import Process, Stack, StackError, StackOptions, free_port, start_colocated, start_di, wait_healthy
 
 from tests.benchmarks.tiny_model import tiny_model_dir
-from stack.serving import Process, free_port, wait_healthy
 from tests.helpers import ROOT, wait_until
 
 BENCH = ("-m", "benchmarks.bench_serving")

@@ -1,7 +1,6 @@
 """Workers that die are replaced; their peers reconnect; etcd forgets the dead."""
 from __future__ import annotations
 
-import uuid
 
 import httpx
 import pytest

@@ -5,24 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.worker.paged_pool import pool_and_tables
 from worker.model.layers import paged_decode
 
 needs_native = pytest.mark.skipif(not paged_decode.NATIVE, reason="worker.model.layers._paged_decode is not built")
 
 BLOCKS, BLOCK_SIZE, KV_HEADS, GROUP, HEAD_DIM = 40, 4, 2, 3, 32
-
-
-def pool_and_tables(lens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random one-layer pool (2, blocks, block_size, kv_heads, d) and scattered, 0-padded tables."""
-    gen = torch.Generator().manual_seed(seed)
-    layer_kv = torch.randn(2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
-    needed = [-(-n // BLOCK_SIZE) for n in lens]
-    ids = torch.randperm(BLOCKS, generator=gen)[:sum(needed)].tolist()
-    tables = torch.zeros(len(lens), max(needed), dtype=torch.int64)
-    for row, n in enumerate(needed):
-        tables[row, :n] = torch.tensor(ids[:n])
-        ids = ids[n:]
-    return layer_kv, tables
 
 
 def reference(q_group: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -37,7 +25,7 @@ def reference(q_group: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tenso
 @needs_native
 @pytest.mark.parametrize("lens", [[1], [7, 13, 4, 9], [12, 12]], ids=["one-token", "ragged", "equal"])
 def test_native_decode_attention_equals_sdpa_over_the_gathered_context(lens: list[int]) -> None:
-    layer_kv, tables = pool_and_tables(lens)
+    layer_kv, tables = pool_and_tables(lens, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     q_group = torch.randn(len(lens), KV_HEADS, GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1))
     out = paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor(lens), max(lens))
     expected = reference(q_group, layer_kv, tables, lens)
@@ -47,7 +35,7 @@ def test_native_decode_attention_equals_sdpa_over_the_gathered_context(lens: lis
 
 @needs_native
 def test_native_decode_attention_takes_a_non_contiguous_query() -> None:
-    layer_kv, tables = pool_and_tables([6, 3])
+    layer_kv, tables = pool_and_tables([6, 3], BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     q_heads = torch.randn(2, KV_HEADS * GROUP + KV_HEADS, HEAD_DIM)[:, :KV_HEADS * GROUP]   # a split of q and k
     q_group = q_heads.view(2, KV_HEADS, GROUP, HEAD_DIM)
     out = paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor([6, 3]), 6)
@@ -56,7 +44,7 @@ def test_native_decode_attention_takes_a_non_contiguous_query() -> None:
 
 @needs_native
 def test_block_id_outside_the_pool_is_an_error_not_a_stray_read() -> None:
-    layer_kv, tables = pool_and_tables([5])
+    layer_kv, tables = pool_and_tables([5], BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     tables[0, 1] = BLOCKS
     q_group = torch.randn(1, KV_HEADS, GROUP, HEAD_DIM)
     with pytest.raises(ValueError, match="outside the pool"):
@@ -65,7 +53,7 @@ def test_block_id_outside_the_pool_is_an_error_not_a_stray_read() -> None:
 
 @needs_native
 def test_context_longer_than_max_context_is_an_error_not_a_stray_write() -> None:
-    layer_kv, tables = pool_and_tables([8])
+    layer_kv, tables = pool_and_tables([8], BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     q_group = torch.randn(1, KV_HEADS, GROUP, HEAD_DIM)
     with pytest.raises(ValueError, match="context length"):
         paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor([8]), 5)

@@ -5,26 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.worker.paged_pool import pool_and_tables
 from worker.model.layers import prefill_bf16
 
 needs_native = pytest.mark.skipif(not prefill_bf16.NATIVE,
                                   reason="_prefill_bf16 is not built or this CPU lacks AVX-512 BF16")
 
 BLOCKS, BLOCK_SIZE = 160, 16
-
-
-def pool_and_tables(lens: list[int], kv_heads: int, head_dim: int,
-                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random bf16 one-layer pool (2, blocks, block_size, kv_heads, d) and scattered, 0-padded tables."""
-    gen = torch.Generator().manual_seed(seed)
-    layer_kv = torch.randn(2, BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen).bfloat16()
-    needed = [-(-n // BLOCK_SIZE) for n in lens]
-    ids = torch.randperm(BLOCKS, generator=gen)[:sum(needed)].tolist()
-    tables = torch.zeros(len(lens), max(needed), dtype=torch.int64)
-    for row, n in enumerate(needed):
-        tables[row, :n] = torch.tensor(ids[:n])
-        ids = ids[n:]
-    return layer_kv, tables
 
 
 def reference(q: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tensor, lens: list[int],
@@ -51,7 +38,7 @@ def reference(q: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tensor, len
 ], ids=["one-token", "fresh", "prefixed", "ragged", "wide"])
 def test_native_prefill_follows_sdpa_in_bf16(lens: list[int], query_lens: list[int], heads: int, kv_heads: int,
                                              head_dim: int) -> None:
-    layer_kv, tables = pool_and_tables(lens, kv_heads, head_dim)
+    layer_kv, tables = pool_and_tables(lens, BLOCKS, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16)
     q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
     out = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor(lens), query_lens)
     exact = reference(q, layer_kv, tables, lens, query_lens, torch.float32)
@@ -63,7 +50,7 @@ def test_native_prefill_follows_sdpa_in_bf16(lens: list[int], query_lens: list[i
 
 @needs_native
 def test_native_prefill_takes_the_query_as_a_split_view() -> None:
-    layer_kv, tables = pool_and_tables([50], 2, 64)
+    layer_kv, tables = pool_and_tables([50], BLOCKS, BLOCK_SIZE, 2, 64, dtype=torch.bfloat16)
     qk = torch.randn(50, 4 + 2, 64).bfloat16()   # q and k heads rotated as one tensor, as the model does
     q = qk[:, :4]
     out = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor([50]), [50])
@@ -72,7 +59,7 @@ def test_native_prefill_takes_the_query_as_a_split_view() -> None:
 
 @needs_native
 def test_block_id_outside_the_pool_is_an_error_not_a_stray_read() -> None:
-    layer_kv, tables = pool_and_tables([40], 2, 64)
+    layer_kv, tables = pool_and_tables([40], BLOCKS, BLOCK_SIZE, 2, 64, dtype=torch.bfloat16)
     tables[0, 1] = BLOCKS
     with pytest.raises(ValueError, match="outside the pool"):
         prefill_bf16.chunk_attention(torch.randn(40, 4, 64).bfloat16(), layer_kv, tables, torch.tensor([40]), [40])
@@ -90,7 +77,7 @@ def test_native_path_stays_off_where_it_does_not_apply(pool: torch.Tensor) -> No
 @needs_native
 @pytest.mark.parametrize("threads", [2, 3])
 def test_heads_split_across_threads_give_the_same_numbers(threads: int) -> None:
-    layer_kv, tables = pool_and_tables([120], 4, 64)
+    layer_kv, tables = pool_and_tables([120], BLOCKS, BLOCK_SIZE, 4, 64, dtype=torch.bfloat16)
     q = torch.randn(120, 8, 64).bfloat16()
     one = prefill_bf16.chunk_attention(q, layer_kv, tables, torch.tensor([120]), [120])
     before = torch.get_num_threads()
