@@ -118,11 +118,17 @@ def test_prefill_killed_mid_request_is_a_502_naming_it_and_decode_frees_its_bloc
         wait_until(lambda: _waits_on_prefill(stack, proxy, strategy), timeout=DEADLINE_S, what="request on prefill")
         prefill.proc.kill()
         status, payloads = reply.result(timeout=DEADLINE_S)
-    assert status == 502, payloads  # before any token: a status, even streamed
-    message = payloads[0]["error"]["message"]
-    assert "prefill worker " in message and f"127.0.0.1:{prefill.port}" in message, message
-    if strategy == "decode_first":  # the decode worker's own prefill leg failed, and decode says so
-        assert message.startswith(f"decode worker 127.0.0.1:{decode.port}: remote prefill of request "), message
+    error = payloads[0]["error"]
+    message = error["message"]
+    if strategy == "decode_first" and status == 503:
+        # The decode worker's pull from the dead prefill failed before its own prefill leg did: a
+        # kv_transfer_error naming the prefill's signal plane.
+        assert error["type"] == "kv_transfer_error" and f":{prefill.kv_port} was lost" in message, message
+    else:
+        assert status == 502, payloads  # before any token: a status, even streamed
+        assert "prefill worker " in message and f"127.0.0.1:{prefill.port}" in message, message
+    if strategy == "decode_first":  # the decode worker says it was its own prefill leg or pull
+        assert message.startswith(f"decode worker 127.0.0.1:{decode.port}: "), message
     decode.wait_blocks_free()
 
 

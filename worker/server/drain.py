@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 POLL_S = 0.05
 PROGRESS_S = 5.0  # how often a drain logs what it still waits for (first at once)
+# A drained worker still answers "draining" (503, which the proxy resends elsewhere) this long before it stops:
+# a proxy that picked it just before its registry key went sees a refusal, not a connection closed unanswered.
+LINGER_S = 1.0
 
 
 class Drain:
@@ -109,6 +112,7 @@ class Drain:
                 self.engine.close_soon()
             else:
                 logger.info("drained: nothing left in flight")
+                await asyncio.sleep(LINGER_S)
         finally:
             self.done.set()
 
