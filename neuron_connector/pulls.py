@@ -303,7 +303,7 @@ class PullTracker:
     def __len__(self) -> int:
         return len(self._pulls)
 
-    def unhold(self, writer_gone: Callable[[int], bool]) -> int:
+    def unhold(self, writer_alive: Callable[[int], bool]) -> int:
         """Quarantined pulls whose writer let go of their blocks (or whose writer's process is gone:
         its blocks are reclaimed) turn terminal now; how many are still held."""
         held = 0
@@ -312,7 +312,7 @@ class PullTracker:
                 continue
             assert self.close_blocks is not None and pull.generation is not None
             if self.close_blocks(pull.dst, pull.generation):
-                if pull.writer is None or not writer_gone(pull.writer):
+                if pull.writer is None or writer_alive(pull.writer):
                     held += 1
                     continue
                 if self.reclaim_blocks is not None:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from common.pid import pid_alive
 from common.timeline import LOOKUP_ANSWERED, PULL_STARTED, Timeline
 from common.trace_spans import LOOKUP_SPAN, spans_of
 from common.tracing import TRACEPARENT
@@ -222,7 +222,7 @@ class RecvBuffer:
             with self._lock:
                 ready = {a for a, link in self._links.items() if link.ready}
                 self._pulls.expire(time.monotonic(), ready)
-                self._pulls.unhold(_process_gone)
+                self._pulls.unhold(pid_alive)
                 finished = self._pulls.take_finished()
             self._announce(finished)
 
@@ -352,14 +352,3 @@ class RecvBuffer:
         else:
             log.warning("unexpected reply from %s: %r", address, reply)
         return None
-
-
-def _process_gone(pid: int) -> bool:
-    """Whether the same-host process `pid` has exited (a quarantined pull's writer)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False

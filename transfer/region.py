@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common.pid import pid_alive
 from transfer.errors import LayoutMismatch, RegionNotRegistered
 from transfer.fences import Fences
 from transfer.fences import available as fences_available
@@ -123,21 +124,11 @@ def reap_stale_segments() -> list[str]:
     reaped = []
     for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
         parts = path.name[len(SHM_PREFIX):].split("-")
-        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+        if len(parts) != 3 or not parts[1].isdigit() or pid_alive(int(parts[1])):
             continue
         unlink_segment(path.name)
         reaped.append(path.name)
     return reaped
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True   # someone else's live process
-    return True
 
 
 @dataclass(eq=False)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from common.pid import pid_alive
 from planner.actions import Action
 from planner.connectors.flip import RoleFlipper
 from planner.errors import ConfigError, ConnectorError
@@ -170,17 +171,14 @@ def _free_port() -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether a worker this connector started still runs (reaping it once it exited)."""
     try:
         waited, _ = os.waitpid(pid, os.WNOHANG)   # reaps our own child once it exited
         if waited == pid:
             return False
     except ChildProcessError:   # not our child (started by a planner before this one)
         pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return pid_alive(pid)
 
 
 def _end(pid: int) -> None:

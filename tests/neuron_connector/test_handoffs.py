@@ -38,9 +38,9 @@ def test_a_pull_ended_under_its_writer_is_withheld_until_the_writer_lets_go() ->
     tracker.peer_lost("p")
     assert tracker.take_finished() == [] and tracker.poll("r").state is PullState.PENDING
     assert tracker.cancel("r") is False and tracker.quarantined == 1
-    assert tracker.unhold(lambda pid: False) == 1         # alive (frozen): still held
+    assert tracker.unhold(lambda pid: True) == 1         # alive (frozen): still held
     assert not fences.release([1, 2], 5)                  # it lets go, told it was given up
-    assert tracker.unhold(lambda pid: False) == 0 and tracker.take_finished() == ["r"]
+    assert tracker.unhold(lambda pid: True) == 0 and tracker.take_finished() == ["r"]
     assert isinstance(tracker.poll("r").error, PeerUnavailable) and fences.closed()
     # A writer that dies holding the blocks: they are reclaimed.
     tracker.add("d", "p", [3], deadline=30, now=1, generation=6)
@@ -48,7 +48,7 @@ def test_a_pull_ended_under_its_writer_is_withheld_until_the_writer_lets_go() ->
     tracker.due(1, {"p"})
     assert fences.acquire([3], 6)
     tracker.peer_lost("p")
-    assert tracker.unhold(lambda pid: pid == 4242) == 0 and tracker.take_finished() == ["d"] and fences.closed()
+    assert tracker.unhold(lambda pid: pid != 4242) == 0 and tracker.take_finished() == ["d"] and fences.closed()
 
 
 def test_pulls_asked_of_one_incarnation_fail_when_another_answers_at_the_address() -> None:

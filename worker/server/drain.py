@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 POLL_S = 0.05
 PROGRESS_S = 5.0  # how often a drain logs what it still waits for (first at once)
-# A drained worker still answers "draining" (503, which the proxy resends elsewhere) this long before it stops:
-# a proxy that picked it just before its registry key went sees a refusal, not a connection closed unanswered.
+# A drained worker that left a registry still answers "draining" (503, which the proxy resends elsewhere) until
+# this long after it left: a proxy that picked it just before its key went sees a refusal, not a connection
+# closed unanswered. Without a registry no proxy stops picking it, so it does not wait.
 LINGER_S = 1.0
 
 
@@ -103,8 +104,10 @@ class Drain:
 
     async def _run(self) -> None:
         try:
+            left_at = None
             if self.leave is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.leave)
+                left_at = time.monotonic()
             if not await self.wait_idle(self.timeout, report=True):
                 if self.done.is_set():
                     return  # stopped by a second signal
@@ -112,7 +115,8 @@ class Drain:
                 self.engine.close_soon()
             else:
                 logger.info("drained: nothing left in flight")
-                await asyncio.sleep(LINGER_S)
+                if left_at is not None:
+                    await asyncio.sleep(max(0.0, left_at + LINGER_S - time.monotonic()))
         finally:
             self.done.set()
 
