@@ -171,7 +171,8 @@ def _proxy(faults: FaultStack, backends: list[str], options: StackOptions) -> No
 def _etcd(faults: FaultStack, options: StackOptions) -> None:
     port = free_port()
     faults.etcd = f"127.0.0.1:{port}"
-    faults.stack.start("etcd", etcd_args("faults", faults.etcd_data, port), program=etcd_binary())
+    faults.stack.start("etcd", etcd_args("faults", faults.etcd_data, port), program=etcd_binary(),
+                       service=True)
     faults.health_urls["etcd"] = f"http://{faults.etcd}/health"
     wait_healthy(faults.health_urls["etcd"], faults.stack.processes, options.startup_timeout_s)
 

@@ -104,6 +104,9 @@ def translated(worker: WorkerRecord, timeout_types: tuple[type[BaseException], .
         raise UpstreamUnavailable(said, worker.role, worker.address, refused=said == REFUSED) from exc
 
 
+# A pooled connection idle this long is closed, not reused: workers close idle ones after 5 s (vLLM's uvicorn, our
+# hypercorn), and a request written into a connection the worker is closing fails ("Can not write request body").
+IDLE_REUSE_S = 2.0
 _AIOHTTP_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
 _AIOHTTP_ERRORS = (aiohttp.ClientError, OSError)
 
@@ -132,7 +135,7 @@ class AiohttpUpstream:
         self.worker = worker
         self._session = aiohttp.ClientSession(
             base_url=worker.base_url, auto_decompress=False,
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, keepalive_timeout=IDLE_REUSE_S),
             timeout=aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read))
 
     async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Reply:

@@ -125,6 +125,11 @@ class Process:
         """The same command started anew (same name, ports, core), its log in a new file."""
         return Process(self.name, self.args, self.core, self.env, self.program, self.prefix)
 
+    def terminate(self) -> None:
+        """SIGTERM to the whole session, not waiting: `stop()` then waits (see `stop_all`)."""
+        if not self.log.closed and self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.log.closed:
             return  # stopped already
@@ -144,6 +149,16 @@ class Process:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def stop_all(processes: Sequence[Process]) -> None:
+    """Stops `processes` together: SIGTERM to each, then waits for each (a stop is mostly waiting for an exit,
+    so N stops take about as long as one); one failing stop does not skip the rest."""
+    for process in processes:
+        process.terminate()
+    with ExitStack() as stops:
+        for process in reversed(processes):
+            stops.callback(process.stop)
 
 
 def wait_healthy(url: str, processes: Sequence[Process] = (), timeout_s: float = 60.0) -> None:
@@ -171,11 +186,14 @@ class Stack:
         self.kv_ports: dict[str, int] = {}     # prefill process name -> its signal-plane port
         self.status_urls: dict[str, str] = {}  # worker process name -> where its GET /timeline answers
         self.processes: list[Process] = []  # in start order; stopped in reverse
+        self.services: set[str] = set()     # names of processes the others use (etcd): stopped after them
 
     def start(self, name: str, args: Sequence[str], core: int | None = None,
               env: dict[str, str] | None = None, program: str = sys.executable,
-              prefix: Sequence[str] = ()) -> Process:
+              prefix: Sequence[str] = (), service: bool = False) -> Process:
         process = Process(name, args, core, env, program, prefix)
+        if service:
+            self.services.add(name)
         self.processes.append(process)
         return process
 
@@ -198,9 +216,11 @@ class Stack:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        with ExitStack() as stops:  # last started, first stopped; one failing stop does not skip the rest
-            for process in self.processes:
-                stops.callback(process.stop)
+        """Stops the processes together, except services (etcd): those stop once the rest has exited, since a
+        stopping worker still leaves them."""
+        services = [p for p in self.processes if p.name in self.services]
+        stop_all([p for p in reversed(self.processes) if p not in services])
+        stop_all(services[::-1])
 
 
 def start_di(options: StackOptions) -> Stack:

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import httpx
 
-from stack.serving import Process, StackError, StackOptions, free_port, wait_healthy, worker_args
+from stack.serving import Process, StackError, StackOptions, free_port, stop_all, wait_healthy, worker_args
 from stack.worker_fleet import PORT_TAKEN
 from tests.helpers import wait_until
 
@@ -88,7 +88,11 @@ def start_workers(*specs: tuple[str, str, Sequence[str]]) -> list[WorkerProcess]
         for worker in workers:
             worker.wait_ready()
     except BaseException:
-        for worker in workers:
-            worker.stop()
+        stop_together(*workers)
         raise
     return workers
+
+
+def stop_together(*items: WorkerProcess | Process | None) -> None:
+    """Stops workers and other processes (a proxy's `.process`) at once; None items are skipped."""
+    stop_all([item.proc if isinstance(item, WorkerProcess) else item for item in items if item is not None])

@@ -7,7 +7,7 @@ import pytest
 
 from tests.proxy.registration import registered_workers
 from tests.di.workers import disaggregated
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 from tests.helpers import wait_until
 
 BODY = {"model": "neuron-di-builtin", "prompt": list(range(50, 90)), "max_tokens": 5, "temperature": 0,
@@ -48,8 +48,7 @@ def test_restarted_worker_is_reconnected(victim: str, secured: bool, want: list,
         for worker in workers.values():
             worker.wait_blocks_free()
     finally:
-        for worker in workers.values():
-            worker.stop()
+        stop_together(*workers.values())
 
 
 def test_etcd_key_appears_and_vanishes_after_kill9(etcd_server) -> None:

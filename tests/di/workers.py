@@ -7,7 +7,7 @@ from typing import Any, Iterator, Sequence
 
 import httpx
 
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 
 @contextmanager
@@ -18,8 +18,7 @@ def worker_pair(transport: str, prefill_extra: Sequence[str] = (),
     try:
         yield prefill, decode
     finally:
-        decode.stop()
-        prefill.stop()
+        stop_together(decode, prefill)
 
 
 def prefill_body(body: dict[str, Any], uid: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from stack.worker_metrics import metric
 from tests.faults.stream_clients import Streamed, bodies, reference, run_streams
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 DECODE_FLAGS = ["--drain-hands-back-streams", "--drain-timeout", "60"]
 STREAMS, TOKENS = 8, 96
@@ -47,10 +47,7 @@ class Stack:
                    == count, timeout=30, what=f"{count} healthy decode workers")
 
     def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.process.stop()
-        for worker in self.workers:
-            worker.stop()
+        stop_together(self.proxy.process if self.proxy is not None else None, *self.workers)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from stack.serving import Process
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.registration import registered_workers
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, stop_together
 
 PLANNER_FLAGS = ["--ttft-target-ms", "400", "--itl-target-ms", "200", "--budget", "3", "--connector", "flip",
                  "--interval", "1", "--cooldown", "4", "--min-samples", "1", "--scale-down-after", "1000"]
@@ -41,10 +41,7 @@ def fleet(etcd_server: EtcdServer) -> Iterator[tuple[Server, list[WorkerProcess]
         wait_until(lambda: _healthy(proxy) == {"prefill": 1, "decode": 2}, timeout=30, what="the proxy seeing 1P2D")
         yield proxy, workers
     finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in workers:
-            worker.stop()
+        stop_together(proxy.process if proxy is not None else None, *workers)
 
 
 def _healthy(proxy: Server) -> dict[str, int]:

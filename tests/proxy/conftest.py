@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from stack.serving import Process, free_port, wait_healthy
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 
 @dataclass
@@ -106,10 +106,7 @@ def proxied_2p2d(worker_flags: Sequence[str],
         proxy = start_proxy(proxy_flags(workers))
         yield proxy, workers
     finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in workers:
-            worker.stop()
+        stop_together(proxy.process if proxy is not None else None, *workers)
 
 
 @contextlib.contextmanager
@@ -127,7 +124,4 @@ def proxied_1p1d(decode_flags: Sequence[str] = ()) -> Iterator[tuple[Server, Wor
                              "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
         yield proxy, prefill, decode, both
     finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in started:
-            worker.stop()
+        stop_together(proxy.process if proxy is not None else None, *started)

@@ -23,7 +23,7 @@ from stack.serving import free_port
 from tests.helpers import send_and_leave, wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import GREEDY, request_body
-from tests.worker_process import start_workers
+from tests.worker_process import start_workers, stop_together
 
 LONG = {"max_tokens": 1500, "ignore_eos": True}  # seconds of decoding: time to kill the decode worker in it
 DEADLINE_S = 60.0
@@ -51,10 +51,7 @@ class Stack:
                 self.workers[role] = worker.restarted()
 
     def stop(self) -> None:
-        for proxy in self.proxies.values():
-            proxy.process.stop()
-        for worker in self.workers.values():
-            worker.stop()
+        stop_together(*(proxy.process for proxy in self.proxies.values()), *self.workers.values())
 
 
 @pytest.fixture(scope="module")

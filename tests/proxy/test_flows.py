@@ -17,7 +17,7 @@ import pytest
 from proxy.flows import STRATEGIES
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import GREEDY, SEEDED, answer, paths, request_body
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 
 LOCAL_TOKENS = 32  # conditional proxies: a prompt of at most this many uncached tokens is served by decode alone
@@ -43,10 +43,7 @@ class Stack:
                 "--max-local-prefill-tokens", str(LOCAL_TOKENS)])
 
     def stop(self) -> None:
-        for proxy in self.proxies.values():
-            proxy.process.stop()
-        for worker in self.workers:
-            worker.stop()
+        stop_together(*(proxy.process for proxy in self.proxies.values()), *self.workers)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from stack.serving import free_port
 from stack.worker_metrics import metric
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 MODEL = "neuron-di-builtin"
 SYSTEM = "You are a careful assistant. Answer in one short line of Python.\n" * 3
@@ -38,10 +38,7 @@ def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
                              "--routing", "kv", "--tokenizer", "builtin", "--health-interval", "0.5"])
         yield proxy, workers
     finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in workers:
-            worker.stop()
+        stop_together(proxy.process if proxy is not None else None, *workers)
 
 
 def request(i: int) -> tuple[str, dict[str, Any]]:

@@ -22,7 +22,7 @@ from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import paths
 from tests.proxy.test_conditional_exact import MODEL, answers
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, stop_together
 
 # Each proxy's flags beside the workers and the queue: the strategies the queue serves (decode_first: the
 # decode worker puts the prefill leg on the queue), and conditional disaggregation (long prompts through the
@@ -100,10 +100,7 @@ class QueueStack:
         wait_until(lambda: self.stream_messages() == 0, timeout=15)
 
     def stop(self) -> None:
-        for proxy in self.proxies.values():
-            proxy.process.stop()
-        for worker in self.workers:
-            worker.stop()
+        stop_together(*(proxy.process for proxy in self.proxies.values()), *self.workers)
         self.nats.stop()
 
 

@@ -95,10 +95,18 @@ def assert_answers_like_reference(reference: Stack, stack: Stack, endpoint: str,
     assert metric(stack.url, "proxy_first_token_mismatches_total") == 0
 
 
-@pytest.mark.parametrize("sampled, ways", [(False, GREEDY_WAYS), (True, SEEDED_WAYS),
-                                           pytest.param(False, MORE_GREEDY_WAYS, marks=pytest.mark.slow)],
-                         ids=["greedy", "seeded", "greedy-more-ways"])
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def cases() -> list:
+    """endpoint x (greedy, seeded, greedy-more-ways). With --full only: the more ways, and chat's greedy run (chat
+    answers are compared seeded, here and in every flow of tests/vllm/test_flows.py)."""
+    return [pytest.param(endpoint, sampled, ways, id=f"{endpoint}-{name}",
+                         marks=[pytest.mark.slow] if name == "greedy-more-ways" or (name, endpoint) == (
+                             "greedy", "/v1/chat/completions") else [])
+            for name, sampled, ways in (("greedy", False, GREEDY_WAYS), ("seeded", True, SEEDED_WAYS),
+                                        ("greedy-more-ways", False, MORE_GREEDY_WAYS))
+            for endpoint in ENDPOINTS]
+
+
+@pytest.mark.parametrize("endpoint, sampled, ways", cases())
 def test_1p1d_equals_one_vllm_server(reference: Stack, neuron_stack: Stack, endpoint: str, sampled: bool,
                                      ways: tuple[tuple[bool, int], ...]) -> None:
     assert_answers_like_reference(reference, neuron_stack, endpoint, sampled, ways)

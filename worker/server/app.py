@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from prometheus_client import generate_latest
 from quart import Quart, Response, g, jsonify, make_response, request
@@ -49,7 +49,6 @@ from worker.server.metrics import ServerMetrics
 from worker.server.registrar import Registrar
 from worker.server.role_flip import EngineMaker, RoleFlip
 from worker.server.remote_prefill import RemotePrefills, first_output
-from worker.server.queued_prefill import QueuedPrefills, queued_decode
 from worker.server.prompts import request_prompts
 from worker.server.request_id import use_request_ids
 from worker.server.responses import Kind, ResponseShape
@@ -64,12 +63,13 @@ from common.tracing import Tracing
 from common.worker_record import WorkerRecord
 from common.request_body import DrainingRequest, request_body
 from worker.server.protocol import GenerateRequest, build_params, error_for, models_body, parse_body, parse_request
+if TYPE_CHECKING:  # imports NATS's client
+    from worker.server.queued_prefill import QueuedPrefills
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine_config: EngineConfig, *,
-               engine_factory: Callable[[], LLMEngine] | None = None,
+def create_app(engine_config: EngineConfig, *, engine_factory: Callable[[], LLMEngine] | None = None,
                drain_timeout: float = DEFAULT_TIMEOUT_S, media_policy: MediaPolicy | None = None,
                embeds_region: Callable[[int, Any], Any] | None = None, registrar: Registrar | None = None,
                make_engine: EngineMaker | None = None, tracing: Tracing | None = None) -> Quart:
@@ -288,6 +288,8 @@ class _Worker:
             prefill_url = req.leg.remote_url if isinstance(req.leg, DecodeParams) else None
             queued = isinstance(req.leg, QueuedDecodeParams)  # decode_first through the global prefill queue
             start = functools.partial(self._start, prompts=prompts, params=params)
+            if queued:  # NATS's client is imported only by a worker that puts legs on the prefill queue
+                from worker.server.queued_prefill import queued_decode
             parts = await (queued_decode(self.queued_prefills, req, request.path, body, prompts, start) if queued
                            else start(req))
         prefill = None
