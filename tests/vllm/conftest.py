@@ -18,10 +18,7 @@ from worker.model.loader import builtin_model_path
 
 # Short timeouts, so that the failure tests (test_stack_failures, run last) see them expire.
 ABORT_TIMEOUT, PULL_TIMEOUT = 8.0, 15.0
-# --enforce-eager: every server of the tests runs the model uncompiled, so each starts in about 28 s instead
-# of 44 s here (the answers are compared between servers that all run it the same way; the benchmarks run
-# vLLM's defaults).
-OPTIONS = VllmOptions(model=str(builtin_model_path()), max_model_len=1280, extra_args=("--enforce-eager",),
+OPTIONS = VllmOptions(model=str(builtin_model_path()), max_model_len=1280,
                       extra_config={"abort_timeout": ABORT_TIMEOUT, "pull_timeout": PULL_TIMEOUT})
 
 

@@ -30,7 +30,7 @@ def traced() -> Iterator[tuple[Stack, OTLPReceiver]]:
     with OTLPReceiver() as receiver, pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")  # vLLM's own spans: OTLP/HTTP too
         flags = ("--otlp-traces-endpoint", receiver.endpoint)
-        with start_neuron_1p1d(dataclasses.replace(OPTIONS, extra_args=(*OPTIONS.extra_args, *flags), proxy_extra=flags)) as stack:
+        with start_neuron_1p1d(dataclasses.replace(OPTIONS, extra_args=flags, proxy_extra=flags)) as stack:
             yield stack, receiver
 
 
