@@ -65,7 +65,7 @@ def test_the_planner_flips_a_decode_worker_to_prefill_under_load(
     decisions = tmp_path / "decisions.jsonl"
     planner = _planner(etcd_server.endpoint, proxy, decisions)
     short = prompts(24, seed=3, input_len=(10, 40), output_len=(4, 12))
-    long = prompts(64, seed=4, input_len=(1500, 1900), output_len=(2, 6))
+    long = prompts(32, seed=4, input_len=(1500, 1900), output_len=(2, 6))  # the flip came after 7 of them
     size = LoadSize(requests=len(long), concurrency=4, deadline_s=120.0)
     try:
         short_load = Load(proxy.url, short, LoadSize(len(short), 3))
