@@ -3,6 +3,9 @@
 A decode worker killed with SIGKILL mid-stream, then one drained (`--drain-hands-back-streams`):
 every stream completes, and its text, finish reason and usage are those of one `both` worker's
 answer to the same request, greedy and seeded alike (no token lost or repeated at the move).
+The first decode worker also holds its handed-back streams' KV (`--hand-back-kv-port`): drained, its
+streams' KV is pulled by the other one over the transfer engine; the other, drained, has its streams'
+KV recomputed.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from tests.proxy.conftest import Server, start_proxy
 from tests.worker_process import WorkerProcess, start_workers
 
 DECODE_FLAGS = ["--drain-hands-back-streams", "--drain-timeout", "60"]
+KV_FLAGS = [*DECODE_FLAGS, "--hand-back-kv-port", "0"]
+PULLED = "neuron_di_kv_blocks_pulled_total"
 STREAMS, TOKENS = 8, 96
 
 
@@ -29,7 +34,7 @@ class Stack:
         self.proxy: Server | None = None
 
     def start(self) -> None:
-        self.workers = start_workers(("prefill", "shm", ()), ("decode", "shm", DECODE_FLAGS),
+        self.workers = start_workers(("prefill", "shm", ()), ("decode", "shm", KV_FLAGS),
                                      ("decode", "shm", DECODE_FLAGS), ("both", "shm", ()))
         self.prefill, *self.decodes, self.both = self.workers
         self.proxy = start_proxy(["--prefill", f"127.0.0.1:{self.prefill.port}:{self.prefill.kv_port}",
@@ -118,29 +123,41 @@ def _kill_one(stack: Stack, count: int, tokens: int) -> None:
     stack.wait_decodes(2)
 
 
-def _drain_one(stack: Stack, count: int, tokens: int, again: bool = True) -> None:
-    """POST /drain to a decode worker mid-stream: it hands its streams back and exits; started `again` after."""
+def _drain_one(stack: Stack, count: int, tokens: int, index: int, again: bool = True) -> None:
+    """POST /drain to decode worker `index` mid-stream (0 holds its streams' KV for a pull, 1 does not): it hands
+    its streams back and exits; started `again` after."""
     assert stack.proxy is not None
     took: list[float] = []
     picked: list[WorkerProcess] = []
+    kv = "pulled" if index == 0 else "recomputed"
+    other = stack.decodes[1 - index]
+    pulled: list[float] = []
 
     def drain() -> None:
-        drained = _busiest(stack, picked)
+        drained = stack.decodes[index]
+        picked.append(drained)
+        pulled.append(metric(other.url, PULLED, 0.0))   # every stream pulled its prompt's KV already
         started = time.monotonic()
         assert httpx.post(f"{drained.url}/drain", timeout=10).status_code == 202
         assert drained.proc.proc.wait(timeout=60) == 0, drained.proc.tail()
         took.append(time.monotonic() - started)
 
-    before = metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back")
+    def moves(**labels: str) -> float:
+        return metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, **labels)
+
+    before, failed = moves(reason="handed_back", kv=kv), moves(reason="kv_pull_failed")
     got, want = _under_load(stack, drain, count, tokens)
     _assert_exact(got, want)
     moved, [drained] = [g for g in got if g.moves], picked
     assert moved and "handed back" in drained.proc.output()
-    assert metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back") - before >= len(moved)
-    for worker in (stack.prefill, *(w for w in stack.decodes if w is not drained)):
+    assert moves(reason="handed_back", kv=kv) - before >= len(moved)
+    assert moves(reason="kv_pull_failed") == failed   # no pull of a handed-back stream's KV failed
+    blocks = metric(other.url, PULLED, 0.0) - pulled[0]   # pulled from the drained worker, by the moved streams
+    assert blocks >= len(moved) if kv == "pulled" else blocks == 0, blocks
+    for worker in (stack.prefill, other):
         worker.wait_blocks_free(timeout=15)
-    print(f"\ndrain, {count} streams of {tokens} tokens: {len(moved)} handed back; the worker exited "
-          f"{took[0]:.2f} s after POST /drain; largest gap a client saw: "
+    print(f"\ndrain, {count} streams of {tokens} tokens, KV {kv}: {len(moved)} handed back ({blocks:.0f} KV blocks "
+          f"pulled); the worker exited {took[0]:.2f} s after POST /drain; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
     if again:
         stack.decodes[stack.decodes.index(drained)] = stack._add(drained.restarted())
@@ -153,13 +170,23 @@ def test_sixteen_long_streams_survive_a_killed_decode_worker(stack: Stack) -> No
 
 
 @pytest.mark.slow
-def test_sixteen_long_streams_survive_a_drained_decode_worker(stack: Stack) -> None:
-    _drain_one(stack, 16, 512)
+def test_sixteen_long_streams_survive_a_drained_decode_worker_with_their_kv(stack: Stack) -> None:
+    _drain_one(stack, 16, 512, 0)
+
+
+@pytest.mark.slow
+def test_sixteen_long_streams_survive_a_drained_decode_worker_recomputed(stack: Stack) -> None:
+    _drain_one(stack, 16, 512, 1)
+
+
+@pytest.mark.slow
+def test_a_draining_decode_worker_without_a_kv_port_has_its_streams_recomputed(stack: Stack) -> None:
+    _drain_one(stack, STREAMS, TOKENS, 1)
 
 
 def test_streams_of_a_killed_decode_worker_go_on_elsewhere_exactly(stack: Stack) -> None:
     _kill_one(stack, STREAMS, TOKENS)
 
 
-def test_a_draining_decode_worker_hands_its_streams_back(stack: Stack) -> None:
-    _drain_one(stack, STREAMS, TOKENS, again=False)  # the module's last test: nothing needs the worker after
+def test_a_draining_decode_worker_hands_its_streams_and_their_kv_over(stack: Stack) -> None:
+    _drain_one(stack, STREAMS, TOKENS, 0, again=False)  # the module's last test: nothing needs the worker after
