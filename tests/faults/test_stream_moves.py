@@ -145,7 +145,11 @@ def _drain_one(stack: Stack, count: int, tokens: int, index: int, again: bool = 
     def moves(**labels: str) -> float:
         return metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, **labels)
 
-    before, failed = moves(reason="handed_back", kv=kv), moves(reason="kv_pull_failed")
+    def gaps() -> tuple[float, float]:
+        return (metric(stack.proxy.url, "proxy_stream_move_gap_seconds_sum", 0.0),
+                metric(stack.proxy.url, "proxy_stream_move_gap_seconds_count", 0.0))
+
+    before, failed, gaps_before = moves(reason="handed_back", kv=kv), moves(reason="kv_pull_failed"), gaps()
     got, want = _under_load(stack, drain, count, tokens)
     _assert_exact(got, want)
     moved, [drained] = [g for g in got if g.moves], picked
@@ -156,8 +160,10 @@ def _drain_one(stack: Stack, count: int, tokens: int, index: int, again: bool = 
     assert blocks >= len(moved) if kv == "pulled" else blocks == 0, blocks
     for worker in (stack.prefill, other):
         worker.wait_blocks_free(timeout=15)
+    (total, n), (total0, n0) = gaps(), gaps_before
     print(f"\ndrain, {count} streams of {tokens} tokens, KV {kv}: {len(moved)} handed back ({blocks:.0f} KV blocks "
-          f"pulled); the worker exited {took[0]:.2f} s after POST /drain; largest gap a client saw: "
+          f"pulled); the worker exited {took[0]:.2f} s after POST /drain; gap at the move (proxy) "
+          f"{(total - total0) / max(n - n0, 1) * 1000:.0f} ms on average; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
     if again:
         stack.decodes[stack.decodes.index(drained)] = stack._add(drained.restarted())
