@@ -169,6 +169,7 @@ def _drain_one(stack: Stack, count: int, tokens: int, index: int, again: bool = 
     _assert_exact(got, want)
     moved, [drained] = [g for g in got if g.moves], picked
     assert moved and "handed back" in drained.proc.output()
+    assert "drained: nothing left in flight" in drained.proc.output()   # it held nothing when it exited
     assert moves(reason="handed_back", kv=kv) - before >= len(moved)
     assert moves(reason="kv_pull_failed") == failed   # no pull of a handed-back stream's KV failed
     blocks = metric(other.url, PULLED, 0.0) - pulled[0]   # pulled from the drained worker, by the moved streams
