@@ -7,8 +7,9 @@ stream), the answer moves: the request goes, whole, to another decode worker wit
 has so far; that worker computes their KV with the prompt's, takes them as its own outputs and streams on
 from the next token. A draining worker may name where it holds the stream's KV (`kv_transfer_params` in its
 hand-back error): the new worker then gets a decode leg that pulls that KV over the transfer engine instead
-of recomputing it, and should that pull fail the answer moves once more, recomputed. The client sees one stream: no token twice, none missing; greedy and seeded
-answers come out as one worker's would. Only our workers resume (a vLLM server does not know the keys).
+of recomputing it, and should that pull fail the answer moves once more, recomputed. The client sees one
+stream: no token twice, none missing; greedy and seeded answers come out as one worker's would. Only our
+workers resume (a vLLM server does not know the keys).
 """
 from __future__ import annotations
 
