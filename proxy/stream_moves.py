@@ -5,8 +5,11 @@ common/stream_resume.py; the client sees them only if it asked). When its decode
 (the worker died: connection cut, or it left the pool) or handed back (a draining worker ended the
 stream), the answer moves: the request goes, whole, to another decode worker with the tokens the client
 has so far; that worker computes their KV with the prompt's, takes them as its own outputs and streams on
-from the next token. The client sees one stream: no token twice, none missing; greedy and seeded
-answers come out as one worker's would. Only our workers resume (a vLLM server does not know the keys).
+from the next token. A draining worker may name where it holds the stream's KV (`kv_transfer_params` in its
+hand-back error): the new worker then gets a decode leg that pulls that KV over the transfer engine instead
+of recomputing it, and should that pull fail the answer moves once more, recomputed. The client sees one
+stream: no token twice, none missing; greedy and seeded answers come out as one worker's would. Only our
+workers resume (a vLLM server does not know the keys).
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, HandoffError, PrefillHandoff
 from common.stream_resume import HANDED_BACK, RESUME_FROM, RESUME_TEXT, TOKEN_IDS, wants_token_ids
 from common.worker_record import VLLM_SERVER
-from proxy.errors import UpstreamUnavailable, WorkerLost
+from proxy.errors import ProxyError, UpstreamUnavailable, WorkerLost
 from proxy.flows import DecodeLeg
 from proxy.requests import ClientRequest
 from proxy.stitch import StreamStitcher
@@ -28,7 +32,8 @@ from proxy.workers import WorkerRecord
 
 log = logging.getLogger("proxy.stream_moves")
 MAX_MOVES = 4  # per answer: a stream that keeps losing its worker ends with the error at last
-REASONS = ("worker_lost", "handed_back")
+REASONS = ("worker_lost", "handed_back", "kv_pull_failed")
+KV_PATHS = ("pulled", "recomputed")   # how the new worker got the stream's KV: over the transfer engine, or not
 _GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _NOT_RESUMED = ("echo", "prompt_logprobs")  # shown once, at the start, by the first leg
 OpenLeg = Callable[[WorkerRecord, dict[str, Any], dict[str, str]], DecodeLeg]
@@ -39,12 +44,15 @@ class MoveMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.moves = Counter("proxy_stream_moves", "Streamed answers moved to another decode worker mid-answer, by "
-                             "reason: worker_lost (it died or left) or handed_back (it drained)", ["reason"],
+                             "reason: worker_lost (it died or left), handed_back (it drained) or kv_pull_failed (the "
+                             "new worker could not pull the KV the drained one held), and by how the new worker "
+                             "got the KV: kv=pulled (over the transfer engine) or kv=recomputed", ["reason", "kv"],
                              registry=registry)
         self.gaps = Histogram("proxy_stream_move_gap_seconds", "Time between the last event of a stream's lost "
                               "leg and the first of the leg it moved to", buckets=_GAP_BUCKETS, registry=registry)
         for reason in REASONS:
-            self.moves.labels(reason)
+            for kv in KV_PATHS:
+                self.moves.labels(reason, kv)
 
 
 def resumable(request: ClientRequest, decode: WorkerRecord) -> bool:
@@ -72,6 +80,8 @@ class StreamMover:
         self._ids: list[int] = []         # the answer's tokens so far (prefill's first)
         self._decode_seen = False         # the first decode leg repeats prefill's token: its ids replace it
         self._moved_from: float | None = None   # when the lost leg's last event came, until the next one comes
+        self._kv_from: PrefillHandoff | None = None   # where the worker that handed the stream back holds its KV
+        self._pulling = False             # the current leg pulls that KV and has sent nothing yet
         self._last = time.perf_counter()
         self.moves = 0
         self.largest_gap = 0.0
@@ -89,12 +99,15 @@ class StreamMover:
         """The reason the item a leg delivered means the leg is lost and the answer should move; None if not."""
         if isinstance(item, (UpstreamUnavailable, WorkerLost)):
             return "worker_lost"
+        if self._pulling and isinstance(item, ProxyError):
+            return "kv_pull_failed"
         if isinstance(item, str) and HANDED_BACK in item:
             try:
                 error = json.loads(item).get("error")
             except (ValueError, AttributeError):
                 return None
             if isinstance(error, dict) and error.get("type") == HANDED_BACK:
+                self._kv_from = _kv_source(error)
                 return "handed_back"
         return None
 
@@ -106,7 +119,7 @@ class StreamMover:
             gap, self._moved_from = now - self._moved_from, None
             self._metrics.gaps.observe(gap)
             self.largest_gap = max(self.largest_gap, gap)
-        self._last = now
+        self._last, self._pulling = now, False
         try:
             chunk = json.loads(data)
         except ValueError:
@@ -142,17 +155,34 @@ class StreamMover:
         self.moves += 1
         self._decode_seen = True  # a moved stream does not repeat a token
         worker = self._pick(leg.worker.kv_protocol)
-        log.info("answer %s: decode worker %s %s after %d tokens; resuming it on %s", self._uid,
-                 leg.worker.address, why.replace("_", " "), len(self._ids), worker.address)
-        self._metrics.moves.labels(why).inc()
+        kv_from, self._kv_from = (self._kv_from if why == "handed_back" else None), None
+        self._pulling = kv_from is not None
+        log.info("answer %s: decode worker %s %s after %d tokens; resuming it on %s (%s)", self._uid,
+                 leg.worker.address, why.replace("_", " "), len(self._ids), worker.address,
+                 "pulling its KV" if kv_from else "recomputing its KV")
+        self._metrics.moves.labels(why, "pulled" if kv_from else "recomputed").inc()
         self._moved_from = self._last
         text_chars = stitcher.resumed()
-        return self._open_leg(worker, self._resumed_body(text_chars),
-                              {"X-Request-Id": f"{self._uid}-moved{self.moves}"})
+        pull = None if kv_from is None else DecodeParams(kv_from.host, kv_from.port, kv_from.request_id,
+                                                         kv_from.engine_id)
+        uid = pull.request_id if pull is not None else f"{self._uid}-moved{self.moves}"
+        return self._open_leg(worker, self._resumed_body(text_chars, pull), {"X-Request-Id": uid})
 
-    def _resumed_body(self, text_chars: int) -> dict[str, Any]:
+    def _resumed_body(self, text_chars: int, pull: DecodeParams | None) -> dict[str, Any]:
         body = {k: v for k, v in self._request.body.items() if k not in _NOT_RESUMED}
         body.update({RESUME_FROM: list(self._ids), RESUME_TEXT: text_chars, TOKEN_IDS: True})
+        if pull is not None:
+            body[KV_TRANSFER_PARAMS] = pull.to_dict()
         if self._seed is not None:
             body["seed"] = self._seed
         return body
+
+
+def _kv_source(error: dict[str, Any]) -> PrefillHandoff | None:
+    """Where a hand-back error says the stream's KV waits; None when it names no complete place."""
+    try:
+        source = PrefillHandoff.parse(error.get(KV_TRANSFER_PARAMS) or {})
+    except HandoffError:
+        log.warning("a hand-back error names no usable kv_transfer_params: %r", error.get(KV_TRANSFER_PARAMS))
+        return None
+    return source if source.host and source.port and source.request_id else None

@@ -219,16 +219,26 @@ class Scheduler:
     def _can_admit(self, seq: Sequence) -> bool:
         return self._num_busy() < self.config.max_num_seqs and self.block_manager.can_allocate(seq)
 
-    def transfer_done(self, seq: Sequence, token_id: int) -> None:
-        """Decode: the prompt's KV arrived with the peer's first token; `seq` runs from here."""
+    def transfer_done(self, seq: Sequence, token_id: int | None) -> None:
+        """Decode: the prompt's KV arrived with the peer's first token; `seq` runs from here. None: a moved
+        stream's KV arrived, of every token it has but the newest, which the next step computes."""
         assert self.transferring.get(seq.request_id) is seq, f"{seq.request_id} is not transferring"
         del self.transferring[seq.request_id]
         seq.remote_kv = False  # from here on it is local: a preemption recomputes it
-        seq.num_computed_tokens = len(seq)   # the prompt's KV is in its blocks: only new tokens run here
-        self.block_manager.commit(seq, len(seq))   # pulled full blocks: a later prompt with this prefix reuses them
+        computed = len(seq) if token_id is not None else len(seq) - 1
+        seq.num_computed_tokens = computed   # the pulled KV is in its blocks: only new tokens run here
+        self.block_manager.commit(seq, computed)   # pulled full blocks: a later prompt with this prefix reuses them
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self.postprocess([seq], [token_id])
+        if token_id is not None:
+            self.postprocess([seq], [token_id])
+
+    def hold(self, seq: Sequence) -> None:
+        """Decode: a running sequence stops, its blocks held TRANSFERRING for another worker's pull (`release`
+        frees them)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.TRANSFERRING
+        self.transferring[seq.request_id] = seq
 
     def release(self, seq: Sequence, reason: str | None = None) -> None:
         """Frees a TRANSFERRING sequence's blocks (pulled, failed or abandoned); it is FINISHED."""

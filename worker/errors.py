@@ -12,6 +12,11 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.handoff import PrefillHandoff
+
 
 class WorkerError(Exception):
     """Base class of every error the engine raises."""
@@ -30,7 +35,11 @@ class DrainingError(WorkerError):
 
 
 class StreamHandedBack(DrainingError):
-    pass
+    """`kv`: where the worker that resumes the stream pulls its KV from (None: it recomputes it)."""
+
+    def __init__(self, message: str, kv: PrefillHandoff | None = None) -> None:
+        super().__init__(message)
+        self.kv = kv
 
 
 class ModelLoadError(WorkerError):

@@ -3,6 +3,9 @@
 A decode worker killed with SIGKILL mid-stream, then one drained (`--drain-hands-back-streams`):
 every stream completes, and its text, finish reason and usage are those of one `both` worker's
 answer to the same request, greedy and seeded alike (no token lost or repeated at the move).
+The first decode worker also holds its handed-back streams' KV (`--hand-back-kv-port`): drained, its
+streams' KV is pulled by the other one over the transfer engine; the other, drained, has its streams'
+KV recomputed.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from tests.proxy.conftest import Server, start_proxy
 from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 DECODE_FLAGS = ["--drain-hands-back-streams", "--drain-timeout", "60"]
+KV_FLAGS = [*DECODE_FLAGS, "--hand-back-kv-port", "0"]
+PULLED = "neuron_di_kv_blocks_pulled_total"
 STREAMS, TOKENS = 8, 96
 
 
@@ -29,7 +34,7 @@ class Stack:
         self.proxy: Server | None = None
 
     def start(self) -> None:
-        self.workers = start_workers(("prefill", "shm", ()), ("decode", "shm", DECODE_FLAGS),
+        self.workers = start_workers(("prefill", "shm", ()), ("decode", "shm", KV_FLAGS),
                                      ("decode", "shm", DECODE_FLAGS), ("both", "shm", ()))
         self.prefill, *self.decodes, self.both = self.workers
         self.proxy = start_proxy(["--prefill", f"127.0.0.1:{self.prefill.port}:{self.prefill.kv_port}",
@@ -60,9 +65,9 @@ def stack() -> Iterator[Stack]:
         started.stop()
 
 
-def _under_load(stack: Stack, act: "callable[[], None]", count: int = STREAMS,
-                tokens: int = TOKENS) -> tuple[list[Streamed], list[Streamed]]:
-    """`count` streams through the proxy; `act()` once every one has shown a few tokens; the streams and
+def _under_load(stack: Stack, act: "callable[[], None]", count: int = STREAMS, tokens: int = TOKENS,
+                after: int = 4) -> tuple[list[Streamed], list[Streamed]]:
+    """`count` streams through the proxy; `act()` once every one has shown `after` events; the streams and
     the `both` worker's answers to the same requests."""
     assert stack.proxy is not None
     model = httpx.get(f"{stack.both.url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -71,7 +76,7 @@ def _under_load(stack: Stack, act: "callable[[], None]", count: int = STREAMS,
 
     async def run() -> list[Streamed]:
         streams = asyncio.ensure_future(run_streams(stack.proxy.url, requests, progress))
-        await asyncio.to_thread(wait_until, lambda: min(progress) >= 4 or streams.done(), 60, 0.01, "tokens")
+        await asyncio.to_thread(wait_until, lambda: min(progress) >= after or streams.done(), 60, 0.01, "tokens")
         assert not streams.done(), "the streams ended before the fault: make them longer"
         await asyncio.to_thread(act)
         return await streams
@@ -88,6 +93,19 @@ def _assert_exact(got: list[Streamed], want: list[Streamed]) -> None:
         assert g.usage is not None and w.usage is not None
         assert (g.usage["prompt_tokens"], g.usage["completion_tokens"]) == \
                (w.usage["prompt_tokens"], w.usage["completion_tokens"]), i
+
+
+def _pulls(worker: WorkerProcess, since: float) -> str:
+    """How long the moved streams' pulls took on `worker`, from its timeline (common/timeline.py)."""
+    records = httpx.get(f"{worker.url}/timeline", params={"n": 64}, timeout=10).json()["requests"]
+    phases = [r["phases"] for r in records if r["phases"].get("admitted", 0.0) >= since and "first_step" in r["phases"]]
+    if not phases:
+        return "no pull of a moved stream on the timeline"
+    pull = sorted(p["lookup_answered"] - p["pull_started"] for p in phases if "lookup_answered" in p)
+    ready = sorted(p["first_step"] - p["admitted"] for p in phases)
+    return (f"{len(phases)} pulls of moved streams: lookup to KV in place {pull[len(pull) // 2] * 1000:.0f} ms "
+            f"median, {pull[-1] * 1000:.0f} ms max; admitted to first step {ready[len(ready) // 2] * 1000:.0f} ms "
+            f"median, {ready[-1] * 1000:.0f} ms max")
 
 
 def _busiest(stack: Stack, picked: list[WorkerProcess]) -> WorkerProcess:
@@ -115,29 +133,52 @@ def _kill_one(stack: Stack, count: int, tokens: int) -> None:
     stack.wait_decodes(2)
 
 
-def _drain_one(stack: Stack, count: int, tokens: int, again: bool = True) -> None:
-    """POST /drain to a decode worker mid-stream: it hands its streams back and exits; started `again` after."""
+def _drain_one(stack: Stack, count: int, tokens: int, index: int, again: bool = True, after: int = 4) -> None:
+    """POST /drain to decode worker `index` once every stream showed `after` events (0 holds its streams' KV for
+    a pull, 1 does not): it hands its streams back and exits; started `again` after."""
     assert stack.proxy is not None
     took: list[float] = []
     picked: list[WorkerProcess] = []
+    kv = "pulled" if index == 0 else "recomputed"
+    other = stack.decodes[1 - index]
+    pulled: list[float] = []
+    since: list[float] = []
 
     def drain() -> None:
-        drained = _busiest(stack, picked)
+        drained = stack.decodes[index]
+        picked.append(drained)
+        pulled.append(metric(other.url, PULLED, 0.0))   # every stream pulled its prompt's KV already
+        since.append(time.time())   # the wall clock, as the other worker's timeline has it
         started = time.monotonic()
         assert httpx.post(f"{drained.url}/drain", timeout=10).status_code == 202
         assert drained.proc.proc.wait(timeout=60) == 0, drained.proc.tail()
         took.append(time.monotonic() - started)
 
-    before = metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back")
-    got, want = _under_load(stack, drain, count, tokens)
+    def moves(**labels: str) -> float:
+        return metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, **labels)
+
+    def gaps() -> tuple[float, float]:
+        return (metric(stack.proxy.url, "proxy_stream_move_gap_seconds_sum", 0.0),
+                metric(stack.proxy.url, "proxy_stream_move_gap_seconds_count", 0.0))
+
+    before, failed, gaps_before = moves(reason="handed_back", kv=kv), moves(reason="kv_pull_failed"), gaps()
+    got, want = _under_load(stack, drain, count, tokens, after)
     _assert_exact(got, want)
     moved, [drained] = [g for g in got if g.moves], picked
     assert moved and "handed back" in drained.proc.output()
-    assert metric(stack.proxy.url, "proxy_stream_moves_total", 0.0, reason="handed_back") - before >= len(moved)
-    for worker in (stack.prefill, *(w for w in stack.decodes if w is not drained)):
+    assert "drained: nothing left in flight" in drained.proc.output()   # it held nothing when it exited
+    assert moves(reason="handed_back", kv=kv) - before >= len(moved)
+    assert moves(reason="kv_pull_failed") == failed   # no pull of a handed-back stream's KV failed
+    blocks = metric(other.url, PULLED, 0.0) - pulled[0]   # pulled from the drained worker, by the moved streams
+    assert blocks >= len(moved) if kv == "pulled" else blocks == 0, blocks
+    for worker in (stack.prefill, other):
         worker.wait_blocks_free(timeout=15)
-    print(f"\ndrain, {count} streams of {tokens} tokens: {len(moved)} handed back; the worker exited "
-          f"{took[0]:.2f} s after POST /drain; largest gap a client saw: "
+    (total, n), (total0, n0) = gaps(), gaps_before
+    if kv == "pulled":
+        print("\n" + _pulls(other, since[0]), end="")
+    print(f"\ndrain, {count} streams of {tokens} tokens, KV {kv}: {len(moved)} handed back ({blocks:.0f} KV blocks "
+          f"pulled); the worker exited {took[0]:.2f} s after POST /drain; gap at the move (proxy) "
+          f"{(total - total0) / max(n - n0, 1) * 1000:.0f} ms on average; largest gap a client saw: "
           f"{max(g.largest_gap for g in moved) * 1000:.0f} ms")
     if again:
         stack.decodes[stack.decodes.index(drained)] = stack._add(drained.restarted())
@@ -150,13 +191,23 @@ def test_sixteen_long_streams_survive_a_killed_decode_worker(stack: Stack) -> No
 
 
 @pytest.mark.slow
-def test_sixteen_long_streams_survive_a_drained_decode_worker(stack: Stack) -> None:
-    _drain_one(stack, 16, 512)
+def test_sixteen_long_streams_survive_a_drained_decode_worker_with_their_kv(stack: Stack) -> None:
+    _drain_one(stack, 16, 512, 0, after=256)   # half-way: the KV of prompt + 256 tokens moves
+
+
+@pytest.mark.slow
+def test_sixteen_long_streams_survive_a_drained_decode_worker_recomputed(stack: Stack) -> None:
+    _drain_one(stack, 16, 512, 1, after=256)
+
+
+@pytest.mark.slow
+def test_a_draining_decode_worker_without_a_kv_port_has_its_streams_recomputed(stack: Stack) -> None:
+    _drain_one(stack, STREAMS, TOKENS, 1)
 
 
 def test_streams_of_a_killed_decode_worker_go_on_elsewhere_exactly(stack: Stack) -> None:
     _kill_one(stack, STREAMS, TOKENS)
 
 
-def test_a_draining_decode_worker_hands_its_streams_back(stack: Stack) -> None:
-    _drain_one(stack, STREAMS, TOKENS, again=False)  # the module's last test: nothing needs the worker after
+def test_a_draining_decode_worker_hands_its_streams_and_their_kv_over(stack: Stack) -> None:
+    _drain_one(stack, STREAMS, TOKENS, 0, again=False)  # the module's last test: nothing needs the worker after

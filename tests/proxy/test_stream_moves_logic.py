@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from common.stream_resume import HANDED_BACK, RESUME_FROM, RESUME_TEXT, TOKEN_IDS
 from proxy import CHAT, COMPLETIONS, StreamStitcher, UpstreamUnavailable, WorkerRecord, parse_request
+from proxy.errors import UpstreamStatus
 from proxy.flows import DecodeLeg
 from proxy.stream_moves import MoveMetrics, StreamMover
 
@@ -103,3 +104,35 @@ def test_what_counts_as_a_lost_leg() -> None:
     assert mover.why_lost(json.dumps({"error": {"type": HANDED_BACK, "code": 503}})) == "handed_back"
     assert mover.why_lost(json.dumps({"error": {"type": "server_error", "code": 500}})) is None
     assert mover.why_lost(_chunk([1], text=HANDED_BACK)) is None
+
+
+def test_a_handed_back_stream_whose_kv_waits_is_pulled_and_recomputed_when_the_pull_fails() -> None:
+    """A hand-back naming where its KV waits: the next leg is a decode leg pulling it, under the id it is held by;
+    that leg failing before it sent anything moves the answer once more, recomputed."""
+    async def run() -> None:
+        mover, opened = _mover({"prompt": "hi", "max_tokens": 9})
+        first = mover.prefill_answer({"choices": [{"index": 0, "text": "a", "token_ids": [7]}]})
+        request = parse_request(COMPLETIONS, b'{"model": "m", "prompt": "hi", "stream": true}', True)
+        stitcher = StreamStitcher(request, "cmpl-uid", 0, first)
+        mover.observe(_chunk([7]))
+        mover.observe(_chunk([8]))
+        held = {"remote_host": "127.0.0.1", "remote_port": 9999, "remote_engine_id": "d1", "request_id": "uid"}
+        marker = json.dumps({"error": {"type": HANDED_BACK, "message": "draining", "kv_transfer_params": held}})
+        assert mover.why_lost(marker) == "handed_back"
+        mover.move(DecodeLeg(DECODE, asyncio.get_event_loop().create_future()), "handed_back", stitcher, None)
+        worker, body, headers = opened[0]
+        assert headers == {"X-Request-Id": "uid"} and body[RESUME_FROM] == [7, 8]
+        assert body["kv_transfer_params"] == {"role": "decode", **held}
+        failed = UpstreamStatus(503, b'{"error": {"type": "kv_transfer_error"}}', "decode", OTHER.address)
+        assert mover.why_lost(failed) == "kv_pull_failed"
+        mover.move(DecodeLeg(OTHER, asyncio.get_event_loop().create_future()), "kv_pull_failed", stitcher, failed)
+        _, body, headers = opened[1]
+        assert headers == {"X-Request-Id": "uid-moved2"} and "kv_transfer_params" not in body
+        assert body[RESUME_FROM] == [7, 8]
+        assert mover.why_lost(failed) is None   # a recomputing leg's error is the answer's
+        # A hand-back naming no complete place is recomputed.
+        assert mover.why_lost(json.dumps({"error": {"type": HANDED_BACK, "kv_transfer_params": {"x": 1}}})) \
+            == "handed_back"
+        mover.move(DecodeLeg(OTHER, asyncio.get_event_loop().create_future()), "handed_back", stitcher, None)
+        assert "kv_transfer_params" not in opened[2][1]
+    asyncio.run(run())

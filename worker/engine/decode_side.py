@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from common.handoff import DecodeParams, LegParams
 from worker.engine.request import Request, RequestOutput
-from worker.engine.roles import DisaggregatedRole, Leg
+from worker.engine.roles import DisaggregatedRole, EngineParts, Leg
+from worker.engine.kv_connector import KVConnector
+from worker.engine.stream_handoff import StreamHandOffs, source_blocks
 from worker.errors import KVTransferError
 from worker.model.sampler import skip_sample
 
@@ -18,6 +20,10 @@ class DecodeSide(DisaggregatedRole):
 
     name = "decode"
 
+    def __init__(self, parts: EngineParts, connector: KVConnector | None = None) -> None:
+        super().__init__(parts, connector)
+        self.hand_offs = StreamHandOffs(parts, self.kv)   # running streams handed to another decode worker
+
     def _leg(self, params: LegParams) -> Leg:
         assert isinstance(params, DecodeParams)
         return Leg(remote_kv=True, pull_target=params)
@@ -26,8 +32,11 @@ class DecodeSide(DisaggregatedRole):
         scheduler = self.parts.scheduler
         outputs: list[RequestOutput] = []
         results = self.kv.take_finished()
+        self.hand_offs.take_released()
         for request_id, token_id in results.done:
-            if (request := self._pulled(request_id)) is not None:
+            if (request := self._pulled(request_id)) is not None and request.num_output_tokens:
+                outputs.extend(self._resumed(request, token_id))
+            elif request is not None:
                 # Token 1 was sampled on the prefill worker from its copy of this generator.
                 skip_sample(self.parts.vocab_size, request.params, request.generator)
                 self.kv.pulled(request_id, len(request.block_table) - request.num_cached_blocks,
@@ -40,8 +49,8 @@ class DecodeSide(DisaggregatedRole):
                 outputs.append(self._fail(request, error))
         for request in scheduler.admit_transfers():
             try:
-                skipped = request.num_cached_blocks
-                self.kv.start_pull(request.request_id, request.pull_target, request.block_table[skipped:], skipped)
+                skipped, end = request.num_cached_blocks, source_blocks(request) if request.num_output_tokens else None
+                self.kv.start_pull(request.request_id, request.pull_target, request.block_table[skipped:end], skipped)
             except KVTransferError as exc:
                 outputs.append(self._fail(request, exc))
         return outputs
@@ -70,6 +79,18 @@ class DecodeSide(DisaggregatedRole):
             self.parts.requests.remove(request_id)
             return None
         return request
+
+    def _resumed(self, request: Request, token_id: int) -> list[RequestOutput]:
+        """A moved stream's KV arrived (its tokens came with the request): it decodes on from its newest token,
+        which the worker it left sent in the place of prefill's first, as a check that the KV is its own."""
+        if token_id != request.token_ids[-1]:
+            return [self._fail(request, KVTransferError(
+                f"the KV pulled for stream {request.request_id!r} ends with token {token_id}, not with its newest "
+                f"token {request.token_ids[-1]}", retryable=False))]
+        self.kv.pulled(request.request_id, source_blocks(request) - request.num_cached_blocks,
+                       request.num_cached_blocks)
+        self.parts.scheduler.transfer_done(request, None)
+        return []
 
     def _fail(self, request: Request, error: Exception) -> RequestOutput:
         self.parts.scheduler.release(request, "error")

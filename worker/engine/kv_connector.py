@@ -42,6 +42,8 @@ class KVConnectorConfig:
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
     integrity_check: bool = True           # decode: verify every pull with a CRC-32C the prefill sends
+    hand_back_port: int | None = None      # decode: serve handed-back streams' KV here (0 = a free port); None: no
+    hand_back_timeout: float = 3.0         # decode: free a handed-back stream's KV nobody pulled after this long
     secret: bytes | None = field(default=None, repr=False)   # the shared KV secret; None: unauthenticated
 
 
@@ -91,15 +93,17 @@ class KVConnector:
             pool = self._transfer.allocate_region(layout)
             self._block_bytes = layout.block_bytes
             engine_id = self.engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: one session per id
-            if self.role == "prefill":
-                self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host, cfg.kv_port,
-                                       on_release=self._on_release, abort_timeout=cfg.abort_timeout,
+            if self.role == "prefill" or cfg.hand_back_port is not None:
+                decode = self.role == "decode"
+                self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host,
+                                       cfg.hand_back_port if decode else cfg.kv_port, on_release=self._on_release,
+                                       abort_timeout=cfg.hand_back_timeout if decode else cfg.abort_timeout,
                                        transfer_timeout=cfg.pull_timeout,
                                        on_transfer=lambda seconds, blocks: self.on_transfer(
                                            seconds, blocks, blocks * layout.block_bytes), secret=cfg.secret,
                                        timeline=self.timeline)
                 self.send.start()
-            else:
+            if self.role == "decode":
                 self.recv = RecvBuffer(self._transfer, layout, engine_id, default_timeout=cfg.pull_timeout,
                                        on_finished=self._on_finished, secret=cfg.secret,
                                        integrity_check=cfg.integrity_check, timeline=self.timeline)

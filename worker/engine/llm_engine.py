@@ -119,7 +119,8 @@ class LLMEngine:
         the outputs of an answer another worker began (worker/engine/resumed.py).
         """
         self._validate(request_id, prompt_token_ids, params)
-        check_resumed(resumed.token_ids, params.max_tokens, self.model_config.vocab_size, leg is not None)
+        may_resume = leg is None or leg.role == self.config.role == "decode"   # a decode leg pulls a moved stream's KV
+        check_resumed(resumed.token_ids, params.max_tokens, self.model_config.vocab_size, not may_resume)
         spans = check_spans(mm or [], len(prompt_token_ids), self.model_config.hidden_size, self.kv_layout.torch_dtype)
         role_leg = self.role.leg(request_id, leg)
         if role_leg.pull_target is not None and params.prompt_logprobs is not None:

@@ -30,11 +30,12 @@ def take_resumed(request: Request, resumed: Resumed, vocab_size: int) -> None:
 
 
 def check_resumed(resumed: Sequence[int], max_tokens: int, vocab_size: int, is_leg: bool) -> None:
-    """InvalidRequestError unless `resumed` fits: fewer than max_tokens ids of the vocabulary, on a whole request."""
+    """InvalidRequestError unless `resumed` fits: fewer than max_tokens ids of the vocabulary, on a whole
+    request or a decode leg (which pulls their KV from the worker that began the answer)."""
     if not resumed:
         return
     if is_leg:
-        raise invalid("a resumed answer is a whole request, not a disaggregated leg", RESUME_FROM)
+        raise invalid("a resumed answer is a whole request or a decode leg, not a prefill leg", RESUME_FROM)
     if len(resumed) >= max_tokens:
         raise invalid(f"{len(resumed)} resumed tokens leave nothing of max_tokens {max_tokens} to generate",
                       RESUME_FROM)

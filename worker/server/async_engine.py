@@ -41,6 +41,7 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+    last: Callable[[LLMEngine, str], BaseException] | None = None   # made on the engine thread: the stream's end
 
 
 class _Stop:
@@ -139,6 +140,12 @@ class RequestStream:
         self._sink.queue.put_nowait(error)
         self._abort()
 
+    def hand_off(self, engine: AsyncEngine, last: Callable[[LLMEngine, str], BaseException]) -> None:
+        """Ends the request between two steps: the outputs it has are read first, then what `last` makes of it
+        on the engine thread (worker/server/hand_back.py)."""
+        self._abort.detach()
+        engine.abort(self.request_id, last)
+
     def abort(self) -> None:
         """Aborts the request unless it already ended; idempotent."""
         self._done = True
@@ -235,9 +242,10 @@ class AsyncEngine:
                 raise WorkerError("the engine stopped")
         admitted.result()
 
-    def abort(self, request_id: str) -> None:
-        """Aborts a request if it is still in flight; safe from any thread, any number of times."""
-        self._inbox.put(_Abort(request_id))
+    def abort(self, request_id: str, last: Callable[[LLMEngine, str], BaseException] | None = None) -> None:
+        """Aborts a request if it is still in flight; safe from any thread, any number of times. `last`: its
+        stream ends with what `last(engine, request_id)` returns, on the engine thread before the abort."""
+        self._inbox.put(_Abort(request_id, last))
 
     async def rebuild(self, factories: Sequence[Callable[[], LLMEngine]]) -> int:
         """Closes the engine, which must hold no request, and runs the first of `factories` that builds one;
@@ -312,7 +320,9 @@ class AsyncEngine:
             self._add(self._engine, command)
         elif isinstance(command, _Abort):
             # Also for a request that has ended here: a prefill leg's KV may still be held for a pull.
-            self._sinks.pop(command.request_id, None)
+            sink = self._sinks.pop(command.request_id, None)
+            if sink is not None and command.last is not None:
+                sink.put(command.last(self._engine, command.request_id))
             self._engine.abort_request(command.request_id)
         elif isinstance(command, _Stop):
             self._stopping.set()

@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--drain-hands-back-streams", action="store_true",
                         help="a drain ends each running stream after its tokens so far, for the proxy (with "
                              "--resume-streams) to go on with on another worker, instead of finishing it here")
+    server.add_argument("--hand-back-kv-port", type=int, default=None, metavar="PORT",
+                        help="decode, with --drain-hands-back-streams: a handed-back stream's KV waits on this "
+                             "signal-plane port (0: a free one) for the next decode worker to pull over the "
+                             "transfer engine, instead of that worker recomputing it (default: off)")
     add_traces_endpoint_flag(server)
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
@@ -152,6 +156,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     """Parses and validates everything up front; a bad value exits with status 2 and a clear message."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.hand_back_kv_port is not None and not (args.drain_hands_back_streams and args.role == "decode"
+                                                   and 0 <= args.hand_back_kv_port <= 65535):
+        parser.error("--hand-back-kv-port is a TCP port or 0, for a decode worker with --drain-hands-back-streams")
     if not 0 <= args.kv_port <= 65535:
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
@@ -229,7 +236,7 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
     worker = app.extensions["neuron_di_worker"]
     if args.drain_hands_back_streams:
         from worker.server.hand_back import HandBack
-        worker.drain.hand_back = HandBack()
+        worker.drain.hand_back = HandBack(worker.async_engine if args.hand_back_kv_port is not None else None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain.signal)
@@ -295,7 +302,8 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: 
         connector = KVConnector(KVConnectorConfig(
             role=config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
             engine_id=args.engine_id, abort_timeout=args.kv_abort_timeout,
-            pull_timeout=args.kv_pull_timeout, secret=args.kv_secret, integrity_check=args.kv_integrity_check))
+            pull_timeout=args.kv_pull_timeout, secret=args.kv_secret, integrity_check=args.kv_integrity_check,
+            hand_back_port=args.hand_back_kv_port if config.role == "decode" else None))
         try:
             return published(LLMEngine(config, kv_connector=connector, model=loaded))
         except BaseException:

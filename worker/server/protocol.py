@@ -268,6 +268,8 @@ def error_for(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
     else:
         status, err_type = 500, "server_error"
     body = error_body(status, str(exc) or type(exc).__name__, err_type, getattr(exc, "param", None))
+    if isinstance(exc, StreamHandedBack) and exc.kv is not None:   # where the next worker pulls the stream's KV
+        body["error"][KV_TRANSFER_PARAMS] = exc.kv.to_dict()
     return status, body, headers
 
 
