@@ -49,13 +49,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         started.append(nats)
         prefill, decode = start_workers(("prefill", "shm", ("--prefill-queue", nats.url)), ("decode", "shm", ()))
         started += [prefill, decode]
-        proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
-                             "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
-                             "--health-interval", "0.5"])
-        started.append(proxy.process)
-        queued = start_proxy([f"--prefill=127.0.0.1:{prefill.port}:{prefill.kv_port}",
-                              "--decode", f"127.0.0.1:{decode.port}", "--prefill-queue", nats.url])
-        started.append(queued.process)
+        with ThreadPoolExecutor(2) as pool:   # started side by side
+            starting = [pool.submit(start_proxy, args) for args in (
+                ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port), "--decode-ip", "127.0.0.1",
+                 "--decode-port", str(decode.port), "--health-interval", "0.5"],
+                [f"--prefill=127.0.0.1:{prefill.port}:{prefill.kv_port}", "--decode", f"127.0.0.1:{decode.port}",
+                 "--prefill-queue", nats.url])]
+        started += [future.result().process for future in starting if future.exception() is None]
+        proxy, queued = (future.result() for future in starting)
         for url in (proxy.url, queued.url):
             wait_until(lambda: httpx.get(f"{url}/ready", timeout=5).status_code == 200, what="proxy ready")
         short = _with_short_for(QUEUE_ALERT, SHORT_FOR, tmp_path_factory.mktemp("rules") / "short_for.yml")
