@@ -34,7 +34,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, StatusCode
 
 from common import timeline as tl
-from common.tracing import Tracing, context_from, headers
+from common.tracing import Tracing, context_from, export_span_counts, headers
 
 REQUEST = "request"       # a worker's pseudo-phase: the HTTP request arrived (the root span starts)
 RESPONDED = "responded"   # a worker's pseudo-phase: the last byte of its answer went out (the root span ends)
@@ -158,12 +158,14 @@ class PhaseSpans:
 
 
 def attach(tracing: Tracing | None, timeline: tl.Timeline | None, http: bool = True) -> PhaseSpans | None:
-    """Traces `timeline`'s requests (once; None when tracing is off or there is no timeline)."""
+    """Traces `timeline`'s requests (once; None when tracing is off or there is no timeline). Its registry
+    shows the span counters either way (0 with tracing off)."""
+    if timeline is not None:
+        export_span_counts(timeline.registry, tracing)
     if tracing is None or timeline is None:
         return None
     if not isinstance(timeline.listener, PhaseSpans):
         timeline.listener = PhaseSpans(tracing, timeline.source, http=http)
-        tracing.export_counts(timeline.registry)
     return timeline.listener
 
 

@@ -5,7 +5,8 @@ is None without `--otlp-traces-endpoint`, and every caller then does nothing. Sp
 thread in batches (the SDK's BatchSpanProcessor): a request never waits for the collector. A span that
 cannot leave (the queue is full because the collector is slow or unreachable, or an export failed) is
 dropped and counted: `neuron_di_trace_spans_dropped_total` next to `neuron_di_trace_spans_exported_total`
-on the process's `/metrics`.
+on the process's `/metrics`; a process that does not trace shows both at 0 (`export_span_counts`), so one
+dashboard panel reads every stack.
 
 W3C trace context (`traceparent`) carries a request's trace between processes: `headers(context)` for a
 leg's HTTP headers, `context_from(carrier)` where it arrives.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import weakref
 from typing import Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
@@ -132,7 +134,6 @@ class Tracing:
         self._provider = TracerProvider(resource=Resource.create({"service.name": service}), shutdown_on_exit=False)
         self._provider.add_span_processor(_BoundedProcessor(batch, self.counts))
         self.tracer: Tracer = self._provider.get_tracer("neuron_di")
-        self._registries: set[int] = set()
 
     @classmethod
     def start(cls, endpoint: str | None, service: str) -> Tracing | None:
@@ -141,12 +142,6 @@ class Tracing:
             return None
         log.info("tracing: %s spans go to %s", service, endpoint)
         return cls(endpoint, service)
-
-    def export_counts(self, registry: CollectorRegistry) -> None:
-        """Shows the exported/dropped counters on `registry` (once per registry)."""
-        if id(registry) not in self._registries:
-            self._registries.add(id(registry))
-            registry.register(_CountsCollector(self.counts))
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         return self._provider.force_flush(int(timeout_s * 1000))
@@ -157,6 +152,17 @@ class Tracing:
         self.flush(timeout_s)
         self._exporter.closed = True
         self._provider.shutdown()
+
+
+_COUNTED: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()   # registries showing span counters
+
+
+def export_span_counts(registry: CollectorRegistry, tracing: Tracing | None) -> None:
+    """Shows `tracing`'s exported/dropped span counters on `registry`, both 0 when `tracing` is None (tracing
+    off); once per registry."""
+    if registry not in _COUNTED:
+        _COUNTED.add(registry)
+        registry.register(_CountsCollector(tracing.counts if tracing is not None else SpanCounts()))
 
 
 def headers(context: Context) -> dict[str, str]:

@@ -28,11 +28,11 @@ def prometheus_binary(name: str = "prometheus") -> str:
     return binary
 
 
-def scrape_config(jobs: Mapping[str, Sequence[str]], interval_s: float, rules: Path = ALERTS) -> str:
-    """prometheus.yml scraping each job's `host:port` targets every `interval_s`, with `rules`."""
+def scrape_config(jobs: Mapping[str, Sequence[str]], interval_s: float, rules: Sequence[Path] = (ALERTS,)) -> str:
+    """prometheus.yml scraping each job's `host:port` targets every `interval_s`, with the rule files `rules`."""
     every = f"{round(interval_s * 1000)}ms"
     lines = ["global:", f"  scrape_interval: {every}", f"  evaluation_interval: {every}",
-             "rule_files:", f"  - {rules}", "scrape_configs:"]
+             "rule_files:", *(f"  - {path}" for path in rules), "scrape_configs:"]
     for job, targets in jobs.items():
         lines += [f"  - job_name: {job}", "    static_configs:",
                   "      - targets: [" + ", ".join(f'"{t}"' for t in targets) + "]"]
@@ -40,14 +40,16 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], interval_s: float, rules: P
 
 
 class PrometheusServer:
-    """A started Prometheus scraping `jobs` (job name -> targets) every `interval_s`; `stop()` ends it."""
+    """A started Prometheus scraping `jobs` (job name -> targets) every `interval_s` with the rule files `rules`;
+    `stop()` ends it."""
 
-    def __init__(self, jobs: Mapping[str, Sequence[str]], interval_s: float = 1.0, timeout_s: float = 30.0) -> None:
+    def __init__(self, jobs: Mapping[str, Sequence[str]], interval_s: float = 1.0, timeout_s: float = 30.0,
+                 rules: Sequence[Path] = (ALERTS,)) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="neuron-di-prometheus-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = self.dir / "prometheus.yml"
-        config.write_text(scrape_config(jobs, interval_s))
+        config.write_text(scrape_config(jobs, interval_s, rules))
         try:
             self.process = Process("prometheus", [f"--config.file={config}", f"--storage.tsdb.path={self.dir / 'data'}",
                                                   f"--web.listen-address=127.0.0.1:{self.port}"],
@@ -70,6 +72,11 @@ class PrometheusServer:
 
     def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
         return self.api("query_range", query=expr, start=start, end=end, step=step_s)["result"]
+
+    def rule_states(self, alert: str) -> dict[str, str]:
+        """Rule group -> the state (inactive, pending, firing) of alert rule `alert` in it."""
+        return {group["name"]: rule["state"] for group in self.api("rules", type="alert")["groups"]
+                for rule in group["rules"] if rule["name"] == alert}
 
     def metric_names(self) -> set[str]:
         return set(self.api("label/__name__/values"))

@@ -19,12 +19,14 @@ from vllm.v1.request import RequestStatus
 from common.kv_events import KVEventsConfig
 from common.tracing import Tracing
 from neuron_connector.vllm.config import NeuronConnectorConfig
+from neuron_connector.vllm.held_metrics import HeldBlocksPromMetrics, HeldBlocksReport, HeldBlocksStats
 from neuron_connector.vllm.orders import Scheduled, StepOrders
 from neuron_connector.vllm.plan import SchedulerPlan
 from neuron_connector.vllm.worker_side import Plane, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -78,6 +80,7 @@ class NeuronConnector(KVConnectorBase_V1):
         self._plan = (SchedulerPlan(self.config.role, block_size, model)
                       if role == KVConnectorRole.SCHEDULER else None)
         self._plane: Plane | None = None   # the scheduler side's copy of the worker side's address
+        self._held_report = HeldBlocksReport()
         tracing = Tracing.start(vllm_config.observability_config.otlp_traces_endpoint,
                                 f"neuron-di-{self.config.role}-connector") if role == KVConnectorRole.WORKER else None
         self._worker = WorkerSide(self.config, model, tracing) if role == KVConnectorRole.WORKER else None
@@ -112,6 +115,27 @@ class NeuronConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         """Published blocks wait for their pull: vLLM waits for them to be freed rather than preempt."""
         return self._plan is not None and self._plan.holds_blocks()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side of a prefill worker: the blocks held for pulls (held_metrics.py)."""
+        if self._plan is None or self.config.role != "prefill":
+            return None
+        return self._held_report.take(*self._plan.held())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HeldBlocksStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        """A prefill server's held-blocks gauges on vLLM's /metrics."""
+        transfer = vllm_config.kv_transfer_config
+        config = NeuronConnectorConfig.from_vllm(transfer.kv_role, transfer.kv_connector_extra_config)
+        if config.role != "prefill":
+            return None
+        return HeldBlocksPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                                     config.abort_timeout)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         shown = [m.plane for m in metadata.values() if isinstance(m, NeuronHandshakeMetadata)]

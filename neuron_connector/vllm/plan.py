@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from common.held_blocks import HeldBlocks
 from common.timeline import ADMITTED, FIRST_STEP
 from common.handoff import DecodeParams, LegParams, PrefillParams
 from neuron_connector.vllm.legs import blocks_to_pull, leg_params, prefill_leg_body, prompt_blocks
@@ -43,7 +44,7 @@ class SchedulerPlan:
         self._pulled: set[str] = set()       # a preempted request computes again instead of pulling twice
         self._first_step: set[str] = set()   # pulled requests not scheduled since
         self._prefills: dict[str, _Prefill] = {}
-        self._held: set[str] = set()         # prefill: published, not released yet
+        self._held = HeldBlocks()            # prefill: published, not released yet
         self._orders = StepOrders()
 
     def leg(self, request_id: str, params: dict[str, Any] | None) -> LegParams | None:
@@ -145,18 +146,23 @@ class SchedulerPlan:
 
     def sent(self, request_ids: Iterable[str]) -> None:
         """The worker side released these requests' published blocks (vLLM frees them now)."""
-        self._held.difference_update(request_ids)
+        for request_id in request_ids:
+            self._held.release(request_id)
 
     def holds_blocks(self) -> bool:
         """Whether published blocks wait for their pull (or release): vLLM must not preempt meanwhile."""
-        return bool(self._held)
+        return len(self._held) > 0
+
+    def held(self) -> tuple[int, float]:
+        """Blocks published and not released yet, and how long the oldest set has waited (0 when none)."""
+        return self._held.snapshot()
 
     def take_orders(self) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
         return orders
 
     def _publish(self, request_id: str, uid: str, blocks: tuple[int, ...], first_token: int | None = None) -> None:
-        self._held.add(request_id)
+        self._held.hold(request_id, len(blocks))
         self._orders.publish.append(Publish(request_id, uid, blocks, first_token))
 
     def _mark(self, uid: str, phase: str) -> None:

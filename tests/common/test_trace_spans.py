@@ -78,7 +78,11 @@ def test_spans_an_unreachable_endpoint_cannot_take_are_dropped_and_counted() -> 
 
 def test_tracing_is_off_without_an_endpoint() -> None:
     assert Tracing.start(None, "x") is None and Tracing.start("", "x") is None
-    assert attach(None, tl.Timeline(tl.PROXY)) is None
+    timeline = tl.Timeline(tl.PROXY)
+    assert attach(None, timeline) is None and attach(None, timeline) is None
+    page = generate_latest(timeline.registry).decode()   # the counters a dashboard reads exist, once, at 0
+    assert page.count("neuron_di_trace_spans_exported_total 0.0") == page.count(
+        "neuron_di_trace_spans_dropped_total 0.0") == 1
 
 
 def test_a_prefill_leg_that_fails_before_it_publishes_ends_its_spans_with_its_answer(receiver: OTLPReceiver) -> None:

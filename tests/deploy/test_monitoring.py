@@ -1,17 +1,24 @@
 """A real Prometheus scraping a real 1P1D stack (our worker): the alert rules check and pass their unit tests,
 every metric the Grafana dashboard queries exists in the live scrape, the phase histograms count each request
-once, and the proxy's GET /status shows the fleet."""
+once, and the proxy's GET /status shows the fleet. A second proxy puts its prefill legs on a real NATS
+JetStream prefill queue the same prefill worker takes them from: stopping that worker while requests arrive
+grows the queue until Prometheus raises PrefillQueueGrowing."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 import yaml
 
+from stack.nats import NatsServer
 from stack.prometheus import ALERTS, PrometheusServer, dashboard_queries, prometheus_binary
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
@@ -22,37 +29,59 @@ STREAMED, WHOLE = 3, 2   # requests sent through the proxy: streamed completions
 BODY = {"model": "neuron-di-builtin", "prompt": "def fibonacci(n):\n    ", "max_tokens": 6, "temperature": 0.0}
 CHAT = {"model": "neuron-di-builtin", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
         "temperature": 0.0}
+QUEUE_ALERT, SHORT_FOR = "PrefillQueueGrowing", "1s"
+PROXY, QUEUED = "neuron-di-proxy", "neuron-di-proxy-queued"   # the jobs scraping the two proxies
+BACKLOG = 3   # requests that arrive at the queued proxy while the prefill worker is stopped
 
 
 class Fleet:
-    def __init__(self, proxy: Server, prefill: WorkerProcess, decode: WorkerProcess,
+    def __init__(self, proxy: Server, queued: Server, prefill: WorkerProcess, decode: WorkerProcess,
                  prometheus: PrometheusServer) -> None:
-        self.proxy, self.prefill, self.decode, self.prometheus = proxy, prefill, decode, prometheus
+        self.proxy, self.queued, self.prefill, self.decode, self.prometheus = proxy, queued, prefill, decode, prometheus
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     prometheus_binary()  # a clear error if it is not installed
     started: list = []
     try:
-        prefill, decode = start_workers(("prefill", "shm", ()), ("decode", "shm", ()))
+        nats = NatsServer()
+        started.append(nats)
+        prefill, decode = start_workers(("prefill", "shm", ("--prefill-queue", nats.url)), ("decode", "shm", ()))
         started += [prefill, decode]
-        proxy = start_proxy(["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
-                             "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
-                             "--health-interval", "0.5"])
-        started.append(proxy.process)
-        wait_until(lambda: httpx.get(f"{proxy.url}/ready", timeout=5).status_code == 200, what="proxy ready")
-        prometheus = PrometheusServer({"neuron-di-proxy": [f"127.0.0.1:{proxy.port}"],
+        with ThreadPoolExecutor(2) as pool:   # started side by side
+            starting = [pool.submit(start_proxy, args) for args in (
+                ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port), "--decode-ip", "127.0.0.1",
+                 "--decode-port", str(decode.port), "--health-interval", "0.5"],
+                [f"--prefill=127.0.0.1:{prefill.port}:{prefill.kv_port}", "--decode", f"127.0.0.1:{decode.port}",
+                 "--prefill-queue", nats.url])]
+        started += [future.result().process for future in starting if future.exception() is None]
+        proxy, queued = (future.result() for future in starting)
+        for url in (proxy.url, queued.url):
+            wait_until(lambda: httpx.get(f"{url}/ready", timeout=5).status_code == 200, what="proxy ready")
+        short = _with_short_for(QUEUE_ALERT, SHORT_FOR, tmp_path_factory.mktemp("rules") / "short_for.yml")
+        prometheus = PrometheusServer({PROXY: [f"127.0.0.1:{proxy.port}"], QUEUED: [f"127.0.0.1:{queued.port}"],
                                        "neuron-di-prefill": [f"127.0.0.1:{prefill.port}"],
-                                       "neuron-di-decode": [f"127.0.0.1:{decode.port}"]}, interval_s=0.5)
+                                       "neuron-di-decode": [f"127.0.0.1:{decode.port}"]}, interval_s=0.5,
+                                      rules=(ALERTS, short))
         started.append(prometheus)
         _send_requests(proxy.url)
-        prometheus.wait_for('count(up == 1) == 3')
+        prometheus.wait_for('count(up == 1) == 4')
         prometheus.wait_for(f'sum(proxy_phase_seconds_count{{phase="request"}}) == {STREAMED + WHOLE}')
-        yield Fleet(proxy, prefill, decode, prometheus)
+        yield Fleet(proxy, queued, prefill, decode, prometheus)
     finally:
         for item in reversed(started):
             item.stop()
+
+
+def _with_short_for(alert: str, for_: str, path: Path) -> Path:
+    """A rule file of one group holding the shipped rule `alert` (same expression) with `for: for_`: a live
+    test cannot wait the shipped minutes."""
+    [rule] = [dict(r) for group in yaml.safe_load(ALERTS.read_text())["groups"] for r in group["rules"]
+              if r.get("alert") == alert]
+    rule["for"] = for_
+    path.write_text(yaml.safe_dump({"groups": [{"name": f"short-for-{alert}", "rules": [rule]}]}))
+    return path
 
 
 def _send_requests(url: str) -> None:
@@ -112,11 +141,12 @@ def test_phase_histograms_count_each_request_once_by_flow_and_path(fleet: Fleet)
 
     remote = {"flow": "concurrent", "path": "remote"}
     for phase in ("prefill_answer", "decode_first", "handoff", "request"):
-        assert count("proxy_phase_seconds_count", phase=phase, **remote) == STREAMED + WHOLE, phase
-    assert count("proxy_phase_seconds_count", phase="first_token", **remote) == STREAMED
-    assert count("proxy_transfer_share_ratio_count", **remote) == STREAMED + WHOLE
+        assert count("proxy_phase_seconds_count", job=PROXY, phase=phase, **remote) == STREAMED + WHOLE, phase
+    assert count("proxy_phase_seconds_count", job=PROXY, phase="first_token", **remote) == STREAMED
+    assert count("proxy_transfer_share_ratio_count", job=PROXY, **remote) == STREAMED + WHOLE
     assert count("proxy_prefill_queue_depth") == 0
-    assert count("proxy_healthy_workers", role="prefill") == count("proxy_healthy_workers", role="decode") == 1
+    assert count("proxy_healthy_workers", job=PROXY, role="prefill") == count(
+        "proxy_healthy_workers", job=PROXY, role="decode") == 1
 
 
 def test_status_shows_workers_by_role_their_load_and_phase_percentiles(fleet: Fleet) -> None:
@@ -143,3 +173,29 @@ def test_prefill_worker_shows_no_block_held_once_pulled(fleet: Fleet) -> None:
     assert fleet.prefill.metric("neuron_di_kv_abort_timeout_seconds") == 60
     assert fleet.decode.metric("neuron_di_draining") == fleet.prefill.metric("neuron_di_draining") == 0
 
+
+
+def test_a_prefill_queue_growing_while_its_worker_is_stopped_raises_the_alert_live(fleet: Fleet) -> None:
+    """The shipped rule goes pending (its `for:` is 5 minutes), its copy with a 1 s `for:` fires; every request
+    queued meanwhile is answered once the worker runs again, and the queue drains."""
+    depth = f'proxy_prefill_queue_depth{{job="{QUEUED}"}}'
+    assert fleet.prometheus.rule_states(QUEUE_ALERT) == {"neuron-di": "inactive", f"short-for-{QUEUE_ALERT}": "inactive"}
+    pid = fleet.prefill.proc.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    with ThreadPoolExecutor(BACKLOG) as pool:
+        try:
+            answers = []
+            for waiting in range(1, BACKLOG + 1):   # one more job each scrape or so: the queue grows
+                answers.append(pool.submit(httpx.post, f"{fleet.queued.url}/v1/completions", json=BODY, timeout=60))
+                fleet.prometheus.wait_for(f"{depth} >= {waiting}")
+            raised = {"neuron-di": "pending", f"short-for-{QUEUE_ALERT}": "firing"}
+            wait_until(lambda: fleet.prometheus.rule_states(QUEUE_ALERT) == raised, timeout=30, interval=0.2,
+                       what=f"{QUEUE_ALERT} pending (shipped) and firing (short for)")
+            [alert] = [a for a in fleet.prometheus.api("alerts")["alerts"]
+                       if a["labels"]["alertname"] == QUEUE_ALERT and a["state"] == "firing"]
+            assert alert["labels"]["job"] == QUEUED and float(alert["value"]) == BACKLOG
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [answer.result().status_code for answer in answers] == [200] * BACKLOG
+    fleet.prometheus.wait_for(f"{depth} == 0")
+    fleet.prefill.wait_blocks_free()

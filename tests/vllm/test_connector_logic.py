@@ -4,7 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from neuron_connector.vllm import NeuronConnectorConfig
+from neuron_connector.vllm.held_metrics import HeldBlocksPromMetrics, HeldBlocksReport
 from neuron_connector.vllm.legs import blocks_to_pull, prompt_blocks
 from neuron_connector.vllm.orders import Publish, Pull, Release, RemotePrefill, Scheduled
 from neuron_connector.vllm.plan import SchedulerPlan
@@ -135,6 +140,32 @@ def test_prefill_publishes_in_the_step_that_completes_its_prompt() -> None:
     assert plan.take_orders().publish == []
     plan.sent({"r1"})
     assert not plan.holds_blocks()
+
+
+def test_prefill_reports_the_blocks_it_holds_to_vllms_metrics_until_none_are_left() -> None:
+    plan, report, registry = SchedulerPlan("prefill", block_size=4), HeldBlocksReport(), CollectorRegistry()
+
+    class OwnGauge(Gauge):   # vLLM's gauge class, on a registry of the test's own
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    metrics = HeldBlocksPromMetrics(SimpleNamespace(kv_transfer_config=None),
+                                    {Gauge: OwnGauge, Counter: Counter, Histogram: Histogram},
+                                    ["model_name", "engine"], {0: ["m", "0"]}, abort_timeout=8.0)
+    labels = {"model_name": "m", "engine": "0"}
+
+    def gauge(name: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert (gauge("neuron_di_kv_blocks_held"), gauge("neuron_di_kv_abort_timeout_seconds")) == (0, 8.0)
+    assert plan.finished("r1", {"role": "prefill", "request_id": "u1"}, [4, 8, 2], 10, first_token=7) is True
+    assert plan.finished("r2", {"role": "prefill", "request_id": "u2"}, [5], 3, first_token=7) is True
+    metrics.observe(report.take(*plan.held()).data)   # type: ignore[union-attr]
+    assert gauge("neuron_di_kv_blocks_held") == 3 + 1 and 0 <= gauge("neuron_di_kv_held_oldest_seconds") < 5
+    plan.sent({"r1", "r2"})
+    metrics.observe(report.take(*plan.held()).data)   # type: ignore[union-attr]
+    assert gauge("neuron_di_kv_blocks_held") == gauge("neuron_di_kv_held_oldest_seconds") == 0
+    assert report.take(*plan.held()) is None          # nothing more to say until blocks are held again
 
 
 def test_prefill_published_then_stopped_is_discarded_once_released() -> None:

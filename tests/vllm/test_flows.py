@@ -20,10 +20,12 @@ import pytest
 
 from stack.etcd import EtcdServer
 from stack.serving import Stack
+from stack.vllm import SERVED_NAME
 from stack.worker_metrics import metric
 from tests.proxy.conftest import Server, start_proxy
 from tests.vllm.client import Seen, answers, body
-from tests.vllm.conftest import OPTIONS
+from tests.helpers import wait_until
+from tests.vllm.conftest import ABORT_TIMEOUT, OPTIONS
 from tests.vllm.test_parity import kv_usage_back_to_zero
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs it)")
@@ -103,7 +105,7 @@ def test_flow_answers_as_one_vllm_server(reference: Stack, neuron_stack: Stack, 
 
 def test_prefill_answer_names_where_its_blocks_wait(neuron_stack: Stack) -> None:
     """What prefill_first hands to decode: the vLLM prefill server's own kv_transfer_params, which a decode
-    leg then pulls from."""
+    leg then pulls from. The prefill server's /metrics shows its blocks held for the pull, 0 once pulled."""
     uid = uuid.uuid4().hex
     prefill, decode = neuron_stack.worker_urls["prefill"], neuron_stack.worker_urls["decode"]
     leg = {**body("/v1/completions", "where do my blocks wait? " * 20, 1, False, temperature=0),
@@ -113,8 +115,12 @@ def test_prefill_answer_names_where_its_blocks_wait(neuron_stack: Stack) -> None
     params = first.json()["kv_transfer_params"]
     assert params["request_id"] == uid and params["remote_port"] == neuron_stack.kv_ports["prefill"]
     assert params["remote_host"] == "127.0.0.1" and params["remote_engine_id"]
+    wait_until(lambda: metric(prefill, "neuron_di_kv_blocks_held") > 0, timeout=10, what="blocks held on /metrics")
+    assert metric(prefill, "neuron_di_kv_abort_timeout_seconds", model_name=SERVED_NAME, engine="0") == ABORT_TIMEOUT
     rest = httpx.post(f"{decode}/v1/completions", timeout=60, json={
         **body("/v1/completions", "where do my blocks wait? " * 20, 4, False, temperature=0),
         "kv_transfer_params": {"role": "decode", **params}})
     assert rest.status_code == 200 and rest.json()["usage"]["completion_tokens"] == 4, rest.text
     kv_usage_back_to_zero(neuron_stack)
+    wait_until(lambda: metric(prefill, "neuron_di_kv_blocks_held") == metric(
+        prefill, "neuron_di_kv_held_oldest_seconds") == 0, timeout=10, what="no block held once pulled")

@@ -59,8 +59,13 @@ def test_unpulled_blocks_are_freed_after_the_abort_timeout(stack: Stack) -> None
     assert response.status_code == 200, response.text
     held_at = time.monotonic()
     assert metric(prefill, "vllm:kv_cache_usage_perc") > 0     # its blocks wait for a pull
+    assert metric(prefill, "neuron_di_kv_blocks_held") > 0      # and /metrics says how many, and for how long
+    wait_until(lambda: metric(prefill, "neuron_di_kv_held_oldest_seconds") >= 2, timeout=ABORT_TIMEOUT,
+               what="the oldest held set's age growing while the server is idle")
     nothing_held(prefill, timeout=ABORT_TIMEOUT + 20)
     assert time.monotonic() - held_at >= ABORT_TIMEOUT - 1
+    wait_until(lambda: metric(prefill, "neuron_di_kv_blocks_held") == metric(
+        prefill, "neuron_di_kv_held_oldest_seconds") == 0, timeout=10, what="no block held after the abort timeout")
 
 
 def test_layout_mismatch_is_refused_at_handshake(stack: Stack) -> None:

@@ -24,7 +24,7 @@ from common.timeline import ADMITTED, FIRST_STEP, PULL_REPORTED, Timeline
 from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, IntegrityError, ProtocolError,
                               PullState, RecvBuffer, SendBuffer, UnknownRequest)
 from transfer import KVLayout, TransferError, create_transfer_engine
-from worker.engine.held_blocks import HeldBlocks
+from common.held_blocks import HeldBlocks
 from worker.errors import KVTransferError
 
 logger = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.held_blocks import ABORT_TIMEOUT, BLOCKS_HELD, HELD_OLDEST
 from worker.engine.kv_connector import KVConnector
 
 
@@ -24,12 +25,8 @@ class _FleetGauges(Collector):
         if self._connector is None or self._connector.role != "prefill":
             return
         blocks, oldest = self._connector.held.snapshot()
-        for name, doc, value in (
-                ("neuron_di_kv_blocks_held", "Prefill: KV blocks held for a decode peer's pull", blocks),
-                ("neuron_di_kv_held_oldest_seconds", "Prefill: how long the oldest block set held for a pull has "
-                 "waited (0 when none is)", oldest),
-                ("neuron_di_kv_abort_timeout_seconds", "Prefill: --kv-abort-timeout, after which blocks nobody "
-                 "pulled are freed", self._connector.config.abort_timeout)):
+        for (name, doc), value in ((BLOCKS_HELD, blocks), (HELD_OLDEST, oldest),
+                                   (ABORT_TIMEOUT, self._connector.config.abort_timeout)):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric([self._model], float(value))
             yield family
