@@ -4,7 +4,9 @@ Each SendBuffer and RecvBuffer draws a random incarnation when it starts and nam
 handshake. A process restarted at the same address, even with the same engine id, is another
 incarnation: a decode worker binds every pull to the prefill incarnation its first lookup went to
 and fails the pull when another one answers there; a prefill worker refuses, terminally, a lookup
-addressed to an incarnation that is not its own (it never had that request's KV).
+addressed to an incarnation that is not its own (it never had that request's KV), and frees the
+blocks it holds for a decode engine's old incarnation as soon as its new one has a session, never
+handing them to the new one (`other_life`).
 """
 from __future__ import annotations
 
@@ -23,4 +25,14 @@ def stale_lookup(message: LookupAll, ours: str, engine_id: str) -> ErrorReply | 
         return None
     return ErrorReply(f"lookup of {message.request_id!r} is addressed to incarnation {message.incarnation} of "
                       f"prefill {engine_id}, which restarted since (now {ours}) and never had its KV",
+                      STALE_INCARNATION, LookupAll.TYPE, message.request_id)
+
+
+def other_life(message: LookupAll, engine_id: str, bound: str | None) -> ErrorReply | None:
+    """The refusal of a lookup from decode engine `engine_id` of a request bound to its incarnation `bound`,
+    another than the one asking (the engine restarted since its prefill leg came), if it is."""
+    if bound is None:
+        return None
+    return ErrorReply(f"request {message.request_id!r} was held for incarnation {bound} of decode engine "
+                      f"{engine_id!r}, which restarted since; its blocks are freed, not handed over",
                       STALE_INCARNATION, LookupAll.TYPE, message.request_id)

@@ -11,7 +11,7 @@ from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeli
 from common.trace_spans import PUSH_SPAN, spans_of
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
-from neuron_connector.incarnation import new_incarnation, stale_lookup
+from neuron_connector.incarnation import new_incarnation, other_life, stale_lookup
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
@@ -174,6 +174,7 @@ class SendBuffer:
             self._sessions.drop_gone(self._alive)
         with self._lock:
             orphans = self._pullers.orphans(time.monotonic())
+            self.stats.replaced = self._pullers.replaced
             for rid, engine in orphans:
                 self._table.release(rid, engine.encode(), time.monotonic())
         for rid, engine in orphans:
@@ -232,7 +233,7 @@ class SendBuffer:
         refusal = self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)
         if refusal is not None:
             return refusal
-        session = self._sessions.open(identity, message.engine_id, message.nonce)
+        session = self._sessions.open(identity, message.engine_id, message.nonce, message.incarnation)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
                               authenticated=self._secret is not None, incarnation=self.incarnation)
 
@@ -295,13 +296,19 @@ class SendBuffer:
             return ErrorReply(f"connection {identity.hex()} has not completed the handshake",
                               HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
         if (refusal := stale_lookup(message, self.incarnation, self.engine_id)) is not None:
+            self.stats.stale_lookups += 1
+            return refusal
+        with self._lock:
+            refusal = other_life(message, session.engine_id, self._pullers.bound_elsewhere(rid, session.incarnation))
+        if refusal is not None:
+            self.stats.stale_lookups += 1
             return refusal
         peer = session.transfer_peer
         identity = session.engine_id.encode()     # the table knows peers by their engine id
         with self._lock:
             decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device, message.skipped_blocks)
             if isinstance(decision, (NotReady, Start)):
-                self._pullers.looked_up(rid, session.engine_id, time.monotonic())
+                self._pullers.looked_up(rid, session.engine_id, time.monotonic(), session.incarnation)
         if isinstance(decision, NotReady):
             self.stats.not_ready += 1
             with self._lock:
