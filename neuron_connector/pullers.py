@@ -37,7 +37,6 @@ class Pullers:
     _lives: dict[str, str] = field(default_factory=dict)       # engine id -> its latest session's incarnation
     _replaced: list[tuple[str, str]] = field(default_factory=list)   # orphans of an engine that restarted
     _probed_at: float = 0.0
-    replaced: int = 0      # requests orphaned because their decode engine came back as another incarnation
 
     def probe_due(self, now: float) -> bool:
         """Whether to probe the sessions now: twice a second while a request waits for its puller (with
@@ -84,7 +83,6 @@ class Pullers:
             old = [rid for rid, (engine, _) in self._expected.items()
                    if engine == engine_id and self._bound_to.get(rid) not in (None, incarnation)]
             self._replaced += [(rid, engine_id) for rid in old]
-            self.replaced += len(old)
             for rid in old:   # still bound (refused to the new life) until `orphans` hands them to the owner
                 del self._expected[rid]
         self._lives[engine_id] = incarnation

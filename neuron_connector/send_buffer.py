@@ -11,7 +11,7 @@ from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeli
 from common.trace_spans import PUSH_SPAN, spans_of
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
-from neuron_connector.incarnation import new_incarnation, other_life, stale_lookup
+from neuron_connector.incarnation import new_incarnation, stale_lookup
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
@@ -47,9 +47,9 @@ class SendBuffer:
 
     Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake
     names; with a `secret` it is established only once the peer proved it holds the secret, and this
-    side proves it back. A request whose decode engine (named by `expect`, or by its first lookup) lost
-    its session is released within seconds (`pullers.Pullers`). A lookup addressed to another
-    incarnation of this engine (`incarnation`, drawn at `start`) is refused."""
+    side proves it back. A request whose decode engine (named by `expect`, or by its first lookup) lost its
+    session or came back as another incarnation is released within seconds (`pullers.Pullers`); a lookup
+    naming another life of either side than the one its request is held for is refused (`incarnation`)."""
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
@@ -174,7 +174,6 @@ class SendBuffer:
             self._sessions.drop_gone(self._alive)
         with self._lock:
             orphans = self._pullers.orphans(time.monotonic())
-            self.stats.replaced = self._pullers.replaced
             for rid, engine in orphans:
                 self._table.release(rid, engine.encode(), time.monotonic())
         for rid, engine in orphans:
@@ -295,17 +294,12 @@ class SendBuffer:
             # that never authenticated: it must complete the handshake first.
             return ErrorReply(f"connection {identity.hex()} has not completed the handshake",
                               HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
-        if (refusal := stale_lookup(message, self.incarnation, self.engine_id)) is not None:
-            self.stats.stale_lookups += 1
-            return refusal
+        peer, identity = session.transfer_peer, session.engine_id.encode()   # the table knows peers by engine id
         with self._lock:
-            refusal = other_life(message, session.engine_id, self._pullers.bound_elsewhere(rid, session.incarnation))
-        if refusal is not None:
-            self.stats.stale_lookups += 1
-            return refusal
-        peer = session.transfer_peer
-        identity = session.engine_id.encode()     # the table knows peers by their engine id
-        with self._lock:
+            bound = self._pullers.bound_elsewhere(rid, session.incarnation)
+            if (refusal := stale_lookup(message, self.incarnation, self.engine_id, session.engine_id, bound)):
+                self.stats.stale_lookups += 1
+                return refusal
             decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device, message.skipped_blocks)
             if isinstance(decision, (NotReady, Start)):
                 self._pullers.looked_up(rid, session.engine_id, time.monotonic(), session.incarnation)

@@ -22,7 +22,6 @@ class SendStats:
     orphaned: int = 0          # requests released because the decode engine that was to pull them is gone
     stale_pushes: int = 0      # pushes refused: the decode peer no longer held its blocks for the handoff
     stale_lookups: int = 0     # lookups refused: addressed to another incarnation of either side
-    replaced: int = 0          # requests released because their decode engine restarted (another incarnation)
 
 
 @dataclass(frozen=True, slots=True)
