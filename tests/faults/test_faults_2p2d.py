@@ -10,7 +10,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from faults.judge import Campaign
+from faults.judge import BLOCKS_FREE_WITHIN_S, Campaign
 from faults.load import Load, LoadSize, Tally, prompts
 from faults.scenarios import SCENARIOS
 from faults.stacks import FaultStack, start_2p2d
@@ -74,7 +74,7 @@ def test_legs_on_killed_workers_that_never_answered_are_sent_again_and_answer_ex
     asyncio.run(tally.add_load(load, campaign.reference))
     assert tally.ok == tally.sent == 8, (tally.problems, tally.errors)
     live = {name: url for name, url in stack.stack.worker_urls.items() if name not in victims}
-    assert not any(wait_workers_free(live).values())
+    assert not any(wait_workers_free(live, BLOCKS_FREE_WITHIN_S).values())
 
 
 def _inflight(metrics: str, address: str) -> float:
