@@ -116,6 +116,7 @@ def test_a_killed_decode_worker_frees_the_prefill_blocks_held_for_it(prefill: li
     victim = WorkerProcess("decode", "tcp")
     try:
         _one_request(prefill[0], victim)
+        assert victim.metric("neuron_di_kv_fenced_handoffs_total") == 1   # its one pull, fenced
         _hold_for(prefill[0], victim.engine_id)
         assert prefill[0].blocks_used() > 0
         killed = time.monotonic()
