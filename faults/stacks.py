@@ -33,11 +33,12 @@ ABORT_TIMEOUT_S = 10
 PULL_TIMEOUT_S = 20
 PULL_HOLD_S = PULL_TIMEOUT_S + 5
 ETCD_TTL_S = 2
-# Streams move off a lost or drained decode worker (docs/stream-moves.md), as a production stack would run.
+# Streams move off a lost or drained decode worker (docs/stream-moves.md), and a request whose leg was lost before
+# it answered goes again to survivors (docs/faults.md), as a production stack would run.
 FAULT_OPTIONS = StackOptions(kv_transport="tcp",  # a killed shm worker cannot unlink its pool
                              worker_extra=("--kv-abort-timeout", str(ABORT_TIMEOUT_S),
                                            "--kv-pull-timeout", str(PULL_TIMEOUT_S), "--drain-hands-back-streams"),
-                             proxy_extra=("--resume-streams",))
+                             proxy_extra=("--resume-streams", "--resend-lost-legs", "2"))
 
 
 @dataclass

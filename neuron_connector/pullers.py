@@ -9,6 +9,12 @@ signal plane handshakes again well within that); every request expected by a los
 orphaned, once, and its owner releases it as if the engine had released it. A request still
 expected after `max_age` (its owner's abort timeout: it was never published, or already freed
 without a word here) is forgotten.
+
+A request is bound to the incarnation of its engine (neuron_connector.incarnation) that had the session
+when the request learnt its puller (none while the engine has no session: then to the first that looks
+it up). A decode worker restarted with the same engine id is another incarnation: when it gets its
+session, every request bound to the old one is orphaned at once (the new process never asked for them),
+however soon it came back, and a lookup of one from the new incarnation is refused (`bound_elsewhere`).
 """
 from __future__ import annotations
 
@@ -25,8 +31,11 @@ class Pullers:
     grace: float = DEFAULT_GRACE_S
     max_age: float = 60.0
     _expected: dict[str, tuple[str, float]] = field(default_factory=dict)   # request id -> (engine, since)
+    _bound_to: dict[str, str] = field(default_factory=dict)    # request id -> the incarnation of its engine
     _lost: dict[str, float] = field(default_factory=dict)      # engine id -> when its last session went
     _seen: set[str] = field(default_factory=set)               # engines that had a session here
+    _lives: dict[str, str] = field(default_factory=dict)       # engine id -> its latest session's incarnation
+    _replaced: list[tuple[str, str]] = field(default_factory=list)   # orphans of an engine that restarted
     _probed_at: float = 0.0
 
     def probe_due(self, now: float) -> bool:
@@ -39,20 +48,44 @@ class Pullers:
 
     def expect(self, request_id: str, engine_id: str, now: float) -> None:
         """`engine_id` will pull `request_id`, as its prefill leg says (a lookup seen first says more)."""
-        self._expected.setdefault(request_id, (engine_id, now))
-
-    def looked_up(self, request_id: str, engine_id: str, now: float) -> None:
-        """`engine_id` asked for `request_id`: it is the puller (the leg may have been sent elsewhere)."""
+        if request_id in self._expected:
+            return
         self._expected[request_id] = (engine_id, now)
+        if engine_id in self._lives and engine_id not in self._lost:
+            self._bound_to[request_id] = self._lives[engine_id]
+
+    def looked_up(self, request_id: str, engine_id: str, now: float, incarnation: str | None = None) -> None:
+        """`engine_id` (in its life `incarnation`) asked for `request_id`: it is the puller (the leg may have
+        been sent elsewhere)."""
+        self._expected[request_id] = (engine_id, now)
+        self._bound_to.pop(request_id, None)
+        if incarnation is not None:
+            self._bound_to[request_id] = incarnation
+
+    def bound_elsewhere(self, request_id: str, incarnation: str | None) -> str | None:
+        """The incarnation `request_id` is bound to, when it is not `incarnation` (None if it is, or unknown)."""
+        bound = self._bound_to.get(request_id)
+        return bound if incarnation is not None and bound not in (None, incarnation) else None
 
     def forget(self, request_ids: list[str]) -> None:
         """The requests' blocks were released: nothing to watch any more."""
         for request_id in request_ids:
             self._expected.pop(request_id, None)
+            self._bound_to.pop(request_id, None)
 
-    def session_up(self, engine_id: str) -> None:
+    def session_up(self, engine_id: str, incarnation: str | None = None) -> None:
+        """The engine got a session, in its life `incarnation`: a new one orphans the old one's requests."""
         self._seen.add(engine_id)
         self._lost.pop(engine_id, None)
+        if incarnation is None:
+            return
+        if self._lives.get(engine_id, incarnation) != incarnation:
+            old = [rid for rid, (engine, _) in self._expected.items()
+                   if engine == engine_id and self._bound_to.get(rid) not in (None, incarnation)]
+            self._replaced += [(rid, engine_id) for rid in old]
+            for rid in old:   # still bound (refused to the new life) until `orphans` hands them to the owner
+                del self._expected[rid]
+        self._lives[engine_id] = incarnation
 
     def session_gone(self, engine_id: str, now: float) -> None:
         """The engine's session went and no other holds its id."""
@@ -66,7 +99,11 @@ class Pullers:
         found = [(rid, engine) for rid, (engine, _) in self._expected.items() if engine in gone]
         for rid in old + [rid for rid, _ in found if rid not in old]:
             del self._expected[rid]
-        return [(rid, engine) for rid, engine in found if rid not in old]
+            self._bound_to.pop(rid, None)
+        replaced, self._replaced = self._replaced, []
+        for rid, _ in replaced:
+            self._bound_to.pop(rid, None)
+        return replaced + [(rid, engine) for rid, engine in found if rid not in old]
 
     def __len__(self) -> int:
         return len(self._expected)

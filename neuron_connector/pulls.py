@@ -108,6 +108,8 @@ class PullTracker:
         self._incarnations: dict[str, str | None] = {}   # peer -> the incarnation its latest handshake named
         self.stale_replies = 0                     # replies naming a handoff generation not current
         self.quarantined = 0                       # pulls ended while a writer held their blocks
+        self.fenced = 0                            # pulls whose blocks were opened for their handoff generation
+        self.other_incarnation = 0                 # pulls failed: another incarnation of their peer answered
 
     def add(self, request_id: str, peer: str, dst: list[int], deadline: float, now: float,
             engine_id: str | None = None, skipped: int | None = None, traceparent: str | None = None,
@@ -118,6 +120,7 @@ class PullTracker:
             raise DuplicateRequest(f"a pull of request {request_id!r} is already registered")
         self._pulls[request_id] = _Pull(request_id, peer, tuple(dst), deadline, now, self.first_backoff,
                                         engine_id, skipped, traceparent, generation=generation)
+        self.fenced += generation is not None
 
     def due(self, now: float, ready_peers: set[str]) -> list[tuple[str, LookupAll]]:
         """(peer, lookup) pairs to send now; marks them outstanding."""
@@ -159,6 +162,7 @@ class PullTracker:
         for pull in self._pulls.values():
             if (pull.peer == peer and pull.result is PENDING and incarnation is not None
                     and pull.incarnation not in (None, incarnation)):
+                self.other_incarnation += 1
                 self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
                     f"pull of {pull.request_id!r}: prefill {engine_id} at {peer} restarted (incarnation "
                     f"{pull.incarnation}, now {incarnation}); the new process never had its KV")))

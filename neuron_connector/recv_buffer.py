@@ -154,6 +154,11 @@ class RecvBuffer:
         """Pulls that ended while their writer still held their blocks (freed once it let go)."""
         return self._pulls.quarantined
 
+    @property
+    def fence_counts(self) -> tuple[int, int]:
+        """(pulls whose blocks a handoff fence guarded, pulls failed because another incarnation answered)."""
+        return self._pulls.fenced, self._pulls.other_incarnation
+
     def _fences(self) -> Fences | None:
         return getattr(self._engine, "fences", None)
 

@@ -47,9 +47,9 @@ class SendBuffer:
 
     Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake
     names; with a `secret` it is established only once the peer proved it holds the secret, and this
-    side proves it back. A request whose decode engine (named by `expect`, or by its first lookup) lost
-    its session is released within seconds (`pullers.Pullers`). A lookup addressed to another
-    incarnation of this engine (`incarnation`, drawn at `start`) is refused."""
+    side proves it back. A request whose decode engine (named by `expect`, or by its first lookup) lost its
+    session or came back as another incarnation is released within seconds (`pullers.Pullers`); a lookup
+    naming another life of either side than the one its request is held for is refused (`incarnation`)."""
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
@@ -232,7 +232,7 @@ class SendBuffer:
         refusal = self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)
         if refusal is not None:
             return refusal
-        session = self._sessions.open(identity, message.engine_id, message.nonce)
+        session = self._sessions.open(identity, message.engine_id, message.nonce, message.incarnation)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
                               authenticated=self._secret is not None, incarnation=self.incarnation)
 
@@ -294,14 +294,15 @@ class SendBuffer:
             # that never authenticated: it must complete the handshake first.
             return ErrorReply(f"connection {identity.hex()} has not completed the handshake",
                               HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
-        if (refusal := stale_lookup(message, self.incarnation, self.engine_id)) is not None:
-            return refusal
-        peer = session.transfer_peer
-        identity = session.engine_id.encode()     # the table knows peers by their engine id
+        peer, identity = session.transfer_peer, session.engine_id.encode()   # the table knows peers by engine id
         with self._lock:
+            bound = self._pullers.bound_elsewhere(rid, session.incarnation)
+            if (refusal := stale_lookup(message, self.incarnation, self.engine_id, session.engine_id, bound)):
+                self.stats.stale_lookups += 1
+                return refusal
             decision = self._table.lookup(rid, identity, message.block_ids_in_peer_device, message.skipped_blocks)
             if isinstance(decision, (NotReady, Start)):
-                self._pullers.looked_up(rid, session.engine_id, time.monotonic())
+                self._pullers.looked_up(rid, session.engine_id, time.monotonic(), session.incarnation)
         if isinstance(decision, NotReady):
             self.stats.not_ready += 1
             with self._lock:

@@ -21,6 +21,7 @@ class SendStats:
     engine_id_conflicts: int = 0   # handshakes naming the engine id of another live session
     orphaned: int = 0          # requests released because the decode engine that was to pull them is gone
     stale_pushes: int = 0      # pushes refused: the decode peer no longer held its blocks for the handoff
+    stale_lookups: int = 0     # lookups refused: addressed to another incarnation of either side
 
 
 @dataclass(frozen=True, slots=True)

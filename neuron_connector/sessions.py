@@ -28,6 +28,7 @@ class Session:
     client_nonce: str
     server_nonce: str
     transfer_peer: str | None = None
+    incarnation: str | None = None   # this life of the decode worker's signal plane, as its handshake names it
 
     @property
     def established(self) -> bool:
@@ -40,9 +41,10 @@ class Session:
 class SessionTable:
     """Sessions by routing id, and the session each engine id is bound to; not thread-safe.
     `on_bound(engine_id)` is called when an engine id gets bound, `on_unbound(engine_id, now)` when
-    its session went and no other holds it (a decode worker of ours gone, or reconnecting)."""
+    its session went and no other holds it (a decode worker of ours gone, or reconnecting); `on_bound` is
+    given the incarnation the session's handshake named too."""
 
-    def __init__(self, on_bound: Callable[[str], None] = lambda engine_id: None,
+    def __init__(self, on_bound: Callable[[str, str | None], None] = lambda engine_id, incarnation: None,
                  on_unbound: Callable[[str, float], None] = lambda engine_id, now: None) -> None:
         self._sessions: dict[bytes, Session] = {}
         self._bound: dict[str, bytes] = {}
@@ -65,14 +67,15 @@ class SessionTable:
         other = self._bound.get(engine_id)
         return None if other == routing_id else other
 
-    def open(self, routing_id: bytes, engine_id: str, client_nonce: str) -> Session:
-        """(Re)starts the connection's session as `engine_id` with a fresh server nonce; a
-        resent handshake of the same attempt (same client nonce) keeps the one it was given."""
+    def open(self, routing_id: bytes, engine_id: str, client_nonce: str, incarnation: str | None = None) -> Session:
+        """(Re)starts the connection's session as `engine_id` (in its life `incarnation`) with a fresh server
+        nonce; a resent handshake of the same attempt (same client nonce) keeps the one it was given."""
         session = self._sessions.get(routing_id)
         if session is not None and (session.engine_id, session.client_nonce) == (engine_id, client_nonce):
             return session
         self.drop(routing_id)
-        session = self._sessions[routing_id] = Session(routing_id, engine_id, client_nonce, new_nonce())
+        session = self._sessions[routing_id] = Session(routing_id, engine_id, client_nonce, new_nonce(),
+                                                       incarnation=incarnation)
         return session
 
     def establish(self, session: Session, transfer_peer: str) -> None:
@@ -80,7 +83,7 @@ class SessionTable:
         when `holder(session.engine_id, session.routing_id)` is None."""
         session.transfer_peer = transfer_peer
         self._bound[session.engine_id] = session.routing_id
-        self._on_bound(session.engine_id)
+        self._on_bound(session.engine_id, session.incarnation)
 
     def drop(self, routing_id: bytes) -> Session | None:
         """Forgets the connection's session (its peer is gone, or it starts anew)."""

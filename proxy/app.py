@@ -53,7 +53,7 @@ class ProxyState:
         attach(self.tracing, self.timeline)
         self.forwarder = Forwarder(self.pool, self.client, self.metrics, config.colocated, config.strategy,
                                    self.conditional, self.timeline, self.prefill_queue, config.resume_streams,
-                                   self.kv)
+                                   self.kv, config.resend_lost_legs)
         self.discovery = EtcdDiscovery(self.pool, *config.etcd) if config.etcd else None
         self.health = HealthChecks(self.pool, self.client, config.health_timeout, config.workers, config.kv_ports_given)
         self.metrics.registry.register(PoolCollector(self.pool, _needed_roles(self), lambda: self.health.draining))

@@ -45,6 +45,7 @@ class ProxyConfig:
     conditional: ConditionalConfig | None = None
     prefill_queue: str | None = None  # nats://HOST:PORT of the global prefill queue; None: prefill legs over HTTP
     resume_streams: bool = False  # a stream whose decode worker is lost goes on on another (proxy/stream_moves.py)
+    resend_lost_legs: int = 0  # times a request whose leg was lost before it answered is sent again (proxy/resend.py)
     kv_routing: kv_route.KVRoutingConfig | None = None   # --routing kv (proxy/kv_route.py); None: round-robin
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP endpoint of trace spans (common/tracing.py); None: off
 
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-streams", action="store_true",
                    help="a streamed answer whose decode worker dies or hands it back (drain) goes on on another "
                         "decode worker from the tokens already sent (our workers)")
+    p.add_argument("--resend-lost-legs", type=int, default=0, metavar="N",
+                   help="send a request again, up to N times, on other workers when a leg of it was lost (its "
+                        "worker died) before any byte reached the client (default 0: only a leg that never "
+                        "started is sent elsewhere, once)")
     add_traces_endpoint_flag(p)
     cond = p.add_argument_group("conditional disaggregation (di mode)")
     cond.add_argument("--conditional-disaggregation", action="store_true",
@@ -150,6 +155,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        shutdown_grace=args.shutdown_grace,
                        strategy=args.disaggregation_strategy, conditional=_conditional(args),
                        prefill_queue=_prefill_queue(args), resume_streams=args.resume_streams,
+                       resend_lost_legs=max(0, args.resend_lost_legs),
                        kv_routing=kv_route.routing_config(args, load_tokenizer),
                        otlp_traces_endpoint=args.otlp_traces_endpoint)
 

@@ -18,7 +18,6 @@ from proxy.abandon import Abandoner
 from proxy.answers import Answer, AnswerAssembler, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
-from proxy.errors import UpstreamStatus, UpstreamUnavailable
 from proxy.flows import DEFAULT_STRATEGY, DecodeLeg, decode_first, flow_for
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
@@ -27,6 +26,7 @@ from proxy.leg_client import LegClient, Took
 from proxy.metrics import Metrics
 from proxy.prefill_queue import PrefillQueue
 from proxy.queued_flow import QueuedFlow, queue_legs
+from proxy.resend import LegResender
 from proxy.phase_timeline import LOCAL, REMOTE, PhaseTimeline
 from proxy.requests import ClientRequest, leg_seed, prefill_alone, prefill_token_used, refuse_unserved
 from proxy.stream_moves import MoveMetrics, StreamMover, resumable, with_token_ids
@@ -42,7 +42,7 @@ class Forwarder:
     def __init__(self, pool: WorkerPool, clients: Callable[[WorkerRecord], Upstream], metrics: Metrics,
                  colocated: bool, strategy: str = DEFAULT_STRATEGY, conditional: ConditionalRouter | None = None,
                  timeline: PhaseTimeline | None = None, prefill_queue: PrefillQueue | None = None,
-                 resume_streams: bool = False, kv: KVRouter | None = None) -> None:
+                 resume_streams: bool = False, kv: KVRouter | None = None, resends: int = 0) -> None:
         self._pool = pool
         self._kv = kv  # --routing kv: picks both workers by cached prefix against load
         self.timeline = timeline if timeline is not None else PhaseTimeline(metrics.registry)
@@ -56,6 +56,7 @@ class Forwarder:
         self._queued = None if prefill_queue is None else QueuedFlow(
             prefill_queue, self.legs.start_decode, self._abandoner.abandon, strategy == "prefill_first")
         self._moves = MoveMetrics(metrics.registry) if resume_streams else None  # proxy/stream_moves.py
+        self._resender = LegResender(pool, clients, metrics.registry, resends)  # proxy/resend.py
 
     async def handle(self, request: ClientRequest) -> Answer:
         """The answer to `request`. Disaggregated, image parts are encoded first, on an encode worker
@@ -104,24 +105,25 @@ class Forwarder:
         """The client's body to `worker`, its answer relayed (under the request id `uid`, whose timeline it ends,
         if given); a leg that never started goes to another worker of its role; `took` is told which took it."""
         started = time.perf_counter()
-        leg = self.legs.start_decode(worker, request, request.body, {"X-Request-Id": uid or uuid.uuid4().hex}, took)
-        return await self._assembler.relay(request, uid, leg, started)
+
+        async def attempt(worker: WorkerRecord) -> Answer:
+            leg = self.legs.start_decode(worker, request, request.body, {"X-Request-Id": uid or uuid.uuid4().hex},
+                                         took)
+            return await self._assembler.relay(request, uid, leg, started)
+        return await self._resender.single(attempt, worker)
 
     async def _disaggregated(self, request: ClientRequest, received: float, decode: WorkerRecord | None = None,
                              took: Took | None = None, prefill: WorkerRecord | None = None) -> Answer:
         """`received`: when the request arrived (time.time()); `decode`: the decode worker conditional
         disaggregation weighed the request against, if it suits; `prefill`: the one KV routing picked. A prefill
         leg that never started (a draining worker refused it, or its connection was refused) goes to another
-        prefill worker, with a new decode leg naming that one."""
+        prefill worker, with a new decode leg naming that one; with --resend-lost-legs a leg lost before the
+        client had a byte sends the request again (proxy/resend.py)."""
         prefill = prefill or self._pool.next("prefill")
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
-        try:
-            return await self._handoff(request, received, prefill, decode, took)
-        except (UpstreamStatus, UpstreamUnavailable) as exc:
-            if exc.role != "prefill":
-                raise
-            return await self._handoff(request, received, self.legs.elsewhere(prefill, exc), decode, took)
+        return await self._resender.disaggregated(
+            lambda prefill, decode: self._handoff(request, received, prefill, decode, took), prefill, decode)
 
     async def _handoff(self, request: ClientRequest, received: float, prefill: WorkerRecord, decode: WorkerRecord,
                        took: Took | None) -> Answer:

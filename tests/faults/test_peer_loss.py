@@ -8,13 +8,17 @@ it abandoned, so only the workers' own detection frees anything), and one restar
 - a prefill worker killed -9: its decode peer fails the pulls from it at once and frees their blocks,
   not at the pull deadline plus its grace (35 s);
 - a prefill worker restarted at its address with its --engine-id under load: no answer differs from
-  one `both` worker's, and no block stays held (slow).
+  one `both` worker's, and no block stays held (slow);
+- a decode worker back with its --engine-id as another process: the prefill frees what the old life was to
+  pull at the new life's first session, and hands it none of it (slow).
 
 Each wait polls with a deadline far below those timeouts; the measured seconds are printed (-s).
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from typing import Iterator
@@ -26,7 +30,7 @@ from faults.load import Load, LoadSize, Reference, Tally, prompts
 from tests.di.workers import decode_body, disaggregated, prefill_body
 from tests.helpers import wait_until
 from tests.proxy.conftest import start_proxy
-from tests.worker_process import WorkerProcess
+from tests.worker_process import WorkerProcess, start_workers
 
 FREED_WITHIN_S = 10.0   # a generous deadline for what the workers free within a few seconds
 BODY = {"model": "neuron-di-builtin", "prompt": list(range(50, 90)), "max_tokens": 4, "temperature": 0,
@@ -112,20 +116,74 @@ def test_a_killed_decode_worker_frees_the_prefill_blocks_held_for_it(prefill: li
     victim = WorkerProcess("decode", "tcp")
     try:
         _one_request(prefill[0], victim)
-        engine_id = victim.engine_id
-        for _ in range(LEGS):   # prefill legs whose decode legs never come: their KV waits for the victim
-            uid = uuid.uuid4().hex
-            body = prefill_body(BODY, uid)
-            body["kv_transfer_params"]["decode_engine_id"] = engine_id
-            reply = httpx.post(f"{prefill[0].url}/v1/completions", json=body, headers={"X-Request-Id": uid},
-                               timeout=60)
-            assert reply.status_code == 200, reply.text
+        assert victim.metric("neuron_di_kv_fenced_handoffs_total") == 1   # its one pull, fenced
+        _hold_for(prefill[0], victim.engine_id)
         assert prefill[0].blocks_used() > 0
         killed = time.monotonic()
         victim.proc.kill()
         _freed(prefill[0], killed, "decode killed -> the prefill's blocks held for it free")
     finally:
         victim.stop()
+
+
+def _hold_for(prefill: WorkerProcess, engine_id: str, count: int = LEGS) -> None:
+    """Prefill legs naming decode engine `engine_id` whose decode legs never come: their KV waits for it."""
+    for _ in range(count):
+        uid = uuid.uuid4().hex
+        body = prefill_body(BODY, uid)
+        body["kv_transfer_params"]["decode_engine_id"] = engine_id
+        reply = httpx.post(f"{prefill.url}/v1/completions", json=body, headers={"X-Request-Id": uid}, timeout=60)
+        assert reply.status_code == 200, reply.text
+
+
+def _through(prefill: WorkerProcess, decode: WorkerProcess, bodies: list[dict]) -> list[httpx.Response]:
+    """Each body's two legs sent as the proxy sends them; a request that failed is aborted on the prefill
+    worker, as the proxy aborts it."""
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            replies = []
+            for body in bodies:
+                uid = uuid.uuid4().hex
+                first, rest = await disaggregated(client, prefill, decode, "/v1/completions", body, uid)
+                if first.status_code != 200 or rest.status_code != 200:
+                    await client.post(f"{prefill.url}/abort_request", json={"rid": uid})
+                replies.append(rest)
+            return replies
+    return asyncio.run(run())
+
+
+# Slow (three more workers and a restart: ~25 s here); by default tests/neuron_connector/test_pullers.py drives
+# the incarnations by hand.
+@pytest.mark.slow
+def test_a_decode_worker_back_as_another_incarnation_frees_the_blocks_held_for_its_old_life(
+        prefill: list[WorkerProcess]) -> None:
+    """The old life frozen (its connection stays open until the heartbeats drop it) while a new process with its
+    engine id asks again and again: the new life's first session frees what the old one was to pull, however
+    soon it came. Then the old one killed -9 and started again at its address with its engine id: new requests
+    answer as one `both` worker does, and no block stays held."""
+    engine = ["--engine-id", "decode-reborn"]
+    old, new, both = start_workers(("decode", "tcp", engine), ("decode", "tcp", engine), ("both", "tcp", ()))
+    try:
+        _one_request(prefill[0], old)
+        _hold_for(prefill[0], "decode-reborn")
+        held = prefill[0].blocks_used()
+        os.kill(old.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: _through(prefill[0], new, [BODY])[0].status_code == 200, timeout=30, interval=0.1,
+                   what="the new process's session (refused while the old one's connection lives)")
+        _freed(prefill[0], time.monotonic(), f"new incarnation's session -> the old one's {held} blocks free")
+        new.stop()
+        old.proc.kill()
+        old = old.restarted()
+        bodies = [{**BODY, "prompt": list(range(n, n + 30 + 7 * n)), "max_tokens": 8} for n in range(1, 5)]
+        want = [httpx.post(f"{both.url}/v1/completions", json=b, timeout=60).json()["choices"][0]["text"]
+                for b in bodies]
+        got = _through(prefill[0], old, bodies)
+        assert [r.json()["choices"][0]["text"] if r.status_code == 200 else r.text for r in got] == want
+        for worker in (prefill[0], old):
+            _freed(worker, time.monotonic(), f"after the restart, {worker.role} blocks free")
+    finally:
+        for worker in (old, new, both):
+            worker.stop()
 
 
 def test_a_killed_prefill_worker_fails_the_decode_pulls_from_it(prefill: list[WorkerProcess],
@@ -149,3 +207,4 @@ def test_a_killed_prefill_worker_fails_the_decode_pulls_from_it(prefill: list[Wo
             assert reply.status_code >= 500 and "was lost" in reply.text, reply.text
     finally:
         victim.stop()
+

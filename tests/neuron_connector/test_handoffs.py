@@ -23,7 +23,7 @@ def test_a_reply_naming_another_handoff_generation_is_dropped_and_counted() -> N
     assert lookup.generation == 9
     tracker.on_reply(LookupReply("r", True, 7, (4, 5), generation=8), now=0.1)   # an older handoff's
     tracker.on_reply(LookupReply("gone", True, 7, (4, 5), generation=3), now=0.1)
-    assert tracker.stale_replies == 2 and tracker.poll("r").state is PullState.PENDING
+    assert tracker.stale_replies == 2 and tracker.poll("r").state is PullState.PENDING and tracker.fenced == 1
     tracker.on_reply(LookupReply("r", True, 7, (4, 5), generation=9), now=0.2)
     assert tracker.poll("r").output_token == 7 and fences.closed()
 
@@ -60,7 +60,7 @@ def test_pulls_asked_of_one_incarnation_fail_when_another_answers_at_the_address
     tracker.add("later", "p", [1], deadline=30, now=0)
     tracker.resend_peer("p")                              # "handshake required": the peer is new
     tracker.peer_ready("p", "P0", incarnation="b")        # same engine id, another life
-    assert tracker.take_finished() == ["asked"]
+    assert tracker.take_finished() == ["asked"] and tracker.other_incarnation == 1
     assert "restarted (incarnation a, now b)" in tracker.poll("asked").message  # type: ignore[operator]
     [(_, lookup)] = tracker.due(1, {"p"})
     assert lookup.request_id == "later" and lookup.incarnation == "b"
@@ -72,3 +72,6 @@ def test_a_prefill_refuses_a_lookup_addressed_to_another_incarnation() -> None:
     assert refusal is not None and refusal.code == STALE_INCARNATION and refusal.request_id == "r"
     assert stale_lookup(LookupAll("r", (1,), incarnation="new"), "new", "P0") is None
     assert stale_lookup(LookupAll("r", (1,)), "new", "P0") is None    # a peer that names none
+    held = stale_lookup(LookupAll("r", (1,)), "new", "P0", "D0", bound="d-old")   # held for D0's old life
+    assert held is not None and held.code == STALE_INCARNATION
+    assert "incarnation d-old of decode engine 'D0'" in held.message

@@ -53,7 +53,7 @@ def test_old_expectations_are_forgotten_and_probes_run_only_while_some_wait() ->
 
 def test_the_session_table_reports_an_engine_unbound_only_when_no_session_holds_it() -> None:
     events: list[tuple[str, str]] = []
-    table = SessionTable(lambda engine: events.append(("bound", engine)),
+    table = SessionTable(lambda engine, incarnation: events.append(("bound", engine)),
                          lambda engine, now: events.append(("unbound", engine)))
     first = table.open(b"r1", "d1", "n1")
     table.establish(first, "peer-1")
@@ -62,3 +62,20 @@ def test_the_session_table_reports_an_engine_unbound_only_when_no_session_holds_
     assert events == [("bound", "d1")]
     table.drop(b"r1")
     assert events == [("bound", "d1"), ("unbound", "d1")]
+
+
+def test_a_decode_engine_back_as_another_incarnation_orphans_the_old_ones_requests_at_once() -> None:
+    pullers = Pullers(grace=1.0, max_age=60.0)
+    pullers.session_up("d1", "life-1")
+    pullers.expect("old", "d1", now=0)                     # bound to life-1, which had the session
+    pullers.looked_up("asked", "d1", now=0, incarnation="life-1")
+    pullers.session_gone("d1", now=1)
+    pullers.expect("between", "d1", now=1.2)               # no session: bound to whoever asks first
+    pullers.session_up("d1", "life-2")                     # back within the grace, as another process
+    assert pullers.bound_elsewhere("old", "life-2") == "life-1" and pullers.bound_elsewhere("between", "life-2") is None
+    assert sorted(pullers.orphans(1.5)) == [("asked", "d1"), ("old", "d1")]
+    assert pullers.orphans(5) == [] and len(pullers) == 1  # "between" waits for its lookup
+    pullers.session_up("d1", "life-2")                     # the same life reconnecting orphans nothing
+    pullers.expect("new", "d1", now=6)
+    pullers.session_up("d1", "life-2")
+    assert pullers.orphans(7) == [] and pullers.bound_elsewhere("new", "life-2") is None
