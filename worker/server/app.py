@@ -45,7 +45,6 @@ from worker.multimodal.images import ImageResolver
 from worker.server.choice import Choice, choice_spec
 from worker.server.generation import Part, collect, events
 from worker.server.fleet_gauges import fleet_gauges_page
-from worker.server.handoff_counters import handoff_counters_page
 from worker.server.metrics import ServerMetrics
 from worker.server.registrar import Registrar
 from worker.server.role_flip import EngineMaker, RoleFlip
@@ -237,7 +236,6 @@ class _Worker:
         engine = self.async_engine.llm_engine
         page += fleet_gauges_page(self.model_name, engine.kv_connector if engine is not None else None,
                                   self.drain.started or self.drain.refusing is not None)
-        page += handoff_counters_page(self.model_name, engine.kv_connector if engine is not None else None)
         return Response(page, content_type=ServerMetrics.content_type)
 
     async def timeline_page(self) -> Response:

@@ -1,5 +1,6 @@
 """What an operator's alerts read from a worker besides its engine's series: blocks held for a decode peer's pull
-(how many, the oldest set's age, and the abort timeout that should have freed it) and whether it drains."""
+(how many, the oldest set's age, and the abort timeout that should have freed it) and whether it drains; its page
+also carries the handoff counters (worker/server/handoff_counters.py)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -10,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from common.held_blocks import ABORT_TIMEOUT, BLOCKS_HELD, HELD_OLDEST
 from worker.engine.kv_connector import KVConnector
+from worker.server.handoff_counters import HandoffCounters
 
 
 class _FleetGauges(Collector):
@@ -33,7 +35,8 @@ class _FleetGauges(Collector):
 
 
 def fleet_gauges_page(model_name: str, connector: KVConnector | None, draining: bool) -> bytes:
-    """The gauges above as Prometheus text, read now."""
+    """The gauges above and the handoff counters as Prometheus text, read now."""
     registry = CollectorRegistry()
     registry.register(_FleetGauges(model_name, connector, draining))
+    registry.register(HandoffCounters(model_name, connector))
     return generate_latest(registry)

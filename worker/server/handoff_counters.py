@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,7 +24,9 @@ STALE_WRITES = "neuron_di_kv_stale_writes_refused"
 STALE_INCARNATIONS = "neuron_di_kv_stale_incarnations"
 
 
-class _HandoffCounters(Collector):
+class HandoffCounters(Collector):
+    """The counters above, read from `connector` at each collect (none: all 0)."""
+
     def __init__(self, model_name: str, connector: KVConnector | None) -> None:
         self._model, self._connector = model_name, connector
 
@@ -43,10 +44,3 @@ class _HandoffCounters(Collector):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model], float(value))
             yield family
-
-
-def handoff_counters_page(model_name: str, connector: KVConnector | None) -> bytes:
-    """The counters above as Prometheus text, read now."""
-    registry = CollectorRegistry()
-    registry.register(_HandoffCounters(model_name, connector))
-    return generate_latest(registry)
