@@ -30,6 +30,7 @@ class VllmOptions:
     proxy_extra: tuple[str, ...] = ()      # more flags for our proxy
     startup_timeout_s: float = 300.0
     dtype: str = "float32"                 # vLLM's --dtype
+    env: dict[str, str] = field(default_factory=dict)   # more environment for every server
 
 
 def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None) -> list[str]:
@@ -63,7 +64,7 @@ def nixl_kv_config() -> dict[str, Any]:
 def start_server(stack: Stack, name: str, options: VllmOptions, port: int, core: int,
                  kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1",
-                **(env or {})}
+                **options.env, **(env or {})}
     stack.start(name, serve_args(options, port, kv_config), core, vllm_env)
     stack.worker_urls[name] = f"http://127.0.0.1:{port}"
 

@@ -87,6 +87,8 @@ def test_bad_parts_are_400s_naming_the_part_and_nothing_is_held(encoder: tuple[W
     assert _encode(worker, [good.name]).status_code == 200  # still serving
 
 
+# tcp with --full: the TTL frees rows the same whatever moves them.
+@pytest.mark.parametrize("encoder", ["shm", pytest.param("tcp", marks=pytest.mark.slow)], indirect=True)
 def test_rows_nobody_pulls_are_freed_after_the_ttl(encoder: tuple[WorkerProcess, Path]) -> None:
     worker, media = encoder
     wait_until(lambda: _held(worker) == 0, timeout=10)  # what earlier tests left unpulled
@@ -121,4 +123,4 @@ def test_a_cancelled_fetch_keeps_its_slot_until_the_encode_worker_has_answered(
             await fetcher.aclose()
 
     asyncio.run(run())
-    assert _held(worker) == 0
+    wait_until(lambda: _held(worker) == 0, timeout=10)   # pulled, or (rows earlier tests left) freed at the TTL

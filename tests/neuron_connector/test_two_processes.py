@@ -91,6 +91,8 @@ def test_layout_mismatch_fails_the_pull() -> None:
         engine.close()
 
 
+# tcp with --full: the restart and reconnect are the signal plane's, the same over either transport.
+@pytest.mark.parametrize("decode", ["shm", pytest.param("tcp", marks=pytest.mark.slow)], indirect=True)
 def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
     recv, pool, backend = decode
     port = free_port()
