@@ -55,6 +55,7 @@ setup(
             # The docs site, built with --strict by tests/test_docs.py.
             "mkdocs>=1.6,<2",
             "pyyaml>=6,<7",   # the alert rules and their unit tests, read by tests/deploy/
+            "matplotlib>=3.8,<4",   # the benchmarks' plots (tests/benchmarks/)
         ],
         # The planner's kubernetes connector (python -m planner --connector kubernetes)
         "kubernetes": ["kubernetes>=31,<38"],

@@ -156,7 +156,6 @@ def test_a_stack_that_never_gets_healthy_times_out_and_is_stopped() -> None:
 
 
 def test_plot_has_itl_and_ttft(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     results = [RequestResult(4, 3, start=0.0, chunk_times=[0.01 * i, 0.02 * i, 0.03 * i], end=0.04 * i,
                              output_tokens=3) for i in range(1, 6)]
     path = tmp_path / "cdf.png"

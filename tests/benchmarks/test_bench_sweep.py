@@ -122,7 +122,6 @@ def test_report_ratios_tables_and_plot(tmp_path: Path) -> None:
     assert "largest gap <= 100 ms" in summary and "skipped: nixl is not installed here" in summary
     assert "stopped after 1 req/s" in summary and "di_over_colocated" in summary
     assert "(rate 0.5, batch ~" in summary  # colocated: two engines share what is in flight
-    pytest.importorskip("matplotlib")
     path = tmp_path / "sweep.png"
     assert plot_sweep({n: s["rates"] for n, s in systems.items()}, out["slo"], path) is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

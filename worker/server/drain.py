@@ -37,7 +37,7 @@ class Drain:
     def __init__(self, engine: AsyncEngine, timeout: float) -> None:
         self.engine = engine
         self.timeout = timeout
-        self.leave: Callable[[], None] | None = None  # blocking; revokes the etcd lease (cli.py sets it)
+        self.leave: Callable[[], bool] | None = None  # blocking; revokes the etcd lease, if any (app.py sets it)
         self.started = False
         self.forced = False  # a second signal stopped the drain before it was over
         self.refusing: str | None = None  # why new requests are refused while the worker stays up (a role change)
@@ -105,8 +105,7 @@ class Drain:
     async def _run(self) -> None:
         try:
             left_at = None
-            if self.leave is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self.leave)
+            if self.leave is not None and await asyncio.get_running_loop().run_in_executor(None, self.leave):
                 left_at = time.monotonic()
             if not await self.wait_idle(self.timeout, report=True):
                 if self.done.is_set():

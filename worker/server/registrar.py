@@ -32,9 +32,10 @@ class Registrar:
         with self._lock:
             self._registration = registration
 
-    def leave(self) -> None:
-        """Revokes the registration, if any (blocking; the key is gone at once)."""
+    def leave(self) -> bool:
+        """Revokes the registration, if any (blocking; the key is gone at once); whether there was one."""
         with self._lock:
             registration, self._registration = self._registration, None
         if registration is not None:
             registration.stop()
+        return registration is not None

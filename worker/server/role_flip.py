@@ -45,7 +45,7 @@ class RoleFlip:
 
     def __init__(self, engine: AsyncEngine, drain: Drain, make_engine: EngineMaker,
                  engine_changed: Callable[[], None], publish: Callable[[], Awaitable[None]],
-                 leave: Callable[[], None]) -> None:
+                 leave: Callable[[], object]) -> None:
         self.engine, self.drain, self.make_engine = engine, drain, make_engine
         self.engine_changed, self.publish, self.leave = engine_changed, publish, leave
         self.target: str | None = None           # the role being changed to, while it runs
