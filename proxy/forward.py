@@ -18,6 +18,7 @@ from proxy.abandon import Abandoner
 from proxy.answers import Answer, AnswerAssembler, StreamAnswer
 from proxy.conditional_route import ConditionalRouter
 from proxy.encode import encode_images
+from proxy.errors import NoWorkers
 from proxy.flows import DEFAULT_STRATEGY, DecodeLeg, decode_first, flow_for
 from proxy.fanned import answer_all
 from proxy.fanout import fan_out
@@ -119,11 +120,23 @@ class Forwarder:
         leg that never started (a draining worker refused it, or its connection was refused) goes to another
         prefill worker, with a new decode leg naming that one; with --resend-lost-legs a leg lost before the
         client had a byte sends the request again (proxy/resend.py)."""
-        prefill = prefill or self._pool.next("prefill")
+        prefill = prefill or self._prefill_side()
         if decode is None or decode.kv_protocol != prefill.kv_protocol:  # the two legs must speak one handoff
             decode = self._pool.next("decode", prefill.kv_protocol)
         return await self._resender.disaggregated(
             lambda prefill, decode: self._handoff(request, received, prefill, decode, took), prefill, decode)
+
+    def _prefill_side(self) -> WorkerRecord:
+        """The next healthy prefill worker. With the prefill queue, a listed one failing its health checks does too:
+        the job waits in the stream for whichever worker takes it (that one once it answers again, or a new one),
+        and the stream's depth shows the wait."""
+        try:
+            return self._pool.next("prefill")
+        except NoWorkers:
+            listed = [w for w in self._pool.listed("prefill") if w.kv_protocol == "neuron"] if self._queued else []
+            if not listed:
+                raise
+            return listed[0]
 
     async def _handoff(self, request: ClientRequest, received: float, prefill: WorkerRecord, decode: WorkerRecord,
                        took: Took | None) -> Answer:

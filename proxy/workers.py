@@ -181,6 +181,10 @@ class WorkerPool:
         return tuple(self._why.get(w.key) or f"{w.role} worker {w.address}: out of rotation"
                      for w in self.all() if w.role in roles and w.key in self._down)
 
+    def listed(self, role: str) -> list[WorkerRecord]:
+        """The workers of `role` still listed (healthy or not; a retired one is not), sorted by key."""
+        return [w for w in self.all() if w.role == role and w.key not in self._retired]
+
     def healthy(self, role: str, kv_protocol: str | None = None) -> list[WorkerRecord]:
         """The healthy workers of `role` (and of `kv_protocol`, if given), sorted by key."""
         if self._healthy is None:

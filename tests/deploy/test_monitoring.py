@@ -54,7 +54,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 ["--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port), "--decode-ip", "127.0.0.1",
                  "--decode-port", str(decode.port), "--health-interval", "0.5"],
                 [f"--prefill=127.0.0.1:{prefill.port}:{prefill.kv_port}", "--decode", f"127.0.0.1:{decode.port}",
-                 "--prefill-queue", nats.url])]
+                 "--prefill-queue", nats.url, "--health-interval", "0.5", "--health-timeout", "0.5"])]
         started += [future.result().process for future in starting if future.exception() is None]
         proxy, queued = (future.result() for future in starting)
         for url in (proxy.url, queued.url):
@@ -72,6 +72,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     finally:
         for item in reversed(started):
             item.stop()
+
+
+def prefill_healthy(proxy: Server) -> bool:
+    [prefill] = httpx.get(f"{proxy.url}/status", timeout=10).json()["workers"]["prefill"]
+    return prefill["healthy"]
 
 
 def _with_short_for(alert: str, for_: str, path: Path) -> Path:
@@ -177,13 +182,17 @@ def test_prefill_worker_shows_no_block_held_once_pulled(fleet: Fleet) -> None:
 
 def test_a_prefill_queue_growing_while_its_worker_is_stopped_raises_the_alert_live(fleet: Fleet) -> None:
     """The shipped rule goes pending (its `for:` is 5 minutes), its copy with a 1 s `for:` fires; every request
-    queued meanwhile is answered once the worker runs again, and the queue drains."""
+    queued meanwhile is answered once the worker runs again, and the queue drains. The proxy queues them while
+    the worker fails its health checks."""
     depth = f'proxy_prefill_queue_depth{{job="{QUEUED}"}}'
     assert fleet.prometheus.rule_states(QUEUE_ALERT) == {"neuron-di": "inactive", f"short-for-{QUEUE_ALERT}": "inactive"}
     pid = fleet.prefill.proc.proc.pid
     os.kill(pid, signal.SIGSTOP)
     with ThreadPoolExecutor(BACKLOG) as pool:
         try:
+            # Queued all the same once the proxy found the worker failing its health checks: the stream holds the
+            # jobs for whichever worker takes them.
+            wait_until(lambda: not prefill_healthy(fleet.queued), what="the stopped prefill worker found unhealthy")
             answers = []
             for waiting in range(1, BACKLOG + 1):   # one more job each scrape or so: the queue grows
                 answers.append(pool.submit(httpx.post, f"{fleet.queued.url}/v1/completions", json=BODY, timeout=60))

@@ -211,6 +211,9 @@ def test_round_robin_and_health() -> None:
     pool.remove(a.key)
     with pytest.raises(NoWorkers, match="no healthy decode worker"):
         pool.next("decode")
+    assert pool.listed("decode") == [b]   # listed, out of rotation: the prefill queue may still wait for it
+    pool.retire(b.key)
+    assert pool.listed("decode") == [] and [w.http_port for w in pool.listed("prefill")] == [3]
 
 
 def test_decode_is_picked_among_workers_of_the_prefills_kv_protocol() -> None:
