@@ -16,7 +16,7 @@ from tests.di.test_engine_pair import run_pair, wait_all_free
 from tests.di.test_parity import body, pair_answers, prompts
 from stack.serving import free_port
 from tests.neuron_connector.kv import corrupting_engine
-from tests.worker_process import start_workers
+from tests.worker_process import start_workers, stop_together
 from worker import EngineConfig, KVTransferError, LLMEngine, SamplingParams
 from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
@@ -37,8 +37,7 @@ def test_checked_pulls_answer_as_unchecked_ones_and_count_no_failure() -> None:
         for worker in (prefill, plain, checked):
             worker.wait_blocks_free()
     finally:
-        for worker in (plain, checked, prefill):
-            worker.stop()
+        stop_together(plain, checked, prefill)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from tests.di.conftest import write_secret
 from tests.di.workers import disaggregated
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 ABORT_TIMEOUT_S = 3
 BODY = {"model": "neuron-di-builtin", "prompt": list(range(60, 130)), "max_tokens": 5, "temperature": 0,
@@ -34,8 +34,7 @@ def workers(kv_secret_file: str, tmp_path_factory: pytest.TempPathFactory) -> It
             for role, secret in specs.values()))))
         yield started
     finally:
-        for worker in started.values():
-            worker.stop()
+        stop_together(*started.values())
 
 
 def run(prefill: WorkerProcess, decode: WorkerProcess) -> httpx.Response:

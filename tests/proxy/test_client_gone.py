@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import send_and_leave, wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 # Long enough that a leg nobody cancelled would still run when the checks below are done.
 BODY = {"model": "neuron-di-builtin", "prompt": "def fibonacci(n):\n    " * 12, "max_tokens": 400,
@@ -34,10 +34,7 @@ def stack() -> Iterator[tuple[Server, WorkerProcess, WorkerProcess]]:
                              "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port)])
         yield proxy, prefill, decode
     finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in started:
-            worker.stop()
+        stop_together(proxy.process if proxy is not None else None, *started)
 
 
 async def abandon_stream(client: httpx.AsyncClient, url: str, chunks: int) -> None:

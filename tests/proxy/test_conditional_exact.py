@@ -12,7 +12,7 @@ import pytest
 
 from tests.proxy.flow_clients import paths
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 MODEL = "neuron-di-builtin"
 MAX_LOCAL = 48  # prompt tokens; the built-in model's tokenizer makes one token per byte
@@ -31,10 +31,7 @@ def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
                              "--tokenizer", "builtin", "--max-local-prefill-tokens", str(MAX_LOCAL)])
         yield proxy, workers
     finally:
-        if proxy is not None:
-            proxy.process.stop()
-        for worker in workers:
-            worker.stop()
+        stop_together(proxy.process if proxy is not None else None, *workers)
 
 
 @pytest.fixture(autouse=True)

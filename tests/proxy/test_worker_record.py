@@ -12,7 +12,7 @@ import pytest
 
 from stack.serving import free_port
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 PROMPT = "def fibonacci(n):\n    "
 SAMPLING = {"model": "neuron-di-builtin", "max_tokens": 8, "temperature": 0.0}
@@ -25,8 +25,7 @@ def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess, WorkerProcess]]:
         started = start_workers(*((role, "shm", ()) for role in ("prefill", "decode", "both")))
         yield started[0], started[1], started[2]
     finally:
-        for worker in started:
-            worker.stop()
+        stop_together(*started)
 
 
 def test_the_worker_shows_its_record_on_health(workers) -> None:
