@@ -16,6 +16,7 @@ from common.timeline import Timeline, parse_query
 from neuron_connector.errors import PeerUnavailable
 
 log = logging.getLogger(__name__)
+SHUTDOWN_POLL_S = 0.05   # how often the serving thread looks for close(): a close waits up to this long
 
 
 class StatusServer:
@@ -30,7 +31,7 @@ class StatusServer:
             raise PeerUnavailable(f"the status server cannot listen on {host}:{port}: {exc}") from exc
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
                                         name=f"kv-status-{self.port}", daemon=True)
 
     def start(self) -> None:

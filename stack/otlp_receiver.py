@@ -44,7 +44,8 @@ class OTLPReceiver:
         handler = type("_Handler", (_Handler,), {"receiver": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="otlp-receiver", daemon=True)   # a stop waits one poll
         self._thread.start()
 
     @property

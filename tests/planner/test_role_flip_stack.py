@@ -23,7 +23,7 @@ from stack.serving import Process
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.registration import registered_workers
-from tests.worker_process import WorkerProcess, stop_together
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 PLANNER_FLAGS = ["--ttft-target-ms", "400", "--itl-target-ms", "200", "--budget", "3", "--connector", "flip",
                  "--interval", "1", "--cooldown", "4", "--min-samples", "1", "--scale-down-after", "1000"]
@@ -35,8 +35,7 @@ def fleet(etcd_server: EtcdServer) -> Iterator[tuple[Server, list[WorkerProcess]
     workers: list[WorkerProcess] = []
     proxy = None
     try:
-        for role in ("prefill", "decode", "decode"):
-            workers.append(WorkerProcess(role, "shm", flags))
+        workers = start_workers(*((role, "shm", flags) for role in ("prefill", "decode", "decode")))
         proxy = start_proxy(["--etcd", etcd_server.endpoint, "--health-interval", "0.5"])
         wait_until(lambda: _healthy(proxy) == {"prefill": 1, "decode": 2}, timeout=30, what="the proxy seeing 1P2D")
         yield proxy, workers
