@@ -26,7 +26,9 @@ DECODE_FLAGS = ["--drain-hands-back-streams", "--drain-timeout", "60"]
 KV_FLAGS = [*DECODE_FLAGS, "--hand-back-kv-port", "0"]
 PULLED = "neuron_di_kv_blocks_pulled_total"
 SKIPPED = "neuron_di_kv_blocks_skipped_total"   # blocks a pull found in the puller's prefix cache
-STREAMS, TOKENS = 8, 96
+# Long enough that every stream is still decoding when the slowest has shown its first events: the prefill
+# worker takes the 8 prompts one after another, and a decode worker runs 4 streams of 96 tokens in about 0.5 s.
+STREAMS, TOKENS = 8, 256
 
 
 class Stack:
