@@ -11,8 +11,10 @@ benchmarks/multiturn_load.py (`--conversations` x `--turns`, `--system-prompts` 
 a file, or `--synthetic-trace` one of our own). Workers are our engine, by default simulated (`--engine
 mock`: the real scheduler, prefix cache and KV transfer, the forward pass replaced by the cost model
 calibrated on this machine), so four workers and the proxy fit two cores; `--engine model` computes.
-It reports TTFT/TPOT/ITL per run, and from the KV-routed proxy's counters the prompt tokens its picked
-prefill worker held (`hit`) and the most any prefill worker held (`best`). JSON `ratios`:
+It reports TTFT/TPOT/ITL per run, from the KV-routed proxy's counters the prompt tokens its picked
+prefill worker held (`hit`) and the most any prefill worker held (`best`), and what TTFT is made of
+(`ttft_split`, benchmarks/ttft_split.py: the proxy, the leg's trip, the prefill workers' queue and compute,
+each worker's share of prompt tokens computed and of time busy). JSON `ratios`:
 `kv_over_round_robin_ttft_p50` (the largest topology's), per topology `<topo>_kv_over_round_robin_ttft_p50`,
 and `prefix_hit_share` (hit / best over the KV-routed runs). Exit status: 0 all answered, 1 a stack
 failed, 2 bad arguments, 3 some requests failed.
@@ -168,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     out = report(args, runs, argv, load, os.getloadavg())
     print(format_table({name: out[name] for name in runs}, out["ratios"]))
+    for name in runs:
+        print(ttft_split.describe(name, out[name]["ttft_split"]))
     if args.json is not None:
         write_json(args.json, out)
         plot_distributions({name: results for name, (results, _, _) in runs.items()}, args.json.with_suffix(".png"))

@@ -52,10 +52,10 @@ def _p50(values: list[float]) -> float | None:
 
 def split(records: Mapping[str, Mapping[str, Mapping[str, Any]]], before: Mapping[str, Mapping[str, float]],
           after: Mapping[str, Mapping[str, float]], duration_s: float) -> dict[str, Any]:
-    """Medians (ms) of the proxy's time before the prefill leg, the leg's HTTP overhead and the prefill
-    worker's admitted->published time; the mean compute and queueing of a leg on the prefill workers; and per
+    """Medians (ms) of the proxy's time before the prefill leg, the leg's HTTP overhead (the part of it from
+    sending the leg to the worker's engine admitting it), and the prefill worker's admitted->published time; the mean compute and queueing of a leg on the prefill workers; and per
     worker its share of prompt tokens computed (1 - prefix hits) and how busy it was."""
-    proxy_ms, http_ms, worker_ms = [], [], []
+    proxy_ms, http_ms, worker_ms, to_worker_ms = [], [], [], []
     for sources in records.values():
         proxy = sources.get("proxy", {}).get("phases", {})
         prefill = sources.get("prefill", {}).get("phases", {})
@@ -65,6 +65,7 @@ def split(records: Mapping[str, Mapping[str, Mapping[str, Any]]], before: Mappin
         proxy_ms.append(1000 * (proxy[PREFILL_SENT] - proxy[RECEIVED]))
         http_ms.append(1000 * (proxy[PREFILL_ANSWERED] - proxy[PREFILL_SENT] - on_worker))
         worker_ms.append(1000 * on_worker)
+        to_worker_ms.append(1000 * (prefill[ADMITTED] - proxy[PREFILL_SENT]))
     workers: dict[str, Any] = {}
     for name in after:
         delta = {k: after[name][k] - before.get(name, {}).get(k, 0.0) for k in COUNTERS}
@@ -75,7 +76,21 @@ def split(records: Mapping[str, Mapping[str, Mapping[str, Any]]], before: Mappin
     compute_ms = 1000 * sum(w["prefill_seconds"] for w in prefill) / legs if legs else None
     mean_worker = statistics.fmean(worker_ms) if worker_ms else None
     return {"legs": legs, "proxy_before_leg_ms_p50": _p50(proxy_ms), "leg_http_ms_p50": _p50(http_ms),
+            "leg_sent_to_admitted_ms_p50": _p50(to_worker_ms),
             "prefill_worker_ms_p50": _p50(worker_ms), "prefill_worker_ms_mean": mean_worker,
             "prefill_compute_ms_mean": compute_ms,
             "prefill_queue_ms_mean": None if compute_ms is None or mean_worker is None else mean_worker - compute_ms,
             "workers": workers}
+
+
+def describe(name: str, figures: dict[str, Any]) -> str:
+    """One line of a split: the medians and means (ms), and the prefill workers' computed and busy shares."""
+    prefill = [w for worker, w in figures["workers"].items() if worker.startswith("prefill")]
+
+    def ms(key: str) -> str:
+        return "-" if figures[key] is None else f"{figures[key]:.0f}"
+
+    shares = ", ".join(f"{w['computed_share'] or 0:.2f} computed / {w['busy_share']:.2f} busy" for w in prefill)
+    return (f"{name}: proxy {ms('proxy_before_leg_ms_p50')} ms, leg trip {ms('leg_http_ms_p50')} ms, prefill worker "
+            f"{ms('prefill_worker_ms_p50')} ms (p50); per leg: queue {ms('prefill_queue_ms_mean')} ms + compute "
+            f"{ms('prefill_compute_ms_mean')} ms (mean); prefill workers: {shares}")

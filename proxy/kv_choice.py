@@ -4,7 +4,10 @@ from __future__ import annotations
 from itertools import islice
 from typing import Sequence
 
-DEFAULT_LEG_TOKENS = 256   # prompt tokens one prefill leg in flight on a worker counts as
+# Prompt tokens one prefill leg in flight on a worker counts as. Small: a prompt whose prefix a worker holds
+# costs its whole prefix again elsewhere, so only a clear imbalance should move it (256 moved chats' turns
+# away from their cache under load and computed a fifth more tokens: benchmarks/results/kv_routing.json).
+DEFAULT_LEG_TOKENS = 64
 # A decode leg holds its worker's batch for its whole answer and a cached prefix only saves it a pull: its
 # legs weigh this many times more.
 DECODE_LEG_FACTOR = 8
