@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0, help="stretch trace arrival times (default 1)")
     p.add_argument("--kv-load-tokens", type=int, default=None, metavar="N",
                    help="the KV-routed proxy's --kv-load-tokens (default: the proxy's own)")
-    p.add_argument("--kv-load-queued-tokens", action="store_true",
-                   help="the KV-routed proxy also counts the tokens its prefill legs in flight have yet to compute")
+    p.add_argument("--kv-load-queued-tokens", action=argparse.BooleanOptionalAction, default=None,
+                   help="the KV-routed proxy's --[no-]kv-load-queued-tokens (default: the proxy's own)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per stack (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -76,8 +76,8 @@ def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
     proxy = ["--routing", "kv", "--tokenizer", "builtin"] if routing == "kv" else []
     if routing == "kv" and args.kv_load_tokens is not None:
         proxy += ["--kv-load-tokens", str(args.kv_load_tokens)]
-    if routing == "kv" and args.kv_load_queued_tokens:
-        proxy += ["--kv-load-queued-tokens"]
+    if routing == "kv" and args.kv_load_queued_tokens is not None:
+        proxy += ["--kv-load-queued-tokens" if args.kv_load_queued_tokens else "--no-kv-load-queued-tokens"]
     return StackOptions(cores=(0, 1), worker_extra=MOCK if args.engine == "mock" else (),
                         startup_timeout_s=300.0, proxy_extra=tuple(proxy))
 

@@ -36,7 +36,7 @@ class KVRoutingConfig:
     static_endpoints: tuple[tuple[str, str], ...] = ()   # (worker HOST:PORT, tcp://HOST:PORT)
     leg_tokens: int = DEFAULT_LEG_TOKENS
     capacity: int = DEFAULT_CAPACITY
-    queued: bool = False   # a prefill worker's load also counts the uncached tokens of its legs in flight
+    queued: bool = True   # a prefill worker's load also counts the uncached tokens of its legs in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-load-tokens", type=int, default=DEFAULT_LEG_TOKENS, metavar="N",
                        help=f"prompt tokens one prefill leg in flight on a worker weighs as, a decode leg "
                             f"{DECODE_LEG_FACTOR} times more (default {DEFAULT_LEG_TOKENS})")
-    group.add_argument("--kv-load-queued-tokens", action="store_true",
+    group.add_argument("--kv-load-queued-tokens", action=argparse.BooleanOptionalAction, default=True,
                        help="a prefill worker's load also counts the prompt tokens its legs in flight have yet to "
-                            "compute (those they did not find cached there), besides --kv-load-tokens per leg")
+                            "compute (those they did not find cached there), besides --kv-load-tokens per leg "
+                            "(default on)")
 
 
 def routing_config(args: argparse.Namespace, tokenizer: Callable[[str], Tokenizer]) -> KVRoutingConfig | None:

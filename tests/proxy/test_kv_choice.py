@@ -97,3 +97,10 @@ def test_router_counts_the_tokens_queued_on_a_prefill_worker() -> None:
         picked[queued] = picks
     assert picked[False] == [first, first]
     assert picked[True] == [first, second]
+
+
+def test_queued_tokens_count_by_default_and_can_be_turned_off() -> None:
+    from proxy import parse_args
+    base = ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", "--routing", "kv", "--tokenizer", "builtin"]
+    assert parse_args(base).kv_routing.queued
+    assert not parse_args([*base, "--no-kv-load-queued-tokens"]).kv_routing.queued
