@@ -1,6 +1,7 @@
 """KV-aware routing in the request path (--routing kv): the prefill and the decode worker of a request
 picked by the prompt's cached overlap on each (proxy/kv_index.py, fed by proxy/kv_events_follower.py)
-against its legs in flight (proxy/kv_choice.py).
+against its legs in flight and, on a prefill worker, the prompt tokens they have yet to compute there
+(proxy/kv_choice.py).
 
 Counts, per routed request, its prompt tokens, the tokens the picked prefill worker holds and the most
 any prefill worker holds: `hit / best` is how much of the reachable prefix reuse routing took.
