@@ -9,8 +9,9 @@ from typing import Sequence
 # away from their cache under load and computed a fifth more tokens: benchmarks/results/kv_routing.json).
 DEFAULT_LEG_TOKENS = 64
 # A decode leg holds its worker's batch for its whole answer and a cached prefix only saves it a pull: its
-# legs weigh this many times more.
-DECODE_LEG_FACTOR = 8
+# legs weigh this many times more (2,048 tokens a leg: decode workers are balanced by their legs, and the
+# overlap only breaks ties).
+DECODE_LEG_FACTOR = 32
 
 
 def kv_costs(prompt_tokens: int, cached: Sequence[int], legs: Sequence[int],
