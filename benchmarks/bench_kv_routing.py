@@ -11,8 +11,10 @@ benchmarks/multiturn_load.py (`--conversations` x `--turns`, `--system-prompts` 
 a file, or `--synthetic-trace` one of our own). Workers are our engine, by default simulated (`--engine
 mock`: the real scheduler, prefix cache and KV transfer, the forward pass replaced by the cost model
 calibrated on this machine), so four workers and the proxy fit two cores; `--engine model` computes.
-It reports TTFT/TPOT/ITL per run, and from the KV-routed proxy's counters the prompt tokens its picked
-prefill worker held (`hit`) and the most any prefill worker held (`best`). JSON `ratios`:
+It reports TTFT/TPOT/ITL per run, from the KV-routed proxy's counters the prompt tokens its picked
+prefill worker held (`hit`) and the most any prefill worker held (`best`), and what TTFT is made of
+(`ttft_split`, benchmarks/ttft_split.py: the proxy, the leg's trip, the prefill workers' queue and compute,
+each worker's share of prompt tokens computed and of time busy). JSON `ratios`:
 `kv_over_round_robin_ttft_p50` (the largest topology's), per topology `<topo>_kv_over_round_robin_ttft_p50`,
 and `prefix_hit_share` (hit / best over the KV-routed runs). Exit status: 0 all answered, 1 a stack
 failed, 2 bad arguments, 3 some requests failed.
@@ -25,18 +27,20 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
 
+from benchmarks import ttft_split
 from benchmarks.bench_cli import write_json
 from benchmarks.mooncake_trace import load_trace, run_trace, synthetic_trace
 from benchmarks.multiturn_load import MultiturnSpec, run_multiturn
 from benchmarks.serving_load import fetch_model, warm_up
 from benchmarks.serving_metrics import SLO, RequestResult, ratio, summarize
 from benchmarks.serving_report import format_table, plot_distributions
-from stack.serving import StackError, StackOptions
+from stack.serving import Stack, StackError, StackOptions
 from stack.xpyd import start_xpyd
 
 TOPOLOGIES = {"1p2d": (1, 2), "2p2d": (2, 2)}
@@ -61,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0, help="stretch trace arrival times (default 1)")
     p.add_argument("--kv-load-tokens", type=int, default=None, metavar="N",
                    help="the KV-routed proxy's --kv-load-tokens (default: the proxy's own)")
+    p.add_argument("--kv-load-queued-tokens", action=argparse.BooleanOptionalAction, default=None,
+                   help="the KV-routed proxy's --[no-]kv-load-queued-tokens (default: the proxy's own)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per stack (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -70,6 +76,8 @@ def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
     proxy = ["--routing", "kv", "--tokenizer", "builtin"] if routing == "kv" else []
     if routing == "kv" and args.kv_load_tokens is not None:
         proxy += ["--kv-load-tokens", str(args.kv_load_tokens)]
+    if routing == "kv" and args.kv_load_queued_tokens is not None:
+        proxy += ["--kv-load-queued-tokens" if args.kv_load_queued_tokens else "--no-kv-load-queued-tokens"]
     return StackOptions(cores=(0, 1), worker_extra=MOCK if args.engine == "mock" else (),
                         startup_timeout_s=300.0, proxy_extra=tuple(proxy))
 
@@ -81,17 +89,20 @@ def route_counts(url: str) -> dict[str, float]:
     return {kind: float(found.get(kind, 0.0)) for kind in ("prompt", "hit", "best")}
 
 
-async def _measure(url: str, args: argparse.Namespace) -> tuple[list[RequestResult], float, dict[str, float]]:
+async def _measure(stack: Stack, args: argparse.Namespace) -> tuple[list[RequestResult], float, dict[str, Any]]:
+    url = stack.url
     model = await fetch_model(url)
     if args.warmup:
         await warm_up(url, model, args.warmup)
-    before = route_counts(url)
+    before, workers_before, since = route_counts(url), ttft_split.counters(stack.worker_urls), time.time()
     if args.rows is not None:
         results, duration = await run_trace(url, model, args.rows, scale=args.trace_scale, time_scale=args.time_scale)
     else:
         results, duration = await run_multiturn(url, model, args.spec)
     after = route_counts(url)
-    return results, duration, {k: after[k] - before[k] for k in after}
+    split = ttft_split.split(ttft_split.timelines(stack.timeline_urls(), since), workers_before,
+                             ttft_split.counters(stack.worker_urls), duration)
+    return results, duration, {**{k: after[k] - before[k] for k in after}, "ttft_split": split}
 
 
 def run_all(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], float, dict[str, float]]]:
@@ -101,7 +112,7 @@ def run_all(args: argparse.Namespace) -> dict[str, tuple[list[RequestResult], fl
             name = f"{topo}_{routing}"
             print(f"starting {name} ...", file=sys.stderr, flush=True)
             with start_xpyd(stack_options(args, routing), *TOPOLOGIES[topo]) as stack:
-                runs[name] = asyncio.run(_measure(stack.url, args))
+                runs[name] = asyncio.run(_measure(stack, args))
     return runs
 
 
@@ -123,7 +134,8 @@ def report(args: argparse.Namespace, runs: dict[str, Any], argv: Sequence[str],
     out: dict[str, Any] = {"config": config, "ratios": ratios, "goals": {"kv_over_round_robin_ttft_p50": "<= 0.5",
                                                                         "prefix_hit_share": ">= 0.9"}}
     for name, (results, _, counts) in runs.items():
-        out[name] = {**summaries[name], "route_tokens": counts}
+        out[name] = {**summaries[name], "route_tokens": {k: v for k, v in counts.items() if k != "ttft_split"},
+                     "ttft_split": counts["ttft_split"]}
     return out
 
 
@@ -158,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     out = report(args, runs, argv, load, os.getloadavg())
     print(format_table({name: out[name] for name in runs}, out["ratios"]))
+    for name in runs:
+        print(ttft_split.describe(name, out[name]["ttft_split"]))
     if args.json is not None:
         write_json(args.json, out)
         plot_distributions({name: results for name, (results, _, _) in runs.items()}, args.json.with_suffix(".png"))

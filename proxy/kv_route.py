@@ -1,6 +1,7 @@
 """KV-aware routing in the request path (--routing kv): the prefill and the decode worker of a request
 picked by the prompt's cached overlap on each (proxy/kv_index.py, fed by proxy/kv_events_follower.py)
-against its legs in flight (proxy/kv_choice.py).
+against its legs in flight and, on a prefill worker, the prompt tokens they have yet to compute there
+(proxy/kv_choice.py).
 
 Counts, per routed request, its prompt tokens, the tokens the picked prefill worker holds and the most
 any prefill worker holds: `hit / best` is how much of the reachable prefix reuse routing took.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,13 +19,14 @@ from prometheus_client import CollectorRegistry, Counter
 from common.tokenizer import Tokenizer
 from proxy.errors import ConfigError
 from proxy.kv_events_follower import KVEventMetrics, KVEventsFollower
-from proxy.kv_choice import DECODE_LEG_FACTOR, DEFAULT_LEG_TOKENS, choose
+from proxy.kv_choice import DECODE_LEG_FACTOR, DEFAULT_LEG_TOKENS, choose, queued_tokens
 from proxy.kv_index import DEFAULT_CAPACITY, KVIndexes
 from proxy.prompt_tokens import encoding_of, prompt_ids_by_encoding
 from proxy.requests import ClientRequest
 from proxy.workers import WorkerPool, WorkerRecord
 
 ROUTINGS = ("round_robin", "kv")
+_RECENT_LEGS = 256   # per prefill worker, the uncached tokens of this many latest legs are kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,7 @@ class KVRoutingConfig:
     static_endpoints: tuple[tuple[str, str], ...] = ()   # (worker HOST:PORT, tcp://HOST:PORT)
     leg_tokens: int = DEFAULT_LEG_TOKENS
     capacity: int = DEFAULT_CAPACITY
+    queued: bool = True   # a prefill worker's load also counts the uncached tokens of its legs in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,7 @@ class KVRouter:
         self.indexes = indexes
         self._legs = legs
         self._turns = {"prefill": 0, "decode": 0}
+        self._recent: dict[str, deque[int]] = {}   # prefill worker -> uncached tokens of its latest legs
         self.tokens = Counter("proxy_kv_route_tokens", "Prompt tokens of KV-routed requests (prompt), held by the "
                               "picked prefill worker (hit), held by the best one (best)", ["kind"], registry=registry)
 
@@ -79,8 +84,15 @@ class KVRouter:
         turn = self._turns[role] = self._turns[role] + 1
         weight = self._config.leg_tokens * (DECODE_LEG_FACTOR if role == "decode" else 1)
         prompt_len = max(len(v) for v in ids.values())
-        i = choose(prompt_len, cached, [self._legs(w) for w in workers], turn, weight)
-        return workers[i], (cached[i], max(cached)), len(ids[encoding_of(workers[i])])
+        legs = [self._legs(w) for w in workers]
+        queued = None
+        if role == "prefill" and self._config.queued:
+            queued = [queued_tokens(self._recent.get(w.key, ()), n) for w, n in zip(workers, legs)]
+        i = choose(prompt_len, cached, legs, turn, weight, queued)
+        own_len = len(ids[encoding_of(workers[i])])
+        if role == "prefill":
+            self._recent.setdefault(workers[i].key, deque(maxlen=_RECENT_LEGS)).append(max(own_len - cached[i], 0))
+        return workers[i], (cached[i], max(cached)), own_len
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-load-tokens", type=int, default=DEFAULT_LEG_TOKENS, metavar="N",
                        help=f"prompt tokens one prefill leg in flight on a worker weighs as, a decode leg "
                             f"{DECODE_LEG_FACTOR} times more (default {DEFAULT_LEG_TOKENS})")
+    group.add_argument("--kv-load-queued-tokens", action=argparse.BooleanOptionalAction, default=True,
+                       help="a prefill worker's load also counts the prompt tokens its legs in flight have yet to "
+                            "compute (those they did not find cached there), besides --kv-load-tokens per leg "
+                            "(default on)")
 
 
 def routing_config(args: argparse.Namespace, tokenizer: Callable[[str], Tokenizer]) -> KVRoutingConfig | None:
@@ -115,7 +131,8 @@ def routing_config(args: argparse.Namespace, tokenizer: Callable[[str], Tokenize
         if not sep or ":" not in address or not endpoint.startswith("tcp://"):
             raise ConfigError(f"--kv-events {given!r}: expected HOST:PORT=tcp://HOST:PORT")
         endpoints.append((address, endpoint))
-    return KVRoutingConfig(tokenizer(args.tokenizer), tuple(endpoints), args.kv_load_tokens)
+    return KVRoutingConfig(tokenizer(args.tokenizer), tuple(endpoints), args.kv_load_tokens,
+                           queued=args.kv_load_queued_tokens)
 
 
 def start_kv_routing(config: KVRoutingConfig, pool: WorkerPool, legs: Callable[[WorkerRecord], int],

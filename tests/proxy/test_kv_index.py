@@ -1,5 +1,5 @@
-"""KV-aware routing's sans-I/O parts with plain lists and bytes: the event wire format, the per-worker
-index, and the choice of a worker (vLLM's own encoder is checked in tests/vllm/test_kv_events.py)."""
+"""KV-aware routing's sans-I/O parts with plain lists and bytes: the event wire format and the per-worker
+index (vLLM's own encoder is checked in tests/vllm/test_kv_events.py; the choice in test_kv_choice.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,6 @@ import random
 
 import msgpack
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventsConfig, KVEventsError,
@@ -17,7 +15,6 @@ from common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, Event
 from common.tokenizer import Tokenizer
 from common.worker_record import OUR_SERVER, WorkerRecord
 from proxy import COMPLETIONS, parse_request
-from proxy.kv_choice import choose, kv_costs
 from proxy.kv_index import KVIndexes, WorkerKVIndex, prompt_hashes
 from proxy.kv_route import KVRouter, KVRoutingConfig
 from proxy.prompt_tokens import encoding_of, prompt_token_ids
@@ -105,29 +102,6 @@ def test_our_block_manager_events_rebuild_its_cache() -> None:
     index = WorkerKVIndex()
     index.apply(EventBatch(0, 0, tuple(log)))
     assert sorted(index._own) == sorted(bm.hash_to_block_id)
-
-
-@given(st.integers(0, 4096), st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 64)), min_size=1, max_size=8),
-       st.integers(0, 100))
-def test_choice_is_a_least_cost_worker(prompt: int, workers: list[tuple[int, int]], turn: int) -> None:
-    cached, legs = [c for c, _ in workers], [n for _, n in workers]
-    i = choose(prompt, cached, legs, turn)
-    costs = kv_costs(prompt, cached, legs)
-    assert costs[i] == min(costs)
-    idle = [j for j, n in enumerate(legs) if n == 0]
-    if idle and all(c == cached[0] for c in cached):
-        assert legs[i] == 0            # equal caches: an idle worker wins
-
-
-@given(st.integers(1, 8), st.integers(0, 50))
-def test_equal_workers_are_taken_in_turn(n: int, turn: int) -> None:
-    assert [choose(100, [0] * n, [0] * n, turn + k) for k in range(n)] == [(turn + k) % n for k in range(n)]
-
-
-def test_more_cache_beats_less_until_the_load_outweighs_it() -> None:
-    assert choose(1000, [960, 0], [0, 0]) == 0
-    assert choose(1000, [960, 0], [3, 0], leg_tokens=256) == 0
-    assert choose(1000, [960, 0], [4, 0], leg_tokens=256) == 1
 
 
 def test_indexes_count_whole_blocks_but_never_the_last_tokens_block() -> None:
