@@ -4,8 +4,9 @@
    cycle but with a 3-cycle latency: one dependency chain runs at a third of the unit's
    speed, so a range is cut in three equal segments summed side by side and the three
    values joined by multiplying with x^(8n) mod P. CPUs with AVX-512 VPCLMULQDQ fold 256 bytes
-   a step by carry-less multiplication instead (_crc32c_fold.c), several times faster; the
-   crc32 chains take the tail. The fused copy loads each word once, sums it and stores it, so
+   a step by carry-less multiplication instead (_crc32c_fold.c), twice as fast here (54
+   against 24 GB/s in cache, and one core's read bandwidth from memory); the crc32 chains
+   take the tail. The fused copy loads each word once, sums it and stores it, so
    the check adds no pass over memory. Other CPUs use a table.
 
    States here are raw (not inverted): crc32c(data) = ~update(~0, data). */
@@ -20,7 +21,7 @@
 #define MIN_FOLD 512            /* below this the crc32 chains are as fast as folding */
 
 static uint32_t table[256];
-static uint32_t x2n[32];        /* x^(2^k) mod P */
+static uint32_t x2n[64];        /* x^(2^k) mod P */
 static int best, path;          /* enum crc32c_path: the fastest this CPU runs, the one in use */
 
 /* a * b mod P, both bit-reflected polynomials. */
@@ -35,13 +36,13 @@ static uint32_t multmodp(uint32_t a, uint32_t b)
     return product;
 }
 
-/* x^bits mod P (x's order mod P divides 2^32 - 1, so x^(2^32) = x). */
+/* x^bits mod P. */
 static uint32_t xpow(uint64_t bits)
 {
     uint32_t power = 1u << 31;  /* x^0 */
     for (int k = 0; bits; bits >>= 1, k++)
         if (bits & 1)
-            power = multmodp(x2n[k & 31], power);
+            power = multmodp(x2n[k], power);
     return power;
 }
 
@@ -69,7 +70,7 @@ void crc32c_init(void)
         table[i] = c;
     }
     x2n[0] = 1u << 30;          /* x^1 */
-    for (int k = 1; k < 32; k++)
+    for (int k = 1; k < 64; k++)
         x2n[k] = multmodp(x2n[k - 1], x2n[k - 1]);
 #if defined(__x86_64__)
     __builtin_cpu_init();

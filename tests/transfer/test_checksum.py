@@ -134,3 +134,21 @@ def test_every_crc32c_path_agrees_on_every_length_and_alignment(path: str) -> No
             assert np.array_equal(dst[dst_at[0]:dst_at[0] + length], src[5:5 + length]), length
     finally:
         memcopy.crc32c_path(before)
+
+
+@pytest.mark.slow
+def test_a_range_over_1_5_gib_sums_right_on_every_path() -> None:
+    """The crc32 chains join three segments of over 512 MiB each here (x^(8n) past 2^32 bits)."""
+    if not memcopy.NATIVE:
+        pytest.skip("built without a C compiler")
+    data = np.tile(np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8), 1600)
+    want, before = crc32c.crc32c(data), memcopy.crc32c_path()
+    try:
+        for path in memcopy.CRC32C_PATHS[1:]:
+            try:
+                memcopy.crc32c_path(path)
+            except ValueError:
+                continue
+            assert memcopy.crc32c_ranges(data.ctypes.data, np.array([0]), np.array([data.size])) == want, path
+    finally:
+        memcopy.crc32c_path(before)
