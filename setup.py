@@ -12,8 +12,8 @@ setup(
     include_package_data=True,
     # Native hot loops, each optional: without a C compiler the same results come from a
     # slower Python/torch path (the shm transport's copy loop, the decode attention).
-    ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c", "transfer/_crc32c.c"],
-                           depends=["transfer/_crc32c.h"], optional=True),
+    ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c", "transfer/_crc32c.c", "transfer/_crc32c_fold.c"],
+                           depends=["transfer/_crc32c.h", "transfer/_crc32c_fold.h"], optional=True),
                  Extension("worker.model.layers._paged_decode", ["worker/model/layers/_paged_decode.c"], optional=True),
                  Extension("worker.model.layers._prefill_bf16", ["worker/model/layers/_prefill_bf16.c"],
                            extra_compile_args=["-O3"], optional=True)],

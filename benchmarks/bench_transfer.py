@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from transfer import KVLayout, available_backends, create_transfer_engine
-from transfer.memcopy import NATIVE
+from transfer.memcopy import NATIVE, crc32c_path
 from worker.model.bench_model import BENCH_CONFIG
 
 MIB = 1 << 20
@@ -291,7 +291,8 @@ def main() -> None:
         results.update(run_group(group, args.sizes, args.repeats))
     print(f"model {args.model}: {layout.block_bytes // 1024} KiB blocks of 16 tokens, "
           f"{layout.chunk_bytes // 1024} KiB per (layer, k/v) chunk; {args.pattern} blocks; "
-          f"median of {args.repeats}; shm copy loop: {'native' if NATIVE else 'Python (no C compiler at install)'}")
+          f"median of {args.repeats}; shm copy loop: {'native' if NATIVE else 'Python (no C compiler at install)'}; "
+          f"CRC-32C: {crc32c_path() or 'crc32c package'}")
     print_table(results, args.sizes)
     top = max(args.sizes)
     ratios = {"shm_over_memcpy": ratio(results, "shm", "memcpy", top),
@@ -305,7 +306,7 @@ def main() -> None:
             "command": " ".join(["python -m benchmarks.bench_transfer", *sys.argv[1:]]),
             "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
             "model": args.model, "pattern": args.pattern, "layout": layout.to_dict(),
-            "block_bytes": layout.block_bytes, "native_copy": NATIVE,
+            "block_bytes": layout.block_bytes, "native_copy": NATIVE, "crc32c_path": crc32c_path(),
             "sizes_mib": args.sizes, "repeats": args.repeats, "largest_mib": top,
             "gbps": {name: {str(s): round(v, 3) for s, v in row.items()} for name, row in results.items()},
             "ratios": ratios}, indent=2))

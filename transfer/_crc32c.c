@@ -3,20 +3,26 @@
    x86-64 CPUs since 2008 compute CRC-32C in hardware (SSE4.2 crc32), one 8-byte word per
    cycle but with a 3-cycle latency: one dependency chain runs at a third of the unit's
    speed, so a range is cut in three equal segments summed side by side and the three
-   values joined by multiplying with x^(8n) mod P. The fused copy loads each word once,
-   sums it and stores it, so the check adds no pass over memory. Other CPUs use a table.
+   values joined by multiplying with x^(8n) mod P. CPUs with AVX-512 VPCLMULQDQ fold 256 bytes
+   a step by carry-less multiplication instead (_crc32c_fold.c), twice as fast here (54
+   against 24 GB/s in cache, and one core's read bandwidth from memory); the crc32 chains
+   take the tail. The fused copy loads each word once, sums it and stores it, so
+   the check adds no pass over memory. Other CPUs use a table.
 
    States here are raw (not inverted): crc32c(data) = ~update(~0, data). */
 #include "_crc32c.h"
 
 #include <string.h>
 
+#include "_crc32c_fold.h"
+
 #define POLY 0x82F63B78u        /* Castagnoli, bit-reflected */
 #define MIN_SPLIT 768           /* below this one chain is as fast as joining three */
+#define MIN_FOLD 512            /* below this the crc32 chains are as fast as folding */
 
 static uint32_t table[256];
-static uint32_t x2n[32];        /* x^(2^k) mod P */
-static int hardware;
+static uint32_t x2n[64];        /* x^(2^k) mod P */
+static int best, path;          /* enum crc32c_path: the fastest this CPU runs, the one in use */
 
 /* a * b mod P, both bit-reflected polynomials. */
 static uint32_t multmodp(uint32_t a, uint32_t b)
@@ -30,14 +36,20 @@ static uint32_t multmodp(uint32_t a, uint32_t b)
     return product;
 }
 
+/* x^bits mod P. */
+static uint32_t xpow(uint64_t bits)
+{
+    uint32_t power = 1u << 31;  /* x^0 */
+    for (int k = 0; bits; bits >>= 1, k++)
+        if (bits & 1)
+            power = multmodp(x2n[k], power);
+    return power;
+}
+
 /* x^(8 * nbytes) mod P: the factor that moves a state past nbytes zero bytes. */
 static uint32_t x8n(size_t nbytes)
 {
-    uint32_t power = 1u << 31;  /* x^0 */
-    for (int k = 3; nbytes; nbytes >>= 1, k++)
-        if (nbytes & 1)
-            power = multmodp(x2n[k & 31], power);
-    return power;
+    return xpow(8 * (uint64_t)nbytes);
 }
 
 static uint32_t sw_update(uint32_t state, const char *p, size_t n, char *dst)
@@ -58,12 +70,24 @@ void crc32c_init(void)
         table[i] = c;
     }
     x2n[0] = 1u << 30;          /* x^1 */
-    for (int k = 1; k < 32; k++)
+    for (int k = 1; k < 64; k++)
         x2n[k] = multmodp(x2n[k - 1], x2n[k - 1]);
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    hardware = __builtin_cpu_supports("sse4.2");
+    best = __builtin_cpu_supports("sse4.2") ? CRC32C_SSE42 : CRC32C_TABLE;
 #endif
+    if (best == CRC32C_SSE42 && crc32c_fold_init(xpow))
+        best = CRC32C_FOLD;
+    path = best;
+}
+
+int crc32c_path(int choice)
+{
+    if (choice > best)
+        return -1;
+    if (choice >= 0)
+        path = choice;
+    return path;
 }
 
 #if defined(__x86_64__)
@@ -120,7 +144,14 @@ HW static uint32_t hw_three(uint32_t state, const char *p, size_t seg, char *dst
 uint32_t crc32c_run(uint32_t state, const char *src, size_t n, char *dst, struct crc32c_shift *shift)
 {
 #if defined(__x86_64__)
-    if (hardware) {
+    if (path == CRC32C_FOLD && n >= MIN_FOLD) {
+        size_t whole = n / CRC32C_FOLD_BLOCK * CRC32C_FOLD_BLOCK;
+        state = crc32c_fold(state, src, whole, dst);
+        src += whole;
+        dst = dst ? dst + whole : NULL;
+        n -= whole;
+    }
+    if (path >= CRC32C_SSE42) {
         if (n >= MIN_SPLIT) {
             size_t seg = n / 24 * 8;
             state = hw_three(state, src, seg, dst, shift);

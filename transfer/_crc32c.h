@@ -11,7 +11,14 @@ struct crc32c_shift {
     uint32_t factor;
 };
 
+/* The ways to compute it, slowest first: each CPU runs those up to the one it supports. */
+enum crc32c_path { CRC32C_TABLE, CRC32C_SSE42, CRC32C_FOLD };
+
 void crc32c_init(void);
+
+/* Switches to `choice` (an enum crc32c_path; -1 keeps the current one) and returns the one in
+   use, or -1 when this CPU cannot run `choice`. For tests and benchmarks. */
+int crc32c_path(int choice);
 
 /* Raw state after `n` bytes of `src`; with `dst` (not overlapping src), copies them there in
    the same pass. */

@@ -125,6 +125,14 @@ static PyObject *crc32c_ranges(PyObject *module, PyObject *args)
     return PyLong_FromUnsignedLong(crc);
 }
 
+static PyObject *crc32c_path_(PyObject *module, PyObject *args)
+{
+    int choice = -1;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "|i:crc32c_path", &choice))
+        return NULL;
+    return PyLong_FromLong(crc32c_path(choice));
+}
 
 /* Handoff fences (transfer.fences): one int64 word per destination block, shared with the writer
    when the pool is in shared memory. A word is 0 (closed) or generation << 2 | state, state OPEN
@@ -222,6 +230,9 @@ static PyMethodDef methods[] = {
      "(non-overlapping) and extends the CRC-32C `crc` by its bytes in the same pass, GIL released."},
     {"crc32c_ranges", crc32c_ranges, METH_VARARGS,
      "crc32c_ranges(base, offsets, lengths, crc) -> crc: extends the CRC-32C `crc` by each range, GIL released."},
+    {"crc32c_path", crc32c_path_, METH_VARARGS,
+     "crc32c_path(choice=-1) -> int: switches the CRC-32C to `choice` (0 table, 1 sse4.2, 2 vpclmulqdq; "
+     "-1 keeps it) and returns the one in use, or -1 when this CPU cannot run `choice`."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2,9 +2,11 @@
 
 The native loop (transfer/_memcopy.c, compiled when the package is installed) makes one
 call per transfer plane and releases the GIL; it copies a range and extends its CRC-32C
-in the same pass (hardware crc32 on x86-64), so a checked copy reads memory once. Without
-a C compiler at install time the package falls back to one ctypes.memmove per range and
-the `crc32c` package's CRC-32C over each: the same bytes and values, slower.
+in the same pass (carry-less multiplication on 512-bit lanes where the CPU has AVX-512
+VPCLMULQDQ, else the crc32 instruction on x86-64, else a table), so a checked copy reads
+memory once. Without a C compiler at install time the package falls back to one
+ctypes.memmove per range and the `crc32c` package's CRC-32C over each: the same bytes and
+values, slower.
 """
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ import numpy as np
 try:
     from transfer._memcopy import copy_ranges as _native_copy_ranges
     from transfer._memcopy import copy_ranges_crc32c as _native_copy_crc32c
+    from transfer._memcopy import crc32c_path as _native_crc32c_path
     from transfer._memcopy import crc32c_ranges as _native_crc32c_ranges
 except ImportError:  # built without a C compiler
-    _native_copy_ranges = _native_copy_crc32c = _native_crc32c_ranges = None
+    _native_copy_ranges = _native_copy_crc32c = _native_crc32c_ranges = _native_crc32c_path = None
 
 NATIVE = _native_copy_ranges is not None
+# The native loop's ways to compute CRC-32C, slowest first; a CPU runs a prefix of them.
+CRC32C_PATHS = ("table", "sse4.2", "vpclmulqdq")
 
 
 def _int64(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -59,6 +64,17 @@ def crc32c_ranges(base: int, offsets: np.ndarray, lengths: np.ndarray, crc: int 
     for offset, length in zip(offsets.tolist(), lengths.tolist()):
         crc = crc32c.crc32c((ctypes.c_char * length).from_address(base + offset), crc)
     return crc
+
+
+def crc32c_path(name: str | None = None) -> str | None:
+    """The native loop's CRC-32C in use (None without the native loop); with `name` (one of
+    CRC32C_PATHS), switches to it first, or raises ValueError when this CPU cannot run it.
+    Every path gives the same values: this is for tests and benchmarks."""
+    if _native_crc32c_path is None:
+        return None
+    if name is not None and _native_crc32c_path(CRC32C_PATHS.index(name)) < 0:
+        raise ValueError(f"this CPU cannot run the {name} CRC-32C")
+    return CRC32C_PATHS[_native_crc32c_path()]
 
 
 def python_copy_ranges(dst: int, src: int, dst_offsets: np.ndarray, src_offsets: np.ndarray,

@@ -96,3 +96,59 @@ def test_the_copy_loops_agree_with_the_crc32c_package(lengths: list[int], native
     assert memcopy.crc32c_ranges(src.ctypes.data, offsets, sizes, 7) == want
     assert memcopy.copy_ranges_crc32c(dst.ctypes.data, src.ctypes.data, offsets + 1, offsets, sizes, 7) == want
     assert np.array_equal(dst[offsets[0] + 1:offsets[-1] + 1 + lengths[-1]], src[offsets[0]:offsets[-1] + lengths[-1]])
+
+
+def _python_crc32c_prefixes(data: bytes, crc: int) -> list[int]:
+    """CRC-32C of every prefix of `data` (chained onto `crc`), bit by bit from the polynomial."""
+    state, out = crc ^ 0xFFFFFFFF, [crc]
+    for byte in data:
+        state ^= byte
+        for _ in range(8):
+            state = (state >> 1) ^ (0x82F63B78 if state & 1 else 0)
+        out.append(state ^ 0xFFFFFFFF)
+    return out
+
+
+@pytest.mark.parametrize("path", memcopy.CRC32C_PATHS)
+def test_every_crc32c_path_agrees_on_every_length_and_alignment(path: str) -> None:
+    """Each way the native loop computes CRC-32C (folding, crc32 chains, table), alone and fused
+    with the copy, on every length up to 4 KiB and a few MiB, from and to unaligned addresses,
+    against a bitwise CRC-32C and the reference package."""
+    if not memcopy.NATIVE:
+        pytest.skip("built without a C compiler")
+    before = memcopy.crc32c_path()
+    try:
+        memcopy.crc32c_path(path)
+    except ValueError:
+        pytest.skip(f"this CPU has no {path} CRC-32C")
+    try:
+        rng = np.random.default_rng(7)
+        src = rng.integers(0, 256, (3 << 20) + 4200, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        cases = list(enumerate(_python_crc32c_prefixes(src[5:4101].tobytes(), 99)))
+        cases += [(n, crc32c.crc32c(src[5:5 + n].tobytes(), 99)) for n in ((1 << 20) + 255, 3 << 20)]
+        for length, want in cases:
+            src_at, dst_at, size = np.array([5]), np.array([length % 61 + 1]), np.array([length])
+            assert memcopy.crc32c_ranges(src.ctypes.data, src_at, size, 99) == want, length
+            assert memcopy.copy_ranges_crc32c(dst.ctypes.data, src.ctypes.data, dst_at, src_at, size, 99) == want
+            assert np.array_equal(dst[dst_at[0]:dst_at[0] + length], src[5:5 + length]), length
+    finally:
+        memcopy.crc32c_path(before)
+
+
+@pytest.mark.slow
+def test_a_range_over_1_5_gib_sums_right_on_every_path() -> None:
+    """The crc32 chains join three segments of over 512 MiB each here (x^(8n) past 2^32 bits)."""
+    if not memcopy.NATIVE:
+        pytest.skip("built without a C compiler")
+    data = np.tile(np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8), 1600)
+    want, before = crc32c.crc32c(data), memcopy.crc32c_path()
+    try:
+        for path in memcopy.CRC32C_PATHS[1:]:
+            try:
+                memcopy.crc32c_path(path)
+            except ValueError:
+                continue
+            assert memcopy.crc32c_ranges(data.ctypes.data, np.array([0]), np.array([data.size])) == want, path
+    finally:
+        memcopy.crc32c_path(before)
