@@ -28,15 +28,20 @@ def post(url: str, stream: bool, decode: dict) -> httpx.Response:
         "model": "fake-model", "prompt": "pull me", "max_tokens": 4, "stream": stream, "fake": {"decode": decode}})
 
 
+def explanation(reply: httpx.Response) -> dict:
+    """The error the client got: a 503 answer, or, when prefill's first token went out before the decode
+    leg failed (concurrent flow), the error event ending its 200 stream."""
+    if reply.status_code == 200:
+        return json.loads([line for line in reply.text.splitlines() if '"error"' in line][0][6:])["error"]
+    assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
+    return reply.json()["error"]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_failed_pull_is_a_kv_transfer_error_naming_the_peer(pair: Pair, proxy: Server, stream: bool) -> None:
     reply = post(proxy.url, stream, {"status": 500, "pull_error": WHY})
-    if reply.status_code == 200:   # streamed, and prefill's token went out first: the error ends the stream
-        assert stream
-        error = json.loads([line for line in reply.text.splitlines() if '"error"' in line][0][6:])["error"]
-    else:
-        assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
-        error = reply.json()["error"]
+    assert stream or reply.status_code == 503
+    error = explanation(reply)
     assert error["type"] == "kv_transfer_error" and error["code"] == 503
     assert error["message"].startswith(f"decode worker 127.0.0.1:{pair.decode.port}: KV transfer of request ")
     assert WHY in error["message"]
@@ -48,8 +53,7 @@ def test_another_failure_stays_what_it_was(pair: Pair, proxy: Server) -> None:
 
 
 def test_a_stream_vllm_failed_in_band_is_explained_too(pair: Pair, proxy: Server) -> None:
-    """vLLM answers 200 and ends the stream with its error event when the pull fails after the stream began."""
-    reply = post(proxy.url, True, {"pull_error": WHY})
-    assert reply.status_code == 200
-    error = json.loads([line for line in reply.text.splitlines() if '"error"' in line][0][6:])["error"]
+    """vLLM answers 200 and ends the stream with its bare error event when the pull fails after the stream
+    began; the client gets the explanation either way the race with prefill's first token goes."""
+    error = explanation(post(proxy.url, True, {"pull_error": WHY}))
     assert error["type"] == "kv_transfer_error" and WHY in error["message"]
