@@ -179,7 +179,8 @@ class RouterChannel:
 
 class DealerChannel:
     """D's DEALER to one prefill peer; the peer's ROUTER assigns its routing id. Its monitor says when a
-    connection it had is lost (the peer's process ended: at once; its host gone: at the heartbeat timeout)."""
+    connection it had is lost (the peer's process ended: at once; its host gone: at the heartbeat timeout),
+    and since when every connect attempt has failed (nothing listens there, or its host does not answer)."""
 
     def __init__(self, context: zmq.Context, host: str, port: int) -> None:
         self.address = f"{host}:{port}"
@@ -193,7 +194,9 @@ class DealerChannel:
         except zmq.ZMQError as exc:
             self.socket.close(linger=0)
             raise PeerUnavailable(f"cannot connect to the KV signal plane at {host}:{port}: {exc}") from exc
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.failing_since: float | None = None   # when connect attempts began to fail, none succeeding since
 
     def recv(self) -> bytes | None:
         try:
@@ -201,15 +204,21 @@ class DealerChannel:
         except zmq.Again:
             return None
 
-    def disconnected(self) -> bool:
-        """Whether a connection to the peer was lost since the last call (the monitor's events, drained)."""
+    def disconnected(self, now: float) -> bool:
+        """Whether a connection to the peer was lost since the last call (the monitor's events, drained;
+        they also move `failing_since`: set at a failed connect attempt, cleared at a connection)."""
         lost = False
         while True:
             try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return lost
-            lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
+            if event == zmq.EVENT_DISCONNECTED:
+                lost = True
+            elif event == zmq.EVENT_CONNECTED:
+                self.failing_since = None
+            elif self.failing_since is None:
+                self.failing_since = now
 
     def send(self, payload: bytes) -> bool:
         try:

@@ -84,6 +84,7 @@ class _Pull:
     writer: int | None = None           # pid of the same-host process the lookup went to
     held: bool = False                  # ended, but a writer still holds its blocks: result withheld
     incarnation: str | None = None      # the peer's incarnation its first lookup went to
+    added_at: float = 0.0
 
 
 @dataclass
@@ -92,6 +93,7 @@ class PullTracker:
 
     resend_after: float = 1.0
     grace: float = 5.0
+    unreachable_s: float = 3.0          # a pull fails after this long with no connection to its peer possible
     first_backoff: float = 0.005
     max_backoff: float = 0.02
     checksum: str | None = None         # one of protocol.CHECKSUMS: verify every pull with it
@@ -119,7 +121,7 @@ class PullTracker:
         if request_id in self._pulls:
             raise DuplicateRequest(f"a pull of request {request_id!r} is already registered")
         self._pulls[request_id] = _Pull(request_id, peer, tuple(dst), deadline, now, self.first_backoff,
-                                        engine_id, skipped, traceparent, generation=generation)
+                                        engine_id, skipped, traceparent, generation=generation, added_at=now)
         self.fenced += generation is not None
 
     def due(self, now: float, ready_peers: set[str]) -> list[tuple[str, LookupAll]]:
@@ -232,6 +234,18 @@ class PullTracker:
                 f"pull of {pull.request_id!r}: the connection to prefill peer {peer} was lost "
                 "(its process ended or its host went silent)")))
         return len(lost)
+
+    def peer_unreachable(self, peer: str, since: float, now: float) -> int:
+        """Every connect attempt to the peer has failed since `since`: its pulls that have waited through
+        `unreachable_s` of that fail now (there is no process there to have their KV); how many did."""
+        failed = [pull for pull in self._pulls.values()
+                  if pull.peer == peer and pull.result is PENDING and not pull.answered
+                  and now - max(since, pull.added_at) >= self.unreachable_s]
+        for pull in failed:
+            self._end(pull, PullStatus(PullState.FAILED, error=PeerUnavailable(
+                f"pull of {pull.request_id!r}: prefill peer {peer} refused or did not answer every "
+                f"connection attempt for {self.unreachable_s:g} s (nothing listens there, or its host is gone)")))
+        return len(failed)
 
     def expire(self, now: float, ready_peers: set[str]) -> None:
         for pull in self._pulls.values():

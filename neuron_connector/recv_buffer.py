@@ -275,7 +275,8 @@ class RecvBuffer:
         """The replies the peer sent, then its lost connection, if lost: a peer that answered and exited
         (a drained prefill worker's last push) has its answers taken first, so those pulls end as answered."""
         address = channel.address
-        lost = channel.disconnected()
+        now = time.monotonic()
+        lost = channel.disconnected(now)
         self._take_replies(channel)
         if lost:
             with self._lock:
@@ -283,6 +284,12 @@ class RecvBuffer:
                     link.reset()     # whoever answers there next is asked who it is
                 failed = self._pulls.peer_lost(address)
             log.warning("lost the connection to prefill peer %s: %d pull(s) from it failed", address, failed)
+        if channel.failing_since is not None:
+            with self._lock:
+                failed = self._pulls.peer_unreachable(address, channel.failing_since, now)
+            if failed:
+                log.warning("prefill peer %s refuses or does not answer connections: %d pull(s) from it failed",
+                            address, failed)
 
     def _take_replies(self, channel: DealerChannel) -> None:
         address = channel.address

@@ -11,6 +11,7 @@ from neuron_connector import (
     ConnectorError, DuplicateRequest, HandshakeError, PeerUnavailable, PullState, PullTimeout,
     RecvBuffer, SendBuffer, UnknownRequest)
 from neuron_connector.errors import EngineMismatch
+from stack.serving import free_port
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair, running_pair
 from tests.neuron_connector.kv import LAYOUT, engine_with_pool, wait_terminal
@@ -196,12 +197,21 @@ def test_release_frees_a_request_never_pulled_published_or_not(pair: Pair) -> No
 
 
 def test_no_prefill_listening_fails_with_peer_unavailable(shm_pair: Pair) -> None:
-    from stack.serving import free_port
     port = free_port()
     shm_pair.recv.request_pull("lost", "127.0.0.1", port, [0], deadline_s=0.5)
     status = wait_terminal(shm_pair.recv, "lost", timeout=10)
     assert isinstance(status.error, PeerUnavailable) and "handshake" in status.message
     assert f"127.0.0.1:{port}" in status.message
+
+
+def test_a_pull_from_a_port_nothing_listens_on_fails_long_before_its_deadline(shm_pair: Pair) -> None:
+    """Refused connection attempts for the heartbeat timeout fail the pull; it does not wait out its deadline."""
+    port = free_port()
+    shm_pair.recv.request_pull("refused", "127.0.0.1", port, [0], deadline_s=300)
+    status = wait_terminal(shm_pair.recv, "refused", timeout=30)
+    assert isinstance(status.error, PeerUnavailable), status
+    assert f"prefill peer 127.0.0.1:{port} refused or did not answer every connection attempt" in status.message
+    assert not shm_pair.d_pool.any()
 
 
 def test_close_releases_held_blocks(shm_pair: Pair) -> None:

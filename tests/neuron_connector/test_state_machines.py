@@ -329,6 +329,22 @@ class TestPullTracker:
         assert pulls.poll("new").message == "pull of 'new': expected prefill engine P1 at p, found P2"
 
 
+def test_an_unreachable_peer_fails_each_pull_that_waited_through_the_bound() -> None:
+    tracker = PullTracker(unreachable_s=3)
+    tracker.add("old", "p:1", [0], deadline=60, now=0)
+    tracker.add("new", "p:1", [1], deadline=60, now=4)
+    tracker.add("other", "q:1", [2], deadline=60, now=0)
+    assert tracker.peer_unreachable("p:1", since=2, now=4.9) == 0    # "old" has waited 2.9 s of the refusals
+    assert tracker.peer_unreachable("p:1", since=2, now=5) == 1
+    status = tracker.poll("old")
+    assert isinstance(status.error, PeerUnavailable)
+    assert status.message == ("pull of 'old': prefill peer p:1 refused or did not answer every connection "
+                              "attempt for 3 s (nothing listens there, or its host is gone)")
+    assert tracker.peer_unreachable("p:1", since=2, now=6.9) == 0    # "new" came at 4: 2.9 s
+    assert tracker.peer_unreachable("p:1", since=2, now=7) == 1
+    assert tracker.poll("other").state is PullState.PENDING
+
+
 def test_a_lost_peer_fails_its_pulls_at_once_and_later_pulls_wait_for_it() -> None:
     tracker = PullTracker()
     tracker.add("asked", "p:1", [0], deadline=30, now=0)

@@ -109,11 +109,11 @@ def test_prefill_restart_reconnects_and_pulls_again(decode) -> None:
         assert isinstance(status.error, PeerUnavailable) and "was lost" in status.message, status
     finally:
         first.stop()
-    # Asked while no prefill listens: the lookups wait for the new process's handshake.
-    recv.request_pull("b", "127.0.0.1", port, [7, 8])
+    # A new process at the same address: the link handshakes with it before it pulls.
     second = start_prefill(port, "--seed", "2", "--publish", "b:5,6:20", "--publish", "c:3:30",
                            "--engine-id", "prefill-proc-2", backend=backend)
     try:
+        recv.request_pull("b", "127.0.0.1", port, [7, 8])
         status = wait_terminal(recv, "b")
         assert status.state is PullState.DONE and status.output_token == 20, status
         assert torch.equal(pool[:, :, [7, 8]], seeded(LAYOUT, 2)[:, :, [5, 6]])
