@@ -8,7 +8,8 @@
 #define CRC32C_FOLD_BLOCK 256   /* bytes one step of the folding loop consumes */
 
 /* Prepares the constants from `xpow` (x^bits mod P, bit-reflected); returns 1 when this CPU and
-   OS run AVX-512 VPCLMULQDQ, else 0 and crc32c_fold must not be called. */
+   OS run AVX-512 VPCLMULQDQ, else 0 and crc32c_fold must not be called. The caller has run
+   __builtin_cpu_init() and found SSE4.2 (the tail's crc32 instruction). */
 int crc32c_fold_init(uint32_t (*xpow)(uint64_t bits));
 
 /* Raw state after `n` bytes of `src` (n a non-zero multiple of CRC32C_FOLD_BLOCK); with `dst`
