@@ -15,6 +15,9 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest, ExportTraceServiceResponse)
 
+# How often the server looks whether it was told to stop: what a stop waits at most.
+SHUTDOWN_POLL_S = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class ReceivedSpan:
@@ -44,8 +47,8 @@ class OTLPReceiver:
         handler = type("_Handler", (_Handler,), {"receiver": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="otlp-receiver", daemon=True)   # a stop waits one poll
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
+                                        name="otlp-receiver", daemon=True)
         self._thread.start()
 
     @property
