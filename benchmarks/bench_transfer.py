@@ -5,10 +5,11 @@ blocks of the model's layout) from this process into a peer process with each ba
 and in the same run measures the two ceilings they should approach: a single-thread
 memcpy between two pre-touched buffers (for shm) and one raw TCP stream on loopback
 (for tcp). Each backend also runs with the integrity check, as every pull runs it by
-default (`+check`: the push reports the CRC-32C of the bytes it sent, summed in the copy's
-pass over shm and on the transfer thread otherwise, then the receiving process sums its
-destination blocks and the two are compared), next to `crc32c`, the native CRC-32C over the
-same scattered blocks in one pool. Prints a table; `--json PATH` writes GB/s per backend
+default (`+check`: the receiving process opens its blocks for a handoff and follows them as
+they land, summing the CRC-32C of what is in place while the rest is written; the push
+reports the CRC-32C of the bytes it sent, summed in the copy's pass over shm and on the
+transfer thread otherwise; the receiver sums what is left once the push is done and the two
+are compared), next to `crc32c`, the native CRC-32C over the same scattered blocks in one pool. Prints a table; `--json PATH` writes GB/s per backend
 and size plus the ratios for the largest size (`checked_over_unchecked_<backend>`);
 `--quick` runs 64 and 256 MiB only, in under a minute.
 
@@ -34,6 +35,8 @@ from typing import Any, Callable
 import torch
 
 from transfer import KVLayout, available_backends, create_transfer_engine
+from transfer.fences import generations
+from transfer.landing import FOLLOW_POLL_S
 from transfer.memcopy import NATIVE, crc32c_path
 from worker.model.bench_model import BENCH_CONFIG
 
@@ -146,10 +149,31 @@ def _peer(backend: str, layout: dict[str, Any], conn: Connection) -> None:
     engine = create_transfer_engine(backend)
     pool = engine.allocate_region(KVLayout.from_dict(layout))
     conn.send(engine.descriptor())
-    while (ask := conn.recv()) is not None:  # ("bytes" | "checksum", block ids)
-        what, ids = ask
-        conn.send(_bytes(pool, ids) if what == "bytes" else engine.checksum(ids))
+    while (ask := conn.recv()) is not None:  # ("bytes" | "checksum" | "follow", block ids[, generation])
+        what, ids = ask[:2]
+        if what == "follow":
+            conn.send(_follow(engine, conn, ids, ask[2]))
+        else:
+            conn.send(_bytes(pool, ids) if what == "bytes" else engine.checksum(ids))
     engine.close()
+
+
+def _follow(engine: Any, conn: Connection, ids: list[int], generation: int) -> int | None:
+    """The receiver of a checked pull: opens its blocks for the handoff, sums them as they land
+    until the sender says the push is done, then sums the rest."""
+    fences = engine.fences
+    if fences is not None:
+        fences.open(ids, generation)
+    landed = engine.follow_landing(ids)
+    conn.send("ready")
+    while not conn.poll(0):
+        if not landed.advance():
+            time.sleep(FOLLOW_POLL_S)
+    conn.recv()
+    crc = landed.finish()
+    if fences is not None:
+        fences.close(ids, generation)
+    return crc
 
 
 def _bytes(pool: torch.Tensor, ids: list[int]) -> bytes:
@@ -169,14 +193,21 @@ class EngineSession:
         self._pool = self._engine.allocate_region(layout)
         self._pool.view(-1).view(torch.uint8)[::4093] = 7  # a pattern the peer must end up with
         self._peer = self._engine.connect(self._conn.recv())
+        self._generations = generations()
 
     def run(self, size: int, checked: bool = False) -> None:
         """One push; `checked`: as a pull with the integrity check runs it (neuron_connector)."""
         src, dst = self._sets[size]
-        token = self._engine.queue_transfer_with_token(self._peer, src, dst, timeout=120, checksum=checked)
+        generation = None
+        if checked:
+            generation = next(self._generations)
+            self._conn.send(("follow", dst, generation))
+            self._conn.recv()
+        token = self._engine.queue_transfer_with_token(self._peer, src, dst, timeout=120, checksum=checked,
+                                                       generation=generation)
         token.wait(130)
         if checked:
-            self._conn.send(("checksum", dst))
+            self._conn.send("done")
             if self._conn.recv() != token.checksum:
                 raise SystemExit(f"{self.name}: the destination's checksum differs from the one sent")
 

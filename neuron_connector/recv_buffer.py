@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from common.pid import pid_alive
@@ -19,6 +18,7 @@ from neuron_connector.protocol import (
     CRC32C, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
     LookupReply, Probe, decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
+from neuron_connector.verifier import PullVerifier
 from transfer import KVLayout, TransferError
 from transfer.fences import Fences, generations
 from transfer.region import host_identity
@@ -55,8 +55,9 @@ class RecvBuffer:
     With `integrity_check` (the default), every lookup asks the peer for a CRC-32C of the
     blocks it sends, and a pull turns DONE only once the same checksum over our blocks
     matches; otherwise it fails with IntegrityError (and our blocks are free to reuse, as
-    after any failure). Our checksum is summed on a thread of its own, so a large pull never
-    holds up the signal plane.
+    after any failure). Our checksum is summed on a thread of its own (neuron_connector.verifier),
+    as the push lands the bytes, so a large pull never holds up the signal plane and its check
+    overlaps its copy.
 
     Every pull is a handoff with a fresh generation (transfer.fences): its blocks are opened for it
     before its first lookup, and closed when it ends. The prefill's push writes only into blocks open
@@ -83,7 +84,8 @@ class RecvBuffer:
                                   reclaim_blocks=self._reclaim_blocks)
         self._generations = generations()
         self.incarnation = new_incarnation()   # this life of our signal plane, named in every handshake
-        self._verifier = ThreadPoolExecutor(1, f"kv-verify-{engine_id}") if integrity_check else None
+        self._verifier = PullVerifier(transfer_engine, f"kv-verify-{engine_id}", self._verified) \
+            if integrity_check else None
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread
         self._on_finished = on_finished
@@ -92,6 +94,8 @@ class RecvBuffer:
         self._context = new_context()
 
     def start(self) -> None:
+        if self._verifier is not None:
+            self._verifier.start()
         self._service.start(self._serve, f"kv-recv-{self.engine_id}")
 
     def maybe_setup_buffer(self, peer_host: str, peer_kv_port: int) -> str:
@@ -142,6 +146,8 @@ class RecvBuffer:
                             skipped_blocks, traceparent, generation)
             if fences is not None and generation is not None:
                 fences.open(dst_block_ids, generation)   # before the first lookup can name it
+        if self._verifier is not None and generation is not None:
+            self._verifier.watch(request_id, dst_block_ids)
         self._service.wake()
 
     @property
@@ -182,6 +188,8 @@ class RecvBuffer:
         reports FAILED once they are safe to reuse."""
         with self._lock:
             free = self._pulls.cancel(request_id)
+        if self._verifier is not None:
+            self._verifier.forget([request_id])
         self._service.wake()
         return free
 
@@ -205,7 +213,7 @@ class RecvBuffer:
         self.connection_dict.clear()
         self._context.term()
         if self._verifier is not None:   # before the waker it wakes is closed
-            self._verifier.shutdown(wait=True, cancel_futures=True)
+            self._verifier.close()
         self._service.close()
 
     # --- the buffer's thread -------------------------------------------------------------
@@ -232,6 +240,8 @@ class RecvBuffer:
             self._announce(finished)
 
     def _announce(self, finished: list[str]) -> None:
+        if self._verifier is not None:
+            self._verifier.forget(finished)
         if self._on_finished is None:
             return
         for request_id in finished:
@@ -303,7 +313,7 @@ class RecvBuffer:
                     and reply.checksum is not None):
                 with self._lock:
                     self._pulls.answered(reply.request_id)
-                self._verifier.submit(self._verify, address, reply)
+                self._verifier.verify(address, reply)
                 continue
             with self._lock:
                 answer = self._handle(address, reply)
@@ -317,14 +327,8 @@ class RecvBuffer:
             log.exception("handling a reply from %s failed", address)
             return None
 
-    def _verify(self, address: str, reply: LookupReply) -> None:
-        """On the verifier's thread: sums the blocks the reply names (ours until the pull
-        ends), then hands the reply on with that checksum."""
-        try:
-            local: int | None = self._engine.checksum(reply.block_ids_in_peer_device)
-        except TransferError as exc:   # ids not ours: the pull fails on them (or on the mismatch)
-            log.warning("no checksum of the blocks of %r: %s", reply.request_id, exc)
-            local = None
+    def _verified(self, address: str, reply: LookupReply, local: int | None) -> None:
+        """On the verifier's thread: hands the reply on with our checksum of its blocks."""
         with self._lock:
             self._handle(address, reply, local)
         self._service.wake()

@@ -53,11 +53,29 @@ static void release_ranges(struct ranges *r, int copying)
     PyBuffer_Release(&r->len);
 }
 
+/* Landing marks (transfer.landing): a word the copy raises to "bytes of this push in place" as it
+   goes, so the receiver can check what landed while the rest is copied. The fence orders the
+   bytes (memmove may store them non-temporally) before the mark. */
+#define MARK_STEP (256 * 1024)
+
+struct mark {
+    int64_t *word;   /* NULL: no mark */
+    int64_t base;    /* bytes of the push in place before this call */
+};
+
+static void publish(const struct mark *m, int64_t done)
+{
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(m->word, m->base + done, __ATOMIC_RELAXED);
+}
+
 /* Copies (to non-NULL `to`) and/or sums every range; returns the raw CRC state. */
-static uint32_t walk(char *to, const char *from, const struct ranges *r, int summing, uint32_t state)
+static uint32_t walk(char *to, const char *from, const struct ranges *r, int summing, uint32_t state,
+                     const struct mark *m)
 {
     const int64_t *d = r->dst_off.buf, *s = r->src_off.buf, *n = r->len.buf;
     struct crc32c_shift shift = {0, 0};
+    int64_t done = 0, told = 0;
     for (Py_ssize_t i = 0; i < r->count; i++) {
         if (i + AHEAD < r->count)
             prefetch_range(from + s[i + AHEAD], to ? to + d[i + AHEAD] : NULL, n[i + AHEAD]);
@@ -65,23 +83,31 @@ static uint32_t walk(char *to, const char *from, const struct ranges *r, int sum
             state = crc32c_run(state, from + s[i], (size_t)n[i], to ? to + d[i] : NULL, &shift);
         else
             memmove(to + d[i], from + s[i], (size_t)n[i]);
+        done += n[i];
+        if (m->word && done - told >= MARK_STEP)
+            publish(m, told = done);
     }
+    if (m->word)
+        publish(m, done);
     return state;
 }
 
 static PyObject *copy_ranges(PyObject *module, PyObject *args)
 {
-    unsigned long long dst, src;
+    unsigned long long dst, src, word = 0;
     struct ranges r = {0};
+    struct mark m = {NULL, 0};
     (void)module;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*:copy_ranges", &dst, &src, &r.dst_off, &r.src_off, &r.len))
+    if (!PyArg_ParseTuple(args, "KKy*y*y*|KL:copy_ranges", &dst, &src, &r.dst_off, &r.src_off, &r.len,
+                          &word, &m.base))
         return NULL;
+    m.word = (int64_t *)(uintptr_t)word;
     if (!check_ranges(&r, 1)) {
         release_ranges(&r, 1);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    walk((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &r, 0, 0);
+    walk((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &r, 0, 0, &m);
     Py_END_ALLOW_THREADS
     release_ranges(&r, 1);
     Py_RETURN_NONE;
@@ -89,18 +115,21 @@ static PyObject *copy_ranges(PyObject *module, PyObject *args)
 
 static PyObject *copy_ranges_crc32c(PyObject *module, PyObject *args)
 {
-    unsigned long long dst, src;
+    unsigned long long dst, src, word = 0;
     unsigned int crc;
     struct ranges r = {0};
+    struct mark m = {NULL, 0};
     (void)module;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*I:copy_ranges_crc32c", &dst, &src, &r.dst_off, &r.src_off, &r.len, &crc))
+    if (!PyArg_ParseTuple(args, "KKy*y*y*I|KL:copy_ranges_crc32c", &dst, &src, &r.dst_off, &r.src_off, &r.len,
+                          &crc, &word, &m.base))
         return NULL;
+    m.word = (int64_t *)(uintptr_t)word;
     if (!check_ranges(&r, 1)) {
         release_ranges(&r, 1);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    crc = ~walk((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &r, 1, ~crc);
+    crc = ~walk((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, &r, 1, ~crc, &m);
     Py_END_ALLOW_THREADS
     release_ranges(&r, 1);
     return PyLong_FromUnsignedLong(crc);
@@ -111,6 +140,7 @@ static PyObject *crc32c_ranges(PyObject *module, PyObject *args)
     unsigned long long base;
     unsigned int crc;
     struct ranges r = {0};
+    struct mark none = {NULL, 0};
     (void)module;
     if (!PyArg_ParseTuple(args, "Ky*y*I:crc32c_ranges", &base, &r.src_off, &r.len, &crc))
         return NULL;
@@ -119,7 +149,7 @@ static PyObject *crc32c_ranges(PyObject *module, PyObject *args)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    crc = ~walk(NULL, (const char *)(uintptr_t)base, &r, 1, ~crc);
+    crc = ~walk(NULL, (const char *)(uintptr_t)base, &r, 1, ~crc, &none);
     Py_END_ALLOW_THREADS
     release_ranges(&r, 0);
     return PyLong_FromUnsignedLong(crc);
@@ -219,15 +249,35 @@ static PyObject *fence(PyObject *module, PyObject *args)
     return PyLong_FromLongLong(out);
 }
 
+static PyObject *mark(PyObject *module, PyObject *args)
+{
+    unsigned long long word;
+    long long value = -1;
+    struct mark m;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "K|L:mark", &word, &value))
+        return NULL;
+    m.word = (int64_t *)(uintptr_t)word;
+    m.base = 0;
+    if (value >= 0)
+        publish(&m, value);
+    return PyLong_FromLongLong(__atomic_load_n(m.word, __ATOMIC_ACQUIRE));
+}
+
 static PyMethodDef methods[] = {
     {"fence", fence, METH_VARARGS,
      "fence(words, ids, generation, op) -> int: one atomic pass of op (0 open, 1 acquire, 2 release, "
      "3 close, 4 held, 5 reclaim) over the int64 words at `words` indexed by the int64 block ids."},
+    {"mark", mark, METH_VARARGS,
+     "mark(word, value=-1) -> int: stores `value` (if >= 0) into the int64 landing mark at `word` after "
+     "every store before it, then returns the mark (an acquire load)."},
     {"copy_ranges", copy_ranges, METH_VARARGS,
-     "copy_ranges(dst, src, dst_offsets, src_offsets, lengths): memmove each range, GIL released."},
+     "copy_ranges(dst, src, dst_offsets, src_offsets, lengths, mark=0, mark_base=0): memmove each range, "
+     "GIL released; with a mark address, raises it to mark_base + bytes copied as the copy goes."},
     {"copy_ranges_crc32c", copy_ranges_crc32c, METH_VARARGS,
-     "copy_ranges_crc32c(dst, src, dst_offsets, src_offsets, lengths, crc) -> crc: copies each range "
-     "(non-overlapping) and extends the CRC-32C `crc` by its bytes in the same pass, GIL released."},
+     "copy_ranges_crc32c(dst, src, dst_offsets, src_offsets, lengths, crc, mark=0, mark_base=0) -> crc: "
+     "copies each range (non-overlapping) and extends the CRC-32C `crc` by its bytes in the same pass, "
+     "GIL released; the mark as for copy_ranges."},
     {"crc32c_ranges", crc32c_ranges, METH_VARARGS,
      "crc32c_ranges(base, offsets, lengths, crc) -> crc: extends the CRC-32C `crc` by each range, GIL released."},
     {"crc32c_path", crc32c_path_, METH_VARARGS,

@@ -17,10 +17,11 @@ from typing import Any, Sequence
 import torch
 
 from transfer.backend import Backend
-from transfer.blocks import plan_runs
+from transfer.blocks import local_ranges, plan_runs
 from transfer.checksum import blocks_crc32c
 from transfer.errors import InvalidBlocks, PeerLost, RegionNotRegistered, TransferError
 from transfer.fences import Fences
+from transfer.landing import LandedSum
 from transfer.layout import KVLayout
 from transfer.peer import Job, Peer
 from transfer.region import SHM_PREFIX, Region, host_identity, reap_stale_segments
@@ -195,6 +196,21 @@ class TransferEngine:
             raise RegionNotRegistered("no local region is registered")
         ids = _ints(block_ids)
         return blocks_crc32c(region, ids, ids if dst_block_ids is None else _ints(dst_block_ids))
+
+    def follow_landing(self, block_ids: Sequence[int]) -> LandedSum:
+        """The checksum of our blocks `block_ids`, summed as a push lands them (transfer.landing):
+        call right after opening them for the handoff, before its writer may start. Without
+        landing marks (no native module) it sums everything at `finish`.
+
+        Raises RegionNotRegistered without a pool, InvalidBlocks for bad ids.
+        """
+        region = self._region
+        if region is None:
+            raise RegionNotRegistered("no local region is registered")
+        ids = _ints(block_ids)
+        runs = plan_runs(ids, ids, region.layout.num_blocks, region.layout.num_blocks)
+        marks = region.marks if ids else None
+        return LandedSum(region, marks, local_ranges(region.layout, runs), min(ids, default=0))
 
     def close(self) -> None:
         """Disconnects every peer, stops transports and frees the region; idempotent."""

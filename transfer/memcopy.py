@@ -20,8 +20,10 @@ try:
     from transfer._memcopy import copy_ranges_crc32c as _native_copy_crc32c
     from transfer._memcopy import crc32c_path as _native_crc32c_path
     from transfer._memcopy import crc32c_ranges as _native_crc32c_ranges
+    from transfer._memcopy import mark as _native_mark
 except ImportError:  # built without a C compiler
     _native_copy_ranges = _native_copy_crc32c = _native_crc32c_ranges = _native_crc32c_path = None
+    _native_mark = None
 
 NATIVE = _native_copy_ranges is not None
 # The native loop's ways to compute CRC-32C, slowest first; a CPU runs a prefix of them.
@@ -36,22 +38,24 @@ def _int64(*arrays: np.ndarray) -> list[np.ndarray]:
 
 
 def copy_ranges(dst: int, src: int, dst_offsets: np.ndarray, src_offsets: np.ndarray,
-                lengths: np.ndarray) -> None:
-    """memmove(dst + dst_offsets[i], src + src_offsets[i], lengths[i]) for every i."""
+                lengths: np.ndarray, mark: int = 0, mark_base: int = 0) -> None:
+    """memmove(dst + dst_offsets[i], src + src_offsets[i], lengths[i]) for every i. With the
+    address of a landing `mark` (transfer.landing), raises it to `mark_base` + the bytes copied
+    as the copy goes (the native loop only)."""
     arrays = _int64(dst_offsets, src_offsets, lengths)
     if _native_copy_ranges is not None:
-        _native_copy_ranges(dst, src, *arrays)
+        _native_copy_ranges(dst, src, *arrays, mark, mark_base)
     else:
         python_copy_ranges(dst, src, *arrays)
 
 
 def copy_ranges_crc32c(dst: int, src: int, dst_offsets: np.ndarray, src_offsets: np.ndarray,
-                       lengths: np.ndarray, crc: int = 0) -> int:
+                       lengths: np.ndarray, crc: int = 0, mark: int = 0, mark_base: int = 0) -> int:
     """As copy_ranges (ranges must not overlap), and returns `crc` extended by the CRC-32C of
     the bytes copied, range after range."""
     arrays = _int64(dst_offsets, src_offsets, lengths)
     if _native_copy_crc32c is not None:
-        return _native_copy_crc32c(dst, src, *arrays, crc)
+        return _native_copy_crc32c(dst, src, *arrays, crc, mark, mark_base)
     python_copy_ranges(dst, src, *arrays)
     return crc32c_ranges(src, arrays[1], arrays[2], crc)
 
@@ -64,6 +68,14 @@ def crc32c_ranges(base: int, offsets: np.ndarray, lengths: np.ndarray, crc: int 
     for offset, length in zip(offsets.tolist(), lengths.tolist()):
         crc = crc32c.crc32c((ctypes.c_char * length).from_address(base + offset), crc)
     return crc
+
+
+def mark_word(address: int, value: int = -1) -> int:
+    """The int64 landing mark at `address` (transfer.landing), read after every store before it; with
+    a `value` >= 0, stores it first, ordered after every store before it. Needs the native loop."""
+    if _native_mark is None:
+        raise RuntimeError("landing marks need the native loop (transfer._memcopy)")
+    return _native_mark(address, value)
 
 
 def crc32c_path(name: str | None = None) -> str | None:

@@ -13,6 +13,7 @@ from common.pid import pid_alive
 from transfer.errors import LayoutMismatch, RegionNotRegistered
 from transfer.fences import Fences
 from transfer.fences import available as fences_available
+from transfer.landing import LandingMarks
 from transfer.layout import KVLayout
 
 SHM_DIR = Path("/dev/shm")
@@ -56,7 +57,7 @@ def pretouch(flat: torch.Tensor, write: bool) -> None:
 
 class ShmSegment:
     """A named POSIX shared-memory file: a state header page, the pool bytes, then one handoff
-    fence word per block (transfer.fences).
+    fence word per block (transfer.fences) and one landing mark per block (transfer.landing).
 
     The owner creates and unlinks it; peers map it by name. The header's state word lets
     a peer see that the owner unregistered the pool even though its mapping stays valid.
@@ -65,11 +66,12 @@ class ShmSegment:
     def __init__(self, name: str, pool_bytes: int, create: bool, num_blocks: int = 0) -> None:
         self.name = name
         self.owner = create
-        total = HEADER_BYTES + pool_bytes + 8 * num_blocks
+        total = HEADER_BYTES + pool_bytes + 16 * num_blocks
         whole = self._map(SHM_DIR / name, total, create)
         self.state = whole[:8].view(torch.int64)
         self.pool_flat = whole[HEADER_BYTES:HEADER_BYTES + pool_bytes]
-        self.fence_words = whole[HEADER_BYTES + pool_bytes:].view(torch.int64)
+        words = whole[HEADER_BYTES + pool_bytes:].view(torch.int64)
+        self.fence_words, self.landing_words = words[:num_blocks], words[num_blocks:]
         if create:
             self.state[0] = _REGISTERED
             # An owner that exits without close() still removes its name from /dev/shm.
@@ -140,6 +142,7 @@ class Region:
     segment: ShmSegment | None = None
     flat: torch.Tensor = field(init=False)
     fences: Fences | None = field(init=False)
+    marks: LandingMarks | None = field(init=False)
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -152,6 +155,8 @@ class Region:
         words = self.segment.fence_words if self.segment is not None else torch.zeros(
             self.layout.num_blocks, dtype=torch.int64)
         self.fences = Fences(words) if fences_available() and words.numel() == self.layout.num_blocks else None
+        marks = self.segment.landing_words if self.segment is not None else torch.zeros_like(words)
+        self.marks = LandingMarks(marks) if self.fences is not None else None
 
     @property
     def address(self) -> int:

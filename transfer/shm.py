@@ -18,6 +18,7 @@ from transfer.blocks import Run, local_ranges, remote_ranges
 from transfer.errors import PeerLost, RegionNotRegistered, StaleHandoff, TransferError
 from transfer.fences import Fences, run_blocks
 from transfer.fences import available as fences_available
+from transfer.landing import LandingMarks
 from transfer.layout import KVLayout
 from transfer.memcopy import copy_ranges, copy_ranges_crc32c
 from transfer.region import Region, ShmSegment, host_identity, unlink_segment
@@ -65,6 +66,7 @@ class ShmLink(Link):
         self._layout = layout
         self._address = segment.pool_flat.data_ptr()
         self._fences = Fences(segment.fence_words) if fences_available() and segment.fence_words.numel() else None
+        self._marks = LandingMarks(segment.landing_words) if self._fences is not None else None
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
         self._fenced(region, runs, deadline, None, generation)
@@ -78,23 +80,26 @@ class ShmLink(Link):
     def _fenced(self, region: Region, runs: Sequence[Run], deadline: float, crc: int | None,
                 generation: int | None) -> int | None:
         """The copy, inside the peer's fence of the handoff: its blocks are ours to write only while
-        we hold them for `generation` (transfer.fences), so a stale handoff writes nothing."""
+        we hold them for `generation` (transfer.fences), so a stale handoff writes nothing. While
+        we hold them, the copy raises the handoff's landing mark (transfer.landing) as it goes."""
         if generation is None or self._fences is None:
-            return self._copy(region, runs, deadline, crc)
+            return self._copy(region, runs, deadline, crc, None)
         blocks = run_blocks([(r.remote, r.count) for r in runs])
         if not self._fences.acquire(blocks, generation):
             raise StaleHandoff(f"peer {self._watch.pid} no longer holds its blocks for handoff {generation}: "
                                "nothing written")
         try:
-            crc = self._copy(region, runs, deadline, crc)
+            crc = self._copy(region, runs, deadline, crc, runs[0].remote)
         finally:
             current = self._fences.release(blocks, generation)
         if not current:
             raise StaleHandoff(f"peer {self._watch.pid} gave up handoff {generation} while it was written")
         return crc
 
-    def _copy(self, region: Region, runs: Sequence[Run], deadline: float, crc: int | None) -> int | None:
-        """Copies plane by plane; with a `crc`, extends it by every byte in the same pass."""
+    def _copy(self, region: Region, runs: Sequence[Run], deadline: float, crc: int | None,
+              marked: int | None) -> int | None:
+        """Copies plane by plane; with a `crc`, extends it by every byte in the same pass; with the
+        first block of a handoff (`marked`), raises its landing mark."""
         self._check_peer()
         ours = local_ranges(region.layout, runs)
         theirs = remote_ranges(self._layout, runs).offsets
@@ -103,14 +108,16 @@ class ShmLink(Link):
         # steps) makes long on a loaded host.
         per_plane = max(1, int(ours.lengths[:len(runs)].sum()))
         step = len(runs) * max(1, _CALL_BYTES // per_plane)
+        mark = 0 if marked is None or self._marks is None else self._marks.address(marked)
         for i in range(0, len(ours), step):
             remaining(deadline)
             part = slice(i, i + step)
             args = (self._address, region.address, theirs[part], ours.offsets[part], ours.lengths[part])
+            landed = (i // len(runs)) * per_plane   # bytes of the earlier calls
             if crc is None:
-                copy_ranges(*args)
+                copy_ranges(*args, mark, landed)
             else:
-                crc = copy_ranges_crc32c(*args, crc)
+                crc = copy_ranges_crc32c(*args, crc, mark, landed)
         self._check_peer()
         return crc
 

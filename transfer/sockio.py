@@ -27,6 +27,9 @@ from transfer.errors import PeerLost, TransferTimeout
 
 # Linux caps one sendmsg/recvmsg at 1024 buffers (IOV_MAX).
 IOV_MAX = 1024
+# Bytes a receive that reports its progress takes at most per call: the receiver's check of
+# what landed (transfer.landing) follows this closely.
+_LANDED_STEP = 2 << 20
 # Kernel buffers that hold a whole push of a few MB: the sender copies it out in one sendmsg
 # instead of sleeping and waking once per window's worth, and the receiver wakes once per
 # batch. Under load every such wake-up takes a core from the engine's compute threads (a
@@ -141,9 +144,12 @@ def send_ranges(sock: socket.socket, base: int, ranges: Ranges, deadline: float)
     _move(_SENDMSG, socket.MSG_NOSIGNAL, socket.SO_SNDTIMEO, "send", sock, base, ranges, deadline)
 
 
-def recv_ranges(sock: socket.socket, base: int, ranges: Ranges, deadline: float) -> None:
-    """Fills base + ranges, in order, with scatter recvmsg calls: no intermediate copy."""
-    _move(_RECVMSG, socket.MSG_WAITALL, socket.SO_RCVTIMEO, "receive", sock, base, ranges, deadline)
+def recv_ranges(sock: socket.socket, base: int, ranges: Ranges, deadline: float,
+                on_landed: Callable[[int], None] | None = None) -> None:
+    """Fills base + ranges, in order, with scatter recvmsg calls: no intermediate copy. With
+    `on_landed`, calls it with the bytes in place so far after every receive of at most
+    _LANDED_STEP bytes."""
+    _move(_RECVMSG, socket.MSG_WAITALL, socket.SO_RCVTIMEO, "receive", sock, base, ranges, deadline, on_landed)
 
 
 def iovecs(base: int, ranges: Ranges) -> np.ndarray:
@@ -166,14 +172,15 @@ def resume(iov: np.ndarray, base: int, ranges: Ranges, ends: np.ndarray, done: i
 
 
 def _move(call: Callable[..., int], flags: int, option: int, what: str, sock: socket.socket,
-          base: int, ranges: Ranges, deadline: float) -> None:
+          base: int, ranges: Ranges, deadline: float, on_moved: Callable[[int], None] | None = None) -> None:
     iov, ends = iovecs(base, ranges), np.cumsum(ranges.lengths)
     msg, done, first = _MsgHdr(), 0, 0
     with translated(what):
         while first < len(iov):
             _arm(sock, option, deadline)
+            stop = len(iov) if on_moved is None else int(np.searchsorted(ends, done + _LANDED_STEP, side="right"))
             msg.msg_iov = iov.ctypes.data + first * iov.strides[0]
-            msg.msg_iovlen = min(IOV_MAX, len(iov) - first)
+            msg.msg_iovlen = min(IOV_MAX, max(1, stop - first), len(iov) - first)
             moved = call(sock.fileno(), ctypes.byref(msg), flags)
             if moved < 0:
                 code = ctypes.get_errno()
@@ -184,6 +191,8 @@ def _move(call: Callable[..., int], flags: int, option: int, what: str, sock: so
                 raise PeerLost("peer closed the connection mid-transfer")
             done += moved
             first = resume(iov, base, ranges, ends, done)
+            if on_moved is not None:
+                on_moved(done)
 
 
 def deadline_in(seconds: float) -> float:

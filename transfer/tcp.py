@@ -260,8 +260,11 @@ class TcpBackend(Backend):
             drain(conn, payload, deadline)
             send_bytes(conn, wire.encode_reply(wire.OP_WRITE, tid, exc), deadline)
             return
+        # While we hold the blocks for the handoff, its landing mark follows the receive (transfer.landing).
+        marks, first = (region.marks, min(s for s, _ in ranges)) if fences is not None else (None, 0)
         try:
-            recv_ranges(conn, region.address, spans, deadline)
+            recv_ranges(conn, region.address, spans, deadline,
+                        None if marks is None else (lambda landed: marks.publish(first, landed)))
         finally:
             current = fences is None or fences.release(blocks, generation)  # type: ignore[arg-type]
         error = None if current else StaleHandoff(f"handoff {generation} was given up while it was written")

@@ -3,16 +3,18 @@ corrupting shm transport."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from neuron_connector import PullState, PullStatus, RecvBuffer
 from transfer import KVLayout, Link, Run, TransferEngine, create_transfer_engine
-from transfer.blocks import remote_ranges
+from transfer.blocks import local_ranges
+from transfer.checksum import runs_crc32c
 from transfer.engine import new_transfer_id
-from transfer.region import Region, ShmSegment
+from transfer.region import Region
 from transfer.shm import ShmBackend
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
@@ -50,27 +52,36 @@ def wait_terminal(recv: RecvBuffer, request_id: str, timeout: float = 30.0) -> P
 
 class CorruptingLink(Link):
     """A corrupting link: stands in for memory or wire corruption that no machine here produces
-    on demand. It writes through the real shm link, then, while its backend has corruptions
-    left, flips one byte of the first destination block in the peer's pool."""
+    on demand. While its backend has corruptions left, a write lands one byte of the first
+    destination block flipped, as a transport that delivered a wrong byte would: the byte is
+    flipped in the source for the copy only, and a checked write reports the checksum of the
+    true source. The receiver may check bytes as they land, so the flip happens before they do."""
 
-    def __init__(self, link: Link, peer_pool: ShmSegment, peer_layout: KVLayout,
-                 backend: CorruptingShmBackend) -> None:
-        self._link, self._peer_pool, self._layout, self._backend = link, peer_pool, peer_layout, backend
+    def __init__(self, link: Link, backend: CorruptingShmBackend) -> None:
+        self._link, self._backend = link, backend
 
     def write(self, region: Region, runs: Sequence[Run], deadline: float, generation: int | None = None) -> None:
-        self._link.write(region, runs, deadline, generation)
-        self._corrupt(runs)
+        with self._corrupted(region, runs):
+            self._link.write(region, runs, deadline, generation)
 
     def write_summed(self, region: Region, runs: Sequence[Run], deadline: float,
                      generation: int | None = None) -> int:
-        checksum = self._link.write_summed(region, runs, deadline, generation)
-        self._corrupt(runs)
+        checksum = runs_crc32c(region, runs)
+        with self._corrupted(region, runs):
+            self._link.write_summed(region, runs, deadline, generation)
         return checksum
 
-    def _corrupt(self, runs: Sequence[Run]) -> None:
-        if self._backend.take_corruption():
-            offset = int(remote_ranges(self._layout, runs).offsets[0]) + 3
-            self._peer_pool.pool_flat[offset] ^= 0x40
+    @contextmanager
+    def _corrupted(self, region: Region, runs: Sequence[Run]) -> Iterator[None]:
+        if not self._backend.take_corruption():
+            yield
+            return
+        offset = int(local_ranges(region.layout, runs).offsets[0]) + 3
+        region.flat[offset] ^= 0x40
+        try:
+            yield
+        finally:
+            region.flat[offset] ^= 0x40
 
     def close(self) -> None:
         self._link.close()
@@ -91,10 +102,7 @@ class CorruptingShmBackend(ShmBackend):
         return True
 
     def connect(self, descriptor: dict[str, Any], peer_layout: KVLayout, deadline: float) -> Link:
-        link = super().connect(descriptor, peer_layout, deadline)
-        peer_pool = ShmSegment(descriptor["transports"]["shm"]["segment"], peer_layout.total_bytes, create=False,
-                               num_blocks=peer_layout.num_blocks)
-        return CorruptingLink(link, peer_pool, peer_layout, self)
+        return CorruptingLink(super().connect(descriptor, peer_layout, deadline), self)
 
 
 def corrupting_engine(corruptions: int = 1) -> TransferEngine:
