@@ -20,8 +20,11 @@ from transfer.landing import FOLLOW_POLL_S, LandedSum
 log = logging.getLogger(__name__)
 
 # How often pulls whose push has not started yet are looked at: the most a push's first
-# bytes wait before the check starts following them.
-_WAITING_POLL_S = 0.002
+# bytes wait before the check starts following them. Every pull waits for its prefill first, so
+# this is the follower's cost most of the time: with 8 pulls waiting, 2 ms cost the decode process
+# 4.3% of a core, 10 ms 2.0%. A follower that starts late catches up (it sums at ~25 GB/s, the
+# copy lands at ~9); a push shorter than this is summed when its reply comes, as before.
+_WAITING_POLL_S = 0.01
 
 
 class PullVerifier:
