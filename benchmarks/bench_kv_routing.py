@@ -233,14 +233,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     out = report(args, runs, argv, load, os.getloadavg())
     for group in (load_name(topo, rate) for topo in args.topologies for rate in args.loads):
-        print(format_table({f"{group}_{r}": out[f"{group}_{r}"] for r in ROUTINGS},
+        print(f"\n{group}\n" + format_table({r: out[f"{group}_{r}"] for r in ROUTINGS},
                            {"kv / round_robin TTFT p50": out["ratios"][f"{group}_kv_over_round_robin_ttft_p50"]}))
     print("\n".join(f"{k}: {'-' if v is None else f'{v:.3f}'}" for k, v in out["ratios"].items()))
     for name in runs:
         print(ttft_split.describe(name, out[name]["ttft_split"]))
     if args.json is not None:
         write_json(args.json, out)
-        plot_distributions({name: results for name, (results, _, _) in runs.items()}, args.json.with_suffix(".png"))
+        largest = args.topologies[-1] + "_"   # its curves alone: the ratios are the largest topology's
+        plot_distributions({name: results for name, (results, _, _) in runs.items() if name.startswith(largest)},
+                           args.json.with_suffix(".png"))
     failed = sum(not r.ok for results, _, _ in runs.values() for r in results)
     if failed:
         print(f"{failed} requests failed", file=sys.stderr)
