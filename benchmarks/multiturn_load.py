@@ -7,7 +7,7 @@ the same seed gives the same conversations (and, greedy, the same answers) on ev
 conversation runs its turns one after the other. Closed loop (the default): `max_concurrency`
 conversations run at once, each starting when another ends, so a faster server is sent more. Open loop
 (`session_rate` set): conversations start at Poisson times (serving_load.arrival_offsets, the same for the
-same seed) whatever the server does, and each turn follows the last answer after `think_time_s`, so every
+same seed, stretched to the rate asked for) whatever the server does, and each turn follows the last answer after `think_time_s`, so every
 server is offered the same chats at the same times.
 """
 from __future__ import annotations
@@ -99,10 +99,17 @@ def turn_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:
 
 
 def start_offsets(spec: MultiturnSpec) -> list[float] | None:
-    """When each conversation starts, in seconds from the run's start (open loop); None: closed loop."""
+    """When each conversation starts, in seconds from the run's start (open loop); None: closed loop.
+
+    Poisson gaps, stretched so that the last conversation starts at (n - 1) / rate: a few dozen
+    exponential gaps alone put the run's own rate up to about 20% off the one asked for."""
     if spec.session_rate is None:
         return None
-    return arrival_offsets(spec.num_conversations, spec.session_rate, spec.seed)
+    offsets = arrival_offsets(spec.num_conversations, spec.session_rate, spec.seed)
+    if offsets[-1] <= 0:
+        return offsets
+    stretch = (spec.num_conversations - 1) / spec.session_rate / offsets[-1]
+    return [offset * stretch for offset in offsets]
 
 
 async def run_conversation(client: httpx.AsyncClient, url: str, model: str, system: str,

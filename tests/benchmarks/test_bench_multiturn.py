@@ -59,8 +59,12 @@ def test_each_turn_resends_the_last_prompt_and_answer(worker: WorkerProcess) -> 
 def test_open_loop_starts_chats_at_the_seeds_poisson_times() -> None:
     assert start_offsets(MultiturnSpec(3, 2)) is None
     spec = MultiturnSpec(5, 2, session_rate=4.0, seed=3)
-    assert start_offsets(spec) == arrival_offsets(5, 4.0, 3) == start_offsets(MultiturnSpec(5, 2, session_rate=4.0,
-                                                                                           seed=3, max_concurrency=9))
+    offsets, poisson = start_offsets(spec), arrival_offsets(5, 4.0, 3)
+    assert offsets == start_offsets(MultiturnSpec(5, 2, session_rate=4.0, seed=3, max_concurrency=9))
+    # The Poisson times stretched so that the run's own rate is the one asked for: the last starts at 4 / 4.0 s.
+    assert offsets[-1] == pytest.approx(1.0)
+    assert [o / offsets[-1] for o in offsets] == pytest.approx([p / poisson[-1] for p in poisson])
+    assert start_offsets(MultiturnSpec(1, 2, session_rate=4.0)) == [0.0]
     for bad in ({"session_rate": 0.0}, {"session_rate": -1.0}, {"think_time_s": -0.1}):
         with pytest.raises(ValueError):
             MultiturnSpec(1, 1, **bad)
