@@ -4,7 +4,11 @@ Turn 1's prompt is a system text every conversation shares plus the conversation
 turn k's prompt is turn k-1's prompt + its answer + new user text, as a chat client sends it.
 Prompts are text (the answer comes back as text), built from words of an ASCII vocabulary, so
 the same seed gives the same conversations (and, greedy, the same answers) on every stack. A
-conversation runs its turns one after the other; `max_concurrency` conversations run at once.
+conversation runs its turns one after the other. Closed loop (the default): `max_concurrency`
+conversations run at once, each starting when another ends, so a faster server is sent more. Open loop
+(`session_rate` set): conversations start at Poisson times (serving_load.arrival_offsets, the same for the
+same seed, stretched to the rate asked for) whatever the server does, and each turn follows the last answer after `think_time_s`, so every
+server is offered the same chats at the same times.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmarks.serving_load import stream_body
+from benchmarks.serving_load import arrival_offsets, stream_body
 from benchmarks.serving_metrics import RequestResult
 
 WORDS = ("def", "return", "self", "value", "list", "for", "in", "if", "else", "print", "class", "import",
@@ -37,8 +41,14 @@ class MultiturnSpec:
     seed: int = 0
     request_timeout_s: float = 300.0
     num_system_prompts: int = 1           # conversation i opens with system text i % num_system_prompts
+    session_rate: float | None = None     # conversations started per second (open loop); None: closed loop
+    think_time_s: float = 0.0             # pause between an answer and the next turn
 
     def __post_init__(self) -> None:
+        if self.session_rate is not None and not self.session_rate > 0:
+            raise ValueError("session_rate must be positive (None: closed loop)")
+        if self.think_time_s < 0:
+            raise ValueError("think_time_s must be at least 0")
         if min(self.num_conversations, self.num_turns, self.max_concurrency, self.num_system_prompts) < 1:
             raise ValueError("conversations, turns, max_concurrency and system prompts must be at least 1")
         for name in ("opening_chars", "user_chars", "output_len"):
@@ -88,12 +98,28 @@ def turn_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
+def start_offsets(spec: MultiturnSpec) -> list[float] | None:
+    """When each conversation starts, in seconds from the run's start (open loop); None: closed loop.
+
+    Poisson gaps, stretched so that the last conversation starts at (n - 1) / rate: a few dozen
+    exponential gaps alone put the run's own rate up to about 20% off the one asked for."""
+    if spec.session_rate is None:
+        return None
+    offsets = arrival_offsets(spec.num_conversations, spec.session_rate, spec.seed)
+    if offsets[-1] <= 0:
+        return offsets
+    stretch = (spec.num_conversations - 1) / spec.session_rate / offsets[-1]
+    return [offset * stretch for offset in offsets]
+
+
 async def run_conversation(client: httpx.AsyncClient, url: str, model: str, system: str,
-                           conversation: Conversation, timeout_s: float) -> list[RequestResult]:
+                           conversation: Conversation, timeout_s: float,
+                           think_time_s: float = 0.0) -> list[RequestResult]:
     """Every turn in order; a failed turn ends the conversation (the next prompt would lack its answer)."""
     prompt, results = system + conversation.opening, []
     for turn, output_len in enumerate(conversation.output_lens):
         if turn:
+            await asyncio.sleep(think_time_s)
             prompt += results[-1].text + conversation.user_turns[turn - 1]
         result = await stream_body(client, url, turn_body(model, prompt, output_len),
                                    RequestResult(len(prompt), output_len), timeout_s)
@@ -104,17 +130,22 @@ async def run_conversation(client: httpx.AsyncClient, url: str, model: str, syst
 
 
 async def run_multiturn(base_url: str, model: str, spec: MultiturnSpec) -> tuple[list[RequestResult], float]:
-    """Runs every conversation (`max_concurrency` at once); the turns' results and the run's duration."""
+    """Runs every conversation (closed loop: `max_concurrency` at once; open loop: each at its start offset);
+    the turns' results and the run's duration."""
     url = base_url.rstrip("/") + "/v1/completions"
     system, conversations = make_conversations(spec)
-    gate = asyncio.Semaphore(spec.max_concurrency)
+    offsets = start_offsets(spec)
+    gate = asyncio.Semaphore(spec.max_concurrency if offsets is None else spec.num_conversations)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(spec.request_timeout_s), limits=limits) as client:
-        async def one(conversation: Conversation) -> list[RequestResult]:
+        async def one(conversation: Conversation, offset: float) -> list[RequestResult]:
+            await asyncio.sleep(max(offset - (time.perf_counter() - t0), 0.0))
             async with gate:
-                return await run_conversation(client, url, model, system, conversation, spec.request_timeout_s)
+                return await run_conversation(client, url, model, system, conversation, spec.request_timeout_s,
+                                              spec.think_time_s)
 
         t0 = time.perf_counter()
-        per_conversation: Sequence[list[RequestResult]] = await asyncio.gather(*(one(c) for c in conversations))
+        per_conversation: Sequence[list[RequestResult]] = await asyncio.gather(
+            *(one(c, offset) for c, offset in zip(conversations, offsets or [0.0] * len(conversations))))
     results = [r for turns in per_conversation for r in turns]
     return results, time.perf_counter() - t0

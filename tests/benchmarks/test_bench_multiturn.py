@@ -9,7 +9,8 @@ from typing import Iterator
 import pytest
 
 from benchmarks import bench_serving
-from benchmarks.multiturn_load import MultiturnSpec, make_conversations, run_multiturn
+from benchmarks.multiturn_load import MultiturnSpec, make_conversations, run_multiturn, start_offsets
+from benchmarks.serving_load import arrival_offsets
 from benchmarks.prefix_compare import PrefixRun, format_kv_table, prefix_report
 from benchmarks.serving_metrics import RequestResult
 
@@ -52,6 +53,32 @@ def test_each_turn_resends_the_last_prompt_and_answer(worker: WorkerProcess) -> 
             if k:
                 prompt += turns[k - 1].text + c.user_turns[k - 1]
             assert r.input_tokens == len(prompt.encode()) + 1
+    worker.wait_blocks_free()
+
+
+def test_open_loop_starts_chats_at_the_seeds_poisson_times() -> None:
+    assert start_offsets(MultiturnSpec(3, 2)) is None
+    spec = MultiturnSpec(5, 2, session_rate=4.0, seed=3)
+    offsets, poisson = start_offsets(spec), arrival_offsets(5, 4.0, 3)
+    assert offsets == start_offsets(MultiturnSpec(5, 2, session_rate=4.0, seed=3, max_concurrency=9))
+    # The Poisson times stretched so that the run's own rate is the one asked for: the last starts at 4 / 4.0 s.
+    assert offsets[-1] == pytest.approx(1.0)
+    assert [o / offsets[-1] for o in offsets] == pytest.approx([p / poisson[-1] for p in poisson])
+    assert start_offsets(MultiturnSpec(1, 2, session_rate=4.0)) == [0.0]
+    for bad in ({"session_rate": 0.0}, {"session_rate": -1.0}, {"think_time_s": -0.1}):
+        with pytest.raises(ValueError):
+            MultiturnSpec(1, 1, **bad)
+
+
+def test_open_loop_sends_at_the_start_times_and_waits_the_think_time(worker: WorkerProcess) -> None:
+    spec = MultiturnSpec(3, 2, system_chars=40, opening_chars=(20, 30), user_chars=(10, 20), output_len=(3, 4),
+                         max_concurrency=1, session_rate=20.0, think_time_s=0.2)
+    assert start_offsets(spec)[1] < 0.05      # the second chat starts long before the first one can end
+    results, _ = asyncio.run(run_multiturn(worker.url, "neuron-di-builtin", spec))
+    assert len(results) == 6 and all(r.ok for r in results)
+    # Open loop: the second chat does not wait for the first (a closed loop of max_concurrency 1 would).
+    assert results[2].start < results[1].end
+    assert all(second.start >= first.end + 0.2 for first, second in zip(results[0::2], results[1::2]))
     worker.wait_blocks_free()
 
 
