@@ -8,8 +8,8 @@
 For each topology and each routing (`--routing round_robin`, `--routing kv`) it starts the static xPyD
 stack (stack/xpyd.py: every worker publishes KV cache events) and sends the same load: chats from
 benchmarks/multiturn_load.py (`--conversations` x `--turns`, `--system-prompts` shared system texts,
-`--max-concurrency` chats at once, each starting as another ends: a closed loop), or a Mooncake-format trace (benchmarks/mooncake_trace.py; `--trace`
-a file, or `--synthetic-trace` one of our own). Workers are our engine, by default simulated (`--engine
+`--max-concurrency` chats at once, each starting as another ends: a closed loop), or a Mooncake-format
+trace (benchmarks/mooncake_trace.py; `--trace` a file, or `--synthetic-trace` one of our own). Workers are our engine, by default simulated (`--engine
 mock`: the real scheduler, prefix cache and KV transfer, the forward pass replaced by the cost model
 calibrated on this machine), so four workers and the proxy fit two cores; `--engine model` computes.
 A closed loop sends a faster stack more requests per second; `--session-rate R[,R...]` runs the chats open

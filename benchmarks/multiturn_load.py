@@ -5,10 +5,11 @@ turn k's prompt is turn k-1's prompt + its answer + new user text, as a chat cli
 Prompts are text (the answer comes back as text), built from words of an ASCII vocabulary, so
 the same seed gives the same conversations (and, greedy, the same answers) on every stack. A
 conversation runs its turns one after the other. Closed loop (the default): `max_concurrency`
-conversations run at once, each starting when another ends, so a faster server is sent more. Open loop
-(`session_rate` set): conversations start at Poisson times (serving_load.arrival_offsets, the same for the
-same seed, stretched to the rate asked for) whatever the server does, and each turn follows the last answer after `think_time_s`, so every
-server is offered the same chats at the same times.
+conversations run at once, each starting when another ends, so a faster server is sent more. Open
+loop (`session_rate` set): conversations start at Poisson times (serving_load.arrival_offsets, the
+same for the same seed, stretched to the rate asked for) whatever the server does, and each turn
+follows the last answer after `think_time_s`, so every server is offered the same chats at the same
+times.
 """
 from __future__ import annotations
 
