@@ -18,7 +18,8 @@ SRC, DST = [1, 2, 9], [5, 6, 12]
 def engines() -> Iterator[tuple]:
     (src, _), (dst, _) = engine_with_pool("shm", seed=1), engine_with_pool("shm", seed=2)
     answers: queue.Queue = queue.Queue()
-    verifier = PullVerifier(dst, "kv-verify-test", lambda address, reply, local: answers.put((reply, local)))
+    verifier = PullVerifier(dst, "kv-verify-test", lambda address, reply, local: answers.put((reply, local)),
+                            follow_min_bytes=0)   # follow these few blocks as it would a large pull
     verifier.start()
     yield src, dst, verifier, answers
     verifier.close()
