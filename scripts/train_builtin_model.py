@@ -25,6 +25,7 @@ import argparse
 import ast
 import json
 import math
+import os
 import random
 import sysconfig
 import time
@@ -49,8 +50,14 @@ BUILTIN_CONFIG = ModelConfig(
 
 
 def stdlib_files() -> list[Path]:
+    """The standard library's own .py files. Its tests and site-packages (where an interpreter can hold
+    hundreds of MB of packages) are not walked at all."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts)
+    found: list[Path] = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in ("test", "site-packages")]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    return sorted(found)
 
 
 def ascii_text(data: bytes) -> str:
