@@ -84,7 +84,7 @@ class RecvBuffer:
                                   reclaim_blocks=self._reclaim_blocks)
         self._generations = generations()
         self.incarnation = new_incarnation()   # this life of our signal plane, named in every handshake
-        self._verifier = PullVerifier(transfer_engine, f"kv-verify-{engine_id}", self._verified) \
+        self._verifier = PullVerifier(transfer_engine, f"kv-verify-{engine_id}", self._verified, layout.block_bytes) \
             if integrity_check else None
         self._links: dict[str, PeerLink] = {}
         self.connection_dict: dict[str, DealerChannel] = {}   # only touched by the thread

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 # bytes wait before the check starts following them. Every pull waits for its prefill first, so
 # this is the follower's cost most of the time: with 8 pulls waiting, 2 ms cost the decode process
 # 4.3% of a core, 10 ms 2.0%. A follower that starts late catches up (it sums at ~25 GB/s, the
-# copy lands at ~9); a push shorter than this is summed when its reply comes, as before.
+# copy lands at ~9).
 _WAITING_POLL_S = 0.01
 
 # Pulls smaller than this are summed when their reply comes, not followed: following one saves at
@@ -33,15 +33,16 @@ FOLLOW_MIN_BYTES = 32 << 20
 
 
 class PullVerifier:
-    """Sums the blocks of the pulls `watch` names as they land (those of `follow_min_bytes` or more),
-    and answers each reply `verify` queues with our checksum of the blocks it names:
-    `on_verified(address, reply, checksum)`, called on this thread (checksum None when the blocks
-    could not be summed).
+    """Sums the blocks of the pulls `watch` names as they land (those of `follow_min_bytes` or more,
+    at `block_bytes` a block), and answers each reply `verify` queues with our checksum of the
+    blocks it names: `on_verified(address, reply, checksum)`, called on this thread (checksum None
+    when the blocks could not be summed).
     """
 
     def __init__(self, engine: Any, name: str, on_verified: Callable[[str, LookupReply, int | None], None],
-                 follow_min_bytes: int = FOLLOW_MIN_BYTES) -> None:
+                 block_bytes: int, follow_min_bytes: int = FOLLOW_MIN_BYTES) -> None:
         self._engine = engine
+        self._block_bytes = block_bytes
         self._follow_min_bytes = follow_min_bytes
         self._on_verified = on_verified
         self._cond = threading.Condition()
@@ -56,12 +57,12 @@ class PullVerifier:
     def watch(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Follows the pull of `request_id` into `block_ids` if it is large enough to gain from it:
         call once they are ours for its handoff, before its first byte can land."""
+        if len(block_ids) * self._block_bytes < self._follow_min_bytes:   # summed in one piece when its reply comes
+            return
         try:
             landed = self._engine.follow_landing(block_ids)
         except TransferError as exc:   # the reply's checksum is then summed in one piece
             log.warning("cannot follow the blocks of %r as they land: %s", request_id, exc)
-            return
-        if landed.total < self._follow_min_bytes:   # summed in one piece when its reply comes
             return
         with self._cond:
             self._following[request_id] = (tuple(sorted(block_ids)), landed)

@@ -9,7 +9,7 @@ import pytest
 
 from neuron_connector.protocol import LookupReply
 from neuron_connector.verifier import PullVerifier
-from tests.neuron_connector.kv import engine_with_pool
+from tests.neuron_connector.kv import LAYOUT, engine_with_pool
 
 SRC, DST = [1, 2, 9], [5, 6, 12]
 
@@ -19,7 +19,7 @@ def engines() -> Iterator[tuple]:
     (src, _), (dst, _) = engine_with_pool("shm", seed=1), engine_with_pool("shm", seed=2)
     answers: queue.Queue = queue.Queue()
     verifier = PullVerifier(dst, "kv-verify-test", lambda address, reply, local: answers.put((reply, local)),
-                            follow_min_bytes=0)   # follow these few blocks as it would a large pull
+                            LAYOUT.block_bytes, follow_min_bytes=0)   # these few blocks followed as a large pull
     verifier.start()
     yield src, dst, verifier, answers
     verifier.close()
