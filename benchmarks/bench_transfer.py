@@ -22,6 +22,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import socket
 import statistics
@@ -34,9 +35,10 @@ from typing import Any, Callable
 
 import torch
 
+from neuron_connector.protocol import LookupReply
+from neuron_connector.verifier import PullVerifier
 from transfer import KVLayout, available_backends, create_transfer_engine
 from transfer.fences import generations
-from transfer.landing import FOLLOW_POLL_S
 from transfer.memcopy import NATIVE, crc32c_path
 from worker.model.bench_model import BENCH_CONFIG
 
@@ -147,30 +149,36 @@ class RawTcp:
 def _peer(backend: str, layout: dict[str, Any], conn: Connection) -> None:
     torch.set_num_threads(1)
     engine = create_transfer_engine(backend)
-    pool = engine.allocate_region(KVLayout.from_dict(layout))
+    kv_layout = KVLayout.from_dict(layout)
+    pool = engine.allocate_region(kv_layout)
+    checked: queue.Queue[int | None] = queue.Queue()
+    verifier = PullVerifier(engine, "bench-verify", lambda _address, _reply, local: checked.put(local),
+                            kv_layout.block_bytes, follow_min_bytes=0)
+    verifier.start()
     conn.send(engine.descriptor())
     while (ask := conn.recv()) is not None:  # ("bytes" | "checksum" | "follow", block ids[, generation])
         what, ids = ask[:2]
         if what == "follow":
-            conn.send(_follow(engine, conn, ids, ask[2]))
+            conn.send(_follow(engine, verifier, checked, conn, ids, ask[2]))
         else:
             conn.send(_bytes(pool, ids) if what == "bytes" else engine.checksum(ids))
+    verifier.close()
     engine.close()
 
 
-def _follow(engine: Any, conn: Connection, ids: list[int], generation: int) -> int | None:
-    """The receiver of a checked pull: opens its blocks for the handoff, sums them as they land
-    until the sender says the push is done, then sums the rest."""
+def _follow(engine: Any, verifier: PullVerifier, checked: queue.Queue[int | None], conn: Connection,
+            ids: list[int], generation: int) -> int | None:
+    """The receiver of a checked pull, as a decode worker runs it: opens its blocks for the handoff,
+    has the integrity check follow them as they land, and hands it the reply when the sender says
+    the push is done."""
     fences = engine.fences
     if fences is not None:
         fences.open(ids, generation)
-    landed = engine.follow_landing(ids)
+    verifier.watch("bench", ids)
     conn.send("ready")
-    while not conn.poll(0):
-        if not landed.advance():
-            time.sleep(FOLLOW_POLL_S)
     conn.recv()
-    crc = landed.finish()
+    verifier.verify("bench", LookupReply("bench", True, block_ids_in_peer_device=tuple(ids)))
+    crc = checked.get(timeout=60)
     if fences is not None:
         fences.close(ids, generation)
     return crc
