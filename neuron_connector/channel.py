@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import os
 import threading
+from dataclasses import dataclass
 from typing import Callable, Union
 
 import zmq
@@ -177,6 +178,15 @@ class RouterChannel:
         self.socket.close(linger=int(flush_s * 1000))
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionState:
+    """What a DealerChannel's monitor said: `lost`, a connection it had was lost since the last read;
+    `failing_since`, when connect attempts began to fail with none succeeding since (None: not failing)."""
+
+    lost: bool
+    failing_since: float | None
+
+
 class DealerChannel:
     """D's DEALER to one prefill peer; the peer's ROUTER assigns its routing id. Its monitor says when a
     connection it had is lost (the peer's process ended: at once; its host gone: at the heartbeat timeout),
@@ -196,7 +206,7 @@ class DealerChannel:
             raise PeerUnavailable(f"cannot connect to the KV signal plane at {host}:{port}: {exc}") from exc
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        self.failing_since: float | None = None   # when connect attempts began to fail, none succeeding since
+        self._failing_since: float | None = None
 
     def recv(self) -> bytes | None:
         try:
@@ -204,21 +214,21 @@ class DealerChannel:
         except zmq.Again:
             return None
 
-    def disconnected(self, now: float) -> bool:
-        """Whether a connection to the peer was lost since the last call (the monitor's events, drained;
-        they also move `failing_since`: set at a failed connect attempt, cleared at a connection)."""
+    def connection_state(self, now: float) -> ConnectionState:
+        """The monitor's events since the last call, drained: a connect attempt that failed at `now`
+        starts the failing time, a connection ends it."""
         lost = False
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
-                return lost
+                return ConnectionState(lost, self._failing_since)
             if event == zmq.EVENT_DISCONNECTED:
                 lost = True
             elif event == zmq.EVENT_CONNECTED:
-                self.failing_since = None
-            elif self.failing_since is None:
-                self.failing_since = now
+                self._failing_since = None
+            elif self._failing_since is None:
+                self._failing_since = now
 
     def send(self, payload: bytes) -> bool:
         try:

@@ -286,17 +286,17 @@ class RecvBuffer:
         (a drained prefill worker's last push) has its answers taken first, so those pulls end as answered."""
         address = channel.address
         now = time.monotonic()
-        lost = channel.disconnected(now)
+        state = channel.connection_state(now)
         self._take_replies(channel)
-        if lost:
+        if state.lost:
             with self._lock:
                 if (link := self._links.get(address)) is not None:
                     link.reset()     # whoever answers there next is asked who it is
                 failed = self._pulls.peer_lost(address)
             log.warning("lost the connection to prefill peer %s: %d pull(s) from it failed", address, failed)
-        if channel.failing_since is not None:
+        if state.failing_since is not None:
             with self._lock:
-                failed = self._pulls.peer_unreachable(address, channel.failing_since, now)
+                failed = self._pulls.peer_unreachable(address, state.failing_since, now)
             if failed:
                 log.warning("prefill peer %s refuses or does not answer connections: %d pull(s) from it failed",
                             address, failed)
