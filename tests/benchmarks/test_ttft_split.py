@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.ttft_split import _sample_sum, describe, split
+from benchmarks.ttft_split import describe, split
 
 
 def record(received: float, sent: float, admitted: float, published: float, answered: float) -> dict:
@@ -40,9 +40,3 @@ def test_no_legs_gives_no_figures() -> None:
     assert out["legs"] == 0 and out["prefill_compute_ms_mean"] is None
     assert out["workers"]["prefill worker 0"]["computed_share"] is None
     assert "queue - ms" in describe("x", out)
-
-
-def test_sample_sum_adds_a_series_over_its_labels() -> None:
-    text = ('# HELP x_total doc\nx_total{model_name="a"} 2.0\nx_total{model_name="b"} 3.5\n'
-            'x_total_created 123.0\nxy_total 9.0\n')
-    assert _sample_sum(text, "x_total") == 5.5
