@@ -1,7 +1,7 @@
 """The decision: figures in, target counts of prefill and decode workers out. Pure: no I/O, no clock.
 
 Each role's load is how many workers' worth of capacity its demand needs (prefill: prompt tokens per
-second over the measured prefill speed; decode: tokens per second over what one worker yields at the
+second, over the window or its last interval if that is more, over the measured prefill speed; decode: tokens per second over what one worker yields at the
 ITL target). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
   to `utilization_target`; never on fewer than `min_samples` requests;
@@ -97,7 +97,8 @@ def load(role: str, figures: Figures, config: PlannerConfig) -> float:
     own = figures.role(role)
     if role == "prefill":
         speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
-        return own.prompt_tokens_per_s / speed
+        # The window's mean smooths noise but lags a shift by half the window; the last interval alone shows it.
+        return max(own.prompt_tokens_per_s, own.latest_prompt_tokens_per_s or 0.0) / speed
     batch, tokens_per_s = decode_capacity(own, config)
     # Tokens produced lag behind a growing demand; the streams in flight show it at once.
     return max(own.generated_tokens_per_s / tokens_per_s, (own.running + own.waiting) / batch)

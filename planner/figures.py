@@ -28,6 +28,7 @@ class RoleFigures:
 
     workers: int
     prompt_tokens_per_s: float = 0.0        # prompt tokens admitted: the demand on prefill
+    latest_prompt_tokens_per_s: float | None = None   # the same over the last interval alone: a shift shows first
     generated_tokens_per_s: float = 0.0     # tokens produced: the demand met by decode
     busy_fraction: float = 0.0              # mean share of the interval spent computing steps
     running: float = 0.0                    # requests in the running batches now

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import httpx
@@ -19,6 +20,7 @@ from planner.scrape import Scrape, delta, parse, percentile
 
 TTFT = "proxy_time_to_first_token_seconds"
 ITL = "proxy_inter_token_latency_seconds"
+PROMPT_TOKENS = "neuron_di_prompt_tokens_total"
 QUEUE_DEPTH = "neuron_di_prefill_queue_depth"          # exported by a proxy with a prefill queue
 QUEUE_WAIT = "neuron_di_prefill_queue_wait_seconds"
 
@@ -44,6 +46,7 @@ class Observer:
         """The figures of the serving `members` since the last call, or (None, why not)."""
         urls = [self.proxy_url] + [m.url for m in members]
         reads = await asyncio.gather(*(self._read(url) for url in urls))
+        previous = self._history[-1] if self._history else {}
         before = self._remember({url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)})
         self.in_flight = {url: sum(read.value(name) or 0.0 for name in ("neuron_di_requests_running",
                                                                         "neuron_di_requests_waiting"))
@@ -69,6 +72,9 @@ class Observer:
             if figures is None:
                 return None, f"a {role} worker's counters went back (it restarted)"
             roles[role] = figures
+        latest = [(now[m.url], previous[m.url]) for m in members if m.role == "prefill" and m.url in previous]
+        roles["prefill"] = replace(roles["prefill"], latest_prompt_tokens_per_s=latest_rate(
+            latest, proxy_now, previous.get(self.proxy_url)))
         ttft, samples = percentile(proxy_now, proxy_before, TTFT, self.q)
         itl, _ = percentile(proxy_now, proxy_before, ITL, self.q)
         depth = proxy_now.value(QUEUE_DEPTH)
@@ -98,10 +104,19 @@ class Observer:
             return f"{type(exc).__name__}: {exc}"
 
 
+def latest_rate(pairs: Sequence[tuple[Scrape, Scrape]], proxy_now: Scrape, proxy_before: Scrape | None) -> float | None:
+    """Prompt tokens per second admitted by the workers of the (now, previous read) `pairs`: the last
+    interval alone, timed by the proxy's reads; None without an earlier read of the proxy."""
+    if proxy_before is None or proxy_now.at <= proxy_before.at:
+        return None
+    grown = [delta(now, before, PROMPT_TOKENS) for now, before in pairs]
+    return sum(g for g in grown if g is not None) / (proxy_now.at - proxy_before.at)
+
+
 def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleFigures | None:
     """One role's figures from each worker's (now, before) reads; None if a counter went back."""
     sums: dict[str, float] = {}
-    for name in ("neuron_di_prompt_tokens_total", "neuron_di_generation_tokens_total",
+    for name in (PROMPT_TOKENS, "neuron_di_generation_tokens_total",
                  "neuron_di_engine_busy_seconds_total", "neuron_di_prefill_step_tokens_total",
                  "neuron_di_prefill_step_seconds_total", "neuron_di_decode_steps_total",
                  "neuron_di_decode_step_seconds_total", "neuron_di_decode_step_seqs_total"):
@@ -119,7 +134,7 @@ def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleF
     workers = len(pairs)
     return RoleFigures(
         workers=workers,
-        prompt_tokens_per_s=sums["neuron_di_prompt_tokens_total"] / window,
+        prompt_tokens_per_s=sums[PROMPT_TOKENS] / window,
         generated_tokens_per_s=sums["neuron_di_generation_tokens_total"] / window,
         busy_fraction=sums["neuron_di_engine_busy_seconds_total"] / window / workers if workers else 0.0,
         running=sum(gauge["neuron_di_requests_running"]),

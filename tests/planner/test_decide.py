@@ -118,6 +118,17 @@ def test_within_the_cooldown_a_fixed_fleet_goes_on_only_toward_the_role_still_sa
     assert later.changed and later.target.decode > again.target.decode
 
 
+def test_a_shift_in_prompts_counts_from_the_last_interval_before_the_window_shows_it() -> None:
+    """Long prompts begin: the window's mean still reads one prefill worker's worth, the last interval six."""
+    start = Counts(4, 8)
+    shifted = figures((1.0, 2.0), start)
+    window_only, _ = decide(shifted, start, PlannerState(), CONFIG, 0.0)
+    assert not window_only.changed
+    latest = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=6 * CONFIG.prefill_tokens_per_s))
+    decision, _ = decide(latest, start, PlannerState(), CONFIG, 0.0)
+    assert decision.changed and decision.target.prefill >= 8 and decision.loads["prefill"] == pytest.approx(6.0)
+
+
 def test_at_the_budget_the_split_follows_the_needs() -> None:
     """Long prompts at 1P2D within a budget of 3: a decode worker becomes a prefill worker."""
     config = replace(CONFIG, budget=3, min_samples=1)

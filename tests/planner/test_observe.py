@@ -38,11 +38,11 @@ def worker_page(prompt_tokens: float, busy: float) -> str:
     return text + "# TYPE neuron_di_requests_running gauge\nneuron_di_requests_running{model_name=\"m\"} 2\n"
 
 
-def observer(pages: Callable[[str], tuple[int, str]], max_age_s: float = 60.0) -> Observer:
+def observer(pages: Callable[[str], tuple[int, str]], max_age_s: float = 60.0, window_s: float = 0.0) -> Observer:
     def handle(request: httpx.Request) -> httpx.Response:
         status, text = pages(f"{request.url.scheme}://{request.url.host}:{request.url.port}")
         return httpx.Response(status, text=text)
-    return Observer(PROXY, 0.9, max_age_s, transport=httpx.MockTransport(handle))
+    return Observer(PROXY, 0.9, max_age_s, transport=httpx.MockTransport(handle), window_s=window_s)
 
 
 def test_percentile_interpolates_within_the_bucket_of_the_delta() -> None:
@@ -68,6 +68,7 @@ def test_two_reads_give_each_roles_load_and_the_proxys_percentiles() -> None:
     assert figures.samples == 20 and 0.5 < figures.ttft_s <= 1.0 and figures.itl_s <= 0.05
     assert figures.prefill.prefill_tokens_per_busy_s == pytest.approx(1500.0)
     assert figures.prefill.running == 2 and figures.queue_depth is None and figures.queue_wait_s is None
+    assert figures.prefill.latest_prompt_tokens_per_s is not None
     assert obs.in_flight == {"http://p:1": 2.0, "http://d:1": 2.0}   # for choosing whom to flip or stop
 
 
@@ -102,12 +103,25 @@ def test_a_window_reads_back_past_the_previous_read(window_s: float, samples: in
         n = step["n"]
         return 200, proxy_page(20 * n) if url == PROXY else worker_page(3000.0 * n, 2.0 * n)
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        status, text = pages(f"{request.url.scheme}://{request.url.host}:{request.url.port}")
-        return httpx.Response(status, text=text)
-
-    obs = Observer(PROXY, 0.9, 120.0, transport=httpx.MockTransport(handle), window_s=window_s)
+    obs = observer(pages, 120.0, window_s)
     for n in range(3):
         step["n"] = n
         figures, _ = asyncio.run(obs.figures(WORKERS))
     assert figures is not None and figures.samples == samples
+
+
+def test_the_last_interval_alone_shows_a_shift_the_window_smooths() -> None:
+    """Prompts grow tenfold in the last interval: the window's mean over three intervals lags it."""
+    tokens = {"n": 0}
+
+    def pages(url: str) -> tuple[int, str]:
+        n = tokens["n"]
+        return 200, proxy_page(20 * n) if url == PROXY else worker_page(1000.0 * n + (9000.0 if n == 3 else 0.0), n)
+
+    obs = observer(pages, 120.0, 60.0)
+    for n in range(4):
+        tokens["n"] = n
+        figures, _ = asyncio.run(obs.figures(WORKERS))
+    assert figures is not None
+    window, latest = figures.prefill.prompt_tokens_per_s, figures.prefill.latest_prompt_tokens_per_s
+    assert latest is not None and latest > window   # 10000 of the window's 12000 tokens, in its last third
