@@ -34,7 +34,7 @@ from stack.serving import Process
 STATIC_PHASES = 4   # the quiet phase tells nothing about a static split
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 workers, short phases, three static splits")
     parser.add_argument("--json", type=Path, help="write the results here (and the PNG beside it)")
@@ -45,10 +45,13 @@ def parse_args() -> argparse.Namespace:
                              "long generation lasts never let a static split reach the phase's steady state)")
     parser.add_argument("--static-splits", default=None,
                         help="prefill counts of the static splits, comma separated (default: every split)")
+    parser.add_argument("--statics-from", type=Path, default=None,
+                        help="take the static splits' results from this earlier run's JSON (same budget, static "
+                             "phase length and seed) instead of running them again: the planner alone is run")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="after the last arrival, before what still runs is cut and judged as it stands")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     quick = args.quick
     args.workers = args.workers or (6 if quick else 12)
     args.phase_seconds = args.phase_seconds or (15.0 if quick else 60.0)
@@ -81,6 +84,18 @@ def run_static(fleet: MockFleet, prefill: int, args: argparse.Namespace) -> dict
         f"{p.name} {s:.0%}" if s is not None else f"{p.name} -" for p, s in zip(PHASES, shares)), flush=True)
     return {"prefill": prefill, "decode": args.workers - prefill, "attainment_by_phase": shares,
             "requests": len(arrivals), **outcomes(results)}
+
+
+def earlier_statics(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The static splits of an earlier run's report, checked to be of the trace this run would replay (its
+    recorded command read with this parser); each keeps that run's command and load."""
+    report = json.loads(path.read_text())
+    made = parse_args(report["run"]["command"].split()[3:])
+    same = ("workers", "static_phase_seconds", "seed", "grace_seconds")
+    if any(getattr(made, key) != getattr(args, key) for key in same):
+        raise SystemExit(f"{path} ran another trace: " + ", ".join(
+            f"{key} {getattr(made, key)} (here {getattr(args, key)})" for key in same))
+    return [{**s, "run": s.get("run", report["run"])} for s in report["static"]]
 
 
 def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -130,10 +145,11 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"phase-change benchmark: {args.workers} simulated workers; SLO TTFT <= {TTFT_TARGET_S:g} s, "
           f"TPOT <= {TPOT_TARGET_S * 1000:g} ms", flush=True)
+    earlier = earlier_statics(args.statics_from, args) if args.statics_from else None
     load_before = os.getloadavg()
     fleet = MockFleet(args.workers)
     try:
-        statics = [run_static(fleet, p, args) for p in args.static_splits]
+        statics = earlier or [run_static(fleet, p, args) for p in args.static_splits]
         planner = run_planner(fleet, args, workdir)
     finally:
         fleet.close()

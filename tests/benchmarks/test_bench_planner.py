@@ -53,10 +53,7 @@ def test_attainment_and_recovery_per_phase() -> None:
 @pytest.mark.slow
 def test_a_compact_run_writes_the_summary(tmp_path: Path) -> None:
     out = tmp_path / "planner.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_planner", "--workers", "2", "--static-splits", "1",
-         "--phase-seconds", "4", "--static-phase-seconds", "2", "--grace-seconds", "2", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=280)
+    done = compact_run("--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     summary = report["summary"]
@@ -68,3 +65,20 @@ def test_a_compact_run_writes_the_summary(tmp_path: Path) -> None:
     assert "planner" in done.stdout and "static 1P1D" in done.stdout
     assert report["run"]["command"].endswith(f"--json {out}")
     assert report["planner"]["failed"] == sum(report["planner"]["errors"].values())
+    again = tmp_path / "planner_again.json"
+    done = compact_run("--statics-from", str(out), "--json", str(again))   # the planner alone, against those splits
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "static 1P1D" not in done.stdout
+    rerun = json.loads(again.read_text())
+    assert [s["attainment_by_phase"] for s in rerun["static"]] == [s["attainment_by_phase"] for s in report["static"]]
+    assert rerun["static"][0]["run"]["command"] == report["run"]["command"] and rerun["planner"]["timeline"]
+    refused = compact_run("--statics-from", str(out), "--seed", "5")
+    assert refused.returncode != 0 and "ran another trace: workers 2 (here 2), static_phase_seconds 2.0 (here 2.0), seed 0 (here 5)" in refused.stderr
+
+
+def compact_run(*flags: str) -> subprocess.CompletedProcess:
+    """Two simulated workers, one static split, seconds per phase."""
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_planner", "--workers", "2", "--static-splits", "1",
+         "--phase-seconds", "4", "--static-phase-seconds", "2", "--grace-seconds", "2", *flags],
+        cwd=ROOT, capture_output=True, text=True, timeout=280)
