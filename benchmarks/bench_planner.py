@@ -66,11 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def planner_args(fleet: MockFleet, args: argparse.Namespace, decisions: Path) -> list[str]:
     """The planner's command line: the SLO, the budget, and the simulated engine's profile (its decode step
-    intercept 130 ms: the engine's 100 ms plus what passes between steps and through the proxy here)."""
+    intercept 130 ms: the engine's 100 ms plus what passes between steps and through the proxy here). The
+    sample guard keeps its default (10 first tokens in the 6 s window): the quiet phase's 3 or 4 are noise
+    that must not scale the fleet up."""
     return ["-m", "planner", "--etcd", fleet.etcd.endpoint, "--proxy-url", fleet.proxy_url,
             "--ttft-target-ms", str(TTFT_TARGET_S * 1000), "--itl-target-ms", str(TPOT_TARGET_S * 1000),
             "--budget", str(args.workers), "--connector", "local", "--worker-command", worker_template(),
-            "--interval", "2", "--cooldown", "8", "--min-samples", "1", "--scale-down-after", "5",
+            "--interval", "2", "--cooldown", "8", "--scale-down-after", "5",
             "--utilization-down", "0.3", "--prefill-tokens-per-s", "1500", "--decode-base-ms", "130",
             "--decode-per-seq-ms", "10", "--decisions", str(decisions)]
 
