@@ -4,13 +4,14 @@ Each role's load is how many workers' worth of capacity its demand needs (prefil
 second, over the window or its last interval if that is more, over the measured prefill speed; decode: tokens per second over what one worker yields at the
 ITL target). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
-  to `utilization_target`; never on fewer than `min_samples` requests;
+  to `utilization_target`; never on fewer than `min_samples` requests unless the load exceeds the role's
+  capacity outright (a saturated role delays the very first tokens the samples count);
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to `utilization_target`,
   so the band between the two thresholds absorbs noise and a steady load never flips a count back; the
   fleet shrinks only once every role is under it (till then a role's spare workers wait for the other);
 - no step down within `cooldown_s` of the last change, unless it makes room for the role that grew last
-  and is still saturated (its load past `utilization_up` of its count: a shift not yet met); so a count
-  never turns back within the cool-down; nothing without figures;
+  and still asks for more (past `utilization_up`, or an SLO miss its load explains: a shift not yet met);
+  so a count never turns back within the cool-down; nothing without figures;
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
   and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
   has moved by more than HOLD_SPLIT workers.
@@ -68,7 +69,7 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     if fixed_fleet or (busy and target.total < current.total):   # spare workers stay while any role is busy
         target = _same_total(target, loads, current, config)
     shrinks = target.prefill < current.prefill or target.decode < current.decode
-    if cooling and shrinks and not _keeps_growing(target, current, state, loads, config):
+    if cooling and shrinks and not _keeps_growing(target, current, state, wanted):
         left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
         return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), state
     changed = target != current
@@ -81,15 +82,14 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     return Decision(target, changed, f"{verb}: {'; '.join(reasons)}", loads), new_state
 
 
-def _keeps_growing(target: Counts, current: Counts, state: PlannerState, loads: dict[str, float],
-                   config: PlannerConfig) -> bool:
-    """Whether `target` grows again only the role the last change grew, which its load still saturates."""
+def _keeps_growing(target: Counts, current: Counts, state: PlannerState, wanted: dict[str, int]) -> bool:
+    """Whether `target` grows again only the role the last change grew, whose own rule still asks for more
+    (its load past utilization_up, or an SLO miss its load explains)."""
     role = state.last_grown
     if role is None:
         return False
     other = "decode" if role == "prefill" else "prefill"
-    return (target.of(role) > current.of(role) and target.of(other) <= current.of(other)
-            and loads[role] / max(current.of(role), 1) > config.utilization_up)
+    return target.of(role) > current.of(role) and target.of(other) <= current.of(other) and wanted[role] > current.of(role)
 
 
 def load(role: str, figures: Figures, config: PlannerConfig) -> float:
@@ -144,7 +144,7 @@ def _role_target(role: str, role_load: float, pressure: str | None, count: int, 
     # A miss the load explains: one more worker would not bring it under utilization_down.
     explained = pressure is not None and role_load / (count + 1) >= config.utilization_down
     if utilization > config.utilization_up or explained:
-        if not enough:
+        if not enough and utilization < 1.0:   # past full capacity, the counters say enough
             return count, 0, f"{described}: too few samples to scale up"
         # A miss the load explains grows the role by half (at least one), as far as the load keeps the new
         # workers over utilization_down: a steady load never takes them back.

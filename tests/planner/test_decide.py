@@ -84,11 +84,18 @@ def test_scales_down_when_load_drops(load_p: float, load_d: float, drop: float) 
 
 
 def test_no_action_on_too_few_samples_or_without_figures() -> None:
-    start = Counts(1, 1)
-    decision, _ = decide(figures((5.0, 5.0), start, samples=3), start, PlannerState(), CONFIG, 0.0)
-    assert not decision.changed and "too few samples" in decision.reason
+    start = Counts(2, 2)
+    decision, _ = decide(figures((1.8, 1.8), start, samples=3), start, PlannerState(), CONFIG, 0.0)
+    assert not decision.changed and "too few samples" in decision.reason   # 90%: a few requests' noise
     decision, _ = decide(None, start, PlannerState(), CONFIG, 0.0, "metrics missing (http://w: HTTP 500)")
     assert not decision.changed and decision.reason == "hold: metrics missing (http://w: HTTP 500)"
+
+
+def test_a_role_past_its_capacity_grows_on_few_samples() -> None:
+    """A saturated role delays the first tokens the samples count: past full capacity its counters are enough."""
+    start = Counts(2, 2)
+    decision, _ = decide(figures((0.5, 2.4), start, samples=3), start, PlannerState(), CONFIG, 0.0)
+    assert decision.changed and decision.target.decode > 2 and decision.target.prefill == 2
 
 
 def test_cooldown_holds_steps_down_after_a_change_not_steps_up() -> None:
@@ -127,6 +134,17 @@ def test_a_shift_in_prompts_counts_from_the_last_interval_before_the_window_show
     latest = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=6 * CONFIG.prefill_tokens_per_s))
     decision, _ = decide(latest, start, PlannerState(), CONFIG, 0.0)
     assert decision.changed and decision.target.prefill >= 8 and decision.loads["prefill"] == pytest.approx(6.0)
+
+
+def test_within_the_cooldown_an_slo_miss_the_load_explains_grows_the_same_role_on() -> None:
+    config = replace(CONFIG, min_samples=1)
+    start, state = Counts(6, 6), PlannerState(last_change_at=0.0, last_grown="decode")
+    steady = figures((0.2, 4.5), start, config)   # decode at 75%: under utilization_up
+    held, _ = decide(steady, start, state, config, 5.0, fixed_fleet=True)
+    assert not held.changed
+    missing = replace(steady, itl_s=config.itl_target_s * 2)
+    grown, _ = decide(missing, start, state, config, 5.0, fixed_fleet=True)
+    assert grown.changed and grown.target.decode > 6 and "ITL" in grown.reason
 
 
 def test_at_the_budget_the_split_follows_the_needs() -> None:
