@@ -66,13 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def planner_args(fleet: MockFleet, args: argparse.Namespace, decisions: Path) -> list[str]:
     """The planner's command line: the SLO, the budget, and the simulated engine's profile (its decode step
-    intercept 130 ms: the engine's 100 ms plus what passes between steps and through the proxy here). The
-    sample guard keeps its default (10 first tokens in the 6 s window): the quiet phase's 3 or 4 are noise
-    that must not scale the fleet up."""
+    intercept 130 ms: the engine's 100 ms plus what passes between steps and through the proxy here). Time
+    runs fast here (2 s intervals, a 6 s window): the sample guard's default of 10 first tokens a window held
+    back every needed step in runs of it (a saturated role delays the first tokens), so it is 1."""
     return ["-m", "planner", "--etcd", fleet.etcd.endpoint, "--proxy-url", fleet.proxy_url,
             "--ttft-target-ms", str(TTFT_TARGET_S * 1000), "--itl-target-ms", str(TPOT_TARGET_S * 1000),
             "--budget", str(args.workers), "--connector", "local", "--worker-command", worker_template(),
-            "--interval", "2", "--cooldown", "8", "--scale-down-after", "5",
+            "--interval", "2", "--cooldown", "8", "--min-samples", "1", "--scale-down-after", "5",
             "--utilization-down", "0.3", "--prefill-tokens-per-s", "1500", "--decode-base-ms", "130",
             "--decode-per-seq-ms", "10", "--decisions", str(decisions)]
 
@@ -106,8 +106,7 @@ def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> di
     decisions.unlink(missing_ok=True)
     planner = Process("planner", planner_args(fleet, args, decisions))
     try:
-        time.sleep(5)   # two intervals: the planner's first figures
-        planner.check_alive()
+        _first_decision(planner, decisions)
         arrivals = trace(PHASES, args.phase_seconds, args.workers, args.seed)
         started = time.time()
         results = asyncio.run(replay(fleet.proxy_url, arrivals, args.grace_seconds))
@@ -133,6 +132,17 @@ def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> di
             "changes_by_phase": changes, "changes_after_settle_by_phase": after_settle,
             "recovery_s_by_phase": recovery, "timeline": timeline, "requests": len(arrivals), **outcomes(results),
             "log_tail": log[-3000:]}
+
+
+def _first_decision(planner: Process, decisions: Path, timeout_s: float = 60.0) -> None:
+    """Waits for the planner's first read of the fleet, so the trace starts with it: a planner started
+    earlier would read the idle fleet before the load and shrink it on that."""
+    deadline = time.monotonic() + timeout_s
+    while not (decisions.exists() and decisions.read_text()):
+        planner.check_alive()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the planner made no decision within {timeout_s:g} s:\n{planner.output()[-2000:]}")
+        time.sleep(0.1)
 
 
 def outcomes(results: list[RequestResult]) -> dict[str, Any]:
