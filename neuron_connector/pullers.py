@@ -5,8 +5,10 @@ seconds instead of at the abort timeout.
 A request learns its puller from its prefill leg (the proxy names the decode engine it sent the
 decode leg to) or from the first lookup of it. An engine is lost once it had a session on this
 prefill worker and has none for `grace` seconds (a decode worker that reconnects or restarts its
-signal plane handshakes again well within that); every request expected by a lost engine is then
-orphaned, once, and its owner releases it as if the engine had released it. A request still
+signal plane handshakes again well within that); every request expected by a lost engine before it
+was lost is then orphaned, once, and its owner releases it as if the engine had released it. One its
+prefill leg names for the engine after that waits for its lookup: the proxy sent the decode leg to that
+engine's next life (if that never comes, the proxy's abort of the request frees it). A request still
 expected after `max_age` (its owner's abort timeout: it was never published, or already freed
 without a word here) is forgotten.
 
@@ -96,7 +98,10 @@ class Pullers:
         """(request id, engine id) of the requests whose puller is lost for `grace` seconds, each once."""
         gone = {engine for engine, since in self._lost.items() if now - since >= self.grace}
         old = [rid for rid, (_, since) in self._expected.items() if now - since >= self.max_age]
-        found = [(rid, engine) for rid, (engine, _) in self._expected.items() if engine in gone]
+        # Only what the engine was expected to pull before it lost its session: a request named for it since
+        # is for its next life, whose session may not be up yet (a worker that changed role and back).
+        found = [(rid, engine) for rid, (engine, since) in self._expected.items()
+                 if engine in gone and since <= self._lost[engine]]
         for rid in old + [rid for rid, _ in found if rid not in old]:
             del self._expected[rid]
             self._bound_to.pop(rid, None)

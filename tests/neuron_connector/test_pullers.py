@@ -16,9 +16,9 @@ def test_requests_of_an_engine_lost_past_the_grace_are_orphaned_once() -> None:
     assert pullers.orphans(10.5) == []                     # it may be reconnecting
     assert sorted(pullers.orphans(11)) == [("a", "d1"), ("c", "d1")]
     assert pullers.orphans(12) == []
-    pullers.expect("late", "d1", now=12)                   # its prefill leg came after the engine went
-    assert pullers.orphans(12) == [("late", "d1")]
-    assert len(pullers) == 1                               # "b": d2 is there
+    pullers.expect("late", "d1", now=12)                   # its prefill leg came after the engine went:
+    assert pullers.orphans(20) == []                       # for d1's next life (or the proxy aborts it)
+    assert len(pullers) == 2                               # "b": d2 is there
 
 
 def test_an_engine_back_within_the_grace_keeps_its_requests() -> None:
@@ -79,3 +79,18 @@ def test_a_decode_engine_back_as_another_incarnation_orphans_the_old_ones_reques
     pullers.expect("new", "d1", now=6)
     pullers.session_up("d1", "life-2")
     assert pullers.orphans(7) == [] and pullers.bound_elsewhere("new", "life-2") is None
+
+
+def test_a_request_named_for_a_lost_engine_waits_for_its_next_life() -> None:
+    """A decode worker that changed role and back: its old session went long ago, and a request named for
+    it now is for its new life, whose session comes with its first lookup."""
+    pullers = Pullers(grace=1.0, max_age=60.0)
+    pullers.session_up("d1", "life-1")
+    pullers.expect("before", "d1", now=0)
+    pullers.session_gone("d1", now=1)
+    assert pullers.orphans(2.5) == [("before", "d1")]
+    pullers.expect("after", "d1", now=30)
+    assert pullers.orphans(35) == [] and pullers.bound_elsewhere("after", "life-2") is None
+    pullers.session_up("d1", "life-2")
+    pullers.looked_up("after", "d1", now=35.1, incarnation="life-2")
+    assert pullers.orphans(36) == [] and len(pullers) == 1
