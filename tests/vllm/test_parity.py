@@ -97,11 +97,12 @@ def assert_answers_like_reference(reference: Stack, stack: Stack, endpoint: str,
 
 
 def cases() -> list:
-    """endpoint x (greedy, seeded, greedy-more-ways). With --full only: the more ways, and chat's greedy run (chat
-    answers are compared seeded, here and in every flow of tests/vllm/test_flows.py)."""
+    """endpoint x (greedy, seeded, greedy-more-ways). By default completions greedy and chat seeded, which between
+    them cover each endpoint and each sampling once (as every flow of tests/vllm/test_flows.py does); the rest
+    with --full."""
+    default = {("greedy", "/v1/completions"), ("seeded", "/v1/chat/completions")}
     return [pytest.param(endpoint, sampled, ways, id=f"{endpoint}-{name}",
-                         marks=[pytest.mark.slow] if name == "greedy-more-ways" or (name, endpoint) == (
-                             "greedy", "/v1/chat/completions") else [])
+                         marks=[] if (name, endpoint) in default else [pytest.mark.slow])
             for name, sampled, ways in (("greedy", False, GREEDY_WAYS), ("seeded", True, SEEDED_WAYS),
                                         ("greedy-more-ways", False, MORE_GREEDY_WAYS))
             for endpoint in ENDPOINTS]
