@@ -1,8 +1,8 @@
 """The decision: figures in, target counts of prefill and decode workers out. Pure: no I/O, no clock.
 
 Each role's load is how many workers' worth of capacity its demand needs (prefill: prompt tokens per
-second, over the window or its last interval if that is more, over the measured prefill speed; decode: tokens per second over what one worker yields at the
-ITL target). Boring on purpose:
+second, over the window or its last interval if that is more, over the measured prefill speed; decode:
+tokens per second over what one worker yields at the ITL target). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
   to `utilization_target`; never on fewer than `min_samples` requests unless the load exceeds the role's
   capacity outright (a saturated role delays the very first tokens the samples count);
@@ -89,7 +89,8 @@ def _keeps_growing(target: Counts, current: Counts, state: PlannerState, wanted:
     if role is None:
         return False
     other = "decode" if role == "prefill" else "prefill"
-    return target.of(role) > current.of(role) and target.of(other) <= current.of(other) and wanted[role] > current.of(role)
+    grows_alone = target.of(role) > current.of(role) and target.of(other) <= current.of(other)
+    return grows_alone and wanted[role] > current.of(role)
 
 
 def load(role: str, figures: Figures, config: PlannerConfig) -> float:

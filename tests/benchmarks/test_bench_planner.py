@@ -73,7 +73,8 @@ def test_a_compact_run_writes_the_summary(tmp_path: Path) -> None:
     assert [s["attainment_by_phase"] for s in rerun["static"]] == [s["attainment_by_phase"] for s in report["static"]]
     assert rerun["static"][0]["run"]["command"] == report["run"]["command"] and rerun["planner"]["timeline"]
     refused = compact_run("--statics-from", str(out), "--seed", "5")
-    assert refused.returncode != 0 and "ran another trace: workers 2 (here 2), static_phase_seconds 2.0 (here 2.0), seed 0 (here 5)" in refused.stderr
+    assert refused.returncode != 0
+    assert "ran another trace: workers 2 (here 2), static_phase_seconds 2.0 (here 2.0), seed 0 (here 5)" in refused.stderr
 
 
 def compact_run(*flags: str) -> subprocess.CompletedProcess:
