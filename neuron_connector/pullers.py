@@ -16,7 +16,8 @@ A request is bound to the incarnation of its engine (neuron_connector.incarnatio
 when the request learnt its puller (none while the engine has no session: then to the first that looks
 it up). A decode worker restarted with the same engine id is another incarnation: when it gets its
 session, every request bound to the old one is orphaned at once (the new process never asked for them),
-however soon it came back, and a lookup of one from the new incarnation is refused (`bound_elsewhere`).
+however soon it came back, and a lookup of one from the new incarnation is refused (`bound_elsewhere`); one
+from another engine is not (the proxy sent the decode leg elsewhere, say from a draining worker).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Pullers:
     grace: float = DEFAULT_GRACE_S
     max_age: float = 60.0
     _expected: dict[str, tuple[str, float]] = field(default_factory=dict)   # request id -> (engine, since)
-    _bound_to: dict[str, str] = field(default_factory=dict)    # request id -> the incarnation of its engine
+    _bound_to: dict[str, tuple[str, str]] = field(default_factory=dict)   # request id -> (engine, its incarnation)
     _lost: dict[str, float] = field(default_factory=dict)      # engine id -> when its last session went
     _seen: set[str] = field(default_factory=set)               # engines that had a session here
     _lives: dict[str, str] = field(default_factory=dict)       # engine id -> its latest session's incarnation
@@ -54,7 +55,7 @@ class Pullers:
             return
         self._expected[request_id] = (engine_id, now)
         if engine_id in self._lives and engine_id not in self._lost:
-            self._bound_to[request_id] = self._lives[engine_id]
+            self._bound_to[request_id] = (engine_id, self._lives[engine_id])
 
     def looked_up(self, request_id: str, engine_id: str, now: float, incarnation: str | None = None) -> None:
         """`engine_id` (in its life `incarnation`) asked for `request_id`: it is the puller (the leg may have
@@ -62,12 +63,13 @@ class Pullers:
         self._expected[request_id] = (engine_id, now)
         self._bound_to.pop(request_id, None)
         if incarnation is not None:
-            self._bound_to[request_id] = incarnation
+            self._bound_to[request_id] = (engine_id, incarnation)
 
-    def bound_elsewhere(self, request_id: str, incarnation: str | None) -> str | None:
-        """The incarnation `request_id` is bound to, when it is not `incarnation` (None if it is, or unknown)."""
-        bound = self._bound_to.get(request_id)
-        return bound if incarnation is not None and bound not in (None, incarnation) else None
+    def bound_elsewhere(self, request_id: str, engine_id: str, incarnation: str | None) -> str | None:
+        """The incarnation of `engine_id` that `request_id` is bound to, when it is not `incarnation` (None if it
+        is, or unknown, or the request is bound to another engine: its decode leg was sent elsewhere)."""
+        engine, bound = self._bound_to.get(request_id, (None, None))
+        return bound if incarnation is not None and engine == engine_id and bound != incarnation else None
 
     def forget(self, request_ids: list[str]) -> None:
         """The requests' blocks were released: nothing to watch any more."""
@@ -83,7 +85,7 @@ class Pullers:
             return
         if self._lives.get(engine_id, incarnation) != incarnation:
             old = [rid for rid, (engine, _) in self._expected.items()
-                   if engine == engine_id and self._bound_to.get(rid) not in (None, incarnation)]
+                   if engine == engine_id and self._bound_to.get(rid, (engine, incarnation))[1] != incarnation]
             self._replaced += [(rid, engine_id) for rid in old]
             for rid in old:   # still bound (refused to the new life) until `orphans` hands them to the owner
                 del self._expected[rid]

@@ -296,7 +296,7 @@ class SendBuffer:
                               HANDSHAKE_REQUIRED, LookupAll.TYPE, rid)
         peer, identity = session.transfer_peer, session.engine_id.encode()   # the table knows peers by engine id
         with self._lock:
-            bound = self._pullers.bound_elsewhere(rid, session.incarnation)
+            bound = self._pullers.bound_elsewhere(rid, session.engine_id, session.incarnation)
             if (refusal := stale_lookup(message, self.incarnation, self.engine_id, session.engine_id, bound)):
                 self.stats.stale_lookups += 1
                 return refusal

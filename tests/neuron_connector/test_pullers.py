@@ -72,13 +72,14 @@ def test_a_decode_engine_back_as_another_incarnation_orphans_the_old_ones_reques
     pullers.session_gone("d1", now=1)
     pullers.expect("between", "d1", now=1.2)               # no session: bound to whoever asks first
     pullers.session_up("d1", "life-2")                     # back within the grace, as another process
-    assert pullers.bound_elsewhere("old", "life-2") == "life-1" and pullers.bound_elsewhere("between", "life-2") is None
+    assert pullers.bound_elsewhere("old", "d1", "life-2") == "life-1"
+    assert pullers.bound_elsewhere("between", "d1", "life-2") is None
     assert sorted(pullers.orphans(1.5)) == [("asked", "d1"), ("old", "d1")]
     assert pullers.orphans(5) == [] and len(pullers) == 1  # "between" waits for its lookup
     pullers.session_up("d1", "life-2")                     # the same life reconnecting orphans nothing
     pullers.expect("new", "d1", now=6)
     pullers.session_up("d1", "life-2")
-    assert pullers.orphans(7) == [] and pullers.bound_elsewhere("new", "life-2") is None
+    assert pullers.orphans(7) == [] and pullers.bound_elsewhere("new", "d1", "life-2") is None
 
 
 def test_a_request_named_for_a_lost_engine_waits_for_its_next_life() -> None:
@@ -90,7 +91,20 @@ def test_a_request_named_for_a_lost_engine_waits_for_its_next_life() -> None:
     pullers.session_gone("d1", now=1)
     assert pullers.orphans(2.5) == [("before", "d1")]
     pullers.expect("after", "d1", now=30)
-    assert pullers.orphans(35) == [] and pullers.bound_elsewhere("after", "life-2") is None
+    assert pullers.orphans(35) == [] and pullers.bound_elsewhere("after", "d1", "life-2") is None
     pullers.session_up("d1", "life-2")
     pullers.looked_up("after", "d1", now=35.1, incarnation="life-2")
     assert pullers.orphans(36) == [] and len(pullers) == 1
+
+
+def test_a_request_held_for_one_engine_may_be_looked_up_by_another() -> None:
+    """The decode leg went elsewhere (the engine the prefill leg named was draining and refused it): the
+    other engine pulls it; only another life of the named engine is refused."""
+    pullers = Pullers(grace=1.0, max_age=60.0)
+    pullers.session_up("d1", "d1-life")
+    pullers.session_up("d2", "d2-life")
+    pullers.expect("r", "d1", now=0)
+    assert pullers.bound_elsewhere("r", "d2", "d2-life") is None
+    assert pullers.bound_elsewhere("r", "d1", "d1-next") == "d1-life"
+    pullers.looked_up("r", "d2", now=0.1, incarnation="d2-life")
+    assert pullers.bound_elsewhere("r", "d2", "d2-life") is None and pullers.orphans(5) == []
