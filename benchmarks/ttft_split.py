@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import httpx
 
 from common.timeline import ADMITTED, PREFILL_ANSWERED, PREFILL_SENT, PUBLISHED, RECEIVED, merged
-from stack.worker_metrics import metric
+from planner.scrape import parse
 
 COUNTERS = {"prompt_tokens": "neuron_di_prompt_tokens_total", "computed_tokens": "neuron_di_prefill_step_tokens_total",
             "prefill_seconds": "neuron_di_prefill_step_seconds_total", "busy_seconds": "neuron_di_engine_busy_seconds_total"}
@@ -24,8 +24,8 @@ COUNTERS = {"prompt_tokens": "neuron_di_prompt_tokens_total", "computed_tokens":
 
 def counters(worker_urls: Mapping[str, str]) -> dict[str, dict[str, float]]:
     """Per worker: prompt tokens admitted and computed, prefill and busy seconds (running totals)."""
-    return {name: {key: metric(url, series, default=0.0) for key, series in COUNTERS.items()}
-            for name, url in worker_urls.items()}
+    reads = {name: parse(httpx.get(f"{url}/metrics", timeout=10).text, 0.0) for name, url in worker_urls.items()}
+    return {name: {key: read.value(series) or 0.0 for key, series in COUNTERS.items()} for name, read in reads.items()}
 
 
 def timelines(urls: Mapping[str, str], since: float) -> dict[str, dict[str, dict[str, Any]]]:
