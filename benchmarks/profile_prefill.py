@@ -1,12 +1,12 @@
 """Where the time of one long prefill goes, per dtype: linear layers, attention, the rest.
 
-    python -m benchmarks.profile_prefill [--prompt-len 2000] [--dtype float32 bfloat16] [--torch-attention] [--json PATH]
+    python -m benchmarks.profile_prefill [--prompt-len 2000] [--dtype float32 bfloat16] [--attention native|torch] [--json PATH]
 
 One prompt of --prompt-len tokens on the ~24M benchmark model, one torch thread, run as the worker
 runs it (chunked prefill, --max-num-batched-tokens a step; --no-chunks: the whole prompt in one step).
 Wall time is the best of --repeats; the split comes from torch's profiler over one more run (ops'
-self time, so nothing is counted twice). bf16 prompt attention runs the native kernel where the CPU has
-AVX-512 BF16; --torch-attention runs torch's flash kernel instead, as before that kernel.
+self time, so nothing is counted twice). bf16 prompt attention runs where the engine runs it: the native
+kernel on a CPU with AVX-512 BF16 and no AMX, else torch's flash kernel; --attention picks either.
 """
 from __future__ import annotations
 
@@ -57,13 +57,16 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--no-chunks", action="store_true", help="the whole prompt in one step")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--torch-attention", action="store_true", help="bf16 attention in torch, not the native kernel")
+    parser.add_argument("--attention", choices=["native", "torch"],
+                        help="bf16 prompt attention in the native kernel or in torch (default: as the engine picks)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     budget = None if args.no_chunks else args.max_num_batched_tokens
-    if args.torch_attention:
-        prefill_bf16.NATIVE = False
+    if args.attention == "native" and not prefill_bf16.SUPPORTED:
+        parser.error("--attention native: the kernel is not built or this CPU lacks AVX-512 BF16")
+    if args.attention:
+        prefill_bf16.NATIVE = args.attention == "native"
     path = create_bench_model()
     report: dict[str, object] = {"prompt_len": args.prompt_len, "chunk_tokens": budget, "native_bf16_attention":
                                  prefill_bf16.NATIVE, "load_before": os.getloadavg()}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tests.worker.paged_pool import pool_and_tables
 from worker.model.layers import prefill_bf16
 
-needs_native = pytest.mark.skipif(not prefill_bf16.NATIVE,
+needs_native = pytest.mark.skipif(not prefill_bf16.SUPPORTED,
                                   reason="_prefill_bf16 is not built or this CPU lacks AVX-512 BF16")
 
 BLOCKS, BLOCK_SIZE = 160, 16
