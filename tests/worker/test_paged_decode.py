@@ -14,23 +14,27 @@ BLOCKS, BLOCK_SIZE, KV_HEADS, GROUP, HEAD_DIM = 40, 4, 2, 3, 32
 
 
 def reference(q_group: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """Per sequence: its context copied out of the pool, then SDPA."""
+    """Per sequence: its context copied out of the pool, then SDPA in fp32."""
     rows = []
-    for q, table, n in zip(q_group, tables, lens):
-        kv = layer_kv[:, table].flatten(1, 2)[:, :n].transpose(1, 2)       # (2, kv_heads, n, d)
+    for q, table, n in zip(q_group.float(), tables, lens):
+        kv = layer_kv[:, table].flatten(1, 2)[:, :n].transpose(1, 2).float()       # (2, kv_heads, n, d)
         rows.append(F.scaled_dot_product_attention(q.unsqueeze(0), kv[0:1], kv[1:2])[0])
     return torch.stack(rows)
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lens", [[1], [7, 13, 4, 9], [12, 12]], ids=["one-token", "ragged", "equal"])
-def test_native_decode_attention_equals_sdpa_over_the_gathered_context(lens: list[int]) -> None:
-    layer_kv, tables = pool_and_tables(lens, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    q_group = torch.randn(len(lens), KV_HEADS, GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+def test_native_decode_attention_equals_sdpa_over_the_gathered_context(lens: list[int], dtype: torch.dtype) -> None:
+    layer_kv, tables = pool_and_tables(lens, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    q_group = torch.randn(len(lens), KV_HEADS, GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor(lens), max(lens))
     expected = reference(q_group, layer_kv, tables, lens)
-    assert out.shape == q_group.shape
-    assert torch.allclose(out, expected, atol=1e-5, rtol=0), (out - expected).abs().max()
+    assert out.shape == q_group.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(out, expected, atol=1e-5, rtol=0), (out - expected).abs().max()
+    else:   # fp32 throughout, rounded to bf16 once: within one bf16 step of the fp32 answer
+        assert torch.allclose(out.float(), expected, atol=1e-6, rtol=2 ** -7), (out.float() - expected).abs().max()
 
 
 @needs_native
@@ -61,12 +65,13 @@ def test_context_longer_than_max_context_is_an_error_not_a_stray_write() -> None
 
 @pytest.mark.parametrize("pool", [
     torch.zeros(1, 2, 4, 4, 2, 8),                           # head_dim not a multiple of 16
-    torch.zeros(1, 2, 4, 4, 2, 32, dtype=torch.bfloat16),    # fp32 only
+    torch.zeros(1, 2, 4, 4, 2, 32, dtype=torch.float16),     # fp32 and bf16 only
     torch.zeros(1, 2, 4, 4, 2, 32, device="meta"),           # CPU only
-], ids=["head-dim-8", "bfloat16", "meta"])
+], ids=["head-dim-8", "float16", "meta"])
 def test_native_path_stays_off_where_it_does_not_apply(pool: torch.Tensor) -> None:
     assert not paged_decode.applies(pool)
 
 
-def test_native_path_applies_to_fp32_cpu_pools_when_built() -> None:
-    assert paged_decode.applies(torch.zeros(1, 2, 4, 4, 2, 32)) == paged_decode.NATIVE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_path_applies_to_fp32_and_bf16_cpu_pools_when_built(dtype: torch.dtype) -> None:
+    assert paged_decode.applies(torch.zeros(1, 2, 4, 4, 2, 32, dtype=dtype)) == paged_decode.NATIVE

@@ -7,7 +7,7 @@
    read every K and V row once, in pool order. The softmax between them stays in torch.
 
    Layouts (all contiguous, fp32 / int64): q (seqs, kv_heads, group, d); one layer's K or V
-   plane (blocks, block_size, kv_heads, d); tables (seqs, max_blocks); lens (seqs,);
+   plane (blocks, block_size, kv_heads, d), fp32 or bf16 (read as fp32); tables (seqs, max_blocks); lens (seqs,);
    probs and scores (seqs, kv_heads, group, max_context); out (seqs, kv_heads, group, d). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,25 +23,28 @@ typedef struct {
     int64_t num_seqs, max_blocks, block_size, num_blocks, kv_heads, group, head_dim, max_context;
 } Dims;
 
-/* One K or V row (all kv heads) of position t, or NULL if the table points outside the pool. */
-static const float *pool_row(const float *plane, const int64_t *table, int64_t t, const Dims *d)
+/* Where position t's K or V row (all kv heads) starts in a plane, in elements; -1 if the table
+   points outside the pool. */
+static int64_t pool_row(const int64_t *table, int64_t t, const Dims *d)
 {
     int64_t block = table[t / d->block_size];
     if (block < 0 || block >= d->num_blocks)
-        return NULL;
-    return plane + (block * d->block_size + t % d->block_size) * d->kv_heads * d->head_dim;
+        return -1;
+    return (block * d->block_size + t % d->block_size) * d->kv_heads * d->head_dim;
 }
 
-static float dot(const float *a, const float *b, int64_t n)
+/* A bf16 pool element as fp32: its 16 bits are fp32's top half. */
+static inline float bf16_value(uint16_t x)
 {
-    float lanes[LANES] = {0};
-    for (int64_t i = 0; i < n; i += LANES)
-        for (int j = 0; j < LANES; j++)
-            lanes[j] += a[i + j] * b[i + j];
-    float sum = 0;
-    for (int j = 0; j < LANES; j++)
-        sum += lanes[j];
-    return sum;
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float f32_value(float x)
+{
+    return x;
 }
 
 /* Return codes of the loops. */
@@ -49,85 +52,106 @@ static float dot(const float *a, const float *b, int64_t n)
 #define BAD_BLOCK (-1)
 #define BAD_LENGTH (-2)
 
-/* scores[s, h, g, t] = scale * q[s, h, g] . K[t, h] for t < lens[s]; -inf beyond. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static int scores_loop(const float *q, const float *k, const int64_t *tables, const int64_t *lens,
-                       float scale, float *scores, const Dims *d)
-{
-    const int64_t rows = d->kv_heads * d->group, T = d->max_context, D = d->head_dim;
-    for (int64_t s = 0; s < d->num_seqs; s++) {
-        const float *qs = q + s * rows * D;
-        float *out = scores + s * rows * T;
-        if (lens[s] < 0 || lens[s] > T)
-            return BAD_LENGTH;
-        for (int64_t t = 0; t < lens[s]; t++) {
-            const float *kr = pool_row(k, tables + s * d->max_blocks, t, d);
-            if (kr == NULL)
-                return BAD_BLOCK;
-            for (int64_t r = 0; r < rows; r++)
-                out[r * T + t] = scale * dot(qs + r * D, kr + (r / d->group) * D, D);
-        }
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t t = lens[s]; t < T; t++)
-                out[r * T + t] = -INFINITY;
-    }
-    return OK;
+/* The loops for a pool of element type T, each element read as fp32 by VALUE. q, probs, scores
+   and out are fp32 whatever the pool holds. */
+#define DECODE_LOOPS(SUFFIX, T, VALUE)                                                                  \
+static inline __attribute__((always_inline)) float dot_##SUFFIX(const float *a, const T *b, int64_t n)                                     \
+{                                                                                                       \
+    float lanes[LANES] = {0};                                                                           \
+    for (int64_t i = 0; i < n; i += LANES)                                                              \
+        for (int j = 0; j < LANES; j++)                                                                 \
+            lanes[j] += a[i + j] * VALUE(b[i + j]);                                                     \
+    for (int width = LANES / 2; width > 0; width /= 2)   /* a tree: a serial sum of the lanes cost more */ \
+        for (int j = 0; j < width; j++)                                                                 \
+            lanes[j] += lanes[j + width];                                                               \
+    return lanes[0];                                                                                    \
+}                                                                                                       \
+                                                                                                        \
+/* scores[s, h, g, t] = scale * q[s, h, g] . K[t, h] for t < lens[s]; -inf beyond. */                  \
+__attribute__((target_clones("avx512f", "avx2", "default")))                                            \
+static int scores_##SUFFIX(const float *q, const T *k, const int64_t *tables, const int64_t *lens,      \
+                           float scale, float *scores, const Dims *d)                                   \
+{                                                                                                       \
+    const int64_t rows = d->kv_heads * d->group, T_ = d->max_context, D = d->head_dim;                 \
+    for (int64_t s = 0; s < d->num_seqs; s++) {                                                         \
+        const float *qs = q + s * rows * D;                                                             \
+        float *out = scores + s * rows * T_;                                                            \
+        if (lens[s] < 0 || lens[s] > T_)                                                                \
+            return BAD_LENGTH;                                                                          \
+        for (int64_t t = 0; t < lens[s]; t++) {                                                         \
+            const int64_t at = pool_row(tables + s * d->max_blocks, t, d);                              \
+            if (at < 0)                                                                                 \
+                return BAD_BLOCK;                                                                       \
+            for (int64_t r = 0; r < rows; r++)                                                          \
+                out[r * T_ + t] = scale * dot_##SUFFIX(qs + r * D, k + at + (r / d->group) * D, D);     \
+        }                                                                                               \
+        for (int64_t r = 0; r < rows; r++)                                                              \
+            for (int64_t t = lens[s]; t < T_; t++)                                                      \
+                out[r * T_ + t] = -INFINITY;                                                            \
+    }                                                                                                   \
+    return OK;                                                                                          \
+}                                                                                                       \
+                                                                                                        \
+/* out[s, h, g] = sum over t < lens[s] of probs[s, h, g, t] * V[t, h]. */                              \
+__attribute__((target_clones("avx512f", "avx2", "default")))                                            \
+static int values_##SUFFIX(const float *probs, const T *v, const int64_t *tables, const int64_t *lens, \
+                           float *out, const Dims *d)                                                   \
+{                                                                                                       \
+    const int64_t rows = d->kv_heads * d->group, T_ = d->max_context, D = d->head_dim;                 \
+    memset(out, 0, (size_t)(d->num_seqs * rows * D) * sizeof(float));                                  \
+    for (int64_t s = 0; s < d->num_seqs; s++) {                                                         \
+        const float *ps = probs + s * rows * T_;                                                        \
+        float *os = out + s * rows * D;                                                                 \
+        if (lens[s] < 0 || lens[s] > T_)                                                                \
+            return BAD_LENGTH;                                                                          \
+        for (int64_t t = 0; t < lens[s]; t++) {                                                         \
+            const int64_t at = pool_row(tables + s * d->max_blocks, t, d);                              \
+            if (at < 0)                                                                                 \
+                return BAD_BLOCK;                                                                       \
+            for (int64_t r = 0; r < rows; r++) {                                                        \
+                const float w = ps[r * T_ + t];                                                         \
+                const T *src = v + at + (r / d->group) * D;                                             \
+                float *dst = os + r * D;                                                                \
+                for (int64_t i = 0; i < D; i++)                                                         \
+                    dst[i] += w * VALUE(src[i]);                                                        \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    return OK;                                                                                          \
 }
 
-/* out[s, h, g] = sum over t < lens[s] of probs[s, h, g, t] * V[t, h]. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static int values_loop(const float *probs, const float *v, const int64_t *tables, const int64_t *lens,
-                       float *out, const Dims *d)
-{
-    const int64_t rows = d->kv_heads * d->group, T = d->max_context, D = d->head_dim;
-    memset(out, 0, (size_t)(d->num_seqs * rows * D) * sizeof(float));
-    for (int64_t s = 0; s < d->num_seqs; s++) {
-        const float *ps = probs + s * rows * T;
-        float *os = out + s * rows * D;
-        if (lens[s] < 0 || lens[s] > T)
-            return BAD_LENGTH;
-        for (int64_t t = 0; t < lens[s]; t++) {
-            const float *vr = pool_row(v, tables + s * d->max_blocks, t, d);
-            if (vr == NULL)
-                return BAD_BLOCK;
-            for (int64_t r = 0; r < rows; r++) {
-                const float w = ps[r * T + t], *src = vr + (r / d->group) * D;
-                float *dst = os + r * D;
-                for (int64_t i = 0; i < D; i++)
-                    dst[i] += w * src[i];
-            }
-        }
-    }
-    return OK;
-}
+DECODE_LOOPS(f32, float, f32_value)
+DECODE_LOOPS(bf16, uint16_t, bf16_value)
 
-#define ARGS_FORMAT "KKKKKLLLLLLLLd"
+#define ARGS_FORMAT "KKKKKLLLLLLLLdp"
 
-/* Both entry points take: a (q or probs), plane, tables, lens, out addresses, then the dims. */
+/* Both entry points take: a (q or probs), plane, tables, lens, out addresses, then the dims, the scale and
+   whether the plane holds bf16 (else fp32). */
 static PyObject *run(PyObject *args, int scores)
 {
     unsigned long long a, plane, tables, lens, out;
     Dims d;
     double scale = 0;
-    int rc;
+    int rc, bf16 = 0;
 
     if (!PyArg_ParseTuple(args, ARGS_FORMAT, &a, &plane, &tables, &lens, &out, &d.num_seqs, &d.max_blocks,
                           &d.block_size, &d.num_blocks, &d.kv_heads, &d.group, &d.head_dim, &d.max_context,
-                          &scale))
+                          &scale, &bf16))
         return NULL;
     if (d.head_dim % LANES || d.block_size < 1 || d.max_blocks * d.block_size < d.max_context) {
         PyErr_SetString(PyExc_ValueError, "head_dim must be a multiple of 16 and tables must cover max_context");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (scores)
-        rc = scores_loop((const float *)(uintptr_t)a, (const float *)(uintptr_t)plane,
-                         (const int64_t *)(uintptr_t)tables, (const int64_t *)(uintptr_t)lens, (float)scale,
-                         (float *)(uintptr_t)out, &d);
+    const float *in = (const float *)(uintptr_t)a;
+    const int64_t *table_ptr = (const int64_t *)(uintptr_t)tables, *len_ptr = (const int64_t *)(uintptr_t)lens;
+    float *dst = (float *)(uintptr_t)out;
+    if (bf16)
+        rc = scores ? scores_bf16(in, (const uint16_t *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale, dst, &d)
+                    : values_bf16(in, (const uint16_t *)(uintptr_t)plane, table_ptr, len_ptr, dst, &d);
     else
-        rc = values_loop((const float *)(uintptr_t)a, (const float *)(uintptr_t)plane,
-                         (const int64_t *)(uintptr_t)tables, (const int64_t *)(uintptr_t)lens,
-                         (float *)(uintptr_t)out, &d);
+        rc = scores ? scores_f32(in, (const float *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale, dst, &d)
+                    : values_f32(in, (const float *)(uintptr_t)plane, table_ptr, len_ptr, dst, &d);
     Py_END_ALLOW_THREADS
     if (rc != OK) {
         PyErr_SetString(PyExc_ValueError, rc == BAD_BLOCK ? "a block table holds a block id outside the pool"
@@ -152,9 +176,9 @@ static PyObject *values(PyObject *module, PyObject *args)
 static PyMethodDef methods[] = {
     {"scores", scores, METH_VARARGS,
      "scores(q, k_plane, tables, lens, out, num_seqs, max_blocks, block_size, num_blocks, kv_heads, group, "
-     "head_dim, max_context, scale): scaled q.K for every position; -inf past each context."},
+     "head_dim, max_context, scale, bf16): scaled q.K for every position; -inf past each context."},
     {"values", values, METH_VARARGS,
-     "values(probs, v_plane, tables, lens, out, <same dims>, scale unused): probs @ V per sequence and head."},
+     "values(probs, v_plane, tables, lens, out, <same dims>, scale unused, bf16): probs @ V per sequence and head."},
     {NULL, NULL, 0, NULL},
 };
 
