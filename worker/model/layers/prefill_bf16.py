@@ -9,8 +9,9 @@ within bf16 rounding. Without a C compiler or without AVX-512 BF16, `applies` is
 attention runs as before. On a CPU with AMX, torch's flash kernel runs its bf16 matmuls on the tile
 unit and is the faster one (one thread, the benchmark model: a 2000-token prefill in ~400 ms against
 ~800 ms, 4000 tokens ~1.35 s against ~3.0 s, 8 prompts of 512 tokens 625 against 782 ms), so there
-the kernel stays unused (`NATIVE` False, `SUPPORTED` still says it could run). With more than one torch thread, the KV heads are split across threads
-(the kernel releases the GIL); each head's numbers are the same whatever the split.
+the kernel stays unused (`NATIVE` False, `SUPPORTED` still says it could run). With more than one
+torch thread, the KV heads are split across threads (the kernel releases the GIL); each head's numbers
+are the same whatever the split.
 """
 from __future__ import annotations
 
