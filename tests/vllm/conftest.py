@@ -33,11 +33,7 @@ REFERENCE_EVENTS_PORT = free_port()
 def reference() -> Iterator[Stack]:
     """One plain `vllm serve`: what the disaggregated stacks must answer token for token."""
     events = ("--kv-events-config", events_config(REFERENCE_EVENTS_PORT, "*"))
-    # Its engine core runs in the API server's process: it loads no connector, so nothing under test changes,
-    # and it is ready in about 32 s instead of 44 (one process importing vLLM where three did; same tokens).
-    options = replace(OPTIONS, extra_args=(*OPTIONS.extra_args, *events),
-                      env={**OPTIONS.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    with start_colocated(options) as stack:
+    with start_colocated(replace(OPTIONS, extra_args=(*OPTIONS.extra_args, *events))) as stack:
         yield stack
 
 
