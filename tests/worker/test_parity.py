@@ -10,6 +10,7 @@ from tests.worker.conftest import make_hf_checkpoint
 from worker import EngineConfig, LLMEngine, SamplingParams
 from worker.model import runner
 from worker.model.layers import paged_decode
+from worker.model.layers.attention import chunks_need_mask
 
 # fp32 sums in another order (the engine's oneDNN-packed linears, transformers' GEMMs) differ by a few ulps each:
 # up to 1.3e-4 on the wide model's logits (magnitude 10) on an Intel Xeon with AMX, under 1e-4 on an AMD EPYC.
@@ -113,6 +114,8 @@ def test_chunked_steps_logits_match_transformers(checkpoint: Path, budget: int) 
         assert step.num_tokens <= budget
         mixed = mixed or len({c.num_tokens > 1 for c in step.chunks}) == 2
         inputs = engine.runner.prepare(step)
+        if (chunks := inputs.meta.chunks) is not None and chunks.query_index is not None:
+            assert (chunks.mask is not None) == chunks_need_mask(engine.runner.kv_pool, chunks.num_seqs)
         with torch.inference_mode():
             logits = engine.runner.model.compute_logits(
                 engine.runner.model(inputs.input_ids, inputs.positions, inputs.meta))

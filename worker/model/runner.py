@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.model.layers import paged_decode, prefill_bf16
+from worker.model.layers import paged_decode
 from scheduler import ScheduledChunk, ScheduledStep
-from worker.model.layers.attention import AttentionMetadata, SeqGroup, build_mask
+from worker.model.layers.attention import AttentionMetadata, SeqGroup, build_mask, chunks_need_mask
 from worker.model.layers.linear import pack_linears
 from worker.model.llama import InputRows, LlamaForCausalLM
 from worker.model.logprobs import TokenLogprobs, log_softmax, token_logprobs
@@ -157,8 +157,8 @@ class ModelRunner:
             return self._group(chunks, with_mask=False, query_index=None)
         max_query_len = max(query_lens)
         rows = [row * max_query_len + i for row, n in enumerate(query_lens) for i in range(n)]
-        # The native bf16 kernel reads each chunk's context through its table: it needs no mask.
-        return self._group(chunks, with_mask=not prefill_bf16.applies(self.kv_pool), query_index=self._tensor(rows))
+        return self._group(chunks, with_mask=chunks_need_mask(self.kv_pool, len(chunks)),
+                           query_index=self._tensor(rows))
 
     def _group(self, chunks: list[ScheduledChunk], with_mask: bool, query_index: torch.Tensor | None) -> SeqGroup:
         tables = [c.seq.block_table for c in chunks]

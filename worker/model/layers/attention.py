@@ -31,10 +31,11 @@ class SeqGroup:
     max_context_len: int               # the longest of them
     mask: torch.Tensor | None          # (seqs, 1, max_query_len, max_blocks * block_size) additive;
                                        # None: fresh chunks of equal length (plain causal attention),
-                                       # or decodes on the native path (see _decode_attention)
+                                       # chunks that need none (see chunks_need_mask), or decodes on
+                                       # the native path (see _decode_attention)
     query_index: torch.Tensor | None   # chunks: (tokens,) row in the padded (seqs * max_query_len)
                                        # layout; None for decodes and for fresh equal-length chunks
-    query_lens: list[int] | None = None   # each sequence's new tokens this step
+    query_lens: list[int]              # each sequence's new tokens this step
 
     @property
     def num_seqs(self) -> int:
@@ -71,6 +72,13 @@ def build_mask(context_lens: torch.Tensor, query_lens: torch.Tensor, max_query_l
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
+def chunks_need_mask(kv_pool: torch.Tensor, num_seqs: int) -> bool:
+    """Whether prompt chunks that read a prefix (or differ in length) attend through an additive mask. Only the
+    general path does: the native bf16 kernel reads each context through its table, and one chunk alone takes
+    two unmasked flash passes (_prefixed_chunk_attention)."""
+    return not prefill_bf16.applies(kv_pool) and (num_seqs > 1 or _FLASH_LSE is None)
+
+
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
     """q: (tokens, heads, d); k, v: (tokens, kv_heads, d). Returns (tokens, heads, d)."""
@@ -90,15 +98,14 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _chunk_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      group: SeqGroup) -> torch.Tensor:
     """Prompt chunks: each attends over its context so far (cached prefix, earlier chunks, itself)."""
-    if group.query_lens is not None and prefill_bf16.applies(layer_kv):
+    if prefill_bf16.applies(layer_kv):
         return prefill_bf16.chunk_attention(q, layer_kv, group.block_tables, group.context_lens, group.query_lens)
     if group.query_index is None:
         # Fresh chunks of equal length, nothing before them to read: attend over the new tokens themselves.
         n = group.num_seqs
         return causal_attention(_per_seq(q, n), _per_seq(k, n), _per_seq(v, n)).reshape(q.shape)
-    if group.num_seqs == 1 and _FLASH_LSE is not None:
-        return _prefixed_chunk_attention(layer_kv, q, k, v, group)
-    assert group.mask is not None
+    if group.mask is None:
+        return _prefixed_chunk_attention(layer_kv, q, k, v, group)   # one chunk: see chunks_need_mask
     keys, values = _gather(layer_kv, group.block_tables)
     num_seqs, max_query_len = group.num_seqs, group.mask.shape[2]
     q_pad = q.new_zeros(num_seqs * max_query_len, *q.shape[1:])
