@@ -71,7 +71,8 @@ class WorkerProcess:
         wait_until(lambda: self.blocks_used() == 0, timeout=timeout)
 
     def restarted(self) -> WorkerProcess:
-        """The same worker (role, ports, flags) started anew; call after this one died."""
+        """The same worker (role, ports, flags) started anew; call after this one died (its log is removed)."""
+        self.stop()
         return WorkerProcess(self.role, self.transport, self.extra, self.port, self.kv_port)
 
     def stop(self) -> None:

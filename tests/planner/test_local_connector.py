@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,9 +27,10 @@ class FakeEtcd:
         return self.records
 
 
-def test_a_failing_worker_is_retried_with_backoff_within_the_budget() -> None:
+def test_a_failing_worker_is_retried_with_backoff_within_the_budget(tmp_path: Path) -> None:
     etcd = FakeEtcd([WorkerRecord("prefill", "127.0.0.1", 9001), WorkerRecord("decode", "127.0.0.1", 9002)])
-    connector = LocalConnector(etcd, FAILS, budget=3, start_timeout_s=30, flipper=None)   # type: ignore[arg-type]
+    connector = LocalConnector(etcd, FAILS, budget=3, start_timeout_s=30, flipper=None,   # type: ignore[arg-type]
+                               log_dir=str(tmp_path))
 
     async def scenario() -> None:
         await connector.apply([Action("start", "decode"), Action("start", "decode")])
