@@ -6,26 +6,29 @@ tokens per second over what one worker yields at the ITL target). Boring on purp
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
   to `utilization_target`; never on fewer than `min_samples` requests unless the load exceeds the role's
   capacity outright (a saturated role delays the very first tokens the samples count);
-- down only after `scale_down_after` intervals in a row under `utilization_down`, to `utilization_target`,
-  so the band between the two thresholds absorbs noise and a steady load never flips a count back; the
-  fleet shrinks only once every role is under it (till then a role's spare workers wait for the other);
+- down only after `scale_down_after` intervals in a row under `utilization_down`, to what the highest load
+  of the last PEAK_MEMORY * `scale_down_after` intervals needs at `utilization_target`: the band between the
+  two thresholds absorbs a steady load's noise, and the peak a bursty load (a few requests a window) hits
+  between its troughs keeps the workers it would otherwise grow back to; the fleet shrinks only once every
+  role is under it (till then a role's spare workers wait for the other);
 - no step down within `cooldown_s` of the last change, unless it makes room for the role that grew last
   and still asks for more (past `utilization_up`, or an SLO miss its load explains: a shift not yet met);
   so a count never turns back within the cool-down; nothing without figures;
-- each role within its bounds, both within the budget: a role that grows takes the other's spare workers,
-  and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
+- each role within its bounds, both within the budget: a role that grows takes the other's spare workers
+  (short of those the other needs at `utilization_target`), and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
   has moved by more than HOLD_SPLIT workers.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.config import PlannerConfig
 from planner.figures import Counts, Figures, RoleFigures
 
 ROLES = ("prefill", "decode")
 HOLD_SPLIT = 1.5   # workers: a split at the budget follows the loads' proportion only past this distance
+PEAK_MEMORY = 3    # scale-down streaks: a step down serves the highest load of this many streaks' intervals
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class PlannerState:
     last_change_at: float | None = None
     low_streak: tuple[int, int] = (0, 0)   # prefill, decode: intervals in a row under utilization_down
     last_grown: str | None = None          # the role the last change grew, if it grew one role only
+    recent_loads: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())   # prefill, decode: the last
+                                           # PEAK_MEMORY * scale_down_after intervals' loads, oldest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +57,16 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     if figures is None:
         return Decision(current, False, f"hold: {missing}"), state
     loads = {role: load(role, figures, config) for role in ROLES}
+    memory = PEAK_MEMORY * config.scale_down_after
+    recent = tuple((*state.recent_loads[i], loads[role])[-memory:] for i, role in enumerate(ROLES))
     cooling = state.last_change_at is not None and now - state.last_change_at < config.cooldown_s
     wanted: dict[str, int] = {}
     streaks: list[int] = []
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
-        count, streak, why = _role_target(role, loads[role], _pressure(role, figures, config), current.of(role),
-                                          state.low_streak[i], figures.samples >= config.min_samples, config)
+        count, streak, why = _role_target(role, loads[role], max(recent[i]), _pressure(role, figures, config),
+                                          current.of(role), state.low_streak[i], figures.samples >= config.min_samples,
+                                          config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     # What each role needs: a growing role what it asked for (an SLO miss may ask one more than its load).
@@ -71,13 +79,14 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     shrinks = target.prefill < current.prefill or target.decode < current.decode
     if cooling and shrinks and not _keeps_growing(target, current, state, wanted):
         left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
-        return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), state
+        return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), replace(
+            state, recent_loads=recent)
     changed = target != current
     if changed:
         grown = [role for role in ROLES if target.of(role) > current.of(role)]
-        new_state = PlannerState(now, (0, 0), grown[0] if len(grown) == 1 else None)
+        new_state = PlannerState(now, (0, 0), grown[0] if len(grown) == 1 else None, recent)
     else:
-        new_state = PlannerState(state.last_change_at, (streaks[0], streaks[1]), state.last_grown)
+        new_state = PlannerState(state.last_change_at, (streaks[0], streaks[1]), state.last_grown, recent)
     verb = f"{current} -> {target}" if changed else f"hold {current}"
     return Decision(target, changed, f"{verb}: {'; '.join(reasons)}", loads), new_state
 
@@ -133,9 +142,10 @@ def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:
     return None
 
 
-def _role_target(role: str, role_load: float, pressure: str | None, count: int, streak: int, enough: bool,
-                 config: PlannerConfig) -> tuple[int, int, str]:
-    """(workers wanted, intervals under utilization_down so far, why) for one role."""
+def _role_target(role: str, role_load: float, peak: float, pressure: str | None, count: int, streak: int,
+                 enough: bool, config: PlannerConfig) -> tuple[int, int, str]:
+    """(workers wanted, intervals under utilization_down so far, why) for one role; `peak` is its highest
+    recent load (see PEAK_MEMORY), what a step down must still serve."""
     low, high = config.bounds(role)
     to_target = _need(role, role_load, config)
     utilization = role_load / count if count else math.inf
@@ -153,9 +163,12 @@ def _role_target(role: str, role_load: float, pressure: str | None, count: int, 
         wanted = min(max(to_target, jump if explained else to_target), high)
         return wanted, 0, f"{described}{f', {pressure}' if explained else ''}: up"
     if utilization < config.utilization_down and to_target < count and pressure is None:
-        if streak + 1 >= config.scale_down_after:
-            return to_target, 0, f"{described}: down"
-        return count, streak + 1, f"{described}: low for {streak + 1} of {config.scale_down_after} intervals"
+        if streak + 1 < config.scale_down_after:
+            return count, streak + 1, f"{described}: low for {streak + 1} of {config.scale_down_after} intervals"
+        down_to = _need(role, peak, config)
+        if down_to < count:
+            return down_to, 0, f"{described}, recent peak {peak:.2f}: down"
+        return count, streak + 1, f"{described}: low, but its recent peak {peak:.2f} needs {count}"
     return count, 0, f"{described}{f', {pressure} (not explained by load)' if pressure else ''}: steady"
 
 
@@ -171,17 +184,35 @@ def _within_budget(wanted: dict[str, int], needs: dict[str, int], loads: dict[st
     proportion to the loads (held where it is when that is at the budget and near the proportion)."""
     target = Counts(wanted["prefill"], wanted["decode"])
     if target.total <= config.budget:
-        return target
+        return _leave_room(target, loads, current, config)
     if needs["prefill"] + needs["decode"] <= config.budget:   # the growing role takes the other's spare workers
         return Counts(needs["prefill"], needs["decode"])
     return _split(config.budget, loads, current, config)
 
 
+def _leave_room(target: Counts, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
+    """`target` with a growing role stopped short of the budget's workers the other role needs at
+    utilization_target (a steady role over it asks for them as soon as its load ticks past utilization_up,
+    and would take them back), though never below what keeps the growing role itself under utilization_up."""
+    for role in ROLES:
+        if target.of(role) > current.of(role):
+            other = "decode" if role == "prefill" else "prefill"
+            room = config.budget - max(target.of(other), _need(other, loads[other], config))
+            enough = min(math.ceil(loads[role] / config.utilization_up), target.of(role))
+            count = min(target.of(role), max(room, enough, current.of(role) + 1))
+            target = Counts(count, target.decode) if role == "prefill" else Counts(target.prefill, count)
+    return target
+
+
 def _split(total: int, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
-    """`total` workers in proportion to the loads, each role within its bounds; `current` if it has that
-    total and is within HOLD_SPLIT of the proportion."""
+    """`total` workers in proportion to the loads, each role within its bounds and, where `total` allows it,
+    with enough workers to keep it under utilization_up (a small role rounded away by the proportion would
+    ask for its worker back at once); `current` if it has that total and is within HOLD_SPLIT of that."""
     (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
     ideal = total * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
+    enough_p, enough_d = (math.ceil(loads[role] / config.utilization_up) for role in ROLES)
+    if enough_p + enough_d <= total:
+        ideal = min(max(ideal, enough_p), total - enough_d)
     ideal = min(max(ideal, low_p, total - high_d), high_p, total - low_d)
     if current.total == total and abs(ideal - current.prefill) <= HOLD_SPLIT:
         return current

@@ -19,7 +19,7 @@ log = logging.getLogger("planner.state")
 def save(path: Path, state: PlannerState, flips: list[Flip], starts: list[Start]) -> None:
     """Writes atomically (a new file renamed over the old one)."""
     data = {"last_change_at": state.last_change_at, "low_streak": list(state.low_streak),
-            "last_grown": state.last_grown,
+            "last_grown": state.last_grown, "recent_loads": [list(loads) for loads in state.recent_loads],
             "flips": [{**asdict(f.member), "deadline": f.deadline} for f in flips],
             "starts": [{**asdict(s.member), "pid": s.pid, "deadline": s.deadline, "log_path": s.log_path}
                        for s in starts]}
@@ -33,7 +33,9 @@ def load(path: Path) -> tuple[PlannerState, list[Flip], list[Start]]:
     try:
         data = json.loads(path.read_text())
         member = lambda d: Member(d["address"], d["role"], d["state"])   # noqa: E731
-        return (PlannerState(data["last_change_at"], tuple(data["low_streak"]), data.get("last_grown")),
+        recent = data.get("recent_loads", [[], []])
+        return (PlannerState(data["last_change_at"], tuple(data["low_streak"]), data.get("last_grown"),
+                             (tuple(recent[0]), tuple(recent[1]))),
                 [Flip(member(d), d["deadline"]) for d in data["flips"]],
                 [Start(member(d), d["pid"], d["deadline"], d["log_path"]) for d in data["starts"]])
     except FileNotFoundError:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.config import PlannerConfig
-from planner.decide import PlannerState, decide, decode_capacity
+from planner.decide import PEAK_MEMORY, PlannerState, decide, decode_capacity
 from planner.errors import ConfigError
 from planner.figures import Counts, Figures, RoleFigures
 
@@ -103,7 +103,8 @@ def test_cooldown_holds_steps_down_after_a_change_not_steps_up() -> None:
     decision, state = decide(figures((3.0, 0.5), start), start, PlannerState(), CONFIG, 0.0)
     assert decision.changed and decision.target.prefill == 5
     down = replace(CONFIG, scale_down_after=1)
-    later, _ = decide(figures((0.2, 0.1), decision.target), decision.target, state, down, 10.0)
+    forgotten = replace(state, recent_loads=((), ()))   # no recent peak holds the step down: the cool-down must
+    later, _ = decide(figures((0.2, 0.1), decision.target), decision.target, forgotten, down, 10.0)
     assert not later.changed and "cooling down" in later.reason
     later, _ = decide(figures((5.0, 0.5), decision.target), decision.target, state, CONFIG, 10.0)
     assert later.changed and later.target.prefill == 8
@@ -186,3 +187,20 @@ def test_spare_workers_wait_while_the_other_role_is_busy() -> None:
     assert busy[-1].total == 12
     idle = run([(0.2, 0.3)] * 12, Counts(6, 6), config)
     assert idle[-1] == Counts(1, 1)
+
+
+def test_a_bursty_load_keeps_the_workers_its_peaks_need() -> None:
+    """A few requests a window make the load swing: a peak now and then (85% of one prefill worker), troughs
+    between (30%). The first peak grows the role; the troughs do not take that worker back only for the next
+    peak to grow it again."""
+    bursty = [(0.85 if i % 6 == 0 else 0.3, 0.2) for i in range(60)]
+    prefill = [c.prefill for c in [Counts(1, 1)] + run(bursty, Counts(1, 1))]
+    assert prefill[-1] == 2 and sorted(prefill) == prefill, prefill
+
+
+def test_a_load_that_dropped_for_good_is_scaled_down_once_its_peak_is_forgotten() -> None:
+    history = run([(3.0, 0.2)] * 5 + [(0.3, 0.2)] * 30, Counts(1, 1))
+    prefill = [c.prefill for c in history]
+    assert prefill[4] == 5 and prefill[-1] == 1
+    down_at = prefill.index(1)   # the first interval at 1 worker again
+    assert down_at >= 5 + PEAK_MEMORY * CONFIG.scale_down_after - 1, prefill
