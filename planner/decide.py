@@ -7,10 +7,11 @@ tokens per second over what one worker yields at the ITL target). Boring on purp
   to `utilization_target`; never on fewer than `min_samples` requests unless the load exceeds the role's
   capacity outright (a saturated role delays the very first tokens the samples count);
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to what the highest load
-  of the last PEAK_MEMORY * `scale_down_after` intervals needs at `utilization_target`: the band between the
-  two thresholds absorbs a steady load's noise, and the peak a bursty load (a few requests a window) hits
-  between its troughs keeps the workers it would otherwise grow back to; the fleet shrinks only once every
-  role is under it (till then a role's spare workers wait for the other);
+  of the last PEAK_MEMORY * `scale_down_after` intervals needs at `utilization_target`, and in one step: while
+  a higher load from before the low spell is still remembered, the step waits for it to be forgotten. The
+  band between the two thresholds absorbs a steady load's noise, and the peak a bursty load (a few requests
+  a window) hits between its troughs keeps the workers it would otherwise grow back to; the fleet shrinks
+  only once every role is under it (till then a role's spare workers wait for the other);
 - no step down within `cooldown_s` of the last change, unless it makes room for the role that grew last
   and still asks for more (past `utilization_up`, or an SLO miss its load explains: a shift not yet met);
   so a count never turns back within the cool-down; nothing without figures;
@@ -64,7 +65,7 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     streaks: list[int] = []
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
-        count, streak, why = _role_target(role, loads[role], max(recent[i]), _pressure(role, figures, config),
+        count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
                                           current.of(role), state.low_streak[i], figures.samples >= config.min_samples,
                                           config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
@@ -142,10 +143,10 @@ def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:
     return None
 
 
-def _role_target(role: str, role_load: float, peak: float, pressure: str | None, count: int, streak: int,
-                 enough: bool, config: PlannerConfig) -> tuple[int, int, str]:
-    """(workers wanted, intervals under utilization_down so far, why) for one role; `peak` is its highest
-    recent load (see PEAK_MEMORY), what a step down must still serve."""
+def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressure: str | None, count: int,
+                 streak: int, enough: bool, config: PlannerConfig) -> tuple[int, int, str]:
+    """(workers wanted, intervals under utilization_down so far, why) for one role; `recent` are its loads
+    remembered (see PEAK_MEMORY), this interval's last: their peak is what a step down must still serve."""
     low, high = config.bounds(role)
     to_target = _need(role, role_load, config)
     utilization = role_load / count if count else math.inf
@@ -165,10 +166,11 @@ def _role_target(role: str, role_load: float, peak: float, pressure: str | None,
     if utilization < config.utilization_down and to_target < count and pressure is None:
         if streak + 1 < config.scale_down_after:
             return count, streak + 1, f"{described}: low for {streak + 1} of {config.scale_down_after} intervals"
+        peak, low_peak = max(recent), max(recent[-(streak + 1):])   # remembered; within the low spell
         down_to = _need(role, peak, config)
-        if down_to < count:
+        if down_to < count and down_to <= _need(role, low_peak, config):
             return down_to, 0, f"{described}, recent peak {peak:.2f}: down"
-        return count, streak + 1, f"{described}: low, but its recent peak {peak:.2f} needs {count}"
+        return count, streak + 1, f"{described}: low, but a recent load of {peak:.2f} needs {down_to}"
     return count, 0, f"{described}{f', {pressure} (not explained by load)' if pressure else ''}: steady"
 
 

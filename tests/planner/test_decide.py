@@ -204,3 +204,4 @@ def test_a_load_that_dropped_for_good_is_scaled_down_once_its_peak_is_forgotten(
     assert prefill[4] == 5 and prefill[-1] == 1
     down_at = prefill.index(1)   # the first interval at 1 worker again
     assert down_at >= 5 + PEAK_MEMORY * CONFIG.scale_down_after - 1, prefill
+    assert set(prefill[4:down_at]) == {5}, prefill   # in one step
