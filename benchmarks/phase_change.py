@@ -29,7 +29,7 @@ class Phase:
 PHASES = (
     Phase("chat", 4.0, (100, 300), (30, 60)),
     Phase("documents", 3.6, (2000, 3000), (8, 16)),
-    Phase("generations", 2.1, (100, 300), (100, 300)),
+    Phase("generations", 2.5, (100, 300), (100, 300)),
     Phase("chat again", 4.0, (100, 300), (30, 60)),
     Phase("quiet", 0.6, (100, 300), (30, 60)),
 )
