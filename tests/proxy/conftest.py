@@ -48,6 +48,20 @@ def start_proxy(args: Sequence[str], wait: bool = True) -> Server:
     return server
 
 
+def start_proxies(arg_lists: Sequence[Sequence[str]]) -> list[Server]:
+    """Proxies launched at once, then waited for (a start is mostly one core's imports); all are stopped if
+    one fails."""
+    servers: list[Server] = []
+    try:
+        servers = [start_proxy(args, wait=False) for args in arg_lists]
+        for server in servers:
+            wait_healthy(f"{server.url}/health", [server.process], 30)
+    except BaseException:
+        stop_together(*(server.process for server in servers))
+        raise
+    return servers
+
+
 @dataclass
 class Pair:
     """Fake 1P1D workers behind a proxy, and a fake single server to compare with."""

@@ -21,7 +21,7 @@ import pytest
 from proxy.flows import STRATEGIES
 from stack.serving import free_port
 from tests.helpers import send_and_leave, wait_until
-from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.conftest import Server, start_proxies
 from tests.proxy.flow_clients import GREEDY, request_body
 from tests.worker_process import start_workers, stop_together
 
@@ -35,13 +35,15 @@ class Stack:
     def __init__(self) -> None:
         prefill, decode = start_workers(("prefill", "tcp", ()), ("decode", "tcp", ["--kv-pull-timeout", "5"]))
         self.workers = {"prefill": prefill, "decode": decode}
-        self.proxies: dict[str, Server] = {}
-        for strategy in STRATEGIES:
-            self.proxies[strategy] = start_proxy([
+        try:
+            self.proxies: dict[str, Server] = dict(zip(STRATEGIES, start_proxies([[
                 "--prefill-ip", "127.0.0.1", "--prefill-port", str(prefill.port),
                 "--prefill-kv-port", str(prefill.kv_port),
                 "--decode-ip", "127.0.0.1", "--decode-port", str(decode.port),
-                "--disaggregation-strategy", strategy, "--health-interval", "1"])
+                "--disaggregation-strategy", strategy, "--health-interval", "1"] for strategy in STRATEGIES])))
+        except BaseException:
+            stop_together(prefill, decode)
+            raise
 
     def restart_dead(self) -> None:
         for role, worker in self.workers.items():

@@ -15,7 +15,7 @@ import pytest
 
 
 from proxy.flows import STRATEGIES
-from tests.proxy.conftest import Server, start_proxy
+from tests.proxy.conftest import Server, start_proxies
 from tests.proxy.flow_clients import GREEDY, SEEDED, answer, paths, request_body
 from tests.worker_process import WorkerProcess, start_workers, stop_together
 
@@ -31,16 +31,18 @@ class Stack:
         self.proxies: dict[str, Server] = {}
         self.workers = start_workers(*((role, "shm", ()) for role in ("prefill", "decode", "both")))
         self.prefill, self.decode, self.both = self.workers
-        for strategy in STRATEGIES:
-            self.proxies[strategy] = start_proxy([
-                "--prefill-ip", "127.0.0.1", "--prefill-port", str(self.prefill.port),
-                "--decode-ip", "127.0.0.1", "--decode-port", str(self.decode.port),
-                "--disaggregation-strategy", strategy])
-            self.proxies[f"conditional-{strategy}"] = start_proxy([
-                "--prefill-ip", "127.0.0.1", "--prefill-port", str(self.prefill.port),
-                "--decode-ip", "127.0.0.1", "--decode-port", str(self.decode.port),
-                "--disaggregation-strategy", strategy, "--conditional-disaggregation", "--tokenizer", "builtin",
-                "--max-local-prefill-tokens", str(LOCAL_TOKENS)])
+        pair = ["--prefill-ip", "127.0.0.1", "--prefill-port", str(self.prefill.port),
+                "--decode-ip", "127.0.0.1", "--decode-port", str(self.decode.port)]
+        conditional = ["--conditional-disaggregation", "--tokenizer", "builtin",
+                       "--max-local-prefill-tokens", str(LOCAL_TOKENS)]
+        named = {**{strategy: [*pair, "--disaggregation-strategy", strategy] for strategy in STRATEGIES},
+                 **{f"conditional-{strategy}": [*pair, "--disaggregation-strategy", strategy, *conditional]
+                    for strategy in STRATEGIES}}
+        try:
+            self.proxies = dict(zip(named, start_proxies(list(named.values()))))
+        except BaseException:
+            stop_together(*self.workers)
+            raise
 
     def stop(self) -> None:
         stop_together(*(proxy.process for proxy in self.proxies.values()), *self.workers)
