@@ -16,8 +16,9 @@ tokens per second over what one worker yields at the ITL target). Boring on purp
   and still asks for more (past `utilization_up`, or an SLO miss its load explains: a shift not yet met);
   so a count never turns back within the cool-down; nothing without figures;
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers
-  (short of those the other needs at `utilization_target`), and needs past the budget split it in proportion to the loads; a split at the budget moves only when the proportion
-  has moved by more than HOLD_SPLIT workers.
+  (short of those the other needs at `utilization_target`), and needs past the budget split it in
+  proportion to the loads; a split at the budget moves only when the proportion has moved by more than
+  HOLD_SPLIT workers.
 """
 from __future__ import annotations
 
@@ -168,9 +169,11 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
             return count, streak + 1, f"{described}: low for {streak + 1} of {config.scale_down_after} intervals"
         peak, low_peak = max(recent), max(recent[-(streak + 1):])   # remembered; within the low spell
         down_to = _need(role, peak, config)
-        if down_to < count and down_to <= _need(role, low_peak, config):
-            return down_to, 0, f"{described}, recent peak {peak:.2f}: down"
-        return count, streak + 1, f"{described}: low, but a recent load of {peak:.2f} needs {down_to}"
+        if down_to >= count:
+            return count, streak + 1, f"{described}: low, but a recent load of {peak:.2f} needs {count}"
+        if down_to > _need(role, low_peak, config):
+            return count, streak + 1, f"{described}: low; down once a load of {peak:.2f} from before is forgotten"
+        return down_to, 0, f"{described}, recent peak {peak:.2f}: down"
     return count, 0, f"{described}{f', {pressure} (not explained by load)' if pressure else ''}: steady"
 
 
