@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from planner.figures import Counts
+from planner.figures import OTHER, Counts
 from planner.fleet import Fleet, Member
-
-OTHER = {"prefill": "decode", "decode": "prefill"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from planner.config import PlannerConfig
-from planner.figures import Counts, Figures, RoleFigures
+from planner.figures import OTHER, Counts, Figures, RoleFigures
 
 ROLES = ("prefill", "decode")
 HOLD_SPLIT = 1.5   # workers: a split at the budget follows the loads' proportion only past this distance
@@ -99,7 +99,7 @@ def _keeps_growing(target: Counts, current: Counts, state: PlannerState, wanted:
     role = state.last_grown
     if role is None:
         return False
-    other = "decode" if role == "prefill" else "prefill"
+    other = OTHER[role]
     grows_alone = target.of(role) > current.of(role) and target.of(other) <= current.of(other)
     return grows_alone and wanted[role] > current.of(role)
 
@@ -201,7 +201,7 @@ def _leave_room(target: Counts, loads: dict[str, float], current: Counts, config
     and would take them back), though never below what keeps the growing role itself under utilization_up."""
     for role in ROLES:
         if target.of(role) > current.of(role):
-            other = "decode" if role == "prefill" else "prefill"
+            other = OTHER[role]
             room = config.budget - max(target.of(other), _need(other, loads[other], config))
             enough = min(math.ceil(loads[role] / config.utilization_up), target.of(role))
             count = min(target.of(role), max(room, enough, current.of(role) + 1))
@@ -234,6 +234,6 @@ def _same_total(target: Counts, loads: dict[str, float], current: Counts, config
     if not grows:
         return current
     role = grows[0]
-    other_low = config.bounds("decode" if role == "prefill" else "prefill")[0]
+    other_low = config.bounds(OTHER[role])[0]
     count = min(target.of(role), current.total - other_low)
     return Counts(count, current.total - count) if role == "prefill" else Counts(current.total - count, count)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+OTHER = {"prefill": "decode", "decode": "prefill"}   # each role's counterpart
+
 
 @dataclass(frozen=True, slots=True)
 class Counts:
