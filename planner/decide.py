@@ -2,7 +2,8 @@
 
 Each role's load is how many workers' worth of capacity its demand needs (prefill: prompt tokens per
 second, over the window or its last interval if that is more, over the measured prefill speed; decode:
-tokens per second over what one worker yields at the ITL target). Boring on purpose:
+tokens per second, produced or asked for by the requests admitted, over what one worker yields at the ITL
+target, or the streams in flight over the batch that keeps the step time at it). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
   to `utilization_target`; never on fewer than `min_samples` requests unless the load exceeds the role's
   capacity outright (a saturated role delays the very first tokens the samples count);
@@ -112,8 +113,10 @@ def load(role: str, figures: Figures, config: PlannerConfig) -> float:
         # The window's mean smooths noise but lags a shift by half the window; the last interval alone shows it.
         return max(own.prompt_tokens_per_s, own.latest_prompt_tokens_per_s or 0.0) / speed
     batch, tokens_per_s = decode_capacity(own, config)
-    # Tokens produced lag behind a growing demand; the streams in flight show it at once.
-    return max(own.generated_tokens_per_s / tokens_per_s, (own.running + own.waiting) / batch)
+    # Tokens produced lag behind a growing demand, and the streams in flight build up over a generation's
+    # length; the tokens the requests admitted ask for show it as they arrive.
+    demand = max(own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0)
+    return max(demand / tokens_per_s, (own.running + own.waiting) / batch)
 
 
 def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> tuple[float, float]:

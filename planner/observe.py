@@ -136,6 +136,7 @@ def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleF
         workers=workers,
         prompt_tokens_per_s=sums[PROMPT_TOKENS] / window,
         generated_tokens_per_s=sums["neuron_di_generation_tokens_total"] / window,
+        requested_tokens_per_s=requested_rate(pairs, window),
         busy_fraction=sums["neuron_di_engine_busy_seconds_total"] / window / workers if workers else 0.0,
         running=sum(gauge["neuron_di_requests_running"]),
         waiting=sum(gauge["neuron_di_requests_waiting"]),
@@ -143,3 +144,17 @@ def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleF
         prefill_tokens_per_busy_s=sums["neuron_di_prefill_step_tokens_total"] / prefill_s if prefill_s > 0.05 else None,
         decode_step_s=sums["neuron_di_decode_step_seconds_total"] / steps if steps else None,
         decode_batch=sums["neuron_di_decode_step_seqs_total"] / steps if steps else None)
+
+
+def requested_rate(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> float | None:
+    """Output tokens per second the requests admitted by the workers of the (now, before) `pairs` ask for,
+    times the share of what they asked for that the workers' finished requests produced (1 before any
+    finished; a request stopped early by EOS or a stop string asks for more than it takes); None where a
+    worker does not count them."""
+    grown = [delta(now, before, "neuron_di_requested_tokens_total") for now, before in pairs]
+    if any(g is None for g in grown):
+        return None
+    asked, produced = (sum(now.value(name) or 0.0 for now, _ in pairs) for name in
+                       ("neuron_di_finished_requested_tokens_total", "neuron_di_finished_generated_tokens_total"))
+    share = min(produced / asked, 1.0) if asked > 0 else 1.0
+    return sum(g for g in grown if g is not None) * share / window

@@ -137,6 +137,19 @@ def test_a_shift_in_prompts_counts_from_the_last_interval_before_the_window_show
     assert decision.changed and decision.target.prefill >= 8 and decision.loads["prefill"] == pytest.approx(6.0)
 
 
+def test_long_generations_count_from_the_tokens_they_ask_for_before_they_are_produced() -> None:
+    """Long generations begin: the tokens produced and the streams in flight still read two decode workers'
+    worth, the tokens the requests admitted ask for eight."""
+    start = Counts(4, 4)
+    shifted = figures((1.0, 2.0), start)
+    produced_only, _ = decide(shifted, start, PlannerState(), CONFIG, 0.0)
+    assert not produced_only.changed
+    _, capacity = decode_capacity(RoleFigures(0), CONFIG)
+    asked = replace(shifted, decode=replace(shifted.decode, requested_tokens_per_s=8 * capacity))
+    decision, _ = decide(asked, start, PlannerState(), CONFIG, 0.0)
+    assert decision.changed and decision.target.decode >= 8 and decision.loads["decode"] == pytest.approx(8.0)
+
+
 def test_within_the_cooldown_an_slo_miss_the_load_explains_grows_the_same_role_on() -> None:
     config = replace(CONFIG, min_samples=1)
     start, state = Counts(6, 6), PlannerState(last_change_at=0.0, last_grown="decode")

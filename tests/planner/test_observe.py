@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from planner.fleet import Member
-from planner.observe import Observer
-from planner.scrape import parse, percentile
+from planner.observe import Observer, requested_rate
+from planner.scrape import Scrape, parse, percentile
 
 PROXY = "http://proxy:8000"
 WORKERS = [Member("p:1", "prefill"), Member("d:1", "decode")]
@@ -29,13 +29,16 @@ def proxy_page(first_tokens: int) -> str:
             + histogram("proxy_inter_token_latency_seconds", {"0.05": 10 * first_tokens, "+Inf": 10 * first_tokens}))
 
 
+def counters_page(counters: dict[str, float]) -> str:
+    return "".join(f"# TYPE {n} counter\n{n}_total{{model_name=\"m\"}} {v}\n" for n, v in counters.items())
+
+
 def worker_page(prompt_tokens: float, busy: float) -> str:
     counters = {"neuron_di_prompt_tokens": prompt_tokens, "neuron_di_generation_tokens": prompt_tokens / 10,
                 "neuron_di_engine_busy_seconds": busy, "neuron_di_prefill_step_tokens": prompt_tokens,
                 "neuron_di_prefill_step_seconds": busy, "neuron_di_decode_steps": 0,
                 "neuron_di_decode_step_seconds": 0, "neuron_di_decode_step_seqs": 0}
-    text = "".join(f"# TYPE {n} counter\n{n}_total{{model_name=\"m\"}} {v}\n" for n, v in counters.items())
-    return text + "# TYPE neuron_di_requests_running gauge\nneuron_di_requests_running{model_name=\"m\"} 2\n"
+    return counters_page(counters) + "# TYPE neuron_di_requests_running gauge\nneuron_di_requests_running{model_name=\"m\"} 2\n"
 
 
 def observer(pages: Callable[[str], tuple[int, str]], max_age_s: float = 60.0, window_s: float = 0.0) -> Observer:
@@ -70,6 +73,21 @@ def test_two_reads_give_each_roles_load_and_the_proxys_percentiles() -> None:
     assert figures.prefill.running == 2 and figures.queue_depth is None and figures.queue_wait_s is None
     assert figures.prefill.latest_prompt_tokens_per_s is not None
     assert obs.in_flight == {"http://p:1": 2.0, "http://d:1": 2.0}   # for choosing whom to flip or stop
+
+
+def requested(asked: float, finished_asked: float, finished_produced: float, at: float) -> Scrape:
+    return parse(counters_page({"neuron_di_requested_tokens": asked, "neuron_di_finished_requested_tokens":
+                                finished_asked, "neuron_di_finished_generated_tokens": finished_produced}), at)
+
+
+def test_tokens_asked_for_count_at_the_share_finished_requests_produced() -> None:
+    before = requested(100, 0, 0, 0.0)
+    assert requested_rate([(requested(500, 0, 0, 2.0), before)], 2.0) == 200.0   # none finished: as asked
+    assert requested_rate([(requested(500, 200, 50, 2.0), before)], 2.0) == 50.0  # a quarter produced
+    other = (requested(300, 100, 100, 2.0), requested(100, 0, 0, 0.0))   # a second worker: shares pooled
+    assert requested_rate([(requested(500, 200, 50, 2.0), before), other], 2.0) == pytest.approx(600 * 0.5 / 2)
+    vllm = parse(counters_page({"neuron_di_prompt_tokens": 10}), 2.0)
+    assert requested_rate([(vllm, vllm)], 2.0) is None   # a worker that does not count them
 
 
 @pytest.mark.parametrize("fault, why", [

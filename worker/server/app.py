@@ -327,7 +327,7 @@ class _Worker:
                                                               req.leg, prompt.spans or None, req.resume_from)
                     choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)
                     choice.resumes(req.resume_from.token_ids)
-                    parts.append(Part(choice, stream, self.metrics.timer(len(prompt.token_ids)), i,
+                    parts.append(Part(choice, stream, self.metrics.timer(len(prompt.token_ids), seeded.max_tokens), i,
                                       len(prompt.token_ids)))
         except BaseException:
             for part in parts:

@@ -40,7 +40,7 @@ async def collect(shape: ResponseShape, parts: list[Part]) -> tuple[dict[str, An
     """The whole body of a non-streamed response, and the finish reason of its last choice."""
     bodies: dict[int, list[ChoiceBody]] = {p.choice.spec.index: [] for p in parts}
     async for part, out in merge(parts):
-        part.timer.tokens(len(out.new_token_ids))
+        part.timer.tokens(len(out.new_token_ids), out.finished)
         bodies[part.choice.spec.index].append(part.choice.step(out))
     choices = [merged(bodies[p.choice.spec.index], p.choice.prompt_logprobs_body() if shape.kind == "completion"
                       else None) for p in parts]
@@ -64,7 +64,7 @@ async def events(shape: ResponseShape, parts: list[Part], include_usage: bool, c
             yield chunk(part, shape.role_chunk(part.choice.spec.index))
     try:
         async for part, out in merge(parts):
-            part.timer.tokens(len(out.new_token_ids))
+            part.timer.tokens(len(out.new_token_ids), out.finished)
             body = part.choice.step(out)
             # One chunk per token, even when its text is held back (part of a UTF-8 character, a possible
             # stop string): the DI proxy and ITL counting rely on it.

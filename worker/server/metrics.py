@@ -38,6 +38,16 @@ class ServerMetrics:
                                      registry=self.registry)
         self.generation_tokens = Counter("neuron_di_generation_tokens", "Tokens generated.", labels,
                                          registry=self.registry)
+        # What the requests admitted ask for (max_tokens), and what the finished ones asked for and produced:
+        # the decode demand on its way, before its tokens are produced.
+        self.requested_tokens = Counter("neuron_di_requested_tokens", "Output tokens asked for by requests admitted.",
+                                        labels, registry=self.registry)
+        self.finished_requested_tokens = Counter(
+            "neuron_di_finished_requested_tokens", "Output tokens asked for by requests finished.", labels,
+            registry=self.registry)
+        self.finished_generated_tokens = Counter(
+            "neuron_di_finished_generated_tokens", "Output tokens produced by requests finished.", labels,
+            registry=self.registry)
         self.ttft = Histogram("neuron_di_ttft_seconds", "Time from admission to the first token.", labels,
                               buckets=_BUCKETS, registry=self.registry)
         self.itl = Histogram("neuron_di_itl_seconds", "Time between consecutive output tokens.", labels,
@@ -72,7 +82,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.steps = _StepCollector(model_name)
         self.registry.register(self.steps)
-        for counter in (self.prompt_tokens, self.generation_tokens, self.integrity_checks, self.integrity_failures,
+        for counter in (self.prompt_tokens, self.generation_tokens, self.requested_tokens,
+                        self.finished_requested_tokens, self.finished_generated_tokens, self.integrity_checks, self.integrity_failures,
                         self.pulls, self.blocks_pulled, self.bytes_pulled, self.blocks_skipped, self.bytes_skipped):
             counter.labels(model_name)    # shown as 0 before the first request or pull
 
@@ -108,9 +119,10 @@ class ServerMetrics:
         """Counts a finished request: a finish reason ("stop", "length", "abort") or an HTTP status."""
         self.requests.labels(self.model_name, outcome).inc()
 
-    def timer(self, num_prompt_tokens: int) -> RequestTimer:
+    def timer(self, num_prompt_tokens: int, max_tokens: int) -> RequestTimer:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
-        return RequestTimer(self)
+        self.requested_tokens.labels(self.model_name).inc(max_tokens)
+        return RequestTimer(self, max_tokens)
 
     def render(self, stats: EngineStats | None) -> bytes:
         if stats is not None:
@@ -119,18 +131,25 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Per-request latency bookkeeping: TTFT at the first token, then one ITL sample per token."""
+    """Per-request bookkeeping: TTFT at the first token, then one ITL sample per token; at the end, the
+    tokens it asked for and those it produced."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, max_tokens: int) -> None:
         self._metrics = metrics
+        self._max_tokens = max_tokens
+        self._produced = 0
         self._start = self._last = time.monotonic()
         self._seen_first = False
 
-    def tokens(self, count: int) -> None:
+    def tokens(self, count: int, finished: bool = False) -> None:
+        model = self._metrics.model_name
+        self._produced += max(count, 0)
+        if finished:
+            self._metrics.finished_requested_tokens.labels(model).inc(self._max_tokens)
+            self._metrics.finished_generated_tokens.labels(model).inc(self._produced)
         if count <= 0:
             return
         now = time.monotonic()
-        model = self._metrics.model_name
         self._metrics.generation_tokens.labels(model).inc(count)
         if not self._seen_first:
             self._metrics.ttft.labels(model).observe(now - self._start)
