@@ -38,7 +38,8 @@ def worker_page(prompt_tokens: float, busy: float) -> str:
                 "neuron_di_engine_busy_seconds": busy, "neuron_di_prefill_step_tokens": prompt_tokens,
                 "neuron_di_prefill_step_seconds": busy, "neuron_di_decode_steps": 0,
                 "neuron_di_decode_step_seconds": 0, "neuron_di_decode_step_seqs": 0}
-    return counters_page(counters) + "# TYPE neuron_di_requests_running gauge\nneuron_di_requests_running{model_name=\"m\"} 2\n"
+    running = "# TYPE neuron_di_requests_running gauge\nneuron_di_requests_running{model_name=\"m\"} 2\n"
+    return counters_page(counters) + running
 
 
 def observer(pages: Callable[[str], tuple[int, str]], max_age_s: float = 60.0, window_s: float = 0.0) -> Observer:

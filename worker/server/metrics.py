@@ -83,8 +83,9 @@ class ServerMetrics:
         self.steps = _StepCollector(model_name)
         self.registry.register(self.steps)
         for counter in (self.prompt_tokens, self.generation_tokens, self.requested_tokens,
-                        self.finished_requested_tokens, self.finished_generated_tokens, self.integrity_checks, self.integrity_failures,
-                        self.pulls, self.blocks_pulled, self.bytes_pulled, self.blocks_skipped, self.bytes_skipped):
+                        self.finished_requested_tokens, self.finished_generated_tokens, self.integrity_checks,
+                        self.integrity_failures, self.pulls, self.blocks_pulled, self.bytes_pulled, self.blocks_skipped,
+                        self.bytes_skipped):
             counter.labels(model_name)    # shown as 0 before the first request or pull
 
     def observe_stats(self, stats: EngineStats) -> None:
