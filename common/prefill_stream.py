@@ -18,6 +18,10 @@ ACK_WAIT_S = 3.0
 PROGRESS_S = 1.0
 MAX_DELIVER = 5
 MAX_JOB_AGE_S = 600.0
+# After a pull from the worker that took a job failed (it may have died): how long the requester waits for the job
+# to come back, ACK_WAIT_S after that worker's last sign of life, and to be taken again by a worker with room (the
+# survivors are busier by then). A taker still alive answers the job instead, and the wait ends.
+RETAKE_S = 30.0
 RECONNECT_WAIT_S = 0.25
 NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
 

@@ -6,7 +6,7 @@ worker it picked; the prefill worker that takes the job says so at once (TAKEN, 
 it starts once the prefill's answer says where the KV lies. `decode_first`: the decode leg goes alone,
 naming no prefill worker; the decode worker puts the prefill leg on the queue (worker/server/queued_prefill.py). A job taken again (its first taker died
 before acking it, and the stream gave it to another) restarts the decode leg on the new taker; a decode
-leg that fails before the prefill answered waits `retake_s` for such a new taker before the request
+leg that fails before the prefill answered waits `RETAKE_S` for such a new taker before the request
 fails. The prefill's answer (the first token) comes back through the queue as an HTTP prefill leg's would.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Callable
 from common.errors import RegistrationError
 from common.handoff import PrefillParams, QueuedDecodeParams
 from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
+from common.prefill_stream import RETAKE_S
 from proxy.errors import KV_TRANSFER_ERROR, UpstreamProtocol, UpstreamStatus, UpstreamTimeout
 from proxy.flows import DecodeLeg, json_object, neuron_handoff
 from proxy.leg_client import Took
@@ -44,7 +45,6 @@ class QueuedFlow:
     abandon: Abandon
     prefill_first: bool
     timeout_s: float = 600.0
-    retake_s: float = 10.0
 
     def decode_first_leg(self, request: ClientRequest, decode: WorkerRecord, uid: str, seed: int | None,
                          took: Took | None = None) -> DecodeLeg:
@@ -113,7 +113,7 @@ class _Run:
             waits = {get, down}
             if self.leg is not None and not self.leg.task.done():
                 waits.add(self.leg.task)
-            timeout = None if waiting_since is None else max(0.0, waiting_since + self.flow.retake_s
+            timeout = None if waiting_since is None else max(0.0, waiting_since + RETAKE_S
                                                               - time.monotonic())
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             down.cancel()
@@ -126,7 +126,7 @@ class _Run:
             if failed is not None and waiting_since is None and _may_be_retaken(failed):
                 waiting_since = time.monotonic()   # its prefill worker may have died: the job comes back
             elif failed is not None and (waiting_since is None
-                                         or time.monotonic() >= waiting_since + self.flow.retake_s):
+                                         or time.monotonic() >= waiting_since + RETAKE_S):
                 raise failed
 
     def _leg_failure(self) -> BaseException | None:

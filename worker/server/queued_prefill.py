@@ -25,6 +25,7 @@ from common.errors import RegistrationError
 from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, QueuedDecodeParams
 from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
 from common.prefill_requester import JobReplies, JobRequester
+from common.prefill_stream import RETAKE_S
 from common.worker_record import WorkerRecord
 from worker.engine.request import RequestOutput
 from worker.errors import KVTransferError, RemotePrefillError, invalid
@@ -35,7 +36,6 @@ from worker.server.remote_prefill import error_message, first_logprobs, prefill_
 
 logger = logging.getLogger(__name__)
 JOB_TIMEOUT_S = 600.0   # how long a job may wait in the queue for a prefill worker with room
-RETAKE_S = 10.0         # after a failed pull, how long to wait for another prefill worker to take the job
 Admit = Callable[[DecodeParams], Awaitable[list[Part]]]
 Start = Callable[..., Awaitable[list[Part]]]   # the app's: admits a request, optionally under an engine id
 
@@ -104,7 +104,8 @@ class QueuedPrefill:
             finally:
                 down.cancel()
             if first.done() and failed_at is None:
-                if first.cancelled() or first.exception() is None or not _may_be_retaken(first.exception()):
+                if (first.cancelled() or first.exception() is None or not _may_be_retaken(first.exception())
+                        or self.answer is not None):   # the taker answered the job: alive, it gives it to nobody
                     first.result()   # done, or its failure raised
                     return None
                 failed_at = time.monotonic()   # its prefill worker may have died: the job comes back
@@ -112,6 +113,8 @@ class QueuedPrefill:
                 pull = await self._reply(first)
                 if pull is not None:
                     return pull
+                if failed_at is not None and self.answer is not None:
+                    first.result()   # the taker answered after the pull failed: alive, it gives the job to nobody
             elif self._queue.down.is_set():
                 raise self._queue.unavailable()
             elif failed_at is not None and time.monotonic() >= failed_at + RETAKE_S:
