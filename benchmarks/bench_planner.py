@@ -131,7 +131,8 @@ def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> di
             "rolling_attainment": rolling_attainment(arrivals, results, 5.0, len(PHASES) * seconds),
             "changes_by_phase": changes, "changes_after_settle_by_phase": after_settle,
             "recovery_s_by_phase": recovery, "timeline": timeline, "requests": len(arrivals), **outcomes(results),
-            "log_tail": log[-3000:]}
+            "flip_failures": [line for line in log.splitlines() if "flip of" in line and not line.endswith(": done")],
+            "log": log}
 
 
 def _first_decision(planner: Process, decisions: Path, timeout_s: float = 60.0) -> None:

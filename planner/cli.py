@@ -146,6 +146,7 @@ async def run(args: argparse.Namespace, config: PlannerConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args, config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # a line per metrics read would bury the decisions
     try:
         asyncio.run(run(args, config))
     except PlannerError as exc:
