@@ -35,6 +35,7 @@ class RoleFigures:
     requested_tokens_per_s: float | None = None   # output tokens the requests admitted ask for (max_tokens), times
                                             # the share finished requests produced: the demand on its way (None:
                                             # the workers do not count it)
+    latest_requested_tokens_per_s: float | None = None   # the same over the last interval alone
     busy_fraction: float = 0.0              # mean share of the interval spent computing steps
     running: float = 0.0                    # requests in the running batches now
     waiting: float = 0.0                    # requests queued now

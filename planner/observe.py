@@ -72,9 +72,15 @@ class Observer:
             if figures is None:
                 return None, f"a {role} worker's counters went back (it restarted)"
             roles[role] = figures
-        latest = [(now[m.url], previous[m.url]) for m in members if m.role == "prefill" and m.url in previous]
-        roles["prefill"] = replace(roles["prefill"], latest_prompt_tokens_per_s=latest_rate(
-            latest, proxy_now, previous.get(self.proxy_url)))
+        # The last interval alone, timed by the proxy's reads: a shift shows there before the window's mean shows it.
+        latest = {role: [(now[m.url], previous[m.url]) for m in members if m.role == role and m.url in previous]
+                  for role in roles}
+        since = previous.get(self.proxy_url)
+        latest_s = proxy_now.at - since.at if since is not None and proxy_now.at > since.at else None
+        roles["prefill"] = replace(roles["prefill"],
+                                   latest_prompt_tokens_per_s=latest_rate(latest["prefill"], latest_s))
+        roles["decode"] = replace(roles["decode"], latest_requested_tokens_per_s=(
+            None if latest_s is None else requested_rate(latest["decode"], latest_s)))
         ttft, samples = percentile(proxy_now, proxy_before, TTFT, self.q)
         itl, _ = percentile(proxy_now, proxy_before, ITL, self.q)
         depth = proxy_now.value(QUEUE_DEPTH)
@@ -104,13 +110,13 @@ class Observer:
             return f"{type(exc).__name__}: {exc}"
 
 
-def latest_rate(pairs: Sequence[tuple[Scrape, Scrape]], proxy_now: Scrape, proxy_before: Scrape | None) -> float | None:
-    """Prompt tokens per second admitted by the workers of the (now, previous read) `pairs`: the last
-    interval alone, timed by the proxy's reads; None without an earlier read of the proxy."""
-    if proxy_before is None or proxy_now.at <= proxy_before.at:
+def latest_rate(pairs: Sequence[tuple[Scrape, Scrape]], seconds: float | None) -> float | None:
+    """Prompt tokens per second admitted by the workers of the (now, previous read) `pairs` over the last
+    interval, `seconds` long (None without an earlier read of the proxy)."""
+    if seconds is None:
         return None
     grown = [delta(now, before, PROMPT_TOKENS) for now, before in pairs]
-    return sum(g for g in grown if g is not None) / (proxy_now.at - proxy_before.at)
+    return sum(g for g in grown if g is not None) / seconds
 
 
 def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleFigures | None:

@@ -73,6 +73,7 @@ def test_two_reads_give_each_roles_load_and_the_proxys_percentiles() -> None:
     assert figures.prefill.prefill_tokens_per_busy_s == pytest.approx(1500.0)
     assert figures.prefill.running == 2 and figures.queue_depth is None and figures.queue_wait_s is None
     assert figures.prefill.latest_prompt_tokens_per_s is not None
+    assert figures.decode.requested_tokens_per_s is None and figures.decode.latest_requested_tokens_per_s is None
     assert obs.in_flight == {"http://p:1": 2.0, "http://d:1": 2.0}   # for choosing whom to flip or stop
 
 
