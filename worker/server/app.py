@@ -64,6 +64,7 @@ from common.worker_record import WorkerRecord
 from common.request_body import DrainingRequest, request_body
 from worker.server.protocol import GenerateRequest, build_params, error_for, models_body, parse_body, parse_request
 if TYPE_CHECKING:  # imports NATS's client
+    from worker.server.prefill_puller import PrefillPuller
     from worker.server.queued_prefill import QueuedPrefills
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class _Worker:
         self.created = int(time.time())
         self.remote_prefills = RemotePrefills()  # decode_first: the prefill legs this decode worker sends
         self.queued_prefills: QueuedPrefills | None = None  # decode_first through the global prefill queue
+        self.prefill_puller: PrefillPuller | None = None    # a prefill worker's jobs from that queue
         self.strings: TokenStrings | None = None  # the texts logprobs show for tokens
 
     @property
@@ -218,14 +220,11 @@ class _Worker:
     async def health(self) -> Response:
         if not self.async_engine.is_alive():
             return _json(error_body(503, "the engine is not running", "server_error"), 503)
-        draining = self.drain.started or self.drain.refusing is not None
-        body: dict = {"status": "draining" if draining else "ok", "draining": draining}
+        body: dict = {"status": "draining" if self.drain.refuses_new else "ok", "draining": self.drain.refuses_new}
         if self.record is not None:  # a static proxy learns this worker's role and signal plane from it
             body["worker"] = self.record.to_dict()
-        if self.role_flip is not None and self.role_flip.target is not None:
-            body["changing_role"] = self.role_flip.target
-        if self.role_flip is not None and self.role_flip.last is not None:
-            body["last_role_change"] = self.role_flip.last.to_dict()
+        if self.role_flip is not None:
+            body.update(self.role_flip.health_fields())
         return jsonify(body)
 
     async def metrics_page(self) -> Response:
@@ -235,7 +234,8 @@ class _Worker:
             page += generate_latest(timeline.registry)
         engine = self.async_engine.llm_engine
         page += fleet_gauges_page(self.model_name, engine.kv_connector if engine is not None else None,
-                                  self.drain.started or self.drain.refusing is not None)
+                                  self.drain.refuses_new,
+                                  None if self.prefill_puller is None else self.prefill_puller.held)
         return Response(page, content_type=ServerMetrics.content_type)
 
     async def timeline_page(self) -> Response:

@@ -46,6 +46,11 @@ class Drain:
         self._task: asyncio.Task[None] | None = None
         self.hand_back: HandBack | None = None  # set: running streams are handed back, not finished here
 
+    @property
+    def refuses_new(self) -> bool:
+        """Whether new requests are refused: the drain started, or a change of role is under way."""
+        return self.started or self.refusing is not None
+
     def start(self) -> None:
         if self.started:
             return

@@ -53,6 +53,11 @@ class PrefillPuller:
         self._task: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
 
+    @property
+    def held(self) -> int:
+        """Jobs pulled and not yet acked (or handed back): redelivered to another worker if this one dies."""
+        return len(self._jobs)
+
     def start(self) -> None:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self._task = asyncio.create_task(self._run())
@@ -189,8 +194,8 @@ def worker_puller(worker: object, url: str, host: str, port: int, max_jobs: int)
     """The puller of the app state `worker` (worker/server/app.py) serving on `host`:`port`."""
     def load() -> tuple[int, bool]:
         stats = worker.async_engine.stats  # type: ignore[attr-defined]
-        draining = worker.drain.started or worker.drain.refusing is not None  # type: ignore[attr-defined]
-        return (0 if stats is None else stats.num_running + stats.num_waiting), draining
+        return ((0 if stats is None else stats.num_running + stats.num_waiting),
+                worker.drain.refuses_new)  # type: ignore[attr-defined]
 
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
     api = f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"

@@ -47,4 +47,5 @@ def queue_side(worker: Any, args: argparse.Namespace) -> PrefillPuller | QueuedP
     if args.role == "decode":
         worker.queued_prefills = QueuedPrefills(args.prefill_queue)
         return worker.queued_prefills
-    return worker_puller(worker, args.prefill_queue, args.host, args.port, args.prefill_queue_max_jobs)
+    worker.prefill_puller = worker_puller(worker, args.prefill_queue, args.host, args.port, args.prefill_queue_max_jobs)
+    return worker.prefill_puller

@@ -58,6 +58,15 @@ class RoleFlip:
         assert engine is not None
         return engine.config.role
 
+    def health_fields(self) -> dict[str, Any]:
+        """What GET /health shows of it: the role it changes to (`changing_role`), the last change's outcome."""
+        fields: dict[str, Any] = {}
+        if self.target is not None:
+            fields["changing_role"] = self.target
+        if self.last is not None:
+            fields["last_role_change"] = self.last.to_dict()
+        return fields
+
     def check(self, role: Any) -> bool:
         """Whether a change to `role` is due (False: this worker has that role); raises if it cannot be made."""
         if role not in DISAGGREGATED_ROLES:
