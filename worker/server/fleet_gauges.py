@@ -43,7 +43,7 @@ class _FleetGauges(Collector):
 
 
 def fleet_gauges_page(model_name: str, connector: KVConnector | None, draining: bool,
-                      jobs_held: int | None = None) -> bytes:
+                      jobs_held: int | None) -> bytes:
     """The gauges above and the handoff counters as Prometheus text, read now; `jobs_held` None: no queue puller."""
     registry = CollectorRegistry()
     registry.register(_FleetGauges(model_name, connector, draining, jobs_held))
