@@ -20,7 +20,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import httpx
 
@@ -74,6 +74,22 @@ def proxy_args(port: int, backends: Sequence[str], host: str = "127.0.0.1") -> l
     return ["proxy_server.py", "--host", host, "--port", str(port), "--health-timeout", "30", *backends]
 
 
+class Child(Protocol):
+    """What `Process` needs of its child: the part of `subprocess.Popen` it uses."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class Process:
     """A child (Python unless `program` says otherwise) in its own session, optionally pinned to
     one core, logging to a temp file; `stop()` ends it (SIGTERM, then SIGKILL) and removes the log,
@@ -94,10 +110,15 @@ class Process:
         self._output: str | None = None   # the log's text once it is removed
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc: Child = self._start([*prefix, program, *args], env)
+
+    def _start(self, argv: list[str], env: dict[str, str]) -> Child:
+        """Launches the child; the one place a subclass may start it another way."""
         # Pinned in the child before exec, so no thread of it ever runs on another core.
+        core = self.core
         pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
-        self.proc = subprocess.Popen([*prefix, program, *args], cwd=ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=pin)
 
     @property
     def pid(self) -> int:
@@ -123,7 +144,7 @@ class Process:
 
     def again(self) -> Process:
         """The same command started anew (same name, ports, core), its log in a new file."""
-        return Process(self.name, self.args, self.core, self.env, self.program, self.prefix)
+        return type(self)(self.name, self.args, self.core, self.env, self.program, self.prefix)
 
     def terminate(self) -> None:
         """SIGTERM to the whole session, not waiting: `stop()` then waits (see `stop_all`)."""
