@@ -2,7 +2,7 @@
 
 Each role's load is how many workers' worth of capacity its demand needs (prefill: prompt tokens per
 second, over the window or its last interval if that is more, over the measured prefill speed; decode:
-tokens per second, produced or asked for by the requests admitted (over the window or its last interval),
+tokens per second, produced or asked for by the requests received (over the window or its last interval),
 over what one worker yields at the ITL target, or the streams in flight over the batch that keeps the step
 time at it). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
@@ -115,7 +115,7 @@ def load(role: str, figures: Figures, config: PlannerConfig) -> float:
         return max(own.prompt_tokens_per_s, own.latest_prompt_tokens_per_s or 0.0) / speed
     batch, tokens_per_s = decode_capacity(own, config)
     # Tokens produced lag behind a growing demand, and the streams in flight build up over a generation's
-    # length; the tokens the requests admitted ask for show it as they arrive.
+    # length; the tokens the requests received ask for show it as they arrive.
     demand = max(own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0,
                  own.latest_requested_tokens_per_s or 0.0)
     return max(demand / tokens_per_s, (own.running + own.waiting) / batch)

@@ -29,10 +29,10 @@ class RoleFigures:
     """One role's workers over the interval, summed (or the mean or max, as named)."""
 
     workers: int
-    prompt_tokens_per_s: float = 0.0        # prompt tokens admitted: the demand on prefill
+    prompt_tokens_per_s: float = 0.0        # prompt tokens received: the demand on prefill
     latest_prompt_tokens_per_s: float | None = None   # the same over the last interval alone: a shift shows first
     generated_tokens_per_s: float = 0.0     # tokens produced: the demand met by decode
-    requested_tokens_per_s: float | None = None   # output tokens the requests admitted ask for (max_tokens), times
+    requested_tokens_per_s: float | None = None   # output tokens the requests received ask for (max_tokens), times
                                             # the share finished requests produced: the demand on its way (None:
                                             # the workers do not count it)
     latest_requested_tokens_per_s: float | None = None   # the same over the last interval alone

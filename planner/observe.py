@@ -111,7 +111,7 @@ class Observer:
 
 
 def latest_rate(pairs: Sequence[tuple[Scrape, Scrape]], seconds: float | None) -> float | None:
-    """Prompt tokens per second admitted by the workers of the (now, previous read) `pairs` over the last
+    """Prompt tokens per second received by the workers of the (now, previous read) `pairs` over the last
     interval, `seconds` long (None without an earlier read of the proxy)."""
     if seconds is None:
         return None
@@ -153,7 +153,7 @@ def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleF
 
 
 def requested_rate(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> float | None:
-    """Output tokens per second the requests admitted by the workers of the (now, before) `pairs` ask for,
+    """Output tokens per second the requests received by the workers of the (now, before) `pairs` ask for,
     times the share of what they asked for that the workers' finished requests produced (1 before any
     finished; a request stopped early by EOS or a stop string asks for more than it takes); None where a
     worker does not count them."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -17,7 +18,8 @@ import pytest
 from scheduler import ScheduledChunk, ScheduledStep, Sequence
 from stack.serving import Process, free_port, wait_healthy
 from stack.worker_metrics import metric_sum, wait_blocks_free
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_until
+from tests.worker_process import WorkerProcess
 from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.mock.cost_model import CostModel
@@ -118,3 +120,24 @@ def test_a_mock_1p1d_stack_answers_as_one_mock_worker(mock_stack: tuple[str, str
         assert text == want["choices"][0]["text"] and len(text) == 12 + i
     assert metric_sum(workers["decode"], "neuron_di_kv_pulls_total") == 3   # every answer's KV was pulled
     assert not any(wait_blocks_free(workers, 30).values())
+
+
+def test_a_request_is_counted_as_it_arrives_not_once_the_engine_admits_it() -> None:
+    """The engine admits requests between steps. One that arrives during a long prefill step is in the prompt
+    tokens a planner reads before that step ends (its first token), not seconds later."""
+    worker = WorkerProcess("both", extra=[*MOCK, "--mock-prefill-tokens-per-s", "25"])   # 50 tokens: a 2 s step
+    tokens = lambda name: metric_sum(worker.url, f"neuron_di_{name}_tokens_total")   # noqa: E731
+    body = {"model": "neuron-di-builtin", "max_tokens": 1, "temperature": 0.0}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, f"{worker.url}/v1/completions", json={**body, "prompt": [65] * 50},
+                                timeout=60)
+            wait_until(lambda: tokens("prompt") == 50, what="the first request counted")
+            second = pool.submit(httpx.post, f"{worker.url}/v1/completions", json={**body, "prompt": [66] * 5},
+                                 timeout=60)
+            wait_until(lambda: tokens("prompt") == 55, what="the second request counted")
+            assert tokens("generation") == 0   # the first one's prefill step still runs
+            assert first.result().status_code == second.result().status_code == 200
+        assert tokens("generation") == 2
+    finally:
+        worker.stop()

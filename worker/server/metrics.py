@@ -34,13 +34,13 @@ class ServerMetrics:
                                   "Requests whose KV blocks are held for a transfer between prefill and decode.")
         self.blocks_used = gauge("neuron_di_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = gauge("neuron_di_kv_blocks_total", "KV cache blocks in the pool.")
-        self.prompt_tokens = Counter("neuron_di_prompt_tokens", "Prompt tokens admitted.", labels,
+        self.prompt_tokens = Counter("neuron_di_prompt_tokens", "Prompt tokens of the requests received.", labels,
                                      registry=self.registry)
         self.generation_tokens = Counter("neuron_di_generation_tokens", "Tokens generated.", labels,
                                          registry=self.registry)
-        # What the requests admitted ask for (max_tokens), and what the finished ones asked for and produced:
+        # What the requests received ask for (max_tokens), and what the finished ones asked for and produced:
         # the decode demand on its way, before its tokens are produced.
-        self.requested_tokens = Counter("neuron_di_requested_tokens", "Output tokens asked for by requests admitted.",
+        self.requested_tokens = Counter("neuron_di_requested_tokens", "Output tokens asked for by requests received.",
                                         labels, registry=self.registry)
         self.finished_requested_tokens = Counter(
             "neuron_di_finished_requested_tokens", "Output tokens asked for by requests finished.", labels,
@@ -121,6 +121,8 @@ class ServerMetrics:
         self.requests.labels(self.model_name, outcome).inc()
 
     def timer(self, num_prompt_tokens: int, max_tokens: int) -> RequestTimer:
+        """Counts a request as it arrives, before the engine admits it (after its current step, which a prefill
+        can make seconds long): a planner reads the demand, not only what the engine got to."""
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
         self.requested_tokens.labels(self.model_name).inc(max_tokens)
         return RequestTimer(self, max_tokens)
