@@ -5,7 +5,8 @@ second, over the window or its last interval if that is more, over the measured 
 tokens per second, produced or asked for by the requests received (over the window or its last interval),
 over what one worker yields at the ITL target, or the streams in flight over the batch that keeps the step
 time at it). Boring on purpose:
-- up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it),
+- up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it, which
+  it does not while workers are on their way to the role: the miss is the wait for them),
   to `utilization_target`; never on fewer than `min_samples` requests unless the load exceeds the role's
   capacity outright (a saturated role delays the very first tokens the samples count);
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to what the highest load
@@ -55,9 +56,11 @@ class Decision:
 
 
 def decide(figures: Figures | None, current: Counts, state: PlannerState, config: PlannerConfig,
-           now: float, missing: str = "no figures", fixed_fleet: bool = False) -> tuple[Decision, PlannerState]:
+           now: float, missing: str = "no figures", fixed_fleet: bool = False,
+           arriving: Counts = Counts(0, 0)) -> tuple[Decision, PlannerState]:
     """The target counts for `current` given the interval's `figures` (None: hold, because `missing`).
-    A `fixed_fleet` (workers flip, none start or stop) keeps its total: only the split moves."""
+    A `fixed_fleet` (workers flip, none start or stop) keeps its total: only the split moves. `arriving`:
+    the workers of `current` still on their way to each role (flipping or starting), which serve nothing yet."""
     if figures is None:
         return Decision(current, False, f"hold: {missing}"), state
     loads = {role: load(role, figures, config) for role in ROLES}
@@ -69,8 +72,8 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
         count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
-                                          current.of(role), state.low_streak[i], figures.samples >= config.min_samples,
-                                          config)
+                                          current.of(role), arriving.of(role), state.low_streak[i],
+                                          figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     # What each role needs: a growing role what it asked for (an SLO miss may ask one more than its load).
@@ -150,17 +153,19 @@ def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:
 
 
 def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressure: str | None, count: int,
-                 streak: int, enough: bool, config: PlannerConfig) -> tuple[int, int, str]:
-    """(workers wanted, intervals under utilization_down so far, why) for one role; `recent` are its loads
-    remembered (see PEAK_MEMORY), this interval's last: their peak is what a step down must still serve."""
+                 arriving: int, streak: int, enough: bool, config: PlannerConfig) -> tuple[int, int, str]:
+    """(workers wanted, intervals under utilization_down so far, why) for one role of `count` workers, `arriving`
+    of them still on their way to it; `recent` are its loads remembered (see PEAK_MEMORY), this interval's
+    last: their peak is what a step down must still serve."""
     low, high = config.bounds(role)
     to_target = _need(role, role_load, config)
     utilization = role_load / count if count else math.inf
     described = f"load {role_load:.2f} ({utilization:.0%} of {count})"
     if count < low:
         return to_target, 0, f"{described}: below its minimum"
-    # A miss the load explains: one more worker would not bring it under utilization_down.
-    explained = pressure is not None and role_load / (count + 1) >= config.utilization_down
+    # A miss the load explains: one more worker would not bring it under utilization_down. While workers are
+    # on their way to the role, a miss is the wait for them: only the load grows it further.
+    explained = pressure is not None and not arriving and role_load / (count + 1) >= config.utilization_down
     if utilization > config.utilization_up or explained:
         if not enough and utilization < 1.0:   # past full capacity, the counters say enough
             return count, 0, f"{described}: too few samples to scale up"
@@ -179,7 +184,8 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
         if down_to > _need(role, low_peak, config):
             return count, streak + 1, f"{described}: low; down once a load of {peak:.2f} from before is forgotten"
         return down_to, 0, f"{described}, recent peak {peak:.2f}: down"
-    return count, 0, f"{described}{f', {pressure} (not explained by load)' if pressure else ''}: steady"
+    why = f"{arriving} on their way" if arriving else "not explained by load"
+    return count, 0, f"{described}{f', {pressure} ({why})' if pressure else ''}: steady"
 
 
 def _need(role: str, role_load: float, config: PlannerConfig) -> int:

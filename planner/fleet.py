@@ -39,6 +39,11 @@ class Fleet:
         live = [m for m in self.members if m.state != "stopping"]
         return Counts(sum(m.role == "prefill" for m in live), sum(m.role == "decode" for m in live))
 
+    def arriving(self) -> Counts:
+        """Workers per role still on their way to it (flipping or starting)."""
+        on_the_way = [m for m in self.members if m.state in ("flipping", "starting")]
+        return Counts(sum(m.role == "prefill" for m in on_the_way), sum(m.role == "decode" for m in on_the_way))
+
     def serving(self, role: str | None = None) -> list[Member]:
         return [m for m in self.members if m.state == "serving" and role in (None, m.role)]
 

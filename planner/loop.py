@@ -43,7 +43,7 @@ class Planner:
         # Changes under way count as done (a stopping worker no more), so none is made twice; only serving
         # workers are flipped or stopped.
         decision, self.state = decide(figures, fleet.counts(), self.state, self.config, time.time(), why,
-                                      fixed_fleet=not self.connector.can_scale)
+                                      fixed_fleet=not self.connector.can_scale, arriving=fleet.arriving())
         if fleet.changing:
             decision = replace(decision, reason=decision.reason + "; under way: " + ", ".join(
                 f"{m.address} {m.state} ({m.role})" for m in fleet.changing))

@@ -160,6 +160,13 @@ def test_within_the_cooldown_an_slo_miss_the_load_explains_grows_the_same_role_o
     grown, _ = decide(missing, start, state, config, 5.0, fixed_fleet=True)
     assert grown.changed and grown.target.decode > 6 and "ITL" in grown.reason
 
+    on_their_way, _ = decide(missing, start, state, config, 5.0, fixed_fleet=True, arriving=Counts(0, 2))
+    assert not on_their_way.changed and "2 on their way" in on_their_way.reason
+    past_up = replace(missing, decode=replace(missing.decode,
+                                              generated_tokens_per_s=missing.decode.generated_tokens_per_s * 1.2))
+    grown_by_load, _ = decide(past_up, start, state, config, 5.0, fixed_fleet=True, arriving=Counts(0, 2))
+    assert grown_by_load.changed and grown_by_load.target.decode > 6   # its load alone still grows it
+
 
 def test_at_the_budget_the_split_follows_the_needs() -> None:
     """Long prompts at 1P2D within a budget of 3: a decode worker becomes a prefill worker."""
