@@ -5,6 +5,8 @@ from typing import Iterator
 import pytest
 
 from stack.etcd import EtcdServer
+from stack.serving import Process
+from tests import warm_start
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -18,6 +20,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_starts() -> Iterator[None]:
+    """Our workers, proxies and planners start warm for the whole session (see tests/warm_start.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Process, "_start", warm_start.start)
+        yield
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
-"""Processes for tests, forked from a server that has imported torch, the worker and the proxy once.
+"""Python children of the tests, forked from a server that has imported torch, the worker and the proxy once.
 
 A cold `python -m worker` spends about 2.7 s of its 3.3 s start importing, a proxy about 1.1 s; the suite
-starts about a hundred workers and as many proxies and fake workers. `WarmProcess` is a `Process` whose
-child is forked from multiprocessing's fork server instead, with `tests/warm_start_imports.py` preloaded:
-the same command line (`python -m MODULE ...` or `python SCRIPT ...`) runs in a fresh process of its own
-session, logging to the same file; a worker is ready in about 0.6 s. The code that runs is unchanged; only
-the imports are shared. Launchers, examples and the README's commands still start everything cold, so
-that path stays tested.
+starts about a hundred workers and as many proxies and fake workers. For the whole session (tests/conftest.py)
+`Process` starts the commands of `WARM_MODULES` and `WARM_SCRIPTS`, unpinned and without a launcher prefix,
+from multiprocessing's fork server instead, with `tests/warm_start_imports.py` preloaded: the same command
+line runs in a fresh process of its own session, logging to the same file; a worker is ready in about 0.6 s.
+The code that runs is unchanged; only the imports are shared. Every other command starts cold, and so do the
+processes examples and launchers start themselves, so that path stays tested.
 """
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ import subprocess
 import sys
 
 from stack.serving import ROOT, Child, Process
+
+WARM_MODULES = ("worker", "planner", "tests.proxy.fake_worker")   # python -m MODULE
+WARM_SCRIPTS = ("proxy_server.py",)                                 # python SCRIPT
+COLD_START = Process._start
 
 _FORK_SERVER = multiprocessing.get_context("forkserver")
 _FORK_SERVER.set_forkserver_preload(["tests.warm_start_imports", __name__])
@@ -51,16 +55,16 @@ class ForkedChild:
         return self._process.exitcode
 
 
-class WarmProcess(Process):
-    """A Python `Process` forked warm (see the module's docstring); unpinned, no launcher prefix."""
-
-    def _start(self, argv: list[str], env: dict[str, str]) -> Child:
-        if argv[0] != sys.executable or self.core is not None or self.prefix:
-            raise ValueError(f"only an unpinned Python command line starts warm, not {argv}")
-        # Daemonic: should a test leak one, the fork server's client stops it when pytest exits.
-        child = _FORK_SERVER.Process(target=run, args=(argv[1:], env, self.log.name), name=self.name, daemon=True)
-        child.start()
-        return ForkedChild(child)
+def start(process: Process, argv: list[str], env: dict[str, str]) -> Child:
+    """`Process._start` for the session: forked warm where the command is one of ours, else started cold."""
+    warm = (argv[0] == sys.executable and process.core is None and not process.prefix and len(argv) > 1 and (
+        argv[1] in WARM_SCRIPTS or (argv[1] == "-m" and len(argv) > 2 and argv[2] in WARM_MODULES)))
+    if not warm:
+        return COLD_START(process, argv, env)
+    # Daemonic: should a test leak one, the fork server's client stops it when pytest exits.
+    child = _FORK_SERVER.Process(target=run, args=(argv[1:], env, process.log.name), name=process.name, daemon=True)
+    child.start()
+    return ForkedChild(child)
 
 
 def run(args: list[str], env: dict[str, str], log_path: str) -> None:

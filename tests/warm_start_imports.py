@@ -13,6 +13,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import aiohttp.web  # noqa: E402,F401 - with tests.proxy.registration, what tests/proxy/fake_worker.py imports
 import torch  # noqa: E402,F401 - after the environment above
 
+import planner.cli  # noqa: E402,F401
 import proxy_server  # noqa: E402,F401
 import tests.proxy.registration  # noqa: E402,F401
 import worker.server.app  # noqa: E402,F401

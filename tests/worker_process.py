@@ -9,13 +9,12 @@ import httpx
 from stack.serving import Process, StackError, StackOptions, free_port, stop_all, wait_healthy, worker_args
 from stack.worker_fleet import PORT_TAKEN
 from tests.helpers import wait_until
-from tests.warm_start import WarmProcess
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class WorkerProcess:
-    """`python -m worker --role ROLE` (the command line stack/serving.py builds) on free ports, started warm.
+    """`python -m worker --role ROLE` (the command line stack/serving.py builds) on free ports.
 
     `wait=False` only launches it (see `start_workers`); `wait_ready()` then waits for its GET /health."""
 
@@ -34,7 +33,7 @@ class WorkerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         args = worker_args(self.role, self.port, StackOptions(kv_transport=self.transport),
                            self.kv_port if self.role != "both" else None)
-        self.proc: Process = WarmProcess(f"{self.role}-worker", [*args, *self.extra], env=WORKER_ENV)
+        self.proc: Process = Process(f"{self.role}-worker", [*args, *self.extra], env=WORKER_ENV)
 
     def wait_ready(self) -> None:
         """Waits until the worker answers GET /health; stops it if it does not."""

@@ -1,4 +1,4 @@
-"""Fixtures: fake workers and the proxy, each a real process on a free loopback port (started warm)."""
+"""Fixtures: fake workers and the proxy, each a real process on a free loopback port."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from stack.serving import Process, free_port, wait_healthy
-from tests.warm_start import WarmProcess
 from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 
@@ -35,14 +34,14 @@ def start_fake_worker(role: str, etcd: str | None = None, kv_port: int | None = 
     args += ["--draining"] if draining else []
     args += ["--etcd", etcd, "--lease-ttl", str(lease_ttl)] if etcd else []
     args += ["--kv-port", str(kv_port)] if kv_port else []
-    server = Server(WarmProcess(f"fake-{role}", args), port)
+    server = Server(Process(f"fake-{role}", args), port)
     wait_healthy(f"{server.url}/health", [server.process], 30)
     return server
 
 
 def start_proxy(args: Sequence[str], wait: bool = True) -> Server:
     port = free_port()
-    proc = WarmProcess("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), *args])
+    proc = Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port), *args])
     server = Server(proc, port)
     if wait:
         wait_healthy(f"{server.url}/health", [proc], 30)
