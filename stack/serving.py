@@ -113,7 +113,7 @@ class Process:
         self.proc: Child = self._start([*prefix, program, *args], env)
 
     def _start(self, argv: list[str], env: dict[str, str]) -> Child:
-        """Launches the child; the one place a subclass may start it another way."""
+        """Launches the child (the tests fork some of ours from a warm server instead: tests/warm_start.py)."""
         # Pinned in the child before exec, so no thread of it ever runs on another core.
         core = self.core
         pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
@@ -144,7 +144,7 @@ class Process:
 
     def again(self) -> Process:
         """The same command started anew (same name, ports, core), its log in a new file."""
-        return type(self)(self.name, self.args, self.core, self.env, self.program, self.prefix)
+        return Process(self.name, self.args, self.core, self.env, self.program, self.prefix)
 
     def terminate(self) -> None:
         """SIGTERM to the whole session, not waiting: `stop()` then waits (see `stop_all`)."""

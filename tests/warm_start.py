@@ -1,7 +1,7 @@
 """Python children of the tests, forked from a server that has imported torch, the worker and the proxy once.
 
 A cold `python -m worker` spends about 2.7 s of its 3.3 s start importing, a proxy about 1.1 s; the suite
-starts about a hundred workers and as many proxies and fake workers. For the whole session (tests/conftest.py)
+starts about a hundred workers, sixty proxies and fifty fake workers. For the whole session (tests/conftest.py)
 `Process` starts the commands of `WARM_MODULES` and `WARM_SCRIPTS`, unpinned and without a launcher prefix,
 from multiprocessing's fork server instead, with `tests/warm_start_imports.py` preloaded: the same command
 line runs in a fresh process of its own session, logging to the same file; a worker is ready in about 0.6 s.
