@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import aetcd
 
@@ -36,13 +36,15 @@ class Fleet:
 
     def counts(self) -> Counts:
         """Workers per role, counting changes under way as done (a worker stopping counts no more)."""
-        live = [m for m in self.members if m.state != "stopping"]
-        return Counts(sum(m.role == "prefill" for m in live), sum(m.role == "decode" for m in live))
+        return self._per_role(lambda m: m.state != "stopping")
 
     def arriving(self) -> Counts:
         """Workers per role still on their way to it (flipping or starting)."""
-        on_the_way = [m for m in self.members if m.state in ("flipping", "starting")]
-        return Counts(sum(m.role == "prefill" for m in on_the_way), sum(m.role == "decode" for m in on_the_way))
+        return self._per_role(lambda m: m.state in ("flipping", "starting"))
+
+    def _per_role(self, counted: Callable[[Member], bool]) -> Counts:
+        members = [m for m in self.members if counted(m)]
+        return Counts(sum(m.role == "prefill" for m in members), sum(m.role == "decode" for m in members))
 
     def serving(self, role: str | None = None) -> list[Member]:
         return [m for m in self.members if m.state == "serving" and role in (None, m.role)]
