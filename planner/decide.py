@@ -21,7 +21,8 @@ time at it). Boring on purpose:
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers
   (short of those the other needs at `utilization_target`), and needs past the budget split it in
   proportion to the loads; a split at the budget moves only when the proportion has moved by more than
-  HOLD_SPLIT workers.
+  HOLD_SPLIT workers. In a shift (a role's load past its workers' full capacity), the other role gives up
+  workers by its last interval's load where that is lower: its window's mean lags a fall as it lags a rise.
 """
 from __future__ import annotations
 
@@ -76,13 +77,16 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
                                           figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
+    shares = _budget_loads(loads, figures, current, config)
+    reasons += [f"{role} gives by its last interval's load {shares[role]:.2f}" for role in ROLES
+                if shares[role] < loads[role]]
     # What each role needs: a growing role what it asked for (an SLO miss may ask one more than its load).
-    needs = {role: max(_need(role, loads[role], config), wanted[role] if wanted[role] > current.of(role) else 0)
+    needs = {role: max(_need(role, shares[role], config), wanted[role] if wanted[role] > current.of(role) else 0)
              for role in ROLES}
-    target = _within_budget(wanted, needs, loads, current, config)
+    target = _within_budget(wanted, needs, shares, current, config)
     busy = any(loads[role] / max(current.of(role), 1) >= config.utilization_down for role in ROLES)
     if fixed_fleet or (busy and target.total < current.total):   # spare workers stay while any role is busy
-        target = _same_total(target, loads, current, config)
+        target = _same_total(target, shares, current, config)
     shrinks = target.prefill < current.prefill or target.decode < current.decode
     if cooling and shrinks and not _keeps_growing(target, current, state, wanted):
         left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
@@ -109,19 +113,36 @@ def _keeps_growing(target: Counts, current: Counts, state: PlannerState, wanted:
     return grows_alone and wanted[role] > current.of(role)
 
 
-def load(role: str, figures: Figures, config: PlannerConfig) -> float:
-    """Workers' worth of `role` the interval's demand needs, each at 100% utilization."""
+def load(role: str, figures: Figures, config: PlannerConfig, last_interval: bool = False) -> float:
+    """Workers' worth of `role` the interval's demand needs, each at 100% utilization (`last_interval`: the
+    demand of the last interval alone, where the workers count it)."""
     own = figures.role(role)
     if role == "prefill":
         speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
         # The window's mean smooths noise but lags a shift by half the window; the last interval alone shows it.
-        return max(own.prompt_tokens_per_s, own.latest_prompt_tokens_per_s or 0.0) / speed
+        latest = own.latest_prompt_tokens_per_s
+        rate = latest if last_interval and latest is not None else max(own.prompt_tokens_per_s, latest or 0.0)
+        return rate / speed
     batch, tokens_per_s = decode_capacity(own, config)
     # Tokens produced lag behind a growing demand, and the streams in flight build up over a generation's
     # length; the tokens the requests received ask for show it as they arrive.
-    demand = max(own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0,
-                 own.latest_requested_tokens_per_s or 0.0)
+    latest = own.latest_requested_tokens_per_s
+    demand = latest if last_interval and latest is not None else max(
+        own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0, latest or 0.0)
     return max(demand / tokens_per_s, (own.running + own.waiting) / batch)
+
+
+def _budget_loads(loads: dict[str, float], figures: Figures, current: Counts,
+                  config: PlannerConfig) -> dict[str, float]:
+    """The loads the budget is divided by: `loads`, but in a shift (a role's load past its workers' full
+    capacity while the other's is under utilization_up), the other role's load over its last interval alone
+    where that is lower, so that it gives up in one step the workers its fallen demand no longer needs."""
+    shares = dict(loads)
+    for role in ROLES:
+        other = OTHER[role]
+        if loads[role] > current.of(role) and loads[other] <= config.utilization_up * current.of(other):
+            shares[other] = min(loads[other], load(other, figures, config, last_interval=True))
+    return shares
 
 
 def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> tuple[float, float]:

@@ -150,6 +150,23 @@ def test_long_generations_count_from_the_tokens_they_ask_for_before_they_are_pro
     assert decision.changed and decision.target.decode >= 8 and decision.loads["decode"] == pytest.approx(8.0)
 
 
+def test_in_a_shift_the_role_that_gives_workers_up_gives_by_its_last_interval_in_one_step() -> None:
+    """Documents end and long generations begin at 10P2D: the prefill window still reads 4.3 workers' worth,
+    its last interval 0.2. Decode takes the workers prefill no longer needs at once, not in two steps."""
+    config = replace(CONFIG, min_samples=1)
+    start = Counts(10, 2)
+    shifted = figures((4.3, 13.2), start, config)
+    window_only, _ = decide(shifted, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert window_only.target == Counts(3, 9)
+    fallen = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
+    decision, _ = decide(fallen, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert decision.target == Counts(1, 11) and "prefill gives by its last interval's load 0.20" in decision.reason
+    steady = figures((4.3, 1.0), start, config)   # no shift: the window's mean stands, noise moves nothing
+    noisy = replace(steady, prefill=replace(steady.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
+    held, _ = decide(noisy, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert not held.changed
+
+
 def test_within_the_cooldown_an_slo_miss_the_load_explains_grows_the_same_role_on() -> None:
     config = replace(CONFIG, min_samples=1)
     start, state = Counts(6, 6), PlannerState(last_change_at=0.0, last_grown="decode")
