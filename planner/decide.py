@@ -21,8 +21,10 @@ time at it). Boring on purpose:
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers
   (short of those the other needs at `utilization_target`), and needs past the budget split it in
   proportion to the loads; a split at the budget moves only when the proportion has moved by more than
-  HOLD_SPLIT workers. In a shift (a role's load past its workers' full capacity), the other role gives up
-  workers by its last interval's load where that is lower: its window's mean lags a fall as it lags a rise.
+  HOLD_SPLIT workers. In a shift (a role's load past SHIFT times its workers' capacity), the other role
+  gives up workers by its last interval's load where that is lower: its window's mean lags a fall as it
+  lags a rise. Past the budget without a shift (a burst), the role that needs fewer workers to stay under
+  `utilization_up` keeps those of them it has: taken, they would only be asked back.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from planner.figures import OTHER, Counts, Figures, RoleFigures
 ROLES = ("prefill", "decode")
 HOLD_SPLIT = 1.5   # workers: a split at the budget follows the loads' proportion only past this distance
 PEAK_MEMORY = 3    # scale-down streaks: a step down serves the highest load of this many streaks' intervals
+SHIFT = 1.5        # a role's load past this many times its workers' capacity is a shift in the traffic, not a
+                   # burst (bursts of a steady phase reach 1.15 in benchmarks/results/planner_phase_change.json)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,15 +138,20 @@ def load(role: str, figures: Figures, config: PlannerConfig, last_interval: bool
 
 def _budget_loads(loads: dict[str, float], figures: Figures, current: Counts,
                   config: PlannerConfig) -> dict[str, float]:
-    """The loads the budget is divided by: `loads`, but in a shift (a role's load past its workers' full
-    capacity while the other's is under utilization_up), the other role's load over its last interval alone
-    where that is lower, so that it gives up in one step the workers its fallen demand no longer needs."""
+    """The loads the budget is divided by: `loads`, but in a shift (see _shifted), the other role's load over
+    its last interval alone where that is lower, so that it gives up in one step the workers its fallen demand
+    no longer needs."""
     shares = dict(loads)
     for role in ROLES:
         other = OTHER[role]
-        if loads[role] > current.of(role) and loads[other] <= config.utilization_up * current.of(other):
+        if _shifted(role, loads, current) and loads[other] <= config.utilization_up * current.of(other):
             shares[other] = min(loads[other], load(other, figures, config, last_interval=True))
     return shares
+
+
+def _shifted(role: str, loads: dict[str, float], current: Counts) -> bool:
+    """Whether `role`'s load is past SHIFT times its workers' capacity: the traffic shifted its way."""
+    return loads[role] > SHIFT * current.of(role)
 
 
 def decode_capacity(figures: RoleFigures, config: PlannerConfig) -> tuple[float, float]:
@@ -244,12 +253,16 @@ def _leave_room(target: Counts, loads: dict[str, float], current: Counts, config
 def _split(total: int, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
     """`total` workers in proportion to the loads, each role within its bounds and, where `total` allows it,
     with enough workers to keep it under utilization_up (a small role rounded away by the proportion would
-    ask for its worker back at once); `current` if it has that total and is within HOLD_SPLIT of that."""
+    ask for its worker back at once), else, but in a shift, with those of them the role needing fewer has;
+    `current` if it has that total and is within HOLD_SPLIT of that."""
     (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
     ideal = total * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
     enough_p, enough_d = (math.ceil(loads[role] / config.utilization_up) for role in ROLES)
     if enough_p + enough_d <= total:
         ideal = min(max(ideal, enough_p), total - enough_d)
+    elif not any(_shifted(role, loads, current) for role in ROLES):   # a burst: the role that fits keeps its own
+        ideal = (min(ideal, total - min(enough_d, current.decode)) if enough_d < enough_p
+                 else max(ideal, min(enough_p, current.prefill)))
     ideal = min(max(ideal, low_p, total - high_d), high_p, total - low_d)
     if current.total == total and abs(ideal - current.prefill) <= HOLD_SPLIT:
         return current

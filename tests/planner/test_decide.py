@@ -167,6 +167,15 @@ def test_in_a_shift_the_role_that_gives_workers_up_gives_by_its_last_interval_in
     assert not held.changed
 
 
+def test_a_burst_past_the_budget_takes_no_worker_the_other_role_needs() -> None:
+    """A burst of documents at 9P3D takes prefill to 114% while decode runs at 47%: no shift, so decode keeps
+    the 2 workers that keep it under utilization_up (the proportion gave it 1, and it asked for it back)."""
+    config = replace(CONFIG, min_samples=1)
+    burst = figures((10.23, 1.41), Counts(9, 3), config)
+    kept, _ = decide(burst, Counts(9, 3), PlannerState(), config, 0.0, fixed_fleet=True)
+    assert kept.target.decode >= 2, kept.reason
+
+
 def test_within_the_cooldown_an_slo_miss_the_load_explains_grows_the_same_role_on() -> None:
     config = replace(CONFIG, min_samples=1)
     start, state = Counts(6, 6), PlannerState(last_change_at=0.0, last_grown="decode")
