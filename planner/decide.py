@@ -253,8 +253,9 @@ def _leave_room(target: Counts, loads: dict[str, float], current: Counts, config
 def _split(total: int, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
     """`total` workers in proportion to the loads, each role within its bounds and, where `total` allows it,
     with enough workers to keep it under utilization_up (a small role rounded away by the proportion would
-    ask for its worker back at once), else, but in a shift, with those of them the role needing fewer has;
-    `current` if it has that total and is within HOLD_SPLIT of that."""
+    ask for its worker back at once); where it does not, and no role's load is a shift (a burst), the role
+    that needs fewer such workers keeps those of them it has; `current` if it has that total and is within
+    HOLD_SPLIT of that."""
     (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
     ideal = total * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
     enough_p, enough_d = (math.ceil(loads[role] / config.utilization_up) for role in ROLES)
