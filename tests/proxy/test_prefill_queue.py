@@ -17,12 +17,13 @@ import pytest
 from nats.js import JetStreamContext
 
 from common.prefill_job import JOB_SUBJECT, REFUSED, REPLY_HEADER, STREAM_NAME, JobReply, PrefillJob, attempt_id
+from stack.etcd import EtcdServer
 from stack.nats import NatsServer
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
 from tests.proxy.flow_clients import paths
 from tests.proxy.test_conditional_exact import MODEL, answers
-from tests.worker_process import WorkerProcess, stop_together
+from tests.worker_process import WorkerProcess, start_workers, stop_together
 
 # Each proxy's flags beside the workers and the queue: the strategies the queue serves (decode_first: the
 # decode worker puts the prefill leg on the queue), and conditional disaggregation (long prompts through the
@@ -193,6 +194,41 @@ def test_nats_down_is_a_clear_503_and_serving_resumes_when_it_is_back(stack: Que
                    timeout=30, interval=0.1)
         print(f"serving again {time.monotonic() - back:.2f} s after nats-server came back")
     stack.settled()
+
+
+def test_a_worker_that_changes_role_changes_its_side_of_the_queue(etcd_server: EtcdServer) -> None:
+    """A prefill worker that becomes a decode worker stops pulling jobs, and a decode worker that becomes a
+    prefill worker starts (POST /role, as the planner's flip connector does): every answer is still one
+    `both` worker's, and the jobs ran on the new prefill worker."""
+    queue = NatsServer()
+    flags = ["--etcd", etcd_server.endpoint, "--etcd-ttl", "3", "--prefill-queue", queue.url]
+    workers: list[WorkerProcess] = []
+    proxy = None
+    try:
+        workers = start_workers(("prefill", "shm", flags), ("decode", "shm", flags), ("decode", "shm", flags),
+                                ("both", "shm", []))
+        was_prefill, _, was_decode, both = workers
+        changes = ((was_prefill, "decode"), (was_decode, "prefill"))
+        for worker, role in changes:
+            assert httpx.post(f"{worker.url}/role", json={"role": role}, timeout=10).status_code == 202
+        for worker, role in changes:
+            wait_until(functools.partial(_serves_as, worker, role), timeout=60, what=f"{worker.url} serving {role}")
+        proxy = start_proxy(["--etcd", etcd_server.endpoint, "--prefill-queue", queue.url])
+        assert asyncio.run(answers(proxy.url, 16, 8)) == asyncio.run(answers(both.url, 16, 8))
+        held = "neuron_di_prefill_jobs_held"   # exported by a worker that pulls jobs, and only by one
+        assert held not in httpx.get(f"{was_prefill.url}/metrics", timeout=10).text
+        assert was_decode.metric(held) == 0 and was_decode.metric("neuron_di_prompt_tokens_total") > 0
+        for worker in workers:
+            worker.wait_blocks_free()
+    finally:
+        stop_together(proxy.process if proxy is not None else None, *workers)
+        queue.stop()
+
+
+def _serves_as(worker: WorkerProcess, role: str) -> bool:
+    health = httpx.get(f"{worker.url}/health", timeout=5).json()
+    last = health.get("last_role_change") or {}
+    return "changing_role" not in health and last.get("to") == role and last.get("ok") is True
 
 
 def test_a_prefill_worker_killed_holding_jobs_loses_nothing(stack: QueueStack) -> None:

@@ -247,8 +247,10 @@ async def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> b
     gc.freeze()
     queue = None
     if args.prefill_queue:
-        queue = prefill_queue_flags.queue_side(worker, args)
+        queue = prefill_queue_flags.QueueSide(worker, args)
         queue.start()
+        if worker.role_flip is not None:
+            worker.role_flip.role_changed = queue.follow
     try:
         await serve(app, server, shutdown_trigger=worker.drain.done.wait)
     finally:

@@ -1,4 +1,5 @@
-"""The worker's command line for the global prefill queue (kept free of heavy imports)."""
+"""The worker's command line for the global prefill queue (kept free of heavy imports), and its side of the
+queue, which follows the role it serves."""
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,38 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--prefill-queue: {exc}")
 
 
-def queue_side(worker: Any, args: argparse.Namespace) -> PrefillPuller | QueuedPrefills:
-    """The worker's side of the queue, to start and stop: a prefill worker's puller, or the requester a decode
-    worker puts decode_first's prefill legs on the queue through."""
+class QueueSide:
+    """The worker's side of the queue for the role it serves, to start and stop: a prefill worker's puller, or
+    the requester a decode worker puts decode_first's prefill legs on the queue through. `follow` moves it to
+    the worker's new role after a change of role (worker/server/role_flip.py)."""
+
+    def __init__(self, worker: Any, args: argparse.Namespace) -> None:
+        self._worker, self._args = worker, args
+        self.role: str = args.role
+        self._side = _side(worker, args, self.role)
+
+    def start(self) -> None:
+        self._side.start()
+
+    async def stop(self) -> None:
+        await self._side.stop()
+
+    async def follow(self, role: str) -> None:
+        """The side of `role`, started, in place of the old role's (which the change of role drained)."""
+        if role == self.role:
+            return
+        await self._side.stop()
+        self.role, self._side = role, _side(self._worker, self._args, role)
+        self._side.start()
+
+
+def _side(worker: Any, args: argparse.Namespace, role: str) -> PrefillPuller | QueuedPrefills:
+    """The side of `role`, set on the app state `worker` (the other role's cleared)."""
     from worker.server.prefill_puller import worker_puller
     from worker.server.queued_prefill import QueuedPrefills
 
-    if args.role == "decode":
+    worker.queued_prefills = worker.prefill_puller = None
+    if role == "decode":
         worker.queued_prefills = QueuedPrefills(args.prefill_queue)
         return worker.queued_prefills
     worker.prefill_puller = worker_puller(worker, args.prefill_queue, args.host, args.port, args.prefill_queue_max_jobs)

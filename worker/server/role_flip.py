@@ -41,7 +41,9 @@ class FlipOutcome:
 
 class RoleFlip:
     """One worker's changes of role, one at a time. `engine_changed` re-attaches what watches the engine
-    (metrics, the image-part resolver); `publish` shows and registers the running engine's record."""
+    (metrics, the image-part resolver); `publish` shows and registers the running engine's record;
+    `role_changed`, if set, moves what serves a role outside the engine (the prefill queue's side) to the
+    new role before it is published."""
 
     def __init__(self, engine: AsyncEngine, drain: Drain, make_engine: EngineMaker,
                  engine_changed: Callable[[], None], publish: Callable[[], Awaitable[None]],
@@ -50,6 +52,7 @@ class RoleFlip:
         self.engine_changed, self.publish, self.leave = engine_changed, publish, leave
         self.target: str | None = None           # the role being changed to, while it runs
         self.last: FlipOutcome | None = None
+        self.role_changed: Callable[[str], Awaitable[None]] | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -127,6 +130,8 @@ class RoleFlip:
             built = await self.engine.rebuild([self.make_engine(role, model), self.make_engine(old, model)])
             error = None if built == 0 else f"the {role} engine did not start: {self.engine.rebuild_error}"
             self.engine_changed()
+            if self.role_changed is not None:
+                await self.role_changed(self.role)
         if not self.drain.started:   # a drain that began meanwhile leaves the registry for good
             await self.publish()
         return error
