@@ -1,6 +1,7 @@
 """Admission limits and the command line: a worker with one running slot and a one-deep queue."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from stack.worker_metrics import metric
 
 from tests.helpers import ROOT, wait_until
 from tests.worker_process import WorkerProcess
+from worker.model.loader import builtin_model_path
 from worker.server.cli import parse_args
 
 
@@ -88,9 +90,20 @@ def test_python_m_worker_exits_2_on_a_bad_kv_port() -> None:
     assert "--kv-port must be a TCP port or 0, got 70000" in done.stderr
 
 
+def test_python_m_worker_exits_2_at_once_on_a_model_path_without_a_config(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tmp_path), "--port", str(free_port())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2
+    assert f"--model {tmp_path}: cannot read a Llama-family config from {tmp_path}/config.json" in done.stderr
+    assert "starting the engine" not in done.stderr   # refused before torch and the engine load
+
+
 def test_python_m_worker_exits_1_when_the_model_cannot_load(tmp_path: Path) -> None:
+    """A config but no tokenizer or weights: the engine fails to start."""
+    shutil.copy(builtin_model_path() / "config.json", tmp_path / "config.json")
     done = subprocess.run([sys.executable, "-m", "worker", "--model", str(tmp_path), "--port", str(free_port())],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 1
-    assert f"engine failed to start: cannot read a Llama-family config from {tmp_path}/config.json" in done.stderr
+    assert f"engine failed to start: cannot load {tmp_path}/tokenizer.json" in done.stderr

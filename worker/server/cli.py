@@ -23,6 +23,7 @@ from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCO
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
 from worker.dtype import AUTO, BF16_CPU_FLAGS
 from worker.mock import flags as mock_flags
+from worker.model.model_config import ModelConfig
 from worker.multimodal import flags as embeds_flags
 from worker.server import prefill_queue_flags
 from worker.server.drain import DEFAULT_TIMEOUT_S as DEFAULT_DRAIN_TIMEOUT_S
@@ -169,6 +170,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
         parser.error(f"--allowed-local-media-path {args.allowed_local_media_path} is not a directory")
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be at least 0, got {args.drain_timeout:g}")
+    if args.model is not None:   # read before torch loads: a wrong path fails in a moment, naming the flag
+        try:
+            ModelConfig.from_dir(args.model)
+        except ValueError as exc:
+            parser.error(f"--model {args.model}: {exc}")
     embeds_flags.check(parser, args)
     prefill_queue_flags.check(parser, args)
     if args.port is None:
