@@ -40,7 +40,8 @@ class ProxyState:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.pool = WorkerPool(config.workers, on_lost=self._worker_lost)
+        self.pool = WorkerPool(config.workers, on_lost=self._worker_lost, legs=(
+            (lambda w: self.forwarder.legs.count(w)) if config.routing == "least_loaded" else None))
         self.metrics = Metrics()
         self.kv, self.kv_follower = start_kv_routing(
             config.kv_routing, self.pool, lambda w: self.forwarder.legs.count(w), self.metrics.registry,

@@ -46,7 +46,8 @@ class ProxyConfig:
     prefill_queue: str | None = None  # nats://HOST:PORT of the global prefill queue; None: prefill legs over HTTP
     resume_streams: bool = False  # a stream whose decode worker is lost goes on on another (proxy/stream_moves.py)
     resend_lost_legs: int = 0  # times a request whose leg was lost before it answered is sent again (proxy/resend.py)
-    kv_routing: kv_route.KVRoutingConfig | None = None   # --routing kv (proxy/kv_route.py); None: round-robin
+    routing: str = "round_robin"   # --routing: round_robin, least_loaded or kv
+    kv_routing: kv_route.KVRoutingConfig | None = None   # --routing kv's settings (proxy/kv_route.py)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP endpoint of trace spans (common/tracing.py); None: off
 
     @property
@@ -156,7 +157,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
                        strategy=args.disaggregation_strategy, conditional=_conditional(args),
                        prefill_queue=_prefill_queue(args), resume_streams=args.resume_streams,
                        resend_lost_legs=max(0, args.resend_lost_legs),
-                       kv_routing=kv_route.routing_config(args, load_tokenizer),
+                       routing=args.routing, kv_routing=kv_route.routing_config(args, load_tokenizer),
                        otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 

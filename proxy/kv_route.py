@@ -25,7 +25,7 @@ from proxy.prompt_tokens import encoding_of, prompt_ids_by_encoding
 from proxy.requests import ClientRequest
 from proxy.workers import WorkerPool, WorkerRecord
 
-ROUTINGS = ("round_robin", "kv")
+ROUTINGS = ("round_robin", "least_loaded", "kv")
 _RECENT_LEGS = 256   # per prefill worker, the uncached tokens of this many latest legs are kept
 
 
@@ -98,7 +98,9 @@ class KVRouter:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV-aware routing (di mode)")
     group.add_argument("--routing", choices=ROUTINGS, default="round_robin",
-                       help="round_robin: workers in turn (default); kv: the prefill and decode workers that hold "
+                       help="round_robin: workers in turn (default); least_loaded: the worker of the role with the "
+                            "fewest legs in flight, in turn among equals (a worker that fell behind, or one just "
+                            "joined, evens out); kv: the prefill and decode workers that hold "
                             "most of the prompt's KV, weighed against their legs in flight, from the KV cache events "
                             "the workers publish (needs --tokenizer)")
     group.add_argument("--kv-events", action="append", default=[], metavar="HOST:PORT=tcp://HOST:PORT",
@@ -114,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def routing_config(args: argparse.Namespace, tokenizer: Callable[[str], Tokenizer]) -> KVRoutingConfig | None:
-    """--routing kv's settings (None for round_robin); ConfigError for flags that do not fit."""
+    """--routing kv's settings (None for the other routings); ConfigError for flags that do not fit."""
     if args.routing != "kv":
         if args.kv_events:
             raise ConfigError("--kv-events: only with --routing kv")

@@ -1,4 +1,4 @@
-"""Typed worker records, the pool of known workers, and the pure round-robin pick."""
+"""Typed worker records, the pool of known workers, and the pure pick (round-robin, or least loaded)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from common.roles import DEFAULT_KV_PORT, WORKER_ROLES
 from common.errors import RegistrationError
 from common.worker_record import KV_PROTOCOLS, VLLM_SERVER, WorkerRecord
 from proxy.errors import ConfigError, NoWorkers
+from proxy.kv_choice import choose
 
 __all__ = ["KV_PROTOCOLS", "VLLM_SERVER", "WorkerPool", "WorkerRecord", "completed", "contradiction",
            "kv_secret_mismatches", "pick", "shows_draining", "shown_record", "static_worker"]
@@ -81,13 +82,17 @@ def kv_secret_mismatches(prefills: Iterable[WorkerRecord], decodes: Iterable[Wor
     return found
 
 
-def pick(candidates: Sequence[WorkerRecord], turn: int) -> WorkerRecord:
-    """Round-robin: the `turn`-th candidate, cycling. Candidates must be non-empty."""
-    return candidates[turn % len(candidates)]
+def pick(candidates: Sequence[WorkerRecord], turn: int, legs: Sequence[int] | None = None) -> WorkerRecord:
+    """Round-robin: the `turn`-th candidate, cycling; given each one's `legs` in flight, the one with the fewest,
+    in turn among equals. Candidates must be non-empty."""
+    if legs is None:
+        return candidates[turn % len(candidates)]
+    return candidates[choose(0, [0] * len(candidates), legs, turn, leg_tokens=1)]
 
 
 class WorkerPool:
-    """The workers the proxy knows, which of them are healthy, and a turn counter per role and protocol.
+    """The workers the proxy knows, which of them are healthy, and a turn counter per role and protocol; given
+    `legs(worker)` (its legs in flight), `next` picks the least loaded, in turn among equals.
 
     Plain synchronous state, touched only from the event loop: discovery and health
     checks update it, request handlers read it. `on_lost(worker, why)` is called when a worker
@@ -97,8 +102,10 @@ class WorkerPool:
     """
 
     def __init__(self, workers: Iterable[WorkerRecord] = (),
-                 on_lost: Callable[[WorkerRecord, str], None] | None = None) -> None:
+                 on_lost: Callable[[WorkerRecord, str], None] | None = None,
+                 legs: Callable[[WorkerRecord], int] | None = None) -> None:
         self._on_lost = on_lost
+        self._legs = legs
         self._workers: dict[str, WorkerRecord] = {}
         self._down: set[str] = set()
         self._why: dict[str, str] = {}  # why a worker is out of rotation, in a sentence naming it
@@ -203,4 +210,4 @@ class WorkerPool:
             raise NoWorkers(role, kv_protocol, self.reasons([role]))
         turn = self._turns.get((role, kv_protocol), 0)
         self._turns[(role, kv_protocol)] = turn + 1
-        return pick(candidates, turn)
+        return pick(candidates, turn, [self._legs(w) for w in candidates] if self._legs else None)
