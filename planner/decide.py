@@ -23,8 +23,9 @@ time at it). Boring on purpose:
   proportion to the loads; a split at the budget moves only when the proportion has moved by more than
   HOLD_SPLIT workers. In a shift (a role's load past SHIFT times its workers' capacity), the other role
   gives up workers by its last interval's load where that is lower: its window's mean lags a fall as it
-  lags a rise. Past the budget without a shift (a burst), the role that needs fewer workers to stay under
-  `utilization_up` keeps those of them it has: taken, they would only be asked back.
+  lags a rise; and a split rounds toward the role the traffic shifts to. Past the budget without a shift
+  (a burst), the role that needs fewer workers to stay under `utilization_up` keeps those of them it has:
+  taken, they would only be asked back.
 """
 from __future__ import annotations
 
@@ -251,11 +252,11 @@ def _leave_room(target: Counts, loads: dict[str, float], current: Counts, config
 
 
 def _split(total: int, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
-    """`total` workers in proportion to the loads, each role within its bounds and, where `total` allows it,
-    with enough workers to keep it under utilization_up (a small role rounded away by the proportion would
-    ask for its worker back at once); where it does not, and no role's load is a shift (a burst), the role
-    that needs fewer such workers keeps those of them it has; `current` if it has that total and is within
-    HOLD_SPLIT of that."""
+    """`total` workers in proportion to the loads (rounded toward the role a shift goes to), each role within
+    its bounds and, where `total` allows it, with enough workers to keep it under utilization_up (a small role
+    rounded away by the proportion would ask for its worker back at once); where it does not, and no role's
+    load is a shift (a burst), the role that needs fewer such workers keeps those of them it has; `current`
+    if it has that total and is within HOLD_SPLIT of that."""
     (low_p, high_p), (low_d, high_d) = config.bounds("prefill"), config.bounds("decode")
     ideal = total * loads["prefill"] / ((loads["prefill"] + loads["decode"]) or 1.0)
     enough_p, enough_d = (math.ceil(loads[role] / config.utilization_up) for role in ROLES)
@@ -267,7 +268,11 @@ def _split(total: int, loads: dict[str, float], current: Counts, config: Planner
     ideal = min(max(ideal, low_p, total - high_d), high_p, total - low_d)
     if current.total == total and abs(ideal - current.prefill) <= HOLD_SPLIT:
         return current
-    prefill = round(ideal)
+    # In a shift the proportion is taken mid-way (the giving role's load lags its fall, the other's its rise):
+    # its fraction of a worker goes to the role the traffic shifts to.
+    toward = [role for role in ROLES if _shifted(role, loads, current)]
+    prefill = (math.ceil(ideal) if toward == ["prefill"] else math.floor(ideal) if toward == ["decode"]
+               else round(ideal))
     return Counts(prefill, total - prefill)
 
 

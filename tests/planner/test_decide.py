@@ -157,7 +157,7 @@ def test_in_a_shift_the_role_that_gives_workers_up_gives_by_its_last_interval_in
     start = Counts(10, 2)
     shifted = figures((4.3, 13.2), start, config)
     window_only, _ = decide(shifted, start, PlannerState(), config, 0.0, fixed_fleet=True)
-    assert window_only.target == Counts(3, 9)
+    assert window_only.target == Counts(2, 10)
     fallen = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
     decision, _ = decide(fallen, start, PlannerState(), config, 0.0, fixed_fleet=True)
     assert decision.target == Counts(1, 11) and "prefill gives by its last interval's load 0.20" in decision.reason
@@ -165,6 +165,22 @@ def test_in_a_shift_the_role_that_gives_workers_up_gives_by_its_last_interval_in
     noisy = replace(steady, prefill=replace(steady.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
     held, _ = decide(noisy, start, PlannerState(), config, 0.0, fixed_fleet=True)
     assert not held.changed
+
+
+def test_in_a_shift_the_split_rounds_toward_the_role_the_traffic_shifts_to() -> None:
+    """Long generations begin at 10P2D while the prefill's last interval still holds the documents' tail (1.9
+    workers of the budget's proportion): decode gets the fraction, and the fleet is at 1P11D in one step where
+    rounding gave 2P10D and decode took the last worker an interval later."""
+    config = replace(CONFIG, min_samples=1)
+    start = Counts(10, 2)
+    tail = figures((4.4, 18.9), start, config)
+    tail = replace(tail, prefill=replace(tail.prefill, latest_prompt_tokens_per_s=3.5 * config.prefill_tokens_per_s))
+    decision, state = decide(tail, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert decision.target == Counts(1, 11), decision.reason
+    assert "prefill gives by its last interval's load 3.50" in decision.reason
+    after, _ = decide(figures((0.6, 11.4), decision.target, config), decision.target, state, config,
+                      config.interval_s, fixed_fleet=True)
+    assert not after.changed, after.reason
 
 
 def test_a_burst_past_the_budget_takes_no_worker_the_other_role_needs() -> None:
