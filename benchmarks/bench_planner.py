@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="after the last arrival, before what still runs is cut and judged as it stands")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routing", choices=("least_loaded", "round_robin"), default="least_loaded",
+                        help="the proxy's --routing (default least_loaded: the workers a flip adds to a role take its "
+                             "new requests until they are as busy as the rest)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.workers = args.workers or (6 if quick else 12)
@@ -93,7 +96,7 @@ def earlier_statics(path: Path, args: argparse.Namespace) -> list[dict[str, Any]
     recorded command read with this parser); each keeps that run's command and load."""
     report = json.loads(path.read_text())
     made = parse_args(report["run"]["command"].split()[3:])
-    same = ("workers", "static_phase_seconds", "seed", "grace_seconds")
+    same = ("workers", "static_phase_seconds", "seed", "grace_seconds", "routing")
     if any(getattr(made, key) != getattr(args, key) for key in same):
         raise SystemExit(f"{path} ran another trace: " + ", ".join(
             f"{key} {getattr(made, key)} (here {getattr(args, key)})" for key in same))
@@ -160,7 +163,7 @@ def main() -> None:
           f"TPOT <= {TPOT_TARGET_S * 1000:g} ms", flush=True)
     earlier = earlier_statics(args.statics_from, args) if args.statics_from else None
     load_before = os.getloadavg()
-    fleet = MockFleet(args.workers)
+    fleet = MockFleet(args.workers, args.routing)
     try:
         statics = earlier or [run_static(fleet, p, args) for p in args.static_splits]
         planner = run_planner(fleet, args, workdir)

@@ -37,9 +37,11 @@ def worker_template() -> str:
 
 @dataclass
 class MockFleet:
-    """etcd, `size` simulated workers (all decode at first) and the proxy; `close()` stops them all."""
+    """etcd, `size` simulated workers (all decode at first) and the proxy (its --routing `routing`); `close()`
+    stops them all."""
 
     size: int
+    routing: str = "least_loaded"
     etcd: EtcdServer = field(init=False)
     workers: list[tuple[Process, str]] = field(default_factory=list)   # (process, its URL)
     proxy: Process | None = None
@@ -54,7 +56,7 @@ class MockFleet:
             port = free_port()
             self.proxy = Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port),
                                            "--etcd", self.etcd.endpoint, "--health-interval", "1",
-                                           "--health-timeout", "10"])
+                                           "--health-timeout", "10", "--routing", self.routing])
             self.proxy_url = f"http://127.0.0.1:{port}"
             wait_healthy(f"{self.proxy_url}/health", [self.proxy], 60)
         except BaseException:
