@@ -40,11 +40,11 @@ class ProxyState:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.pool = WorkerPool(config.workers, on_lost=self._worker_lost, legs=(
-            (lambda w: self.forwarder.legs.count(w)) if config.routing == "least_loaded" else None))
+        self.pool = WorkerPool(config.workers, on_lost=self._worker_lost,
+                               legs=self._legs_in_flight if config.routing == "least_loaded" else None)
         self.metrics = Metrics()
         self.kv, self.kv_follower = start_kv_routing(
-            config.kv_routing, self.pool, lambda w: self.forwarder.legs.count(w), self.metrics.registry,
+            config.kv_routing, self.pool, self._legs_in_flight, self.metrics.registry,
         ) if config.kv_routing else (None, None)
         self.conditional = ConditionalRouter(config.conditional, self.metrics,
                                              self.kv.indexes if self.kv else None) if config.conditional else None
@@ -62,6 +62,9 @@ class ProxyState:
                                     self.metrics.registry, self.timeline, _needed_roles(self))
         self._clients: dict[str, Upstream] = {}
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _legs_in_flight(self, worker: WorkerRecord) -> int:
+        return self.forwarder.legs.count(worker)
 
     def client(self, worker: WorkerRecord) -> Upstream:
         """The worker's client, made on first use; kept for the app's life (a worker may come back)."""

@@ -96,7 +96,7 @@ class KVRouter:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("KV-aware routing (di mode)")
+    group = parser.add_argument_group("routing (kv: di mode only)")
     group.add_argument("--routing", choices=ROUTINGS, default="round_robin",
                        help="round_robin: workers in turn (default); least_loaded: the worker of the role with the "
                             "fewest legs in flight, in turn among equals (a worker that fell behind, or one just "
