@@ -14,7 +14,8 @@ time at it). Boring on purpose:
   a higher load from before the low spell is still remembered, the step waits for it to be forgotten. The
   band between the two thresholds absorbs a steady load's noise, and the peak a bursty load (a few requests
   a window) hits between its troughs keeps the workers it would otherwise grow back to; the fleet shrinks
-  only once every role is under it (till then a role's spare workers wait for the other);
+  only once every role is under it (till then a role's spare workers wait for the other, and their step down
+  stays due: it is taken the first interval the other dips under, not after a new low spell);
 - no step down within `cooldown_s` of the last change, unless it makes room for the role that grew last
   and still asks for more (past `utilization_up`, or an SLO miss its load explains: a shift not yet met);
   so a count never turns back within the cool-down; nothing without figures;
@@ -214,7 +215,7 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
             return count, streak + 1, f"{described}: low, but a recent load of {peak:.2f} needs {count}"
         if down_to > _need(role, low_peak, config):
             return count, streak + 1, f"{described}: low; down once a load of {peak:.2f} from before is forgotten"
-        return down_to, 0, f"{described}, recent peak {peak:.2f}: down"
+        return down_to, streak + 1, f"{described}, recent peak {peak:.2f}: down"   # held, it stays due
     why = f"{arriving} on their way" if arriving else "not explained by load"
     return count, 0, f"{described}{f', {pressure} ({why})' if pressure else ''}: steady"
 

@@ -249,6 +249,11 @@ def test_spare_workers_wait_while_the_other_role_is_busy() -> None:
     assert busy[-1].total == 12
     idle = run([(0.2, 0.3)] * 12, Counts(6, 6), config)
     assert idle[-1] == Counts(1, 1)
+    # The quiet after chat: one prefill worker hovers about utilization_down. Decode's step down, held while
+    # prefill is over it, is taken the first interval prefill dips under; it used to wait for a new low spell,
+    # which a busy interval every scale_down_after held off for good.
+    hovering = run([(0.3, 0.5), (0.5, 0.5)] * 6, Counts(1, 11), config)
+    assert hovering[1] == Counts(1, 11) and hovering[2] == Counts(1, 1), hovering
 
 
 def test_a_bursty_load_keeps_the_workers_its_peaks_need() -> None:
