@@ -23,8 +23,9 @@ time at it). Boring on purpose:
   (short of those the other needs at `utilization_target`), and needs past the budget split it in
   proportion to the loads; a split at the budget moves only when the proportion has moved by more than
   HOLD_SPLIT workers. In a shift (a role's load past SHIFT times its workers' capacity), the other role
-  gives up workers by its last interval's load where that is lower: its window's mean lags a fall as it
-  lags a rise; and a split rounds toward the role the traffic shifts to. Past the budget without a shift
+  gives up workers by its last interval's load, or that interval's tail's, where that is lower: its window's
+  mean lags a fall as it lags a rise, and the interval may hold demand from before the shift; and a split
+  rounds toward the role the traffic shifts to. Past the budget without a shift
   (a burst), the role that needs fewer workers to stay under `utilization_up` keeps those of them it has:
   taken, they would only be asked back.
 """
@@ -84,7 +85,7 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     shares = _budget_loads(loads, figures, current, config)
-    reasons += [f"{role} gives by its last interval's load {shares[role]:.2f}" for role in ROLES
+    reasons += [f"{role} gives by its latest load {shares[role]:.2f}" for role in ROLES
                 if shares[role] < loads[role]]
     # What each role needs: a growing role what it asked for (an SLO miss may ask one more than its load).
     needs = {role: max(_need(role, shares[role], config), wanted[role] if wanted[role] > current.of(role) else 0)
@@ -119,35 +120,43 @@ def _keeps_growing(target: Counts, current: Counts, state: PlannerState, wanted:
     return grows_alone and wanted[role] > current.of(role)
 
 
-def load(role: str, figures: Figures, config: PlannerConfig, last_interval: bool = False) -> float:
-    """Workers' worth of `role` the interval's demand needs, each at 100% utilization (`last_interval`: the
-    demand of the last interval alone, where the workers count it)."""
+def load(role: str, figures: Figures, config: PlannerConfig, span: str = "window") -> float:
+    """Workers' worth of `role` the demand needs, each at 100% utilization. `span`: "window", the window's
+    mean, or its last interval's demand if that is more; "interval", the last interval's; "tail", that
+    interval's since the observer sampled it (the interval's where it did not), where the workers count it."""
     own = figures.role(role)
     if role == "prefill":
         speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
         # The window's mean smooths noise but lags a shift by half the window; the last interval alone shows it.
-        latest = own.latest_prompt_tokens_per_s
-        rate = latest if last_interval and latest is not None else max(own.prompt_tokens_per_s, latest or 0.0)
-        return rate / speed
+        return _demand(own.prompt_tokens_per_s, own.latest_prompt_tokens_per_s, own.tail_prompt_tokens_per_s,
+                       span) / speed
     batch, tokens_per_s = decode_capacity(own, config)
     # Tokens produced lag behind a growing demand, and the streams in flight build up over a generation's
     # length; the tokens the requests received ask for show it as they arrive.
-    latest = own.latest_requested_tokens_per_s
-    demand = latest if last_interval and latest is not None else max(
-        own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0, latest or 0.0)
+    demand = _demand(max(own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0),
+                     own.latest_requested_tokens_per_s, own.tail_requested_tokens_per_s, span)
     return max(demand / tokens_per_s, (own.running + own.waiting) / batch)
+
+
+def _demand(window: float, interval: float | None, tail: float | None, span: str) -> float:
+    """The demand over `span` (see load) from its rates over the window, the last interval and its tail."""
+    if span == "tail" and tail is not None:
+        return tail
+    if span != "window" and interval is not None:
+        return interval
+    return max(window, interval or 0.0)
 
 
 def _budget_loads(loads: dict[str, float], figures: Figures, current: Counts,
                   config: PlannerConfig) -> dict[str, float]:
     """The loads the budget is divided by: `loads`, but in a shift (see _shifted), the other role's load over
-    its last interval alone where that is lower, so that it gives up in one step the workers its fallen demand
-    no longer needs."""
+    its last interval alone, or that interval's tail, where that is lower, so that it gives up in one step
+    the workers its fallen demand no longer needs (the interval may still hold demand from before the shift)."""
     shares = dict(loads)
     for role in ROLES:
         other = OTHER[role]
         if _shifted(role, loads, current) and loads[other] <= config.utilization_up * current.of(other):
-            shares[other] = min(loads[other], load(other, figures, config, last_interval=True))
+            shares[other] = min(loads[other], *(load(other, figures, config, span) for span in ("interval", "tail")))
     return shares
 
 

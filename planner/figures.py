@@ -31,11 +31,13 @@ class RoleFigures:
     workers: int
     prompt_tokens_per_s: float = 0.0        # prompt tokens received: the demand on prefill
     latest_prompt_tokens_per_s: float | None = None   # the same over the last interval alone: a shift shows first
+    tail_prompt_tokens_per_s: float | None = None     # ... and over its second half alone (None: not read)
     generated_tokens_per_s: float = 0.0     # tokens produced: the demand met by decode
     requested_tokens_per_s: float | None = None   # output tokens the requests received ask for (max_tokens), times
                                             # the share finished requests produced: the demand on its way (None:
                                             # the workers do not count it)
     latest_requested_tokens_per_s: float | None = None   # the same over the last interval alone
+    tail_requested_tokens_per_s: float | None = None     # ... and over its second half alone (None: not read)
     busy_fraction: float = 0.0              # mean share of the interval spent computing steps
     running: float = 0.0                    # requests in the running batches now
     waiting: float = 0.0                    # requests queued now

@@ -15,6 +15,7 @@ from planner.config import PlannerConfig
 from planner.connectors import Connector
 from planner.decide import Decision, PlannerState, decide
 from planner.errors import PlannerError
+from planner.fleet import Member
 from planner.observe import Observer
 
 log = logging.getLogger("planner")
@@ -29,6 +30,7 @@ class Planner:
         self.config, self.connector, self.observer = config, connector, observer
         self.state_file, self.decisions = state_file, decisions
         self.state = PlannerState()
+        self.serving: list[Member] = []   # the workers serving at the last interval, read again mid-way
         if state_file is not None:
             self.state, flips, starts = saved.load(state_file)
             connector.restore(flips, starts)
@@ -39,7 +41,8 @@ class Planner:
     async def step(self) -> Decision:
         await self.connector.progress()
         fleet = await self.connector.fleet()
-        figures, why = await self.observer.figures(fleet.serving())
+        self.serving = fleet.serving()
+        figures, why = await self.observer.figures(self.serving)
         # Changes under way count as done (a stopping worker no more), so none is made twice; only serving
         # workers are flipped or stopped.
         decision, self.state = decide(figures, fleet.counts(), self.state, self.config, time.time(), why,
@@ -57,7 +60,8 @@ class Planner:
 
     async def run(self) -> None:
         """Forever; an interval that fails (etcd or a worker unreachable, a connector refused) is logged and
-        the next one tries again."""
+        the next one tries again. Mid-way through each interval the observer samples the pages, so that the
+        next decision also sees the demand of the interval's second half alone."""
         next_at = time.monotonic()
         while True:
             try:
@@ -65,6 +69,8 @@ class Planner:
             except PlannerError as exc:
                 log.warning("interval failed, no action: %s", exc)
             next_at += self.config.interval_s
+            await asyncio.sleep(max(0.0, next_at - self.config.interval_s / 2 - time.monotonic()))
+            await self.observer.sample(self.serving)
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
     def _record(self, decision: Decision, counts: Any, has_figures: bool) -> None:

@@ -27,7 +27,8 @@ QUEUE_WAIT = "neuron_di_prefill_queue_wait_seconds"
 
 class Observer:
     """Keeps the reads of each page over the last `window_s` seconds; `figures()` gives what happened since
-    the oldest of them (at least the previous read), so that a short interval's noise is smoothed."""
+    the oldest of them (at least the previous read), so that a short interval's noise is smoothed, and the
+    demand of the last interval alone and, if `sample()` read the pages within it, of the time since."""
 
     def __init__(self, proxy_url: str, percentile_q: float, max_age_s: float, timeout_s: float = 5.0,
                  transport: httpx.AsyncBaseTransport | None = None, window_s: float = 0.0) -> None:
@@ -37,16 +38,25 @@ class Observer:
         self.window_s = window_s
         self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
         self._history: list[dict[str, Scrape]] = []   # the reads within the window, oldest first
+        self._sampled: dict[str, Scrape] = {}          # the reads sample() made since the last figures()
         self.in_flight: dict[str, float] = {}   # worker URL -> requests running and waiting, at the last read
 
     async def close(self) -> None:
         await self._client.aclose()
+
+    async def sample(self, members: Sequence[Member]) -> None:
+        """Reads the pages of the proxy and the serving `members` within an interval: the next figures'
+        tail is the demand since (a page not read here has none)."""
+        urls = [self.proxy_url] + [m.url for m in members]
+        reads = await asyncio.gather(*(self._read(url) for url in urls))
+        self._sampled = {url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)}
 
     async def figures(self, members: Sequence[Member]) -> tuple[Figures | None, str]:
         """The figures of the serving `members` since the last call, or (None, why not)."""
         urls = [self.proxy_url] + [m.url for m in members]
         reads = await asyncio.gather(*(self._read(url) for url in urls))
         previous = self._history[-1] if self._history else {}
+        sampled, self._sampled = self._sampled, {}
         before = self._remember({url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)})
         self.in_flight = {url: sum(read.value(name) or 0.0 for name in ("neuron_di_requests_running",
                                                                         "neuron_di_requests_waiting"))
@@ -72,15 +82,12 @@ class Observer:
             if figures is None:
                 return None, f"a {role} worker's counters went back (it restarted)"
             roles[role] = figures
-        # The last interval alone, timed by the proxy's reads: a shift shows there before the window's mean shows it.
-        latest = {role: [(now[m.url], previous[m.url]) for m in members if m.role == role and m.url in previous]
-                  for role in roles}
-        since = previous.get(self.proxy_url)
-        latest_s = proxy_now.at - since.at if since is not None and proxy_now.at > since.at else None
-        roles["prefill"] = replace(roles["prefill"],
-                                   latest_prompt_tokens_per_s=latest_rate(latest["prefill"], latest_s))
-        roles["decode"] = replace(roles["decode"], latest_requested_tokens_per_s=(
-            None if latest_s is None else requested_rate(latest["decode"], latest_s)))
+        # The last interval alone, and its tail since sample(): a shift shows there before the window's mean shows it.
+        latest_p, latest_d = recent_rates(members, now, previous, self.proxy_url)   # type: ignore[arg-type]
+        tail_p, tail_d = recent_rates(members, now, sampled, self.proxy_url)   # type: ignore[arg-type]
+        roles["prefill"] = replace(roles["prefill"], latest_prompt_tokens_per_s=latest_p, tail_prompt_tokens_per_s=tail_p)
+        roles["decode"] = replace(roles["decode"], latest_requested_tokens_per_s=latest_d,
+                                  tail_requested_tokens_per_s=tail_d)
         ttft, samples = percentile(proxy_now, proxy_before, TTFT, self.q)
         itl, _ = percentile(proxy_now, proxy_before, ITL, self.q)
         depth = proxy_now.value(QUEUE_DEPTH)
@@ -110,13 +117,19 @@ class Observer:
             return f"{type(exc).__name__}: {exc}"
 
 
-def latest_rate(pairs: Sequence[tuple[Scrape, Scrape]], seconds: float | None) -> float | None:
-    """Prompt tokens per second received by the workers of the (now, previous read) `pairs` over the last
-    interval, `seconds` long (None without an earlier read of the proxy)."""
-    if seconds is None:
-        return None
-    grown = [delta(now, before, PROMPT_TOKENS) for now, before in pairs]
-    return sum(g for g in grown if g is not None) / seconds
+def recent_rates(members: Sequence[Member], now: dict[str, Scrape], since: dict[str, Scrape],
+                 proxy_url: str) -> tuple[float | None, float | None]:
+    """(Prompt tokens per second the prefill members received, output tokens per second the requests the
+    decode members received ask for) from the reads `since` to `now`, timed by the proxy's reads (None
+    without a read of the proxy since)."""
+    before = since.get(proxy_url)
+    if before is None or now[proxy_url].at <= before.at:
+        return None, None
+    seconds = now[proxy_url].at - before.at
+    pairs = {role: [(now[m.url], since[m.url]) for m in members if m.role == role and m.url in since]
+             for role in ("prefill", "decode")}
+    grown = [delta(after, read, PROMPT_TOKENS) for after, read in pairs["prefill"]]
+    return sum(g for g in grown if g is not None) / seconds, requested_rate(pairs["decode"], seconds)
 
 
 def role_figures(pairs: Sequence[tuple[Scrape, Scrape]], window: float) -> RoleFigures | None:

@@ -160,7 +160,7 @@ def test_in_a_shift_the_role_that_gives_workers_up_gives_by_its_last_interval_in
     assert window_only.target == Counts(2, 10)
     fallen = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
     decision, _ = decide(fallen, start, PlannerState(), config, 0.0, fixed_fleet=True)
-    assert decision.target == Counts(1, 11) and "prefill gives by its last interval's load 0.20" in decision.reason
+    assert decision.target == Counts(1, 11) and "prefill gives by its latest load 0.20" in decision.reason
     steady = figures((4.3, 1.0), start, config)   # no shift: the window's mean stands, noise moves nothing
     noisy = replace(steady, prefill=replace(steady.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
     held, _ = decide(noisy, start, PlannerState(), config, 0.0, fixed_fleet=True)
@@ -177,10 +177,29 @@ def test_in_a_shift_the_split_rounds_toward_the_role_the_traffic_shifts_to() -> 
     tail = replace(tail, prefill=replace(tail.prefill, latest_prompt_tokens_per_s=3.5 * config.prefill_tokens_per_s))
     decision, state = decide(tail, start, PlannerState(), config, 0.0, fixed_fleet=True)
     assert decision.target == Counts(1, 11), decision.reason
-    assert "prefill gives by its last interval's load 3.50" in decision.reason
+    assert "prefill gives by its latest load 3.50" in decision.reason
     after, _ = decide(figures((0.6, 11.4), decision.target, config), decision.target, state, config,
                       config.interval_s, fixed_fleet=True)
     assert not after.changed, after.reason
+
+
+def test_in_a_shift_the_giving_role_gives_by_its_last_intervals_tail_where_that_is_lower() -> None:
+    """Long generations begin at 10P2D just after a last cluster of documents: prefill's last interval reads
+    4.2 workers' worth (2P10D by the proportion, and decode took the last worker an interval later), the
+    second half of that interval 0.3: the fleet is at 1P11D in one step."""
+    config = replace(CONFIG, min_samples=1)
+    start = Counts(10, 2)
+    shifted = figures((4.2, 13.5), start, config)
+    interval = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=4.2 * config.prefill_tokens_per_s))
+    decision, _ = decide(interval, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert decision.target == Counts(2, 10), decision.reason
+    tail = replace(interval, prefill=replace(interval.prefill, tail_prompt_tokens_per_s=0.3 * config.prefill_tokens_per_s))
+    decision, _ = decide(tail, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert decision.target == Counts(1, 11) and "prefill gives by its latest load 0.30" in decision.reason
+    steady = figures((4.3, 1.0), start, config)   # no shift: a quiet tail moves nothing
+    quiet = replace(steady, prefill=replace(steady.prefill, tail_prompt_tokens_per_s=0.0))
+    held, _ = decide(quiet, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert not held.changed
 
 
 def test_a_burst_past_the_budget_takes_no_worker_the_other_role_needs() -> None:

@@ -145,3 +145,23 @@ def test_the_last_interval_alone_shows_a_shift_the_window_smooths() -> None:
     assert figures is not None
     window, latest = figures.prefill.prompt_tokens_per_s, figures.prefill.latest_prompt_tokens_per_s
     assert latest is not None and latest > window   # 10000 of the window's 12000 tokens, in its last third
+
+
+def test_a_sample_within_the_interval_gives_the_demand_of_its_tail_alone() -> None:
+    """Prompts arrive in the first half of an interval and none after the observer samples the pages: the
+    interval reads them, its tail reads nothing; without a sample there is no tail."""
+    tokens = {"prompt": 0.0}
+
+    def pages(url: str) -> tuple[int, str]:
+        return 200, proxy_page(20) if url == PROXY else worker_page(tokens["prompt"], 1.0)
+
+    obs = observer(pages, 120.0)
+    asyncio.run(obs.figures(WORKERS))
+    tokens["prompt"] = 9000.0
+    asyncio.run(obs.sample(WORKERS))
+    figures, _ = asyncio.run(obs.figures(WORKERS))
+    assert figures is not None and figures.prefill.tail_prompt_tokens_per_s == 0.0
+    assert figures.prefill.latest_prompt_tokens_per_s is not None and figures.prefill.latest_prompt_tokens_per_s > 0
+    tokens["prompt"] = 18000.0
+    figures, _ = asyncio.run(obs.figures(WORKERS))
+    assert figures is not None and figures.prefill.tail_prompt_tokens_per_s is None   # sampled once only
