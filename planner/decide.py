@@ -93,7 +93,8 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     target = _within_budget(wanted, needs, shares, current, config)
     busy = any(loads[role] / max(current.of(role), 1) >= config.utilization_down for role in ROLES)
     if fixed_fleet or (busy and target.total < current.total):   # spare workers stay while any role is busy
-        target = _same_total(target, shares, current, config)
+        kept = {role: _need(role, max(recent[i]), config) for i, role in enumerate(ROLES)}
+        target = _same_total(target, shares, current, config, kept)
     shrinks = target.prefill < current.prefill or target.decode < current.decode
     if cooling and shrinks and not _keeps_growing(target, current, state, wanted):
         left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
@@ -286,15 +287,19 @@ def _split(total: int, loads: dict[str, float], current: Counts, config: Planner
     return Counts(prefill, total - prefill)
 
 
-def _same_total(target: Counts, loads: dict[str, float], current: Counts, config: PlannerConfig) -> Counts:
-    """`target` with `current`'s total: a role that grows takes workers from the other; the split of a
-    fleet too small for both needs follows the loads; spare workers stay where they are."""
+def _same_total(target: Counts, loads: dict[str, float], current: Counts, config: PlannerConfig,
+                kept: dict[str, int]) -> Counts:
+    """`target` with `current`'s total: a role that grows takes workers from the other, and with them those
+    the other's target gives up past what its remembered peak needs (`kept`), as far as its load keeps them
+    over utilization_down (so that it never gives them back unasked), which would otherwise wait there for
+    the grown role's next step; the split of a fleet too small for both needs follows the loads; with no
+    role growing, spare workers stay where they are."""
     grows = [role for role in ROLES if target.of(role) > current.of(role)]
     if target.total > current.total or len(grows) == 2:
         return _split(current.total, loads, current, config)
     if not grows:
         return current
-    role = grows[0]
-    other_low = config.bounds(OTHER[role])[0]
-    count = min(target.of(role), current.total - other_low)
+    role, other = grows[0], OTHER[grows[0]]
+    spare = min(current.total - max(target.of(other), kept[other]), math.floor(loads[role] / config.utilization_down))
+    count = min(max(target.of(role), spare), current.total - config.bounds(other)[0], config.bounds(role)[1])
     return Counts(count, current.total - count) if role == "prefill" else Counts(current.total - count, count)

@@ -275,6 +275,18 @@ def test_spare_workers_wait_while_the_other_role_is_busy() -> None:
     assert hovering[1] == Counts(1, 11) and hovering[2] == Counts(1, 1), hovering
 
 
+def test_a_role_that_grows_takes_the_spare_workers_its_load_keeps_busy_in_one_step() -> None:
+    """Chat streams build up at 6P6D: decode passes utilization_up at 5 workers' worth, then a burst reads
+    7. Decode takes every prefill worker prefill's remembered peak does not need, at once (1P11D): it took
+    those its load needed at the target (4P8D), so the burst asked for the rest an interval later."""
+    history = run([(0.6, 5.0), (0.6, 7.0)] + [(0.6, 4.5)] * 10, Counts(6, 6))
+    assert history[0] == Counts(1, 11) and set(history) == {Counts(1, 11)}, history
+    # As far as its load keeps them over utilization_down: 2 workers' worth of prompts keeps 4 prefill workers
+    # busy, not the 9 a fleet of one prefill and nine idle decode workers could give it.
+    lone = run([(2.0, 0.0)] * 20, Counts(1, 9))
+    assert set(lone) == {Counts(4, 6)}, lone
+
+
 def test_a_bursty_load_keeps_the_workers_its_peaks_need() -> None:
     """A few requests a window make the load swing: a peak now and then (85% of one prefill worker), troughs
     between (30%). The first peak grows the role; the troughs do not take that worker back only for the next
