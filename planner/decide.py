@@ -20,14 +20,15 @@ time at it). Boring on purpose:
   and still asks for more (past `utilization_up`, or an SLO miss its load explains: a shift not yet met);
   so a count never turns back within the cool-down; nothing without figures;
 - each role within its bounds, both within the budget: a role that grows takes the other's spare workers
-  (short of those the other needs at `utilization_target`), and needs past the budget split it in
-  proportion to the loads; a split at the budget moves only when the proportion has moved by more than
-  HOLD_SPLIT workers. In a shift (a role's load past SHIFT times its workers' capacity), the other role
-  gives up workers by its last interval's load, or that interval's tail's, where that is lower: its window's
-  mean lags a fall as it lags a rise, and the interval may hold demand from before the shift; and a split
-  rounds toward the role the traffic shifts to. Past the budget without a shift
-  (a burst), the role that needs fewer workers to stay under `utilization_up` keeps those of them it has:
-  taken, they would only be asked back.
+  (short of those the other needs at `utilization_target`; in a fleet that keeps its size, those its
+  remembered peak needs, and only as many as its own load keeps over `utilization_down`: the rest would wait
+  there for its next step), and needs past the budget split it in proportion to the loads; a split at the
+  budget moves only when the proportion has moved by more than HOLD_SPLIT workers. In a shift (a role's load
+  past SHIFT times its workers' capacity), the other role gives up workers by its last interval's load, or
+  that interval's tail's, where that is lower: its window's mean lags a fall as it lags a rise, and the
+  interval may hold demand from before the shift; and a split rounds toward the role the traffic shifts to.
+  Past the budget without a shift (a burst), the role that needs fewer workers to stay under `utilization_up`
+  keeps those of them it has: taken, they would only be asked back.
 """
 from __future__ import annotations
 
