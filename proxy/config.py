@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resend-lost-legs", type=int, default=0, metavar="N",
                    help="send a request again, up to N times, on other workers when a leg of it was lost (its "
                         "worker died) before any byte reached the client (default 0: only a leg that never "
-                        "started is sent elsewhere, once)")
+                        "started goes on to the role's other workers)")
     add_traces_endpoint_flag(p)
     cond = p.add_argument_group("conditional disaggregation (di mode)")
     cond.add_argument("--conditional-disaggregation", action="store_true",

@@ -9,10 +9,10 @@
     └── UpstreamError            a worker failed one leg of a request
         ├── UpstreamStatus       the worker answered with an error status (4xx passed on, 5xx -> 502; a
         │                        failed KV transfer keeps its type, and a 503 its status and Retry-After;
-        │                        a draining worker's 503 is first retried once on another worker)
+        │                        a draining worker's 503 is first sent on to the role's other workers)
         ├── UpstreamTimeout      connecting to or reading from the worker timed out (504)
         ├── UpstreamUnavailable  the worker refused the connection or dropped it mid-answer (502; a
-        │                        refused connection is first retried once on another worker)
+        │                        refused connection is first sent on to the role's other workers)
         ├── WorkerLost           the worker left the pool or failed its health check mid-answer (502)
         └── UpstreamProtocol     the worker's answer is not the JSON / SSE it should be (502)
 """

@@ -1,8 +1,8 @@
 """The legs of a request to its workers: one whole answer, or a stream pumped into a queue.
 
 A leg that never started on its worker (a draining worker refused it, or its connection was refused)
-is sent once to another worker of its role (`start_decode`, `call_or_resend`); a flow's prefill leg
-goes by `call`, which does not resend it (the forwarder sends it again with a new decode leg naming
+goes to another worker of its role, and on from each that refuses it too, at most once to each worker
+listed (`start_decode`, `call_or_resend`); a flow's prefill leg goes by `call`, which does not resend it (the forwarder sends it again with a new decode leg naming
 the new prefill worker). Every leg is counted per worker, so that a worker found gone ends its legs
 at once (proxy/legs.py), and a worker that drops us leaves rotation until a health check passes.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from common.timeline import Timeline
 from proxy.errors import (KV_TRANSFER_ERROR, NoWorkers, ProxyError, ShuttingDown, UpstreamError, UpstreamStatus,
@@ -30,6 +30,7 @@ from proxy.workers import WorkerPool, WorkerRecord
 log = logging.getLogger("proxy.leg_client")
 _QUEUE_EVENTS = 256
 Took = Callable[[WorkerRecord], None]  # told which worker took a leg (answered it 200)
+T = TypeVar("T")
 
 
 class LegClient:
@@ -87,10 +88,17 @@ class LegClient:
 
     async def call_or_resend(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                              took: Took | None = None) -> bytes:
-        try:
-            return await self.call(worker, path, body, headers, took)
-        except (UpstreamStatus, UpstreamUnavailable) as exc:
-            return await self.call(self.elsewhere(worker, exc), path, body, headers, took)
+        return await self._until_taken(worker, lambda to: self.call(to, path, body, headers, took))
+
+    async def _until_taken(self, worker: WorkerRecord, send: Callable[[WorkerRecord], Awaitable[T]]) -> T:
+        """`send(worker)`; a leg that never started there goes on to other workers of its role until one takes
+        it (each that refused it left rotation), at most once to each worker listed."""
+        for _ in self._pool.listed(worker.role):
+            try:
+                return await send(worker)
+            except (UpstreamStatus, UpstreamUnavailable) as exc:
+                worker = self.elsewhere(worker, exc)
+        return await send(worker)
 
     async def call(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                    took: Took | None = None) -> bytes:
@@ -117,12 +125,9 @@ class LegClient:
 
     async def _pump(self, worker: WorkerRecord, path: str, body: dict[str, Any], headers: dict[str, str],
                     queue: asyncio.Queue[Any], took: Took | None = None) -> None:
-        """Reads one streamed leg into `queue`; one that never started goes to another worker of its role."""
+        """Reads one streamed leg into `queue`; one that never started goes on to other workers of its role."""
         try:
-            try:
-                await self._pump_from(worker, path, body, headers, queue, took)
-            except (UpstreamStatus, UpstreamUnavailable) as exc:
-                await self._pump_from(self.elsewhere(worker, exc), path, body, headers, queue, took)
+            await self._until_taken(worker, lambda to: self._pump_from(to, path, body, headers, queue, took))
             await queue.put(END)
         except ProxyError as exc:  # NoWorkers too, when a draining worker's leg has nowhere else to go
             await queue.put(exc)

@@ -14,9 +14,10 @@ its prefill worker frees them anyway once the decode engine they were named for 
 kv_transfer_error is resent only when the prefill worker it came from no longer answers its health check (a
 live prefill's failed checksum fails the request as before).
 
-With N = 0 (the default) only a prefill leg that never started (a draining worker refused it, or its
-connection was refused) is sent once to another prefill worker; a single or decode leg that never started is
-resent by the leg client itself (proxy/leg_client.py).
+Whatever N, a prefill leg that never started (a draining worker refused it, or its connection was refused) is
+sent to another prefill worker, and on from each that refuses it too (it leaves rotation), at most once to each
+worker listed, since many may drain at once (a planner flipping them); a single or decode leg that never started
+goes on the same way in the leg client itself (proxy/leg_client.py).
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class LegResender:
     async def _lost_role(self, exc: UpstreamError, prefill: WorkerRecord, resent: int) -> str | None:
         """The role of the leg to send elsewhere, or None when the request fails with `exc`."""
         if exc.role == "prefill" and nothing_started(exc):
-            return "prefill" if resent < max(self.limit, 1) else None
+            return "prefill" if resent < max(self.limit, len(self._pool.listed("prefill"))) else None
         if resent >= self.limit:
             return None
         if lost_connection(exc) and exc.role in ("prefill", "decode"):
