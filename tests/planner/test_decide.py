@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.config import PlannerConfig
-from planner.decide import PEAK_MEMORY, PlannerState, decide, decode_capacity
+from planner.decide import PEAK_MEMORY, Decision, PlannerState, decide, decode_capacity
 from planner.errors import ConfigError
 from planner.figures import Counts, Figures, RoleFigures
 
@@ -29,6 +29,15 @@ def figures(loads: tuple[float, float], counts: Counts, config: PlannerConfig = 
         prefill=RoleFigures(counts.prefill, prompt_tokens_per_s=load_p * config.prefill_tokens_per_s,
                             busy_fraction=min(busy_p, 1.0), prefill_tokens_per_busy_s=config.prefill_tokens_per_s),
         decode=RoleFigures(counts.decode, generated_tokens_per_s=load_d * capacity, busy_fraction=1.0))
+
+
+def prompts(figs: Figures, latest: float | None = None, tail: float | None = None) -> Figures:
+    """`figs` with prefill's prompt demand over the last interval and over that interval's tail, in workers'
+    worth (None: as it was)."""
+    speed = CONFIG.prefill_tokens_per_s
+    rates = {name: value * speed for name, value in (("latest_prompt_tokens_per_s", latest),
+                                                      ("tail_prompt_tokens_per_s", tail)) if value is not None}
+    return replace(figs, prefill=replace(figs.prefill, **rates))
 
 
 def run(loads: list[tuple[float, float]], start: Counts, config: PlannerConfig = CONFIG,
@@ -132,7 +141,7 @@ def test_a_shift_in_prompts_counts_from_the_last_interval_before_the_window_show
     shifted = figures((1.0, 2.0), start)
     window_only, _ = decide(shifted, start, PlannerState(), CONFIG, 0.0)
     assert not window_only.changed
-    latest = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=6 * CONFIG.prefill_tokens_per_s))
+    latest = prompts(shifted, latest=6)
     decision, _ = decide(latest, start, PlannerState(), CONFIG, 0.0)
     assert decision.changed and decision.target.prefill >= 8 and decision.loads["prefill"] == pytest.approx(6.0)
 
@@ -150,21 +159,22 @@ def test_long_generations_count_from_the_tokens_they_ask_for_before_they_are_pro
     assert decision.changed and decision.target.decode >= 8 and decision.loads["decode"] == pytest.approx(8.0)
 
 
+def at_10p2d(loads: tuple[float, float], latest: float | None = None,
+             tail: float | None = None) -> tuple[Decision, PlannerState]:
+    """The decision (and state) of a fixed fleet at 10P2D (documents were the traffic) under `loads`, prefill's demand over
+    the last interval and its tail as given (see prompts)."""
+    config = replace(CONFIG, min_samples=1)
+    return decide(prompts(figures(loads, Counts(10, 2), config), latest, tail), Counts(10, 2), PlannerState(),
+                  config, 0.0, fixed_fleet=True)
+
+
 def test_in_a_shift_the_role_that_gives_workers_up_gives_by_its_last_interval_in_one_step() -> None:
     """Documents end and long generations begin at 10P2D: the prefill window still reads 4.3 workers' worth,
     its last interval 0.2. Decode takes the workers prefill no longer needs at once, not in two steps."""
-    config = replace(CONFIG, min_samples=1)
-    start = Counts(10, 2)
-    shifted = figures((4.3, 13.2), start, config)
-    window_only, _ = decide(shifted, start, PlannerState(), config, 0.0, fixed_fleet=True)
-    assert window_only.target == Counts(2, 10)
-    fallen = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
-    decision, _ = decide(fallen, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert at_10p2d((4.3, 13.2))[0].target == Counts(2, 10)
+    decision, _ = at_10p2d((4.3, 13.2), latest=0.2)
     assert decision.target == Counts(1, 11) and "prefill gives by its latest load 0.20" in decision.reason
-    steady = figures((4.3, 1.0), start, config)   # no shift: the window's mean stands, noise moves nothing
-    noisy = replace(steady, prefill=replace(steady.prefill, latest_prompt_tokens_per_s=0.2 * config.prefill_tokens_per_s))
-    held, _ = decide(noisy, start, PlannerState(), config, 0.0, fixed_fleet=True)
-    assert not held.changed
+    assert not at_10p2d((4.3, 1.0), latest=0.2)[0].changed   # no shift: the window's mean stands, noise moves nothing
 
 
 def test_in_a_shift_the_split_rounds_toward_the_role_the_traffic_shifts_to() -> None:
@@ -172,10 +182,7 @@ def test_in_a_shift_the_split_rounds_toward_the_role_the_traffic_shifts_to() -> 
     workers of the budget's proportion): decode gets the fraction, and the fleet is at 1P11D in one step where
     rounding gave 2P10D and decode took the last worker an interval later."""
     config = replace(CONFIG, min_samples=1)
-    start = Counts(10, 2)
-    tail = figures((4.4, 18.9), start, config)
-    tail = replace(tail, prefill=replace(tail.prefill, latest_prompt_tokens_per_s=3.5 * config.prefill_tokens_per_s))
-    decision, state = decide(tail, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    decision, state = at_10p2d((4.4, 18.9), latest=3.5)
     assert decision.target == Counts(1, 11), decision.reason
     assert "prefill gives by its latest load 3.50" in decision.reason
     after, _ = decide(figures((0.6, 11.4), decision.target, config), decision.target, state, config,
@@ -187,19 +194,10 @@ def test_in_a_shift_the_giving_role_gives_by_its_last_intervals_tail_where_that_
     """Long generations begin at 10P2D just after a last cluster of documents: prefill's last interval reads
     4.2 workers' worth (2P10D by the proportion, and decode took the last worker an interval later), the
     second half of that interval 0.3: the fleet is at 1P11D in one step."""
-    config = replace(CONFIG, min_samples=1)
-    start = Counts(10, 2)
-    shifted = figures((4.2, 13.5), start, config)
-    interval = replace(shifted, prefill=replace(shifted.prefill, latest_prompt_tokens_per_s=4.2 * config.prefill_tokens_per_s))
-    decision, _ = decide(interval, start, PlannerState(), config, 0.0, fixed_fleet=True)
-    assert decision.target == Counts(2, 10), decision.reason
-    tail = replace(interval, prefill=replace(interval.prefill, tail_prompt_tokens_per_s=0.3 * config.prefill_tokens_per_s))
-    decision, _ = decide(tail, start, PlannerState(), config, 0.0, fixed_fleet=True)
+    assert at_10p2d((4.2, 13.5), latest=4.2)[0].target == Counts(2, 10)
+    decision, _ = at_10p2d((4.2, 13.5), latest=4.2, tail=0.3)
     assert decision.target == Counts(1, 11) and "prefill gives by its latest load 0.30" in decision.reason
-    steady = figures((4.3, 1.0), start, config)   # no shift: a quiet tail moves nothing
-    quiet = replace(steady, prefill=replace(steady.prefill, tail_prompt_tokens_per_s=0.0))
-    held, _ = decide(quiet, start, PlannerState(), config, 0.0, fixed_fleet=True)
-    assert not held.changed
+    assert not at_10p2d((4.3, 1.0), tail=0.0)[0].changed   # no shift: a quiet tail moves nothing
 
 
 def test_a_burst_past_the_budget_takes_no_worker_the_other_role_needs() -> None:
