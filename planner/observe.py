@@ -85,7 +85,8 @@ class Observer:
         # The last interval alone, and its tail since sample(): a shift shows there before the window's mean shows it.
         latest_p, latest_d = recent_rates(members, now, previous, self.proxy_url)   # type: ignore[arg-type]
         tail_p, tail_d = recent_rates(members, now, sampled, self.proxy_url)   # type: ignore[arg-type]
-        roles["prefill"] = replace(roles["prefill"], latest_prompt_tokens_per_s=latest_p, tail_prompt_tokens_per_s=tail_p)
+        roles["prefill"] = replace(roles["prefill"], latest_prompt_tokens_per_s=latest_p,
+                                   tail_prompt_tokens_per_s=tail_p)
         roles["decode"] = replace(roles["decode"], latest_requested_tokens_per_s=latest_d,
                                   tail_requested_tokens_per_s=tail_d)
         ttft, samples = percentile(proxy_now, proxy_before, TTFT, self.q)

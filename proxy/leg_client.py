@@ -2,9 +2,10 @@
 
 A leg that never started on its worker (a draining worker refused it, or its connection was refused)
 goes to another worker of its role, and on from each that refuses it too, at most once to each worker
-listed (`start_decode`, `call_or_resend`); a flow's prefill leg goes by `call`, which does not resend it (the forwarder sends it again with a new decode leg naming
-the new prefill worker). Every leg is counted per worker, so that a worker found gone ends its legs
-at once (proxy/legs.py), and a worker that drops us leaves rotation until a health check passes.
+listed (`start_decode`, `call_or_resend`); a flow's prefill leg goes by `call`, which does not resend it
+(the forwarder sends it again with a new decode leg naming the new prefill worker). Every leg is counted
+per worker, so that a worker found gone ends its legs at once (proxy/legs.py), and a worker that drops us
+leaves rotation until a health check passes.
 """
 from __future__ import annotations
 

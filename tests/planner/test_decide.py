@@ -161,8 +161,8 @@ def test_long_generations_count_from_the_tokens_they_ask_for_before_they_are_pro
 
 def at_10p2d(loads: tuple[float, float], latest: float | None = None,
              tail: float | None = None) -> tuple[Decision, PlannerState]:
-    """The decision (and state) of a fixed fleet at 10P2D (documents were the traffic) under `loads`, prefill's demand over
-    the last interval and its tail as given (see prompts)."""
+    """The decision (and state) of a fixed fleet at 10P2D (documents were the traffic) under `loads`, prefill's
+    demand over the last interval and its tail as given (see prompts)."""
     config = replace(CONFIG, min_samples=1)
     return decide(prompts(figures(loads, Counts(10, 2), config), latest, tail), Counts(10, 2), PlannerState(),
                   config, 0.0, fixed_fleet=True)

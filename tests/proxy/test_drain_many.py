@@ -28,7 +28,8 @@ def stack() -> Iterator[tuple[Server, list[Server], list[Server], Server]]:
             started += workers[role]
         single = start_fake_worker("both")
         started.append(single)
-        proxy = start_proxy([*(a for p in workers["prefill"] for a in ("--prefill", f"127.0.0.1:{p.port}:{p.port + 1}")),
+        prefill_flags = [a for p in workers["prefill"] for a in ("--prefill", f"127.0.0.1:{p.port}:{p.port + 1}")]
+        proxy = start_proxy([*prefill_flags,
                              *(a for d in workers["decode"] for a in ("--decode", f"127.0.0.1:{d.port}")),
                              "--disaggregation-strategy", "prefill_first", "--health-interval", "600"])
         started.append(proxy)
