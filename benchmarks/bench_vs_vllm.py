@@ -18,6 +18,7 @@ over the workloads, held against the goals throughput >= 1.2, TTFT mean <= 0.8, 
     python -m benchmarks.bench_vs_vllm --json benchmarks/results/vs_vllm.json
     python -m benchmarks.bench_vs_vllm --dtype bfloat16 --json benchmarks/results/vs_vllm_bf16.json
     python -m benchmarks.bench_vs_vllm --ours-extra "--max-num-seqs 8" --quick
+    python -m benchmarks.bench_vs_vllm --systems ours --ours-extra "--max-num-batched-tokens 1024"
 
 --quick loads each system for well under a minute (16 prompts, at most 32 output tokens); starting
 a vLLM server takes another 35-90 s per workload on top. Exit status: 0 every system measured with
@@ -62,6 +63,7 @@ class Workload:
     max_model_len: int
 
 
+SYSTEMS = ("ours", "vllm")
 WORKLOADS = {"builtin_128_64": Workload("builtin", 128, 64, 2048),
              "bench24m_512_128": Workload("bench24m", 512, 128, 2048),
              "bench24m_2000_64": Workload("bench24m", 2000, 64, 2112)}
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--core", type=int, default=0, help="the CPU core both servers run on, one after the other")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma-separated subset of ours,vllm (ours alone: to compare our own settings, e.g. "
+                        "budgets, without starting vLLM; no ratios then)")
     p.add_argument("--num-prompts", type=int, help="measured requests per system (default 64; --quick 16)")
     p.add_argument("--num-warmups", type=int, help="unmeasured requests first (default 8; --quick 2)")
     p.add_argument("--max-concurrency", type=int, default=8, help="requests in flight (default 8)")
@@ -101,6 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown or not args.workloads:
         parser.error(f"--workloads: unknown {unknown}, choose from {','.join(WORKLOADS)}")
+    args.systems = [x for x in args.systems.split(",") if x]
+    if not args.systems or set(args.systems) - set(SYSTEMS):
+        parser.error(f"--systems: a comma-separated subset of {','.join(SYSTEMS)}, got {','.join(args.systems)!r}")
     if args.core not in os.sched_getaffinity(0):
         parser.error(f"--core: {args.core} is not usable here (usable: {sorted(os.sched_getaffinity(0))})")
     if min(args.num_prompts, args.max_concurrency) < 1 or args.num_warmups < 0:
@@ -141,7 +149,8 @@ def starters(workload: Workload, model: str, args: argparse.Namespace) -> dict[s
                        num_blocks=kv_blocks(workload, args.max_concurrency, VLLM_BLOCK_SIZE),
                        startup_timeout_s=args.startup_timeout, dtype=args.dtype)
     flags = ours_flags(workload, args)
-    return {"ours": lambda: start_both(ours, flags), "vllm": lambda: start_colocated(vllm)}
+    every = {"ours": lambda: start_both(ours, flags), "vllm": lambda: start_colocated(vllm)}
+    return {system: every[system] for system in args.systems}
 
 
 def measure(start: Callable[[], Stack], load: ClientLoad, result: Path) -> dict[str, Any]:

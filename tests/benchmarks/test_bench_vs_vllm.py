@@ -54,6 +54,13 @@ def test_both_servers_compute_in_the_dtype_asked() -> None:
     assert vllm_args[vllm_args.index("--dtype") + 1] == "bfloat16"
 
 
+def test_systems_choose_which_servers_start() -> None:
+    workload = bench_vs_vllm.WORKLOADS["builtin_128_64"]
+    assert list(bench_vs_vllm.starters(workload, "m", bench_vs_vllm.parse_args([]))) == ["ours", "vllm"]
+    alone = bench_vs_vllm.parse_args(["--systems", "ours"])
+    assert list(bench_vs_vllm.starters(workload, "m", alone)) == ["ours"]
+
+
 def test_ours_extra_flags_are_split_and_kept_in_order() -> None:
     args = bench_vs_vllm.parse_args(["--ours-extra", "--max-num-seqs 8", "--ours-extra=--seed=3"])
     assert args.ours_extra == ["--max-num-seqs", "8", "--seed=3"]
@@ -62,7 +69,8 @@ def test_ours_extra_flags_are_split_and_kept_in_order() -> None:
 @pytest.mark.parametrize("argv, message", [(["--workloads", "builtin_128_64,bogus"], "unknown ['bogus']"),
                                            (["--core", "4096"], "4096 is not usable"),
                                            (["--num-prompts", "0"], "at least 1"),
-                                           (["--ours-extra", "'unclosed"], "--ours-extra: No closing quotation")])
+                                           (["--ours-extra", "'unclosed"], "--ours-extra: No closing quotation"),
+                                           (["--systems", "ours,sglang"], "--systems: a comma-separated subset")])
 def test_bad_command_line_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         bench_vs_vllm.parse_args(argv)
