@@ -122,30 +122,29 @@ def _keeps_growing(target: Counts, current: Counts, state: PlannerState, wanted:
     return grows_alone and wanted[role] > current.of(role)
 
 
-def load(role: str, figures: Figures, config: PlannerConfig, span: str = "window") -> float:
-    """Workers' worth of `role` the demand needs, each at 100% utilization. `span`: "window", the window's
-    mean, or its last interval's demand if that is more; "interval", the last interval's; "tail", that
-    interval's since the observer sampled it (the interval's where it did not), where the workers count it."""
+def load(role: str, figures: Figures, config: PlannerConfig, latest: bool = False) -> float:
+    """Workers' worth of `role` the demand needs, each at 100% utilization: the window's mean, or its last
+    interval's if that is more; `latest`: the last interval's, or its tail's (since the observer sampled it)
+    where that is lower, where the workers count them."""
     own = figures.role(role)
     if role == "prefill":
         speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
         # The window's mean smooths noise but lags a shift by half the window; the last interval alone shows it.
         return _demand(own.prompt_tokens_per_s, own.latest_prompt_tokens_per_s, own.tail_prompt_tokens_per_s,
-                       span) / speed
+                       latest) / speed
     batch, tokens_per_s = decode_capacity(own, config)
     # Tokens produced lag behind a growing demand, and the streams in flight build up over a generation's
     # length; the tokens the requests received ask for show it as they arrive.
     demand = _demand(max(own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0),
-                     own.latest_requested_tokens_per_s, own.tail_requested_tokens_per_s, span)
+                     own.latest_requested_tokens_per_s, own.tail_requested_tokens_per_s, latest)
     return max(demand / tokens_per_s, (own.running + own.waiting) / batch)
 
 
-def _demand(window: float, interval: float | None, tail: float | None, span: str) -> float:
-    """The demand over `span` (see load) from its rates over the window, the last interval and its tail."""
-    if span == "tail" and tail is not None:
-        return tail
-    if span != "window" and interval is not None:
-        return interval
+def _demand(window: float, interval: float | None, tail: float | None, latest: bool) -> float:
+    """The demand (see load) from its rates over the window, the last interval and that interval's tail."""
+    recent = [rate for rate in (interval, tail) if rate is not None]
+    if latest and recent:
+        return min(recent)
     return max(window, interval or 0.0)
 
 
@@ -158,7 +157,7 @@ def _budget_loads(loads: dict[str, float], figures: Figures, current: Counts,
     for role in ROLES:
         other = OTHER[role]
         if _shifted(role, loads, current) and loads[other] <= config.utilization_up * current.of(other):
-            shares[other] = min(loads[other], *(load(other, figures, config, span) for span in ("interval", "tail")))
+            shares[other] = min(loads[other], load(other, figures, config, latest=True))
     return shares
 
 
