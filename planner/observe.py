@@ -47,14 +47,12 @@ class Observer:
     async def sample(self, members: Sequence[Member]) -> None:
         """Reads the pages of the proxy and the serving `members` within an interval: the next figures'
         tail is the demand since (a page not read here has none)."""
-        urls = [self.proxy_url] + [m.url for m in members]
-        reads = await asyncio.gather(*(self._read(url) for url in urls))
+        urls, reads = await self._read_all(members)
         self._sampled = {url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)}
 
     async def figures(self, members: Sequence[Member]) -> tuple[Figures | None, str]:
         """The figures of the serving `members` since the last call, or (None, why not)."""
-        urls = [self.proxy_url] + [m.url for m in members]
-        reads = await asyncio.gather(*(self._read(url) for url in urls))
+        urls, reads = await self._read_all(members)
         previous = self._history[-1] if self._history else {}
         sampled, self._sampled = self._sampled, {}
         before = self._remember({url: read for url, read in zip(urls, reads) if isinstance(read, Scrape)})
@@ -106,6 +104,11 @@ class Observer:
             before.update(read)
         self._history = kept + [current]
         return before
+
+    async def _read_all(self, members: Sequence[Member]) -> tuple[list[str], list[Scrape | str]]:
+        """The URLs of the proxy and `members`, and each page's read (a Scrape, or what went wrong), at once."""
+        urls = [self.proxy_url] + [m.url for m in members]
+        return urls, list(await asyncio.gather(*(self._read(url) for url in urls)))
 
     async def _read(self, url: str) -> Scrape | str:
         """The page's Scrape, or what went wrong."""
