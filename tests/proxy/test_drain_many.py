@@ -4,7 +4,7 @@ once to another worker, and failed when that one refused it too (fake workers; t
 apart, so it learns of each drain only from a refusal)."""
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Any, Iterator
 
 import httpx
@@ -12,6 +12,7 @@ import pytest
 
 from stack.serving import free_port
 from tests.proxy.conftest import Server, start_fake_worker, start_proxy
+from tests.proxy.flow_clients import answer
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +45,16 @@ def test_a_leg_goes_on_from_worker_to_worker_until_one_takes_it(stack, stream: b
     proxy, prefills, decodes, single = stack
     body: dict[str, Any] = {"model": "fake-model", "prompt": f"refused three times, streamed {stream}", "max_tokens": 5,
                             "stream": stream}
-    want = httpx.post(f"{single.url}/v1/completions", json=body, timeout=30)
-    got = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=30)
-    assert got.status_code == 200, got.text
-    assert _text(got) == _text(want)
+
+    async def from_each() -> list[tuple[str, str, dict]]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return [await answer(client, server.url, "/v1/completions", body) for server in (single, proxy)]
+
+    want, got = asyncio.run(from_each())
+    assert got == want
     for role, workers in (("prefill", prefills), ("decode", decodes)):
         refused = [len(w.state()["legs"]) for w in workers[:3]]
         # the first request's leg met two or three of them; each refused it, left rotation, and saw no other
         assert max(refused) == 1 and sum(refused) >= 2, (role, refused)
         assert workers[3].state()["legs"][-1]["leg"] == role
 
-
-def _text(reply: httpx.Response) -> str:
-    """The answer's text, whole or streamed."""
-    assert reply.status_code == 200, reply.text
-    if not reply.headers["content-type"].startswith("text/event-stream"):
-        return reply.json()["choices"][0]["text"]
-    events = [line.removeprefix("data: ") for line in reply.text.splitlines() if line.startswith("data: ")]
-    return "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
