@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.phase_change import (CUT, PHASES, TPOT_TARGET_S, TTFT_TARGET_S, attainment_by_phase, recovery_s,
                                      rolling_attainment, trace)
 from benchmarks.phase_report import format_table, plot, summarize
-from benchmarks.planner_fleet import MockFleet, replay, worker_template
+from benchmarks.planner_fleet import MockFleet, replay
 from benchmarks.serving_metrics import RequestResult
 from planner.fleet import EtcdWorkers
 from stack.serving import Process
@@ -54,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routing", choices=("least_loaded", "round_robin"), default="least_loaded",
                         help="the proxy's --routing (default least_loaded: the workers a flip adds to a role take its "
                              "new requests until they are as busy as the rest)")
+    parser.add_argument("--prefill-queue", action=argparse.BooleanOptionalAction, default=False,
+                        help="prefill legs wait in the global prefill queue (a nats-server the benchmark starts), "
+                             "each worker taking one at a time, so a worker that turns prefill takes the oldest")
+    parser.add_argument("--move-streams", action=argparse.BooleanOptionalAction, default=False,
+                        help="a worker that changes role hands its running streams back and the proxy resumes them "
+                             "on another decode worker (--drain-hands-back-streams, --resume-streams), so a flip "
+                             "to prefill need not wait for them to finish")
     args = parser.parse_args(argv)
     quick = args.quick
     args.workers = args.workers or (6 if quick else 12)
@@ -74,7 +81,7 @@ def planner_args(fleet: MockFleet, args: argparse.Namespace, decisions: Path) ->
     back every needed step in runs of it (a saturated role delays the first tokens), so it is 1."""
     return ["-m", "planner", "--etcd", fleet.etcd.endpoint, "--proxy-url", fleet.proxy_url,
             "--ttft-target-ms", str(TTFT_TARGET_S * 1000), "--itl-target-ms", str(TPOT_TARGET_S * 1000),
-            "--budget", str(args.workers), "--connector", "local", "--worker-command", worker_template(),
+            "--budget", str(args.workers), "--connector", "local", "--worker-command", fleet.worker_template(),
             "--interval", "2", "--cooldown", "8", "--min-samples", "1", "--scale-down-after", "5",
             "--utilization-down", "0.3", "--prefill-tokens-per-s", "1500", "--decode-base-ms", "130",
             "--decode-per-seq-ms", "10", "--decisions", str(decisions)]
@@ -96,7 +103,7 @@ def earlier_statics(path: Path, args: argparse.Namespace) -> list[dict[str, Any]
     recorded command read with this parser); each keeps that run's command and load."""
     report = json.loads(path.read_text())
     made = parse_args(report["run"]["command"].split()[3:])
-    same = ("workers", "static_phase_seconds", "seed", "grace_seconds", "routing")
+    same = ("workers", "static_phase_seconds", "seed", "grace_seconds", "routing", "prefill_queue", "move_streams")
     if any(getattr(made, key) != getattr(args, key) for key in same):
         raise SystemExit(f"{path} ran another trace: " + ", ".join(
             f"{key} {getattr(made, key)} (here {getattr(args, key)})" for key in same))
@@ -163,7 +170,7 @@ def main() -> None:
           f"TPOT <= {TPOT_TARGET_S * 1000:g} ms", flush=True)
     earlier = earlier_statics(args.statics_from, args) if args.statics_from else None
     load_before = os.getloadavg()
-    fleet = MockFleet(args.workers, args.routing)
+    fleet = MockFleet(args.workers, args.routing, args.prefill_queue, args.move_streams)
     try:
         statics = earlier or [run_static(fleet, p, args) for p in args.static_splits]
         planner = run_planner(fleet, args, workdir)
