@@ -6,9 +6,12 @@ tokens per second, produced or asked for by the requests received (over the wind
 over what one worker yields at the ITL target, or the streams in flight over the batch that keeps the step
 time at it). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it, which
-  it does not while workers are on their way to the role: the miss is the wait for them),
-  to `utilization_target`; never on fewer than `min_samples` requests unless the load exceeds the role's
-  capacity outright (a saturated role delays the very first tokens the samples count);
+  it does not while workers are on their way to the role, nor for an interval, a window and the role's
+  target after they joined it: the miss is the wait for them), to `utilization_target`; never on fewer than
+  `min_samples` requests unless the load exceeds the role's capacity outright (a saturated role delays the
+  very first tokens the samples count). A shift that began within the interval shows first in its tail (the
+  demand since the observer's read mid-way): a role whose tail alone is past SHIFT times its workers'
+  capacity is read by the tail;
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to what the highest load
   of the last PEAK_MEMORY * `scale_down_after` intervals needs at `utilization_target`, and in one step: while
   a higher load from before the low spell is still remembered, the step waits for it to be forgotten. The
@@ -54,6 +57,8 @@ class PlannerState:
     last_grown: str | None = None          # the role the last change grew, if it grew one role only
     recent_loads: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())   # prefill, decode: the last
                                            # PEAK_MEMORY * scale_down_after intervals' loads, oldest first
+    arriving_at: tuple[float | None, float | None] = (None, None)   # prefill, decode: the last decision that
+                                           # found workers on their way to the role
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,21 +78,29 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     if figures is None:
         return Decision(current, False, f"hold: {missing}"), state
     loads = {role: load(role, figures, config) for role in ROLES}
+    # A shift that began within the interval: its tail alone is past SHIFT times the role's capacity, an
+    # interval before the interval's own rate shows it (a tail too short to tell a burst from a shift by less).
+    tails = {role: tail_load(role, figures, config) for role in ROLES}
+    rising = [role for role in ROLES if (tails[role] or 0.0) > max(loads[role], SHIFT * current.of(role))]
+    loads.update({role: tails[role] for role in rising})   # type: ignore[misc]
     memory = PEAK_MEMORY * config.scale_down_after
     recent = tuple((*state.recent_loads[i], loads[role])[-memory:] for i, role in enumerate(ROLES))
     cooling = state.last_change_at is not None and now - state.last_change_at < config.cooldown_s
+    arriving_at = tuple(now if arriving.of(role) else state.arriving_at[i] for i, role in enumerate(ROLES))
     wanted: dict[str, int] = {}
     streaks: list[int] = []
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
         count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
-                                          current.of(role), arriving.of(role), state.low_streak[i],
-                                          figures.samples >= config.min_samples, config)
+                                          current.of(role), arriving.of(role), _joined(arriving_at[i], role, figures,
+                                                                                       config, now),
+                                          state.low_streak[i], figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     shares = _budget_loads(loads, figures, current, config)
     reasons += [f"{role} gives by its latest load {shares[role]:.2f}" for role in ROLES
                 if shares[role] < loads[role]]
+    reasons += [f"{role} read by the interval's tail" for role in rising]
     # What each role needs: a growing role what it asked for (an SLO miss may ask one more than its load).
     needs = {role: max(_need(role, shares[role], config), wanted[role] if wanted[role] > current.of(role) else 0)
              for role in ROLES}
@@ -100,13 +113,14 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     if cooling and shrinks and not _keeps_growing(target, current, state, wanted):
         left = config.cooldown_s - (now - state.last_change_at)   # type: ignore[operator]
         return Decision(current, False, f"hold: cooling down ({left:.0f} s left)", loads), replace(
-            state, recent_loads=recent)
+            state, recent_loads=recent, arriving_at=arriving_at)
     changed = target != current
     if changed:
         grown = [role for role in ROLES if target.of(role) > current.of(role)]
-        new_state = PlannerState(now, (0, 0), grown[0] if len(grown) == 1 else None, recent)
+        new_state = PlannerState(now, (0, 0), grown[0] if len(grown) == 1 else None, recent, arriving_at)
     else:
-        new_state = PlannerState(state.last_change_at, (streaks[0], streaks[1]), state.last_grown, recent)
+        new_state = PlannerState(state.last_change_at, (streaks[0], streaks[1]), state.last_grown, recent,
+                                 arriving_at)
     verb = f"{current} -> {target}" if changed else f"hold {current}"
     return Decision(target, changed, f"{verb}: {'; '.join(reasons)}", loads), new_state
 
@@ -128,16 +142,30 @@ def load(role: str, figures: Figures, config: PlannerConfig, latest: bool = Fals
     where that is lower, where the workers count them."""
     own = figures.role(role)
     if role == "prefill":
-        speed = own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
         # The window's mean smooths noise but lags a shift by half the window; the last interval alone shows it.
         return _demand(own.prompt_tokens_per_s, own.latest_prompt_tokens_per_s, own.tail_prompt_tokens_per_s,
-                       latest) / speed
+                       latest) / _worker_rate(role, own, config)
     batch, tokens_per_s = decode_capacity(own, config)
     # Tokens produced lag behind a growing demand, and the streams in flight build up over a generation's
     # length; the tokens the requests received ask for show it as they arrive.
     demand = _demand(max(own.generated_tokens_per_s, own.requested_tokens_per_s or 0.0),
                      own.latest_requested_tokens_per_s, own.tail_requested_tokens_per_s, latest)
     return max(demand / tokens_per_s, (own.running + own.waiting) / batch)
+
+
+def tail_load(role: str, figures: Figures, config: PlannerConfig) -> float | None:
+    """Workers' worth of `role` the demand of the last interval's tail alone needs (None: not read)."""
+    own = figures.role(role)
+    tail = own.tail_prompt_tokens_per_s if role == "prefill" else own.tail_requested_tokens_per_s
+    return None if tail is None else tail / _worker_rate(role, own, config)
+
+
+def _worker_rate(role: str, own: RoleFigures, config: PlannerConfig) -> float:
+    """What one worker of `role` serves a second: prompt tokens (measured, or the profile's), or output
+    tokens at the ITL target."""
+    if role == "prefill":
+        return own.prefill_tokens_per_busy_s or config.prefill_tokens_per_s
+    return decode_capacity(own, config)[1]
 
 
 def _demand(window: float, interval: float | None, tail: float | None, latest: bool) -> float:
@@ -194,11 +222,22 @@ def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:
     return None
 
 
+def _joined(arriving_at: float | None, role: str, figures: Figures, config: PlannerConfig, now: float) -> bool:
+    """Whether workers on their way to `role` joined it so lately (by the decision after `arriving_at`) that
+    the interval's percentile may still hold requests that waited for them: their first tokens come up to the
+    role's target after, and the window keeps them that long again."""
+    if arriving_at is None or arriving_at == now:
+        return False
+    target = config.ttft_target_s if role == "prefill" else config.itl_target_s
+    return now - arriving_at < config.interval_s + target + figures.window_s
+
+
 def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressure: str | None, count: int,
-                 arriving: int, streak: int, enough: bool, config: PlannerConfig) -> tuple[int, int, str]:
+                 arriving: int, joined: bool, streak: int, enough: bool,
+                 config: PlannerConfig) -> tuple[int, int, str]:
     """(workers wanted, intervals under utilization_down so far, why) for one role of `count` workers, `arriving`
-    of them still on their way to it; `recent` are its loads remembered (see PEAK_MEMORY), this interval's
-    last: their peak is what a step down must still serve."""
+    of them still on their way to it (`joined`: others joined it lately, see _joined); `recent` are its loads
+    remembered (see PEAK_MEMORY), this interval's last: their peak is what a step down must still serve."""
     low, high = config.bounds(role)
     to_target = _need(role, role_load, config)
     utilization = role_load / count if count else math.inf
@@ -206,8 +245,9 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
     if count < low:
         return to_target, 0, f"{described}: below its minimum"
     # A miss the load explains: one more worker would not bring it under utilization_down. While workers are
-    # on their way to the role, a miss is the wait for them: only the load grows it further.
-    explained = pressure is not None and not arriving and role_load / (count + 1) >= config.utilization_down
+    # on their way to the role, or just joined it, a miss is the wait for them: only the load grows it further.
+    explained = (pressure is not None and not arriving and not joined
+                 and role_load / (count + 1) >= config.utilization_down)
     if utilization > config.utilization_up or explained:
         if not enough and utilization < 1.0:   # past full capacity, the counters say enough
             return count, 0, f"{described}: too few samples to scale up"
@@ -226,7 +266,7 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
         if down_to > _need(role, low_peak, config):
             return count, streak + 1, f"{described}: low; down once a load of {peak:.2f} from before is forgotten"
         return down_to, streak + 1, f"{described}, recent peak {peak:.2f}: down"   # held, it stays due
-    why = f"{arriving} on their way" if arriving else "not explained by load"
+    why = f"{arriving} on their way" if arriving else "workers joined lately" if joined else "not explained by load"
     return count, 0, f"{described}{f', {pressure} ({why})' if pressure else ''}: steady"
 
 

@@ -20,6 +20,7 @@ def save(path: Path, state: PlannerState, flips: list[Flip], starts: list[Start]
     """Writes atomically (a new file renamed over the old one)."""
     data = {"last_change_at": state.last_change_at, "low_streak": list(state.low_streak),
             "last_grown": state.last_grown, "recent_loads": [list(loads) for loads in state.recent_loads],
+            "arriving_at": list(state.arriving_at),
             "flips": [{**asdict(f.member), "deadline": f.deadline} for f in flips],
             "starts": [{**asdict(s.member), "pid": s.pid, "deadline": s.deadline, "log_path": s.log_path}
                        for s in starts]}
@@ -35,7 +36,7 @@ def load(path: Path) -> tuple[PlannerState, list[Flip], list[Start]]:
         member = lambda d: Member(d["address"], d["role"], d["state"])   # noqa: E731
         recent = data.get("recent_loads", [[], []])
         return (PlannerState(data["last_change_at"], tuple(data["low_streak"]), data.get("last_grown"),
-                             (tuple(recent[0]), tuple(recent[1]))),
+                             (tuple(recent[0]), tuple(recent[1])), tuple(data.get("arriving_at", (None, None)))),
                 [Flip(member(d), d["deadline"]) for d in data["flips"]],
                 [Start(member(d), d["pid"], d["deadline"], d["log_path"]) for d in data["starts"]])
     except FileNotFoundError:

@@ -301,3 +301,31 @@ def test_a_load_that_dropped_for_good_is_scaled_down_once_its_peak_is_forgotten(
     down_at = prefill.index(1)   # the first interval at 1 worker again
     assert down_at >= 5 + PEAK_MEMORY * CONFIG.scale_down_after - 1, prefill
     assert set(prefill[4:down_at]) == {5}, prefill   # in one step
+
+
+def test_a_shift_that_began_within_the_interval_grows_the_role_by_its_tail() -> None:
+    """Documents begin at 2P10D (chat) just before a read: the interval reads prefill at 1.5 workers' worth
+    (75%: steady), its second half alone at 4.0 (200%). Prefill grows on the tail now, not an interval
+    later; a tail that is no shift (2.4 at 2P, 120%) moves nothing by itself."""
+    config = replace(CONFIG, min_samples=1)
+    chat = figures((1.5, 3.1), Counts(2, 10), config)
+    assert not decide(prompts(chat, tail=2.4), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True)[0].changed
+    grown, _ = decide(prompts(chat, tail=4.0), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True)
+    assert grown.target.prefill >= 7 and "prefill read by the interval's tail" in grown.reason, grown.reason
+
+
+def test_a_miss_just_after_workers_joined_the_role_is_the_wait_for_them() -> None:
+    """Prefill grew to 10P2D for documents; the decision at 8 s found flips on their way, the one at 10 s
+    none. The TTFT percentile still holds documents that waited for them: no worker more for the miss until
+    an interval, a window and the TTFT target have passed since 8 s; then the miss counts again."""
+    config = replace(CONFIG, min_samples=1, interval_s=2.0)
+    start = Counts(10, 2)
+    missing = replace(figures((5.5, 0.6), start, config), ttft_s=config.ttft_target_s * 1.01)
+    _, state = decide(missing, start, PlannerState(0.0, last_grown="prefill"), config, 8.0, fixed_fleet=True,
+                      arriving=Counts(3, 0))
+    assert state.arriving_at == (8.0, None)
+    joined_by = 8.0 + config.interval_s + config.ttft_target_s + missing.window_s
+    held, state = decide(missing, start, state, config, joined_by - 0.1, fixed_fleet=True)
+    assert not held.changed and "workers joined lately" in held.reason, held.reason
+    grown, _ = decide(missing, start, state, config, joined_by + 0.1, fixed_fleet=True)
+    assert grown.changed and grown.target.prefill == 11 and "TTFT" in grown.reason, grown.reason

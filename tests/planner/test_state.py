@@ -9,7 +9,7 @@ from planner.decide import PlannerState
 
 def test_the_decisions_memory_survives_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "planner-state.json"
-    saved = PlannerState(12.5, (2, 0), "decode", ((0.4, 0.9), (3.0, 2.5, 2.75)))
+    saved = PlannerState(12.5, (2, 0), "decode", ((0.4, 0.9), (3.0, 2.5, 2.75)), (10.5, None))
     state.save(path, saved, [], [])
     assert state.load(path) == (saved, [], [])
 
