@@ -80,21 +80,21 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     loads = {role: load(role, figures, config) for role in ROLES}
     # A shift that began within the interval: its tail alone is past SHIFT times the role's capacity, an
     # interval before the interval's own rate shows it (a tail too short to tell a burst from a shift by less).
-    tails = {role: tail_load(role, figures, config) for role in ROLES}
-    rising = [role for role in ROLES if (tails[role] or 0.0) > max(loads[role], SHIFT * current.of(role))]
-    loads.update({role: tails[role] for role in rising})   # type: ignore[misc]
+    tails = {role: tail_load(role, figures, config) or 0.0 for role in ROLES}
+    rising = [role for role in ROLES if tails[role] > max(loads[role], SHIFT * current.of(role))]
+    loads.update({role: tails[role] for role in rising})
     memory = PEAK_MEMORY * config.scale_down_after
     recent = tuple((*state.recent_loads[i], loads[role])[-memory:] for i, role in enumerate(ROLES))
     cooling = state.last_change_at is not None and now - state.last_change_at < config.cooldown_s
-    arriving_at = tuple(now if arriving.of(role) else state.arriving_at[i] for i, role in enumerate(ROLES))
+    arriving_at = (now if arriving.prefill else state.arriving_at[0], now if arriving.decode else state.arriving_at[1])
     wanted: dict[str, int] = {}
     streaks: list[int] = []
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
+        joined = _joined(arriving_at[i], role, figures, config, now)
         count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
-                                          current.of(role), arriving.of(role), _joined(arriving_at[i], role, figures,
-                                                                                       config, now),
-                                          state.low_streak[i], figures.samples >= config.min_samples, config)
+                                          current.of(role), arriving.of(role), joined, state.low_streak[i],
+                                          figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     shares = _budget_loads(loads, figures, current, config)
