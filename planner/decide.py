@@ -11,7 +11,7 @@ time at it). Boring on purpose:
   `min_samples` requests unless the load exceeds the role's capacity outright (a saturated role delays the
   very first tokens the samples count). A shift that began within the interval shows first in its tail (the
   demand since the observer's read mid-way): a role whose tail alone is past SHIFT times its workers'
-  capacity is read by the tail;
+  capacity, with none on their way to it, is read by the tail;
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to what the highest load
   of the last PEAK_MEMORY * `scale_down_after` intervals needs at `utilization_target`, and in one step: while
   a higher load from before the low spell is still remembered, the step waits for it to be forgotten. The
@@ -80,8 +80,10 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     loads = {role: load(role, figures, config) for role in ROLES}
     # A shift that began within the interval: its tail alone is past SHIFT times the role's capacity, an
     # interval before the interval's own rate shows it (a tail too short to tell a burst from a shift by less).
+    # While workers are on their way to the role, a shift is being met already: a tail is its burst.
     tails = {role: tail_load(role, figures, config) or 0.0 for role in ROLES}
-    rising = [role for role in ROLES if tails[role] > max(loads[role], SHIFT * current.of(role))]
+    rising = [role for role in ROLES
+              if not arriving.of(role) and tails[role] > max(loads[role], SHIFT * current.of(role))]
     loads.update({role: tails[role] for role in rising})
     memory = PEAK_MEMORY * config.scale_down_after
     recent = tuple((*state.recent_loads[i], loads[role])[-memory:] for i, role in enumerate(ROLES))

@@ -312,6 +312,10 @@ def test_a_shift_that_began_within_the_interval_grows_the_role_by_its_tail() -> 
     assert not decide(prompts(chat, tail=2.4), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True)[0].changed
     grown, _ = decide(prompts(chat, tail=4.0), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True)
     assert grown.target.prefill >= 7 and "prefill read by the interval's tail" in grown.reason, grown.reason
+    # Workers on their way to prefill meet a shift already: a tail past it is a burst of that shift.
+    on_their_way, _ = decide(prompts(chat, tail=4.0), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True,
+                             arriving=Counts(1, 0))
+    assert "tail" not in on_their_way.reason and on_their_way.target.prefill < grown.target.prefill, on_their_way.reason
 
 
 def test_a_miss_just_after_workers_joined_the_role_is_the_wait_for_them() -> None:
