@@ -11,7 +11,7 @@ time at it). Boring on purpose:
   `min_samples` requests unless the load exceeds the role's capacity outright (a saturated role delays the
   very first tokens the samples count). A shift that began within the interval shows first in its tail (the
   demand since the observer's read mid-way): a role whose tail alone is past SHIFT times its workers'
-  capacity, with none on their way to it, is read by the tail;
+  capacity, with none on their way to it or just joined, is read by the tail;
 - down only after `scale_down_after` intervals in a row under `utilization_down`, to what the highest load
   of the last PEAK_MEMORY * `scale_down_after` intervals needs at `utilization_target`, and in one step: while
   a higher load from before the low spell is still remembered, the step waits for it to be forgotten. The
@@ -78,24 +78,24 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     if figures is None:
         return Decision(current, False, f"hold: {missing}"), state
     loads = {role: load(role, figures, config) for role in ROLES}
+    arriving_at = (now if arriving.prefill else state.arriving_at[0], now if arriving.decode else state.arriving_at[1])
+    joined = {role: _joined(arriving_at[i], role, figures, config, now) for i, role in enumerate(ROLES)}
     # A shift that began within the interval: its tail alone is past SHIFT times the role's capacity, an
     # interval before the interval's own rate shows it (a tail too short to tell a burst from a shift by less).
-    # While workers are on their way to the role, a shift is being met already: a tail is its burst.
+    # While workers are on their way to the role, or just joined it, a shift is being met: a tail is its burst.
     tails = {role: tail_load(role, figures, config) or 0.0 for role in ROLES}
-    rising = [role for role in ROLES
-              if not arriving.of(role) and tails[role] > max(loads[role], SHIFT * current.of(role))]
+    rising = [role for role in ROLES if not arriving.of(role) and not joined[role]
+              and tails[role] > max(loads[role], SHIFT * current.of(role))]
     loads.update({role: tails[role] for role in rising})
     memory = PEAK_MEMORY * config.scale_down_after
     recent = tuple((*state.recent_loads[i], loads[role])[-memory:] for i, role in enumerate(ROLES))
     cooling = state.last_change_at is not None and now - state.last_change_at < config.cooldown_s
-    arriving_at = (now if arriving.prefill else state.arriving_at[0], now if arriving.decode else state.arriving_at[1])
     wanted: dict[str, int] = {}
     streaks: list[int] = []
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
-        joined = _joined(arriving_at[i], role, figures, config, now)
         count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
-                                          current.of(role), arriving.of(role), joined, state.low_streak[i],
+                                          current.of(role), arriving.of(role), joined[role], state.low_streak[i],
                                           figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)

@@ -306,16 +306,20 @@ def test_a_load_that_dropped_for_good_is_scaled_down_once_its_peak_is_forgotten(
 def test_a_shift_that_began_within_the_interval_grows_the_role_by_its_tail() -> None:
     """Documents begin at 2P10D (chat) just before a read: the interval reads prefill at 1.5 workers' worth
     (75%: steady), its second half alone at 4.0 (200%). Prefill grows on the tail now, not an interval
-    later; a tail that is no shift (2.4 at 2P, 120%) moves nothing by itself."""
+    later; a tail that is no shift (2.4 at 2P, 120%) moves nothing by itself, nor does one while workers
+    are on their way to prefill or just joined it."""
     config = replace(CONFIG, min_samples=1)
     chat = figures((1.5, 3.1), Counts(2, 10), config)
     assert not decide(prompts(chat, tail=2.4), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True)[0].changed
     grown, _ = decide(prompts(chat, tail=4.0), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True)
     assert grown.target.prefill >= 7 and "prefill read by the interval's tail" in grown.reason, grown.reason
-    # Workers on their way to prefill meet a shift already: a tail past it is a burst of that shift.
+    # Workers on their way to prefill, or just joined, meet a shift already: a tail past it is a burst of it.
     on_their_way, _ = decide(prompts(chat, tail=4.0), Counts(2, 10), PlannerState(), config, 0.0, fixed_fleet=True,
                              arriving=Counts(1, 0))
     assert "tail" not in on_their_way.reason and on_their_way.target.prefill < grown.target.prefill, on_their_way.reason
+    joined, _ = decide(prompts(chat, tail=4.0), Counts(2, 10), PlannerState(arriving_at=(-2.0, None)), config, 0.0,
+                       fixed_fleet=True)
+    assert "tail" not in joined.reason and joined.target.prefill < grown.target.prefill, joined.reason
 
 
 def test_a_miss_just_after_workers_joined_the_role_is_the_wait_for_them() -> None:
