@@ -13,8 +13,8 @@ from proxy.workers import KV_PROTOCOLS, WorkerRecord
 
 # Bounds at the usual SLO targets (TTFT 0.5-5 s, ITL 50-300 ms): a percentile the planner reads is linear within
 # a bucket, and with 2.5 and 5.0 s alone, TTFTs of 2.6-2.95 s read as a p90 of 4.75 s, over a 3 s target.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
-                   1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
+                    1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 30.0, 60.0)
 
 
 class Metrics:
@@ -27,11 +27,11 @@ class Metrics:
         self.requests = Counter("proxy_requests", "Client requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=self.registry)
         self.ttft = Histogram("proxy_time_to_first_token_seconds", "Time to the first streamed token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("proxy_inter_token_latency_seconds", "Time between streamed tokens",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("proxy_request_latency_seconds", "End-to-end request latency",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.inflight = Gauge("proxy_worker_inflight_requests", "Legs in flight per worker",
                               ["role", "worker"], registry=self.registry)
         self.upstream_errors = Counter("proxy_upstream_errors", "Failed legs by role and error kind",
