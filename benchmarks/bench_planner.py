@@ -29,6 +29,7 @@ from benchmarks.phase_report import format_table, plot, summarize
 from benchmarks.planner_fleet import MockFleet, replay
 from benchmarks.serving_metrics import RequestResult
 from planner.fleet import EtcdWorkers
+from proxy.flows import DEFAULT_STRATEGY, STRATEGIES
 from stack.serving import Process
 
 STATIC_PHASES = 4   # the quiet phase tells nothing about a static split
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a worker that changes role hands its running streams back and the proxy resumes them "
                              "on another decode worker (--drain-hands-back-streams, --resume-streams), so a flip "
                              "to prefill need not wait for them to finish")
+    parser.add_argument("--flow", choices=STRATEGIES, default=DEFAULT_STRATEGY,
+                        help="the proxy's --disaggregation-strategy (default %(default)s; with prefill_first a decode "
+                             "leg reaches its worker only once its prompt's KV is ready, so no decode worker holds "
+                             "legs that wait for a queued prefill when it is to change role)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.workers = args.workers or (6 if quick else 12)
@@ -103,7 +108,8 @@ def earlier_statics(path: Path, args: argparse.Namespace) -> list[dict[str, Any]
     recorded command read with this parser); each keeps that run's command and load."""
     report = json.loads(path.read_text())
     made = parse_args(report["run"]["command"].split()[3:])
-    same = ("workers", "static_phase_seconds", "seed", "grace_seconds", "routing", "prefill_queue", "move_streams")
+    same = ("workers", "static_phase_seconds", "seed", "grace_seconds", "routing", "prefill_queue", "move_streams",
+            "flow")
     if any(getattr(made, key) != getattr(args, key) for key in same):
         raise SystemExit(f"{path} ran another trace: " + ", ".join(
             f"{key} {getattr(made, key)} (here {getattr(args, key)})" for key in same))
@@ -170,7 +176,7 @@ def main() -> None:
           f"TPOT <= {TPOT_TARGET_S * 1000:g} ms", flush=True)
     earlier = earlier_statics(args.statics_from, args) if args.statics_from else None
     load_before = os.getloadavg()
-    fleet = MockFleet(args.workers, args.routing, args.prefill_queue, args.move_streams)
+    fleet = MockFleet(args.workers, args.routing, args.prefill_queue, args.move_streams, args.flow)
     try:
         statics = earlier or [run_static(fleet, p, args) for p in args.static_splits]
         planner = run_planner(fleet, args, workdir)

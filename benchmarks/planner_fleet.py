@@ -14,6 +14,7 @@ import httpx
 from benchmarks.phase_change import CUT, MOCK_COSTS, Arrival
 from benchmarks.serving_load import completion_body, stream_body
 from benchmarks.serving_metrics import RequestResult
+from proxy.flows import DEFAULT_STRATEGY
 from stack.etcd import EtcdServer
 from stack.nats import NatsServer
 from stack.serving import Process, free_port, wait_healthy
@@ -36,13 +37,15 @@ class MockFleet:
     """etcd, `size` simulated workers (all decode at first) and the proxy (its --routing `routing`); `close()`
     stops them all. With `prefill_queue`, a nats-server too: prefill legs wait in the global prefill queue
     (each worker takes one job at a time) instead of on the worker the proxy picked. With `move_streams`, a
-    worker that changes role or drains hands its running streams back and the proxy resumes them on another
-    decode worker, instead of the worker finishing them first."""
+    worker that changes role or drains hands its running streams back, their KV held for the pull, and the proxy
+    resumes them on another decode worker, instead of the worker finishing them first. `flow`: the proxy's
+    --disaggregation-strategy."""
 
     size: int
     routing: str = "least_loaded"
     prefill_queue: bool = False
     move_streams: bool = False
+    flow: str = DEFAULT_STRATEGY
     etcd: EtcdServer = field(init=False)
     nats: NatsServer | None = None
     workers: list[tuple[Process, str]] = field(default_factory=list)   # (process, its URL)
@@ -60,6 +63,7 @@ class MockFleet:
             self.proxy = Process("proxy", ["proxy_server.py", "--host", "127.0.0.1", "--port", str(port),
                                            "--etcd", self.etcd.endpoint, "--health-interval", "1",
                                            "--health-timeout", "10", "--routing", self.routing,
+                                           "--disaggregation-strategy", self.flow,
                                            *self._queue_flags(), *(["--resume-streams"] if self.move_streams else [])])
             self.proxy_url = f"http://127.0.0.1:{port}"
             wait_healthy(f"{self.proxy_url}/health", [self.proxy], 60)
@@ -70,7 +74,7 @@ class MockFleet:
     def worker_flags(self) -> list[str]:
         """What every worker of this fleet runs with beside its role, ports and etcd."""
         return [*mock_worker_flags(), *self._queue_flags(),
-                *(["--drain-hands-back-streams"] if self.move_streams else [])]
+                *(["--drain-hands-back-streams", "--hand-back-kv-port", "0"] if self.move_streams else [])]
 
     def worker_template(self) -> str:
         """The planner's --worker-command for new workers of this fleet."""

@@ -4,7 +4,8 @@
     ├── InvalidRequestError   bad prompt or sampling params, duplicate id, can never fit
     ├── QueueFullError        the bounded waiting queue is full; retry later
     ├── DrainingError         the worker is draining: it takes no new request; another worker will
-    │   └── StreamHandedBack  it ended a running stream early, for the proxy to resume on another worker
+    │   ├── StreamHandedBack  it ended a running stream early, for the proxy to resume on another worker
+    │   └── OtherRoleError    a leg of the other disaggregated role: the worker changed role since it was picked
     ├── ModelLoadError        the model directory is missing, malformed or unsupported
     └── KVTransferError       disaggregated serving: the prompt's KV could not be moved
         └── RemotePrefillError    decode_first: the prefill leg this decode worker sent failed (502, or 503
@@ -40,6 +41,11 @@ class StreamHandedBack(DrainingError):
     def __init__(self, message: str, kv: PrefillHandoff | None = None) -> None:
         super().__init__(message)
         self.kv = kv
+
+
+class OtherRoleError(DrainingError):
+    """A prefill leg reached a decode worker or a decode leg a prefill worker: it changed role after the proxy
+    picked it. Refused before starting (503), as a draining worker refuses, so a worker of the leg's role takes it."""
 
 
 class ModelLoadError(WorkerError):

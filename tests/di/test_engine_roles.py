@@ -13,6 +13,8 @@ from stack.serving import free_port
 from tests.helpers import wait_until
 from worker import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from worker.engine.kv_connector import KVConnector, KVConnectorConfig
+from worker.errors import OtherRoleError
+from worker.server.protocol import error_for
 
 NUM_BLOCKS = 64
 
@@ -92,3 +94,16 @@ def test_another_connectors_params_or_a_leg_with_another_shared_id_are_refused()
         assert "p" not in prefill.requests and prefill.stats().num_waiting == 0
     finally:
         prefill.close()
+
+
+def test_a_leg_of_the_other_role_is_refused_as_a_draining_worker_refuses_so_the_proxy_sends_it_on(pair) -> None:
+    # The worker changed role between the proxy's pick and the leg's arrival: 503 worker_draining, not a 400.
+    prefill, decode = pair
+    legs = {"decode": {"role": "decode", "remote_host": "127.0.0.1", "remote_port": prefill.kv_connector.kv_port},
+            "prefill": {"role": "prefill"}}
+    for engine, other in ((prefill, "decode"), (decode, "prefill")):
+        with pytest.raises(OtherRoleError, match=f"role is '{other}' but this worker serves role") as info:
+            engine.add_request("r", [50] * 40, SamplingParams(max_tokens=2), parse_leg(legs[other]))
+        status, body, headers = error_for(info.value)
+        assert (status, body["error"]["type"], "Retry-After" in headers) == (503, "worker_draining", True)
+        assert "r" not in engine.requests and engine.stats().num_waiting == 0

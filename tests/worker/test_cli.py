@@ -74,11 +74,15 @@ def test_kv_events_config_is_vllms_json(capsys: pytest.CaptureFixture[str]) -> N
     assert exc.value.code == 2 and "--kv-events-config is not JSON" in capsys.readouterr().err
 
 
-def test_a_hand_back_kv_port_is_for_a_decode_worker_that_hands_streams_back(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_hand_back_kv_port_is_for_a_worker_that_decodes_and_hands_streams_back(
+        capsys: pytest.CaptureFixture[str]) -> None:
     decode = ["--role", "decode", "--drain-hands-back-streams"]
     assert parse_args([*decode, "--hand-back-kv-port", "0"])[0].hand_back_kv_port == 0
     assert parse_args(decode)[0].hand_back_kv_port is None
-    for wrong in (["--role", "decode", "--hand-back-kv-port", "0"], ["--role", "prefill", "--drain-hands-back-streams",
+    # A prefill worker may change role to decode: its decode engine then holds handed-back streams' KV.
+    assert parse_args(["--role", "prefill", "--drain-hands-back-streams", "--hand-back-kv-port", "0"])[0] \
+        .hand_back_kv_port == 0
+    for wrong in (["--role", "decode", "--hand-back-kv-port", "0"], ["--role", "both", "--drain-hands-back-streams",
                   "--hand-back-kv-port", "0"], [*decode, "--hand-back-kv-port", "70000"]):
         with pytest.raises(SystemExit) as exc:
             parse_args(wrong)

@@ -12,10 +12,11 @@ from typing import Callable
 
 from scheduler import Scheduler
 from common.handoff import DecodeParams, LegParams
+from common.roles import DISAGGREGATED_ROLES
 from worker.engine.kv_connector import KVConnector
 from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
-from worker.errors import InvalidRequestError
+from worker.errors import InvalidRequestError, OtherRoleError
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,9 @@ class DisaggregatedRole(EngineRole):
         """A request without `kv_transfer_params` is served here whole."""
         if params is None:
             return Leg()
+        if params.role in DISAGGREGATED_ROLES and params.role != self.name:
+            raise OtherRoleError(f"kv_transfer_params.role is {params.role!r} but this worker serves role "
+                                 f"{self.name!r} now; send the leg to a {params.role} worker")
         if params.role != self.name:
             raise InvalidRequestError(f"kv_transfer_params.role is {params.role!r} but this worker "
                                       f"serves role {self.name!r}")

@@ -19,7 +19,8 @@ from common.kv_events import KVEventsConfig, KVEventsError
 from common.kv_secret import SECRET_FILE_ENV, KVSecretError, resolve_secret, secret_id
 from common.listen import hypercorn_bind, listen_socket
 from common.tracing import Tracing, add_traces_endpoint_flag
-from common.roles import DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, ENCODE_ROLE, WORKER_ROLES
+from common.roles import (DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE,
+                          WORKER_ROLES)
 from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
 from worker.dtype import AUTO, BF16_CPU_FLAGS
 from worker.mock import flags as mock_flags
@@ -83,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a drain ends each running stream after its tokens so far, for the proxy (with "
                              "--resume-streams) to go on with on another worker, instead of finishing it here")
     server.add_argument("--hand-back-kv-port", type=int, default=None, metavar="PORT",
-                        help="decode, with --drain-hands-back-streams: a handed-back stream's KV waits on this "
+                        help="decode (or prefill, for when it changes role to decode), with "
+                             "--drain-hands-back-streams: a handed-back stream's KV waits on this "
                              "signal-plane port (0: a free one) for the next decode worker to pull over the "
                              "transfer engine, instead of that worker recomputing it (default: off)")
     add_traces_endpoint_flag(server)
@@ -157,9 +159,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     """Parses and validates everything up front; a bad value exits with status 2 and a clear message."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.hand_back_kv_port is not None and not (args.drain_hands_back_streams and args.role == "decode"
+    if args.hand_back_kv_port is not None and not (args.drain_hands_back_streams and args.role in DISAGGREGATED_ROLES
                                                    and 0 <= args.hand_back_kv_port <= 65535):
-        parser.error("--hand-back-kv-port is a TCP port or 0, for a decode worker with --drain-hands-back-streams")
+        parser.error("--hand-back-kv-port is a TCP port or 0, for a decode worker (or a prefill worker that may "
+                     "change role to decode) with --drain-hands-back-streams")
     if not 0 <= args.kv_port <= 65535:
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
