@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.phase_change import (CUT, PHASES, TPOT_TARGET_S, TTFT_TARGET_S, attainment_by_phase, recovery_s,
-                                     rolling_attainment, trace)
+                                     request_rows, rolling_attainment, trace)
 from benchmarks.phase_report import format_table, plot, summarize
 from benchmarks.planner_fleet import MockFleet, replay
 from benchmarks.serving_metrics import RequestResult
@@ -147,6 +147,7 @@ def run_planner(fleet: MockFleet, args: argparse.Namespace, workdir: Path) -> di
             "rolling_attainment": rolling_attainment(arrivals, results, 5.0, len(PHASES) * seconds),
             "changes_by_phase": changes, "changes_after_settle_by_phase": after_settle,
             "recovery_s_by_phase": recovery, "timeline": timeline, "requests": len(arrivals), **outcomes(results),
+            "per_request": request_rows(arrivals, results),
             "flip_failures": [line for line in log.splitlines() if "flip of" in line and not line.endswith(": done")],
             "log": log}
 

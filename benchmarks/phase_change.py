@@ -92,6 +92,17 @@ def rolling_attainment(arrivals: Sequence[Arrival], results: Sequence[RequestRes
     return points
 
 
+def request_rows(arrivals: Sequence[Arrival], results: Sequence[RequestResult]) -> list[list]:
+    """Each request as [arrival s, phase, prompt tokens, TTFT s, TPOT s, met, error], for reading a run's misses."""
+    rows = []
+    for a, r in zip(arrivals, results):
+        ttft = round(r.ttft, 3) if r.chunk_times else None
+        tpot = r.tpot if r.chunk_times and r.error is None else None
+        rows.append([round(a.offset_s, 2), a.phase, len(a.request.prompt_token_ids), ttft,
+                     None if tpot is None else round(tpot, 4), met(r), r.error])
+    return rows
+
+
 def recovery_s(arrivals: Sequence[Arrival], results: Sequence[RequestResult], phase: int, seconds: float,
                window_s: float = 5.0, level: float = 0.9) -> float | None:
     """Seconds from the phase's start until the requests arriving in every `window_s` window from then on,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.phase_change import CUT, PHASES, attainment_by_phase, met, recovery_s, trace
+from benchmarks.phase_change import CUT, PHASES, attainment_by_phase, met, recovery_s, request_rows, trace
 from benchmarks.serving_metrics import RequestResult
 from tests.helpers import ROOT
 
@@ -48,6 +48,11 @@ def test_attainment_and_recovery_per_phase() -> None:
     shares = attainment_by_phase(arrivals, results, 2, seconds=20.0)
     assert shares[0] == 1.0 and 0.2 < shares[1] < 0.8
     assert recovery_s(arrivals, results, 0, 20.0) == 0.0 and recovery_s(arrivals, results, 1, 20.0) == 10.0
+    rows = request_rows(arrivals, results)
+    late = next(i for i, a in enumerate(arrivals) if a.phase == 1)
+    assert rows[late] == [round(arrivals[late].offset_s, 2), 1, len(arrivals[late].request.prompt_token_ids), 5.0,
+                          0.1, False, None]
+    assert [row[5] for row in rows] == [met(r) for r in results]
 
 
 @pytest.mark.slow
@@ -65,6 +70,7 @@ def test_a_compact_run_writes_the_summary(tmp_path: Path) -> None:
     assert "planner" in done.stdout and "static 1P1D" in done.stdout
     assert report["run"]["command"].endswith(f"--json {out}")
     assert report["planner"]["failed"] == sum(report["planner"]["errors"].values())
+    assert len(report["planner"]["per_request"]) == report["planner"]["requests"]
     again = tmp_path / "planner_again.json"
     done = compact_run("--statics-from", str(out), "--json", str(again))   # the planner alone, against those splits
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
