@@ -7,7 +7,8 @@ over what one worker yields at the ITL target, or the streams in flight over the
 time at it). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it, which
   it does not while workers are on their way to the role, nor for an interval, a window and the role's
-  target after they joined it: the miss is the wait for them), to `utilization_target`; never on fewer than
+  target after they joined it: the miss is the wait for them; nor while no request waits for the role's
+  workers: the miss is past), to `utilization_target`; never on fewer than
   `min_samples` requests unless the load exceeds the role's capacity outright (a saturated role delays the
   very first tokens the samples count). A shift that began within the interval shows first in its tail (the
   demand since the observer's read mid-way): a role whose tail alone is past SHIFT times its workers'
@@ -95,8 +96,8 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
         count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
-                                          current.of(role), arriving.of(role), joined[role], state.low_streak[i],
-                                          figures.samples >= config.min_samples, config)
+                                          current.of(role), arriving.of(role), joined[role], _waits(role, figures),
+                                          state.low_streak[i], figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     shares = _budget_loads(loads, figures, current, config)
@@ -224,6 +225,15 @@ def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:
     return None
 
 
+def _waits(role: str, figures: Figures) -> bool:
+    """Whether requests wait for `role`'s workers now, so that more of them would serve sooner: on prefill, more
+    requests at its workers (and in the prefill queue) than workers; a decode step is shorter for a smaller batch."""
+    if role == "decode":
+        return True
+    own = figures.prefill
+    return own.running + own.waiting + (figures.queue_depth or 0) > own.workers
+
+
 def _joined(arriving_at: float | None, role: str, figures: Figures, config: PlannerConfig, now: float) -> bool:
     """Whether workers on their way to `role` joined it so lately (by the decision after `arriving_at`) that
     the interval's percentile may still hold requests that waited for them: their first tokens come up to the
@@ -235,10 +245,11 @@ def _joined(arriving_at: float | None, role: str, figures: Figures, config: Plan
 
 
 def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressure: str | None, count: int,
-                 arriving: int, joined: bool, streak: int, enough: bool,
+                 arriving: int, joined: bool, waits: bool, streak: int, enough: bool,
                  config: PlannerConfig) -> tuple[int, int, str]:
     """(workers wanted, intervals under utilization_down so far, why) for one role of `count` workers, `arriving`
-    of them still on their way to it (`joined`: others joined it lately, see _joined); `recent` are its loads
+    of them still on their way to it (`joined`: others joined it lately, see _joined; `waits`: requests wait for
+    its workers now, see _waits); `recent` are its loads
     remembered (see PEAK_MEMORY), this interval's last: their peak is what a step down must still serve."""
     low, high = config.bounds(role)
     to_target = _need(role, role_load, config)
@@ -248,7 +259,8 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
         return to_target, 0, f"{described}: below its minimum"
     # A miss the load explains: one more worker would not bring it under utilization_down. While workers are
     # on their way to the role, or just joined it, a miss is the wait for them: only the load grows it further.
-    explained = (pressure is not None and not arriving and not joined
+    # Nor is a miss while no request waits for its workers (see _waits): more of them would serve none sooner.
+    explained = (pressure is not None and not arriving and not joined and waits
                  and role_load / (count + 1) >= config.utilization_down)
     if utilization > config.utilization_up or explained:
         if not enough and utilization < 1.0:   # past full capacity, the counters say enough
@@ -268,7 +280,8 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
         if down_to > _need(role, low_peak, config):
             return count, streak + 1, f"{described}: low; down once a load of {peak:.2f} from before is forgotten"
         return down_to, streak + 1, f"{described}, recent peak {peak:.2f}: down"   # held, it stays due
-    why = f"{arriving} on their way" if arriving else "workers joined lately" if joined else "not explained by load"
+    why = (f"{arriving} on their way" if arriving else "workers joined lately" if joined
+           else "nothing waits for its workers" if not waits else "not explained by load")
     return count, 0, f"{described}{f', {pressure} ({why})' if pressure else ''}: steady"
 
 

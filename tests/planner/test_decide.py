@@ -335,5 +335,21 @@ def test_a_miss_just_after_workers_joined_the_role_is_the_wait_for_them() -> Non
     joined_by = 8.0 + config.interval_s + config.ttft_target_s + missing.window_s
     held, state = decide(missing, start, state, config, joined_by - 0.1, fixed_fleet=True)
     assert not held.changed and "workers joined lately" in held.reason, held.reason
-    grown, _ = decide(missing, start, state, config, joined_by + 0.1, fixed_fleet=True)
+    queued = replace(missing, prefill=replace(missing.prefill, running=10, waiting=3))   # 13 at 10 workers
+    grown, _ = decide(queued, start, state, config, joined_by + 0.1, fixed_fleet=True)
     assert grown.changed and grown.target.prefill == 11 and "TTFT" in grown.reason, grown.reason
+
+
+def test_a_miss_while_no_request_waits_for_the_roles_workers_is_past() -> None:
+    """10P2D at 55% load: the TTFT percentile misses the target on documents that queued before workers joined,
+    but its 10 workers run 6 prompts and none waits. A worker more would serve none of them sooner: hold. With
+    more prompts at prefill than workers, or jobs in the prefill queue, the miss grows it."""
+    config = replace(CONFIG, min_samples=1)
+    start = Counts(10, 2)
+    missing = replace(figures((5.5, 0.6), start, config), ttft_s=config.ttft_target_s * 1.2)
+    idle = replace(missing, prefill=replace(missing.prefill, running=6, waiting=0))
+    held, _ = decide(idle, start, PlannerState(), config, 100.0, fixed_fleet=True)
+    assert not held.changed and "(nothing waits for its workers): steady" in held.reason, held.reason
+    for waiting in (replace(idle, prefill=replace(idle.prefill, waiting=5)), replace(idle, queue_depth=5)):
+        grown, _ = decide(waiting, start, PlannerState(), config, 100.0, fixed_fleet=True)
+        assert grown.target.prefill == 11 and "TTFT" in grown.reason, grown.reason
