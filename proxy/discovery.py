@@ -62,7 +62,10 @@ class HealthChecks:
                 if answer is None:
                     self._pool.remove(worker.key, f"{_GONE} and it stopped answering")
                 elif (shown := shown_record(answer)) is not None and shown.role != worker.role:
-                    self._pool.remove(worker.key, f"{_GONE}: it serves role {shown.role} now")
+                    # It changed role, which it does only once its old role's requests are done: a leg still
+                    # in flight to it never reached the old engine, and the new one refuses it with a 503 that
+                    # sends it on to another worker of its role. Ended here, it would fail its request.
+                    self._pool.remove(worker.key, f"{_GONE}: it serves role {shown.role} now", end_legs=False)
                 continue
             if answer is not None and shows_draining(answer):
                 why = "it drains (it takes no new request)"

@@ -79,7 +79,10 @@ async def prefill_first(legs: LegClient, request: ClientRequest, prefill: Worker
     headers = {"X-Request-Id": uid}
     nixl = prefill.kv_protocol == "nixl"
     # Our prefill worker frees at once the blocks of an answer its token ended: no decode leg will pull them.
-    params = nixl_prefill_params() if nixl else neuron_prefill_params(uid, decode, pulled_on_stop=False)
+    # It is not told which decode engine will pull: the decode leg goes out only once prefill answered, and a
+    # worker that changed role meanwhile sends it on to another (the first lookup names the puller), whereas
+    # the one named would have its blocks released once its session went.
+    params = nixl_prefill_params() if nixl else neuron_prefill_params(uid, pulled_on_stop=False)
     pbody = prefill_body(request, seed, params, nixl or prefill_token_used(prefill, seed))
     first = json_object(await legs.call(prefill, request.endpoint.path, pbody, headers), prefill)
     if prefill_finished(first):

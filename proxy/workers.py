@@ -122,13 +122,14 @@ class WorkerPool:
         self._retired.discard(worker.key)
         self._healthy = None
 
-    def remove(self, key: str, why: str = "left the pool") -> None:
+    def remove(self, key: str, why: str = "left the pool", end_legs: bool = True) -> None:
+        """Out of the pool; its legs in flight end too unless `end_legs` is False."""
         worker = self._workers.pop(key, None)
         self._down.discard(key)
         self._why.pop(key, None)
         self._retired.discard(key)
         self._healthy = None
-        if worker is not None:
+        if worker is not None and end_legs:
             self._lost(worker, why)
 
     def replace_all(self, workers: Iterable[WorkerRecord], why: str = "left the pool") -> None:

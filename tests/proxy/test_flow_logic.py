@@ -18,6 +18,7 @@ from worker.server.protocol import error_for
 STATIC = ["--prefill-ip", "10.0.0.1", "--prefill-port", "8100", "--decode-ip", "10.0.0.2", "--decode-port", "8200"]
 PREFILL = WorkerRecord("prefill", "10.0.0.1", 8100, kv_port=14600, engine_id="p-1")
 DECODE = WorkerRecord("decode", "10.0.0.2", 8200)
+NAMED_DECODE = WorkerRecord("decode", "10.0.0.2", 8200, engine_id="d-1")
 NIXL_PREFILL = WorkerRecord("prefill", "10.0.0.3", 8100, kv_protocol="nixl")
 
 
@@ -97,10 +98,12 @@ def test_prefill_first_starts_decode_with_prefills_handoff_unless_its_token_ende
     legs = _Legs(answer)
 
     async def run() -> tuple[dict[str, Any], DecodeLeg | None]:
-        return await prefill_first(legs, _request(), PREFILL, DECODE, "u1", None)  # type: ignore[arg-type]
+        return await prefill_first(legs, _request(), PREFILL, NAMED_DECODE, "u1", None)  # type: ignore[arg-type]
 
     first, leg = asyncio.run(run())
     assert first == answer and (leg is not None) == decoded
+    # No decode_engine_id: the decode leg, sent once prefill answered, may go to another decode worker (this one
+    # changed role meanwhile), and prefill would release blocks named for this one once its session went.
     assert legs.sent[0] == ("prefill", {**_request().body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
         "role": "prefill", "request_id": "u1", "pulled_on_stop": False}})
     if decoded:

@@ -3,6 +3,7 @@ ends the legs waiting on one (plain asyncio)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -85,3 +86,18 @@ def test_draining_and_retired_workers_leave_rotation_and_keep_their_legs_until_t
     assert A not in pool.all() and lost == [(A.key, "its etcd record is gone and it stopped answering")]
     pool.add(A)  # registered anew
     assert pool.healthy("prefill") == [A] and not pool.retired(A.key)
+
+
+def test_a_retired_worker_found_serving_the_other_role_leaves_the_pool_without_ending_its_legs() -> None:
+    # A role flip ends the old role's requests first: a leg still in flight to it never reached the old engine,
+    # and the new one refuses it (503), which sends it on. Ended with WorkerLost, its request would fail.
+    lost: list[tuple[str, str]] = []
+    pool = WorkerPool([A, B], on_lost=lambda worker, why: lost.append((worker.key, why)))
+    now_decode = WorkerRecord("decode", A.host, A.http_port)
+    answers: dict[str, Reply | None] = {A.key: Reply(200, json.dumps({"status": "ok", "draining": False,
+                                                                        "worker": now_decode.to_dict()}).encode()),
+                                        B.key: Reply(200, b'{"status":"ok","draining":false}')}
+    checks = HealthChecks(pool, lambda worker: _HealthAnswers(answers, worker), timeout=1.0)  # type: ignore[arg-type]
+    pool.retire(A.key)   # it left etcd to change role
+    asyncio.run(checks.round())
+    assert A not in pool.all() and lost == []
