@@ -29,7 +29,7 @@ from benchmarks.phase_report import format_table, plot, summarize
 from benchmarks.planner_fleet import MockFleet, replay
 from benchmarks.serving_metrics import RequestResult
 from planner.fleet import EtcdWorkers
-from proxy.flows import DEFAULT_STRATEGY, STRATEGIES
+from proxy.flows import STRATEGIES
 from stack.serving import Process
 
 STATIC_PHASES = 4   # the quiet phase tells nothing about a static split
@@ -62,10 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a worker that changes role hands its running streams back and the proxy resumes them "
                              "on another decode worker (--drain-hands-back-streams, --resume-streams), so a flip "
                              "to prefill need not wait for them to finish")
-    parser.add_argument("--flow", choices=STRATEGIES, default=DEFAULT_STRATEGY,
-                        help="the proxy's --disaggregation-strategy (default %(default)s; with prefill_first a decode "
-                             "leg reaches its worker only once its prompt's KV is ready, so no decode worker holds "
-                             "legs that wait for a queued prefill when it is to change role)")
+    parser.add_argument("--flow", choices=STRATEGIES, default="prefill_first",
+                        help="the proxy's --disaggregation-strategy (default %(default)s: a decode leg reaches its "
+                             "worker only once its prompt's KV is ready, so a decode worker that changes role to "
+                             "prefill waits for its running streams alone, not for legs whose prefill is queued)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.workers = args.workers or (6 if quick else 12)
