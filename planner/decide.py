@@ -8,7 +8,8 @@ time at it). Boring on purpose:
 - up at once when utilization passes `utilization_up` (or the SLO is missed and the load explains it, which
   it does not while workers are on their way to the role, nor for an interval, a window and the role's
   target after they joined it: the miss is the wait for them; nor while no request waits for the role's
-  workers: the miss is past), to `utilization_target`; never on fewer than
+  workers, or on decode no batch is past the one that keeps the ITL target: more workers would serve none
+  sooner), to `utilization_target`; never on fewer than
   `min_samples` requests unless the load exceeds the role's capacity outright (a saturated role delays the
   very first tokens the samples count). A shift that began within the interval shows first in its tail (the
   demand since the observer's read mid-way): a role whose tail alone is past SHIFT times its workers'
@@ -96,7 +97,7 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
         count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
-                                          current.of(role), arriving.of(role), joined[role], _waits(role, figures),
+                                          current.of(role), arriving.of(role), joined[role], _waits(role, figures, config),
                                           state.low_streak[i], figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
@@ -225,12 +226,14 @@ def _pressure(role: str, figures: Figures, config: PlannerConfig) -> str | None:
     return None
 
 
-def _waits(role: str, figures: Figures) -> bool:
+def _waits(role: str, figures: Figures, config: PlannerConfig) -> bool:
     """Whether requests wait for `role`'s workers now, so that more of them would serve sooner: on prefill, more
-    requests at its workers (and in the prefill queue) than workers; a decode step is shorter for a smaller batch."""
+    requests at its workers (and in the prefill queue) than workers; on decode, streams queued, or batches past
+    the one whose step keeps the ITL target (under it, a smaller batch would not bring a token sooner: a miss
+    then is a stream's first gap, its KV's pull, not the step)."""
+    own = figures.role(role)
     if role == "decode":
-        return True
-    own = figures.prefill
+        return own.waiting > 0 or own.running > decode_capacity(own, config)[0] * own.workers
     return own.running + own.waiting + (figures.queue_depth or 0) > own.workers
 
 

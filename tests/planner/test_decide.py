@@ -215,7 +215,7 @@ def test_within_the_cooldown_an_slo_miss_the_load_explains_grows_the_same_role_o
     steady = figures((0.2, 4.5), start, config)   # decode at 75%: under utilization_up
     held, _ = decide(steady, start, state, config, 5.0, fixed_fleet=True)
     assert not held.changed
-    missing = replace(steady, itl_s=config.itl_target_s * 2)
+    missing = replace(steady, itl_s=config.itl_target_s * 2, decode=replace(steady.decode, waiting=3))   # queued
     grown, _ = decide(missing, start, state, config, 5.0, fixed_fleet=True)
     assert grown.changed and grown.target.decode > 6 and "ITL" in grown.reason
 
@@ -225,6 +225,22 @@ def test_within_the_cooldown_an_slo_miss_the_load_explains_grows_the_same_role_o
                                               generated_tokens_per_s=missing.decode.generated_tokens_per_s * 1.2))
     grown_by_load, _ = decide(past_up, start, state, config, 5.0, fixed_fleet=True, arriving=Counts(0, 2))
     assert grown_by_load.changed and grown_by_load.target.decode > 6   # its load alone still grows it
+
+
+def test_a_decode_miss_while_its_batches_keep_the_itl_target_is_not_the_loads() -> None:
+    """Documents at 10P2D: the two decode workers at 75% run batches under the one whose step keeps the ITL
+    target, yet ITL p90 reads 125 ms against 100: the gaps over it are streams' first, their KV's pull. A worker
+    more would shorten none: hold. With streams queued, or batches past that one, the miss grows decode."""
+    config = replace(CONFIG, min_samples=1)
+    start = Counts(10, 2)
+    base = figures((4.5, 1.5), start, config)
+    batch, _ = decode_capacity(base.decode, config)
+    missing = replace(base, itl_s=config.itl_target_s * 1.25, decode=replace(base.decode, running=batch))
+    held, _ = decide(missing, start, PlannerState(), config, 100.0, fixed_fleet=True)
+    assert not held.changed and "(nothing waits for its workers): steady" in held.reason, held.reason
+    for busy in (replace(missing.decode, waiting=1), replace(missing.decode, running=2 * batch + 1)):
+        grown, _ = decide(replace(missing, decode=busy), start, PlannerState(), config, 100.0, fixed_fleet=True)
+        assert grown.target.decode >= 3 and "ITL" in grown.reason, grown.reason
 
 
 def test_at_the_budget_the_split_follows_the_needs() -> None:
