@@ -97,8 +97,9 @@ def decide(figures: Figures | None, current: Counts, state: PlannerState, config
     reasons: list[str] = []
     for i, role in enumerate(ROLES):
         count, streak, why = _role_target(role, loads[role], recent[i], _pressure(role, figures, config),
-                                          current.of(role), arriving.of(role), joined[role], _waits(role, figures, config),
-                                          state.low_streak[i], figures.samples >= config.min_samples, config)
+                                          current.of(role), arriving.of(role), joined[role],
+                                          _waits(role, figures, config), state.low_streak[i],
+                                          figures.samples >= config.min_samples, config)
         wanted[role], reasons = count, reasons + [f"{role} {why}"]
         streaks.append(streak)
     shares = _budget_loads(loads, figures, current, config)
