@@ -253,8 +253,8 @@ def _role_target(role: str, role_load: float, recent: tuple[float, ...], pressur
                  config: PlannerConfig) -> tuple[int, int, str]:
     """(workers wanted, intervals under utilization_down so far, why) for one role of `count` workers, `arriving`
     of them still on their way to it (`joined`: others joined it lately, see _joined; `waits`: requests wait for
-    its workers now, see _waits); `recent` are its loads
-    remembered (see PEAK_MEMORY), this interval's last: their peak is what a step down must still serve."""
+    its workers now, see _waits); `recent` are its loads remembered (see PEAK_MEMORY), this interval's last:
+    their peak is what a step down must still serve."""
     low, high = config.bounds(role)
     to_target = _need(role, role_load, config)
     utilization = role_load / count if count else math.inf
