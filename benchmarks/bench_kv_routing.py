@@ -15,7 +15,8 @@ calibrated on this machine), so four workers and the proxy fit two cores; `--eng
 A closed loop sends a faster stack more requests per second; `--session-rate R[,R...]` runs the chats open
 loop as well (or instead: `--no-closed-loop`): R chats start per second per prefill worker at Poisson times
 (the same for both routings), each turn `--think-time` seconds after the last answer, so both routings
-face the same load.
+face the same load. `--conditional-disaggregation` turns it on in both proxies (a decode worker that holds all
+but a short part of a prompt prefills it itself).
 It reports TTFT/TPOT/ITL per run, from the KV-routed proxy's counters the prompt tokens its picked
 prefill worker held (`hit`) and the most any prefill worker held (`best`), and what TTFT is made of
 (`ttft_split`, benchmarks/ttft_split.py: the proxy, the leg's trip, the prefill workers' queue and compute,
@@ -84,13 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV-routed proxy's --kv-load-tokens (default: the proxy's own)")
     p.add_argument("--kv-load-queued-tokens", action=argparse.BooleanOptionalAction, default=None,
                    help="the KV-routed proxy's --[no-]kv-load-queued-tokens (default: the proxy's own)")
+    p.add_argument("--conditional-disaggregation", action="store_true",
+                   help="both proxies run conditional disaggregation (a decode worker prefills a prompt whose "
+                        "uncached part is short itself); KV routing weighs it with the index, round-robin with "
+                        "the proxy's own estimate")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per stack (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
 def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
-    proxy = ["--routing", "kv", "--tokenizer", "builtin"] if routing == "kv" else []
+    proxy = ["--routing", "kv"] if routing == "kv" else []
+    if routing == "kv" or args.conditional_disaggregation:
+        proxy += ["--tokenizer", "builtin"]
+    if args.conditional_disaggregation:
+        proxy += ["--conditional-disaggregation"]
     if routing == "kv" and args.kv_load_tokens is not None:
         proxy += ["--kv-load-tokens", str(args.kv_load_tokens)]
     if routing == "kv" and args.kv_load_queued_tokens is not None:

@@ -46,3 +46,14 @@ def test_the_first_open_loop_rate_heads_and_the_closed_loop_ratio_stays() -> Non
     closed = report(parse(["--topologies", "2p2d"]), runs, [], (0.0,), (0.0,))
     assert closed["ratios"]["kv_over_round_robin_ttft_p50"] == pytest.approx(0.5)
     assert closed["config"]["headline"] == bench_kv_routing.HEADLINE_CLOSED
+
+
+def test_conditional_disaggregation_goes_to_both_proxies_with_the_tokenizer_it_needs() -> None:
+    plain = parse([])
+    assert bench_kv_routing.stack_options(plain, "round_robin").proxy_extra == ()
+    assert bench_kv_routing.stack_options(plain, "kv").proxy_extra == ("--routing", "kv", "--tokenizer", "builtin")
+    both = parse(["--conditional-disaggregation"])
+    assert bench_kv_routing.stack_options(both, "round_robin").proxy_extra == (
+        "--tokenizer", "builtin", "--conditional-disaggregation")
+    assert bench_kv_routing.stack_options(both, "kv").proxy_extra == (
+        "--routing", "kv", "--tokenizer", "builtin", "--conditional-disaggregation")
