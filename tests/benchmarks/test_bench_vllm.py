@@ -22,7 +22,7 @@ SAVED = {"duration": 10.0, "completed": 15, "failed": 1, "total_input_tokens": 2
 
 def measured(rps: float, ttft: float, itl: float, idle: float) -> dict:
     return {"request_throughput": rps, "ttft_mean_ms": ttft, "ttft_p99_ms": ttft, "tpot_mean_ms": 1.0,
-            "tpot_p99_ms": 1.0, "itl_p99_ms": itl, "failed": 0, "idle_cpu_cores": idle}
+            "tpot_p99_ms": 1.0, "itl_p50_ms": itl / 2, "itl_p99_ms": itl, "failed": 0, "idle_cpu_cores": idle}
 
 
 def test_client_metrics_read_vllm_bench_serve_keys() -> None:
@@ -77,8 +77,9 @@ def test_tree_cpu_seconds_counts_children() -> None:
                               "while time.process_time() - t < 0.3: pass\ntime.sleep(60)"])
     try:
         wait_until(lambda: bench_vllm.tree_cpu_seconds([child.pid]) >= 0.3, timeout=30, what="the child's CPU")
-        # Our tree less our own threads: the child's 0.3 s (and any reaped child's), found by descent.
-        assert bench_vllm.tree_cpu_seconds([os.getpid()]) - time.process_time() >= 0.29
+        # Our tree less our own threads: the child's 0.3 s (and any reaped child's), found by descent. /proc counts
+        # both processes' time in whole clock ticks, so up to a few hundredths of a second can go missing.
+        assert bench_vllm.tree_cpu_seconds([os.getpid()]) - time.process_time() >= 0.25
     finally:
         child.kill()
         child.wait()
