@@ -7,6 +7,8 @@ by the same client, vLLM's own `vllm bench serve` (random prompts, fixed seed, -
                   (--kv-protocol nixl); skipped where `import nixl` fails (pip install nixl)
   vllm_neuron     vLLM 1P1D with our NeuronConnector behind our proxy
   neuron_di       our own worker's 1P1D behind our proxy
+  vllm_one_core   one plain `vllm serve` on the second core alone, behind our proxy: what one core
+                  serves (1P1D decodes on one core; its decode steps compare with this one's ITL p50)
 Per system: request throughput, TTFT mean and p99, TPOT mean and p99, ITL p99 and failed
 requests (read from the client's saved JSON), and idle CPU: the CPU time of every process of the
 stack (each with its children) over a window after the stack is up and before load, in cores.
@@ -18,7 +20,7 @@ others still run.
     python -m benchmarks.bench_vllm --quick                 # 128 in / 32 out, 16 prompts
     python -m benchmarks.bench_vllm --json benchmarks/results/vllm_connectors.json   # 512 / 128, 40
 
-Each vLLM server takes about 60-90 s to start on a 2-core machine (three vLLM stacks are started),
+Each vLLM server takes about 60-90 s to start on a 2-core machine (four vLLM stacks are started),
 so even --quick takes several minutes; its load part is well under a minute per system.
 Exit status: 0 every system measured with no failed request (vllm_nixl may be skipped for want
 of nixl), 1 a system could not be measured, 2 bad arguments, 3 some requests failed.
@@ -42,7 +44,7 @@ from benchmarks.vllm_bench_client import (CLIENT, ClientError, ClientLoad, clien
 from stack.vllm import (VllmOptions, start_colocated_pair, start_neuron_1p1d,
                                  start_nixl_1p1d)
 
-SYSTEMS = ("vllm_colocated", "vllm_nixl", "vllm_neuron", "neuron_di")
+SYSTEMS = ("vllm_colocated", "vllm_nixl", "vllm_neuron", "neuron_di", "vllm_one_core")
 # Unset flags take these values; --quick picks the second set.
 DEFAULTS = {"input_len": (512, 128), "output_len": (128, 32), "num_prompts": (40, 16)}
 # Ratio name -> (numerator system, denominator system, metric).
@@ -114,7 +116,8 @@ def starters(args: argparse.Namespace) -> dict[str, Callable[[], Stack]]:
                        startup_timeout_s=args.startup_timeout)
     ours = StackOptions(cores=args.cores, model=args.model, startup_timeout_s=args.startup_timeout)
     return {"vllm_colocated": lambda: start_colocated_pair(vllm), "vllm_nixl": lambda: start_nixl_1p1d(vllm),
-            "vllm_neuron": lambda: start_neuron_1p1d(vllm), "neuron_di": lambda: start_di(ours)}
+            "vllm_neuron": lambda: start_neuron_1p1d(vllm), "neuron_di": lambda: start_di(ours),
+            "vllm_one_core": lambda: start_colocated_pair(vllm, cores=args.cores[1:])}
 
 
 def nixl_problem() -> str | None:
@@ -226,8 +229,8 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 
 COLUMNS = [("req/s", "request_throughput", "{:.3f}"), ("TTFT mean", "ttft_mean_ms", "{:.1f}"),
            ("TTFT p99", "ttft_p99_ms", "{:.1f}"), ("TPOT mean", "tpot_mean_ms", "{:.2f}"),
-           ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("ITL p99", "itl_p99_ms", "{:.2f}"),
-           ("failed", "failed", "{:d}"), ("idle cores", "idle_cpu_cores", "{:.3f}")]
+           ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("ITL p50", "itl_p50_ms", "{:.2f}"),
+           ("ITL p99", "itl_p99_ms", "{:.2f}"), ("failed", "failed", "{:d}"), ("idle cores", "idle_cpu_cores", "{:.3f}")]
 
 
 def format_table(systems: dict[str, dict[str, Any]], ratio_values: dict[str, float | None]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from common.roles import DEFAULT_KV_PORT
 from stack.serving import Stack, StackOptions, free_port, start_proxy, started, wait_healthy
@@ -91,12 +91,14 @@ def start_colocated(options: VllmOptions, proxied: bool = False) -> Stack:
     return started(build)
 
 
-def start_colocated_pair(options: VllmOptions) -> Stack:
+def start_colocated_pair(options: VllmOptions, cores: Sequence[int] | None = None) -> Stack:
     """Two plain `vllm serve` replicas, one per core, behind our proxy round-robining them (what a
-    vLLM user runs today on these cores)."""
+    vLLM user runs today on these cores); `cores`: one replica on each of these instead."""
+    cores = options.cores if cores is None else cores
+
     def build(stack: Stack) -> None:
-        ports = [free_port() for _ in options.cores]
-        for i, (port, core) in enumerate(zip(ports, options.cores)):
+        ports = [free_port() for _ in cores]
+        for i, (port, core) in enumerate(zip(ports, cores)):
             start_server(stack, f"vllm {i}", options, port, core)
         wait_servers(stack, options)
         _proxy(stack, options, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]])
