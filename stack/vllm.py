@@ -14,6 +14,9 @@ from common.roles import DEFAULT_KV_PORT
 from stack.serving import Stack, StackOptions, free_port, start_proxy, started, wait_healthy
 
 SERVED_NAME = "model"
+# A DI prefill server's token budget a step (vLLM's CPU default is 2048): prompts that arrive together finish
+# one after another instead of all at the end of one long step, as our worker's default does (docs/vllm.md).
+DI_PREFILL_ARGS = ("--max-num-batched-tokens", "512")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +36,13 @@ class VllmOptions:
     env: dict[str, str] = field(default_factory=dict)   # more environment for every server
 
 
-def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None) -> list[str]:
-    """vLLM's defaults (chunked prefill on), a DI server with `kv_config` as its --kv-transfer-config."""
+def serve_args(options: VllmOptions, port: int, kv_config: dict[str, Any] | None = None,
+               extra: Sequence[str] = ()) -> list[str]:
+    """vLLM's defaults (chunked prefill on) and `extra`, a DI server with `kv_config` as its --kv-transfer-config."""
     args = ["-m", "vllm.entrypoints.cli.main", "serve", options.model, "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", options.dtype,
             "--max-model-len", str(options.max_model_len), "--num-gpu-blocks-override", str(options.num_blocks),
-            "--uvicorn-log-level", "warning", *options.extra_args]
+            "--uvicorn-log-level", "warning", *extra, *options.extra_args]
     if kv_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_config)]
     return args
@@ -62,10 +66,11 @@ def nixl_kv_config() -> dict[str, Any]:
 
 
 def start_server(stack: Stack, name: str, options: VllmOptions, port: int, core: int,
-                 kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 extra: Sequence[str] = ()) -> None:
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1",
                 **options.env, **(env or {})}
-    stack.start(name, serve_args(options, port, kv_config), core, vllm_env)
+    stack.start(name, serve_args(options, port, kv_config, extra), core, vllm_env)
     stack.worker_urls[name] = f"http://127.0.0.1:{port}"
 
 
@@ -113,7 +118,8 @@ def start_neuron_1p1d(options: VllmOptions, etcd: str | None = None) -> Stack:
         prefill, decode, kv_port = free_port(), free_port(), free_port()
         status = {"prefill": free_port(), "decode": free_port()}
         start_server(stack, "prefill", options, prefill, options.cores[0],
-                     neuron_kv_config("prefill", options, kv_port, etcd, prefill, status["prefill"]))
+                     neuron_kv_config("prefill", options, kv_port, etcd, prefill, status["prefill"]),
+                     extra=DI_PREFILL_ARGS)
         start_server(stack, "decode", options, decode, options.cores[1],
                      neuron_kv_config("decode", options, etcd=etcd, http_port=decode, status_port=status["decode"]))
         stack.kv_ports["prefill"] = kv_port

@@ -7,6 +7,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from stack.vllm import DI_PREFILL_ARGS
+
 # What docs/vllm.md says to set on a host other work shares (see "Serving with vLLM"): vLLM's CPU build
 # otherwise sizes each server's KV cache to most of the host's memory, and a second server cannot start;
 # and a prefill there may take far longer than the default 30 s the decode server's pull waits.
@@ -39,7 +41,8 @@ def kv_config(role: str, ports: ReadmePorts, shared_host: bool = True) -> dict[s
 def readme_commands(model: str, ports: ReadmePorts = ReadmePorts(),
                     shared_host: bool = True) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, argv, environment) of the prefill server, the decode server and the proxy, in start order."""
-    servers = [(role, ["vllm", "serve", model, "--port", str(getattr(ports, role)), "--kv-transfer-config",
+    servers = [(role, ["vllm", "serve", model, "--port", str(getattr(ports, role)),
+                       *(DI_PREFILL_ARGS if role == "prefill" else ()), "--kv-transfer-config",
                        json.dumps(kv_config(role, ports, shared_host), separators=(", ", ": "))],
                 SHARED_HOST_ENV[role] if shared_host else {}) for role in ("prefill", "decode")]
     proxy = ["python", "proxy_server.py", "--port", str(ports.proxy), "--prefill-ip", "127.0.0.1",
