@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,7 +42,7 @@ from benchmarks.bench_cli import fill_defaults, interrupted, parse_systems, stop
 from stack.serving import Stack, StackError, StackOptions, start_di
 from benchmarks.vllm_bench_client import (CLIENT, ClientError, ClientLoad, client_metrics, run_client,
                                         served_model)
-from stack.vllm import (VllmOptions, start_colocated_pair, start_neuron_1p1d,
+from stack.vllm import (VllmOptions, start_colocated, start_colocated_pair, start_neuron_1p1d,
                                  start_nixl_1p1d)
 
 SYSTEMS = ("vllm_colocated", "vllm_nixl", "vllm_neuron", "neuron_di", "vllm_one_core")
@@ -117,7 +118,7 @@ def starters(args: argparse.Namespace) -> dict[str, Callable[[], Stack]]:
     ours = StackOptions(cores=args.cores, model=args.model, startup_timeout_s=args.startup_timeout)
     return {"vllm_colocated": lambda: start_colocated_pair(vllm), "vllm_nixl": lambda: start_nixl_1p1d(vllm),
             "vllm_neuron": lambda: start_neuron_1p1d(vllm), "neuron_di": lambda: start_di(ours),
-            "vllm_one_core": lambda: start_colocated_pair(vllm, cores=args.cores[1:])}
+            "vllm_one_core": lambda: start_colocated(replace(vllm, cores=args.cores[::-1]), proxied=True)}
 
 
 def nixl_problem() -> str | None:

@@ -96,14 +96,12 @@ def start_colocated(options: VllmOptions, proxied: bool = False) -> Stack:
     return started(build)
 
 
-def start_colocated_pair(options: VllmOptions, cores: Sequence[int] | None = None) -> Stack:
+def start_colocated_pair(options: VllmOptions) -> Stack:
     """Two plain `vllm serve` replicas, one per core, behind our proxy round-robining them (what a
-    vLLM user runs today on these cores); `cores`: one replica on each of these instead."""
-    cores = options.cores if cores is None else cores
-
+    vLLM user runs today on these cores)."""
     def build(stack: Stack) -> None:
-        ports = [free_port() for _ in cores]
-        for i, (port, core) in enumerate(zip(ports, cores)):
+        ports = [free_port() for _ in options.cores]
+        for i, (port, core) in enumerate(zip(ports, options.cores)):
             start_server(stack, f"vllm {i}", options, port, core)
         wait_servers(stack, options)
         _proxy(stack, options, ["--mode", "colocated", *[a for p in ports for a in ("--worker", f"127.0.0.1:{p}")]])
