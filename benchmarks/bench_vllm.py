@@ -231,7 +231,8 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 COLUMNS = [("req/s", "request_throughput", "{:.3f}"), ("TTFT mean", "ttft_mean_ms", "{:.1f}"),
            ("TTFT p99", "ttft_p99_ms", "{:.1f}"), ("TPOT mean", "tpot_mean_ms", "{:.2f}"),
            ("TPOT p99", "tpot_p99_ms", "{:.2f}"), ("ITL p50", "itl_p50_ms", "{:.2f}"),
-           ("ITL p99", "itl_p99_ms", "{:.2f}"), ("failed", "failed", "{:d}"), ("idle cores", "idle_cpu_cores", "{:.3f}")]
+           ("ITL p99", "itl_p99_ms", "{:.2f}"), ("failed", "failed", "{:d}"),
+           ("idle cores", "idle_cpu_cores", "{:.3f}")]
 
 
 def format_table(systems: dict[str, dict[str, Any]], ratio_values: dict[str, float | None]) -> str:
