@@ -39,7 +39,7 @@ def linear_flops_per_token(config: ModelConfig) -> float:
     return 2.0 * config.num_hidden_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
 
 
-def matmul_ceiling(config: ModelConfig, dtype: str, rows: int, seconds: float = 1.0) -> float:
+def linear_ceiling(config: ModelConfig, dtype: str, rows: int, seconds: float = 1.0) -> float:
     """GFLOP/s of the engine's Linear (oneDNN-packed where it packs) as the MLP's up projection, for `rows`
     tokens, repeated for `seconds`: what the model's linear layers could reach on this thread."""
     kind = getattr(torch, dtype)
@@ -76,7 +76,7 @@ def profile_prefill(path: Path, dtype: str, prompt_len: int, budget: int | None,
     return {"wall_s": best, "tok_s": prompt_len / best, **{f"{k}_s": v for k, v in parts.items()},
             **{f"{k}_share": v / profiled for k, v in parts.items()},
             "linear_gflops": linear_flops_per_token(config) * prompt_len / parts["linear"] / 1e9,
-            "matmul_ceiling_gflops": matmul_ceiling(config, dtype, min(budget or prompt_len, prompt_len))}
+            "linear_ceiling_gflops": linear_ceiling(config, dtype, min(budget or prompt_len, prompt_len))}
 
 
 def main() -> None:
@@ -107,7 +107,7 @@ def main() -> None:
         report[dtype] = row
         print(f"{dtype:<10}{row['wall_s']:>8.3f}{row['tok_s']:>8.0f}{row['linear_s']:>10.3f}"
               f"{row['attention_s']:>8.3f}{row['other_s']:>9.3f}{row['linear_gflops']:>16.0f}"
-              f"{row['matmul_ceiling_gflops']:>9.0f}")
+              f"{row['linear_ceiling_gflops']:>9.0f}")
     report["load_after"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
