@@ -15,7 +15,7 @@ setup(
     ext_modules=[Extension("transfer._memcopy", ["transfer/_memcopy.c", "transfer/_crc32c.c", "transfer/_crc32c_fold.c"],
                            depends=["transfer/_crc32c.h", "transfer/_crc32c_fold.h"], optional=True),
                  Extension("worker.model.layers._paged_decode", ["worker/model/layers/_paged_decode.c"], optional=True),
-                 Extension("worker.model.layers._prefill_bf16", ["worker/model/layers/_prefill_bf16.c"],
+                 Extension("worker.model.layers._prefill_native", ["worker/model/layers/_prefill_native.c"],
                            extra_compile_args=["-O3"], optional=True)],
     install_requires=[
         # Pinned exactly: a range admitting newer releases pulls CUDA builds.

@@ -6,9 +6,9 @@ One prompt of --prompt-len tokens on the ~24M benchmark model, one torch thread,
 runs it (chunked prefill, --max-num-batched-tokens a step; --no-chunks: the whole prompt in one step).
 Wall time is the best of --repeats; the split comes from torch's profiler over one more run (ops'
 self time, so nothing is counted twice). The linear layers' GFLOP/s (their FLOPs over their time) is
-set against a ceiling: what the engine's Linear reaches at the MLP's shape on this thread. bf16 prompt
-attention runs where the engine runs it: the native kernel on a CPU with AVX-512 BF16 and no AMX, else
-torch's flash kernel; --attention picks either.
+set against a ceiling: what the engine's Linear reaches at the MLP's shape on this thread. Prompt
+attention runs where the engine runs it: the native kernel on a CPU with AVX-512 (BF16 for bf16, and no
+AMX for bf16), else torch's flash kernel; --attention picks either.
 """
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_engine import make_prompts
 from worker import EngineConfig, LLMEngine, SamplingParams, create_bench_model
-from worker.model.layers import prefill_bf16
+from worker.model.layers import prefill_native
 from worker.model.layers.linear import Linear
 from worker.model.model_config import ModelConfig
 
 # Profiler op name -> the part of the model it belongs to; anything else is "other".
 PARTS = {"mkldnn::_linear_pointwise": "linear", "aten::mm": "linear", "aten::addmm": "linear",
          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-         "aten::_scaled_dot_product_attention_math": "attention", prefill_bf16.PROFILER_NAME: "attention"}
+         "aten::_scaled_dot_product_attention_math": "attention", prefill_native.PROFILER_NAME: "attention"}
 
 
 def linear_flops_per_token(config: ModelConfig) -> float:
@@ -87,18 +87,20 @@ def main() -> None:
     parser.add_argument("--no-chunks", action="store_true", help="the whole prompt in one step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention", choices=["native", "torch"],
-                        help="bf16 prompt attention in the native kernel or in torch (default: as the engine picks)")
+                        help="prompt attention in the native kernel or in torch (default: as the engine picks)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     budget = None if args.no_chunks else args.max_num_batched_tokens
-    if args.attention == "native" and not prefill_bf16.SUPPORTED:
-        parser.error("--attention native: the kernel is not built or this CPU lacks AVX-512 BF16")
+    if args.attention == "native" and not {getattr(torch, name) for name in args.dtype} <= prefill_native.SUPPORTED:
+        parser.error(f"--attention native: the kernel is not built or this CPU cannot run it in {args.dtype}")
     if args.attention:
-        prefill_bf16.NATIVE = args.attention == "native"
+        prefill_native.NATIVE = prefill_native.SUPPORTED if args.attention == "native" else frozenset()
     path = create_bench_model()
-    report: dict[str, object] = {"prompt_len": args.prompt_len, "chunk_tokens": budget, "native_bf16_attention":
-                                 prefill_bf16.NATIVE, "load_before": os.getloadavg()}
+    report: dict[str, object] = {"prompt_len": args.prompt_len, "chunk_tokens": budget,
+                                 "native_attention": [name for name in args.dtype
+                                                      if getattr(torch, name) in prefill_native.NATIVE],
+                                 "load_before": os.getloadavg()}
     print(f"{'dtype':<10}{'wall s':>8}{'tok/s':>8}{'linear s':>10}{'attn s':>8}{'other s':>9}"
           f"{'linear GFLOP/s':>16}{'ceiling':>9}   "
           f"(prompt {args.prompt_len}, {'one step' if budget is None else f'{budget}-token chunks'})")

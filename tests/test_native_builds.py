@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from transfer import memcopy
-from worker.model.layers import paged_decode, prefill_bf16
+from worker.model.layers import paged_decode, prefill_native
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the Python/torch paths run")
@@ -16,6 +16,6 @@ def test_native_loop_is_built(module) -> None:
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: torch's attention runs")
-def test_native_bf16_prefill_is_built() -> None:
-    # Built wherever a compiler is; it can run where the CPU has AVX-512 BF16 (prefill_bf16.SUPPORTED).
-    assert prefill_bf16._prefill_bf16 is not None, "reinstall (pip install -e .) to build _prefill_bf16"
+def test_native_prefill_is_built() -> None:
+    # Built wherever a compiler is; it can run where the CPU has AVX-512 (prefill_native.SUPPORTED).
+    assert prefill_native._prefill_native is not None, "reinstall (pip install -e .) to build _prefill_native"

@@ -11,7 +11,7 @@ from tests.worker.conftest import make_hf_checkpoint
 from tests.worker.test_parity import PROMPTS, engine_for, hf_logits, prefill_logits
 from worker import EngineConfig
 from worker.dtype import auto_dtype, cpu_flags
-from worker.model.layers import prefill_bf16
+from worker.model.layers import prefill_native
 from worker.server.cli import parse_args
 
 # Four of bf16's steps (8-bit mantissa: 2**-7 apart at the top of a binade) of each row's largest logit:
@@ -64,9 +64,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "native-attention"])
 def test_bf16_prefill_logits_follow_transformers_bf16(checkpoint: Path, native: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    if native and not prefill_bf16.SUPPORTED:
-        pytest.skip("worker.model.layers._prefill_bf16 is not built or this CPU lacks AVX-512 BF16")
-    monkeypatch.setattr(prefill_bf16, "NATIVE", native)
+    if native and torch.bfloat16 not in prefill_native.SUPPORTED:
+        pytest.skip("worker.model.layers._prefill_native is not built or this CPU lacks AVX-512 BF16")
+    monkeypatch.setattr(prefill_native, "NATIVE", frozenset({torch.bfloat16}) if native else frozenset())
     hf = hf_bf16(checkpoint)
     engine = engine_for(checkpoint, dtype="bfloat16")
     assert engine.kv_pool.dtype == torch.bfloat16
@@ -74,7 +74,7 @@ def test_bf16_prefill_logits_follow_transformers_bf16(checkpoint: Path, native: 
         assert logits.dtype == torch.float32
         assert_close_bf16(logits, hf_logits(hf, prompt))
     single = prefill_logits(engine_for(checkpoint, dtype="bfloat16"), PROMPTS[2:])[0]
-    if native and prefill_bf16.applies(engine.kv_pool):   # our kernel rounds in its own order
+    if native and prefill_native.applies(engine.kv_pool):   # our kernel rounds in its own order
         assert_close_bf16(single, hf_logits(hf, PROMPTS[2]))
     else:   # HF's own path: exact
         assert torch.equal(single, hf_logits(hf, PROMPTS[2]))

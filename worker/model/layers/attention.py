@@ -2,8 +2,8 @@
 
 Every step writes the new tokens' K/V into their slots of the pool first, then each sequence
 attends over its whole context gathered through its block table (decodes on an fp32 CPU pool
-read it through the table in place: see paged_decode; prompt chunks on a bf16 pool with AVX-512
-BF16 likewise: see prefill_bf16). A step may mix decodes and prompt
+read it through the table in place: see paged_decode; prompt chunks on a bf16 or fp32 pool with
+AVX-512 likewise: see prefill_native). A step may mix decodes and prompt
 chunks: each kind runs its own attention over its own rows. Because every layer writes before
 it reads, a sequence may read blocks that another sequence of the same batch is filling in this
 very step (prefix-cache hits on a block computed in the same prefill).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.layers import paged_decode, prefill_bf16
+from worker.model.layers import paged_decode, prefill_native
 
 # torch's CPU flash kernel, which also returns each query's log-sum-exp (F.scaled_dot_product_attention
 # does not): two partial attentions merge exactly with it. None where this torch lacks it.
@@ -74,9 +74,9 @@ def build_mask(context_lens: torch.Tensor, query_lens: torch.Tensor, max_query_l
 
 def chunks_need_mask(kv_pool: torch.Tensor, num_seqs: int) -> bool:
     """Whether prompt chunks that read a prefix (or differ in length) attend through an additive mask. Only the
-    general path does: the native bf16 kernel reads each context through its table, and one chunk alone takes
+    general path does: the native kernel reads each context through its table, and one chunk alone takes
     two unmasked flash passes (_prefixed_chunk_attention)."""
-    return not prefill_bf16.applies(kv_pool) and (num_seqs > 1 or _FLASH_LSE is None)
+    return not prefill_native.applies(kv_pool) and (num_seqs > 1 or _FLASH_LSE is None)
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -98,8 +98,8 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _chunk_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      group: SeqGroup) -> torch.Tensor:
     """Prompt chunks: each attends over its context so far (cached prefix, earlier chunks, itself)."""
-    if prefill_bf16.applies(layer_kv):
-        return prefill_bf16.chunk_attention(q, layer_kv, group.block_tables, group.context_lens, group.query_lens)
+    if prefill_native.applies(layer_kv):
+        return prefill_native.chunk_attention(q, layer_kv, group.block_tables, group.context_lens, group.query_lens)
     if group.query_index is None:
         # Fresh chunks of equal length, nothing before them to read: attend over the new tokens themselves.
         n = group.num_seqs

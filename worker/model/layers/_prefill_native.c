@@ -1,0 +1,405 @@
+/* worker.layers._prefill_native: causal prompt attention on AVX-512, in bf16 or fp32, read from the paged pool.
+
+   torch's CPU flash kernel runs bf16 at fp32's speed where the CPU has no AMX: its small blocked
+   GEMMs go through oneDNN's generic bf16 path and convert every block. In bf16 this kernel multiplies
+   bf16 pairs with VDPBF16PS (fp32 accumulation), as oneDNN's large GEMMs do, and keeps what
+   must stay exact in fp32: the scores, the softmax (max, exp, sum) and the output accumulators.
+   Like the flash kernel, the exponentials are rounded to bf16 before they weigh V and the
+   sum that normalises them is taken in fp32 before rounding. In fp32 the same blocks run on FMAs
+   and nothing is rounded below fp32 (torch's flash kernel reaches about a third of the FMA peak there).
+
+   One sequence per call: n query rows at positions ctx - n .. ctx - 1, each sees keys 0 .. its
+   position. K and V are read from the paged pool through the block table (the step has
+   written this chunk's rows there already), packed once per KV head into the layouts the dot
+   products want: K in tiles of 16 keys (bf16: x (d / 2) pairs; fp32: x d), V as pairs of consecutive
+   keys (bf16) or as rows (fp32).
+
+   Layouts: q rows (n, heads, d) with row stride q_stride (elements), heads contiguous;
+   one layer's K or V plane (blocks, block_size, kv_heads, d); table (max_blocks,) int64;
+   out (n, heads, d), contiguous; q, K, V and out all bf16 or all fp32. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QB 48          /* query rows per block: their scores (QB x context, fp32) stay in L2 */
+#define QK_ROWS 12     /* score micro-kernel: 12 rows x 32 keys, 24 accumulators */
+#define PV_ROWS 6      /* value micro-kernel: 6 rows x 64 dims, 24 accumulators */
+#define KEY_TILE 32    /* keys per score micro-kernel step (two vectors of 16) */
+
+typedef struct {
+    int64_t n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, max_blocks, ctx;
+    int64_t elem;                   /* bytes of one element of q, K, V, out and the softmax's weights: 2 or 4 */
+    int64_t first_head, end_head;   /* the KV heads this call computes (callers split heads across threads) */
+    float scale;
+} Dims;
+
+#define OK 0
+#define BAD_BLOCK (-1)
+#define NO_MEMORY (-2)
+
+#define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial, 2^n applied by VSCALEFPS): ~1 ulp, underflows to 0. */
+TARGET_F32 static inline __m512 exp_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Row t of one KV head in the pool, or NULL if the table points outside it. */
+static const char *pool_row(const char *plane, const int64_t *table, int64_t t, int64_t h, const Dims *d)
+{
+    int64_t block = table[t / d->block_size];
+    if (block < 0 || block >= d->num_blocks)
+        return NULL;
+    return plane + ((block * d->block_size + t % d->block_size) * d->kv_heads + h) * d->head_dim * d->elem;
+}
+
+/* One dtype's steps: pack a KV head, score a block of rows, weigh a row, sum the weighted values. */
+typedef struct {
+    int (*pack)(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded, void *kp, void *vp,
+                const Dims *d);
+    void (*scores)(const void *qb, const void *kp, int64_t keys, float *s, int64_t s_stride, const Dims *d);
+    float (*softmax)(const float *s, int64_t valid, int64_t width, void *p);
+    void (*values)(const void *p, int64_t p_stride, const void *vp, int64_t keys, const float *sums, int rows,
+                   void *out, int64_t out_stride, const Dims *d);
+} Kernel;
+
+/* kp[tile][pair][16 keys] and vp[key pair][dim] as bf16 pairs (uint32); keys past ctx are zeros. */
+static int pack_head_bf16(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded,
+                          void *kp_, void *vp_, const Dims *d)
+{
+    uint32_t *kp = kp_, *vp = vp_;
+    const int64_t pairs = d->head_dim / 2;
+    memset(kp, 0, (size_t)(padded * pairs) * sizeof(uint32_t));
+    memset(vp, 0, (size_t)(padded / 2 * d->head_dim) * sizeof(uint32_t));
+    for (int64_t t = 0; t < d->ctx; t++) {
+        const uint16_t *kr = (const uint16_t *)pool_row(k, table, t, h, d);
+        const uint16_t *vr = (const uint16_t *)pool_row(v, table, t, h, d);
+        if (kr == NULL || vr == NULL)
+            return BAD_BLOCK;
+        const uint32_t *kr32 = (const uint32_t *)kr;
+        uint32_t *tile = kp + (t / 16) * pairs * 16 + t % 16;
+        for (int64_t p = 0; p < pairs; p++)
+            tile[p * 16] = kr32[p];
+        uint16_t *vpair = (uint16_t *)(vp + (t / 2) * d->head_dim) + t % 2;
+        for (int64_t i = 0; i < d->head_dim; i++)
+            vpair[2 * i] = vr[i];
+    }
+    return OK;
+}
+
+/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS rows of qb (bf16 pairs, padded rows are zeros). */
+TARGET static void scores_bf16(const void *qb_, const void *kp_, int64_t keys, float *s, int64_t s_stride,
+                               const Dims *d)
+{
+    const uint32_t *qb = qb_, *kp = kp_;
+    const int64_t pairs = d->head_dim / 2;
+    const __m512 scale = _mm512_set1_ps(d->scale);
+    for (int64_t j = 0; j < keys; j += KEY_TILE) {
+        __m512 acc[QK_ROWS][2];
+        for (int r = 0; r < QK_ROWS; r++)
+            acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        const uint32_t *t0 = kp + (j / 16) * pairs * 16, *t1 = t0 + pairs * 16;
+        for (int64_t p = 0; p < pairs; p++) {
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(t0 + p * 16);
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(t1 + p * 16);
+            for (int r = 0; r < QK_ROWS; r++) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)qb[r * pairs + p]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+            }
+        }
+        for (int r = 0; r < QK_ROWS; r++) {
+            _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(acc[r][0], scale));
+            _mm512_storeu_ps(s + r * s_stride + j + 16, _mm512_mul_ps(acc[r][1], scale));
+        }
+    }
+}
+
+/* Turns scores s[0 .. valid) into bf16 exp(s - max) in p[0 .. width) (zeros past valid); returns their fp32 sum. */
+TARGET static float softmax_bf16(const float *s, int64_t valid, int64_t width, void *p_)
+{
+    uint16_t *p = p_;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < valid; j += 16) {
+        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
+        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + j));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < valid; j += 16) {
+        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top)));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    const int64_t written = (valid + 15) / 16 * 16;
+    if (written < width)
+        memset(p + written, 0, (size_t)(width - written) * sizeof(uint16_t));
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* out rows = (P @ V) / sums for PV_ROWS rows of p (bf16, key pairs up to `keys`), 64 dims at a time. */
+TARGET static void values_bf16(const void *p_, int64_t p_stride, const void *vp_, int64_t keys,
+                               const float *sums, int rows, void *out_, int64_t out_stride, const Dims *d)
+{
+    const uint32_t *p = p_, *vp = vp_;   /* p: bf16 weights taken as pairs of keys, p_stride in weights */
+    uint16_t *out = out_;
+    const int64_t D = d->head_dim;
+    p_stride /= 2;
+    for (int64_t c = 0; c < D; c += 64) {
+        const int vecs = D - c >= 64 ? 4 : (int)(D - c) / 16;
+        __m512 acc[PV_ROWS][4];
+        for (int r = 0; r < PV_ROWS; r++)
+            for (int x = 0; x < 4; x++)
+                acc[r][x] = _mm512_setzero_ps();
+        for (int64_t m = 0; m < keys / 2; m++) {
+            __m512bh b[4];
+            for (int x = 0; x < vecs; x++)
+                b[x] = (__m512bh)_mm512_loadu_si512(vp + m * D + c + 16 * x);
+            for (int r = 0; r < PV_ROWS; r++) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[r * p_stride + m]);
+                for (int x = 0; x < vecs; x++)
+                    acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a, b[x]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+            for (int x = 0; x < vecs; x++)
+                _mm256_storeu_si256((__m256i *)(out + r * out_stride + c + 16 * x),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][x], inv)));
+        }
+    }
+}
+
+/* fp32: kp[tile][dim][16 keys] and vp[key][dim]; keys past ctx are zeros. */
+static int pack_head_f32(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded,
+                         void *kp_, void *vp_, const Dims *d)
+{
+    float *kp = kp_, *vp = vp_;
+    const int64_t D = d->head_dim;
+    memset(kp, 0, (size_t)(padded * D) * sizeof(float));
+    memset(vp, 0, (size_t)(padded * D) * sizeof(float));
+    for (int64_t t = 0; t < d->ctx; t++) {
+        const float *kr = (const float *)pool_row(k, table, t, h, d), *vr = (const float *)pool_row(v, table, t, h, d);
+        if (kr == NULL || vr == NULL)
+            return BAD_BLOCK;
+        float *tile = kp + (t / 16) * D * 16 + t % 16;
+        for (int64_t i = 0; i < D; i++)
+            tile[i * 16] = kr[i];
+        memcpy(vp + t * D, vr, (size_t)D * sizeof(float));
+    }
+    return OK;
+}
+
+/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS fp32 rows of qb (padded rows are zeros). */
+TARGET_F32 static void scores_f32(const void *qb_, const void *kp_, int64_t keys, float *s, int64_t s_stride,
+                                  const Dims *d)
+{
+    const float *qb = qb_, *kp = kp_;
+    const int64_t D = d->head_dim;
+    const __m512 scale = _mm512_set1_ps(d->scale);
+    for (int64_t j = 0; j < keys; j += KEY_TILE) {
+        __m512 acc[QK_ROWS][2];
+        for (int r = 0; r < QK_ROWS; r++)
+            acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        const float *t0 = kp + (j / 16) * D * 16, *t1 = t0 + D * 16;
+        for (int64_t i = 0; i < D; i++) {
+            const __m512 b0 = _mm512_loadu_ps(t0 + i * 16), b1 = _mm512_loadu_ps(t1 + i * 16);
+            for (int r = 0; r < QK_ROWS; r++) {
+                const __m512 a = _mm512_set1_ps(qb[r * D + i]);
+                acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < QK_ROWS; r++) {
+            _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(acc[r][0], scale));
+            _mm512_storeu_ps(s + r * s_stride + j + 16, _mm512_mul_ps(acc[r][1], scale));
+        }
+    }
+}
+
+/* Turns scores s[0 .. valid) into exp(s - max) in p[0 .. width) (zeros past valid); returns their sum. */
+TARGET_F32 static float softmax_f32(const float *s, int64_t valid, int64_t width, void *p_)
+{
+    float *p = p_;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < valid; j += 16) {
+        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
+        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + j));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < valid; j += 16) {
+        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(p + j, e);
+    }
+    const int64_t written = (valid + 15) / 16 * 16;
+    if (written < width)
+        memset(p + written, 0, (size_t)(width - written) * sizeof(float));
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* out rows = (P @ V) / sums for PV_ROWS fp32 rows of p (keys up to `keys`), 64 dims at a time. */
+TARGET_F32 static void values_f32(const void *p_, int64_t p_stride, const void *vp_, int64_t keys,
+                                  const float *sums, int rows, void *out_, int64_t out_stride, const Dims *d)
+{
+    const float *p = p_, *vp = vp_;
+    float *out = out_;
+    const int64_t D = d->head_dim;
+    for (int64_t c = 0; c < D; c += 64) {
+        const int vecs = D - c >= 64 ? 4 : (int)(D - c) / 16;
+        __m512 acc[PV_ROWS][4];
+        for (int r = 0; r < PV_ROWS; r++)
+            for (int x = 0; x < 4; x++)
+                acc[r][x] = _mm512_setzero_ps();
+        for (int64_t m = 0; m < keys; m++) {
+            __m512 b[4];
+            for (int x = 0; x < vecs; x++)
+                b[x] = _mm512_loadu_ps(vp + m * D + c + 16 * x);
+            for (int r = 0; r < PV_ROWS; r++) {
+                const __m512 a = _mm512_set1_ps(p[r * p_stride + m]);
+                for (int x = 0; x < vecs; x++)
+                    acc[r][x] = _mm512_fmadd_ps(a, b[x], acc[r][x]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+            for (int x = 0; x < vecs; x++)
+                _mm512_storeu_ps(out + r * out_stride + c + 16 * x, _mm512_mul_ps(acc[r][x], inv));
+        }
+    }
+}
+
+static const Kernel BF16 = {pack_head_bf16, scores_bf16, softmax_bf16, values_bf16};
+static const Kernel F32 = {pack_head_f32, scores_f32, softmax_f32, values_f32};
+
+/* All query heads of one KV head: per block of QB rows, scores, softmax, then P @ V. */
+static void attend_head(const Kernel *kern, const char *q, int64_t hq, const void *kp, const void *vp,
+                        int64_t padded, char *qb, float *s, char *p, float *sums, char *out, const Dims *d)
+{
+    const int64_t D = d->head_dim, E = d->elem, first = d->ctx - d->n;
+    for (int64_t i0 = 0; i0 < d->n; i0 += QB) {
+        const int64_t rows = d->n - i0 < QB ? d->n - i0 : QB;
+        const int64_t keys = (first + i0 + rows + KEY_TILE - 1) / KEY_TILE * KEY_TILE;   /* <= padded */
+        memset(qb, 0, (size_t)(QB * D * E));
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(qb + r * D * E, q + ((i0 + r) * d->q_stride + hq * D) * E, (size_t)(D * E));
+        for (int64_t r = 0; r < rows; r += QK_ROWS)
+            kern->scores(qb + r * D * E, kp, keys, s + r * padded, padded, d);
+        for (int64_t r = 0; r < rows; r++)
+            sums[r] = kern->softmax(s + r * padded, first + i0 + r + 1, keys, p + r * padded * E);
+        for (int64_t r = rows; r < (rows + PV_ROWS - 1) / PV_ROWS * PV_ROWS; r++)
+            memset(p + r * padded * E, 0, (size_t)(keys * E));
+        for (int64_t r = 0; r < rows; r += PV_ROWS)
+            kern->values(p + r * padded * E, padded, vp, keys, sums + r, (int)(rows - r < PV_ROWS ? rows - r : PV_ROWS),
+                         out + ((i0 + r) * d->heads + hq) * D * E, d->heads * D, d);
+    }
+}
+
+static int attention(const Kernel *kern, const char *q, const char *k, const char *v, const int64_t *table,
+                     char *out, const Dims *d)
+{
+    const int64_t padded = (d->ctx + KEY_TILE - 1) / KEY_TILE * KEY_TILE, group = d->heads / d->kv_heads;
+    const size_t E = (size_t)d->elem;
+    void *kp = malloc((size_t)(padded * d->head_dim) * E), *vp = malloc((size_t)(padded * d->head_dim) * E);
+    char *qb = malloc((size_t)(QB * d->head_dim) * E), *p = malloc((size_t)(QB * padded) * E);
+    float *s = malloc((size_t)(QB * padded) * sizeof(float));
+    float sums[QB];
+    int rc = kp && vp && qb && s && p ? OK : NO_MEMORY;
+    for (int64_t h = d->first_head; rc == OK && h < d->end_head; h++) {
+        rc = kern->pack(k, v, table, h, padded, kp, vp, d);
+        for (int64_t g = 0; rc == OK && g < group; g++)
+            attend_head(kern, q, h * group + g, kp, vp, padded, qb, s, p, sums, out, d);
+    }
+    free(kp), free(vp), free(qb), free(s), free(p);
+    return rc;
+}
+
+/* supported(dtype): whether this CPU runs the kernel in "bfloat16" (AVX-512 BF16) or "float32" (AVX-512F). */
+static PyObject *supported(PyObject *module, PyObject *dtype)
+{
+    (void)module;
+    const char *name = PyUnicode_AsUTF8(dtype);
+    if (name == NULL)
+        return NULL;
+    __builtin_cpu_init();
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                       && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (strcmp(name, "float32") == 0)
+        return PyBool_FromLong(avx512);
+    if (strcmp(name, "bfloat16") == 0)
+        return PyBool_FromLong(avx512 && __builtin_cpu_supports("avx512bf16"));
+    PyErr_Format(PyExc_ValueError, "no native prompt attention in %s: bfloat16 or float32", name);
+    return NULL;
+}
+
+static PyObject *prefill(PyObject *module, PyObject *args)
+{
+    unsigned long long q, k, v, table, out;
+    Dims d;
+    double scale = 0;
+    int fp32 = 0, rc;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLLdLLp", &q, &k, &v, &table, &out, &d.n, &d.heads, &d.kv_heads,
+                          &d.head_dim, &d.q_stride, &d.num_blocks, &d.block_size, &d.max_blocks, &d.ctx, &scale,
+                          &d.first_head, &d.end_head, &fp32))
+        return NULL;
+    d.scale = (float)scale;
+    d.elem = fp32 ? 4 : 2;
+    if (d.head_dim % 32 || d.kv_heads < 1 || d.heads % d.kv_heads || d.block_size < 1 || d.n < 1 || d.n > d.ctx
+        || d.max_blocks * d.block_size < d.ctx || d.first_head < 0 || d.end_head > d.kv_heads
+        || d.first_head >= d.end_head) {
+        PyErr_SetString(PyExc_ValueError, "head_dim must be a multiple of 32, heads a multiple of kv_heads, "
+                                          "0 < n <= ctx, the table must cover ctx and the head range be in range");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = attention(fp32 ? &F32 : &BF16, (const char *)(uintptr_t)q, (const char *)(uintptr_t)k,
+                   (const char *)(uintptr_t)v, (const int64_t *)(uintptr_t)table, (char *)(uintptr_t)out, &d);
+    Py_END_ALLOW_THREADS
+    if (rc != OK) {
+        if (rc == NO_MEMORY)
+            return PyErr_NoMemory();
+        PyErr_SetString(PyExc_ValueError, "a block table holds a block id outside the pool");
+        return NULL;
+    }
+    return Py_NewRef(Py_None);
+}
+
+static PyMethodDef methods[] = {
+    {"supported", supported, METH_O,
+     "supported(dtype): whether this CPU runs the kernel in dtype ('bfloat16': AVX-512 BF16, 'float32': AVX-512F)."},
+    {"prefill", prefill, METH_VARARGS,
+     "prefill(q, k_plane, v_plane, table, out, n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, "
+     "max_blocks, ctx, scale, first_head, end_head, fp32): causal attention of one sequence's last n positions "
+     "over its context, for KV heads first_head .. end_head - 1 (and their query heads); every tensor fp32 if "
+     "fp32, else bf16."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_prefill_native", NULL, 0, methods};
+
+PyMODINIT_FUNC PyInit__prefill_native(void)
+{
+    return PyModule_Create(&module);
+}
