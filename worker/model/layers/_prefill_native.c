@@ -62,6 +62,38 @@ TARGET_F32 static inline __m512 exp_ps(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
+/* Lanes 0 .. left - 1 of a vector of 16 (all of them when left >= 16). */
+static inline __mmask16 lanes(int64_t left)
+{
+    return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* The largest of the scores s[0 .. valid), in every lane. */
+TARGET_F32 static inline __m512 row_max(const float *s, int64_t valid)
+{
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < valid; j += 16)
+        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(valid - j), s + j));
+    return _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+}
+
+/* exp(s - top) for the scores s[j .. j + 16) below valid, zeros past it. */
+TARGET_F32 static inline __m512 weights(const float *s, int64_t j, int64_t valid, __m512 top)
+{
+    const __mmask16 m = lanes(valid - j);
+    return _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top)));
+}
+
+/* Scaled scores of QK_ROWS rows x KEY_TILE keys into s at column j. */
+TARGET_F32 static inline void store_scores(__m512 acc[QK_ROWS][2], float *s, int64_t s_stride, int64_t j, float scale)
+{
+    const __m512 k = _mm512_set1_ps(scale);
+    for (int r = 0; r < QK_ROWS; r++) {
+        _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(acc[r][0], k));
+        _mm512_storeu_ps(s + r * s_stride + j + 16, _mm512_mul_ps(acc[r][1], k));
+    }
+}
+
 /* Row t of one KV head in the pool, or NULL if the table points outside it. */
 static const char *pool_row(const char *plane, const int64_t *table, int64_t t, int64_t h, const Dims *d)
 {
@@ -105,90 +137,6 @@ static int pack_head_bf16(const char *k, const char *v, const int64_t *table, in
     return OK;
 }
 
-/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS rows of qb (bf16 pairs, padded rows are zeros). */
-TARGET static void scores_bf16(const void *qb_, const void *kp_, int64_t keys, float *s, int64_t s_stride,
-                               const Dims *d)
-{
-    const uint32_t *qb = qb_, *kp = kp_;
-    const int64_t pairs = d->head_dim / 2;
-    const __m512 scale = _mm512_set1_ps(d->scale);
-    for (int64_t j = 0; j < keys; j += KEY_TILE) {
-        __m512 acc[QK_ROWS][2];
-        for (int r = 0; r < QK_ROWS; r++)
-            acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        const uint32_t *t0 = kp + (j / 16) * pairs * 16, *t1 = t0 + pairs * 16;
-        for (int64_t p = 0; p < pairs; p++) {
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(t0 + p * 16);
-            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(t1 + p * 16);
-            for (int r = 0; r < QK_ROWS; r++) {
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)qb[r * pairs + p]);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-            }
-        }
-        for (int r = 0; r < QK_ROWS; r++) {
-            _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(acc[r][0], scale));
-            _mm512_storeu_ps(s + r * s_stride + j + 16, _mm512_mul_ps(acc[r][1], scale));
-        }
-    }
-}
-
-/* Turns scores s[0 .. valid) into bf16 exp(s - max) in p[0 .. width) (zeros past valid); returns their fp32 sum. */
-TARGET static float softmax_bf16(const float *s, int64_t valid, int64_t width, void *p_)
-{
-    uint16_t *p = p_;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < valid; j += 16) {
-        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + j));
-    }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < valid; j += 16) {
-        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top)));
-        sum = _mm512_add_ps(sum, e);
-        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    const int64_t written = (valid + 15) / 16 * 16;
-    if (written < width)
-        memset(p + written, 0, (size_t)(width - written) * sizeof(uint16_t));
-    return _mm512_reduce_add_ps(sum);
-}
-
-/* out rows = (P @ V) / sums for PV_ROWS rows of p (bf16, key pairs up to `keys`), 64 dims at a time. */
-TARGET static void values_bf16(const void *p_, int64_t p_stride, const void *vp_, int64_t keys,
-                               const float *sums, int rows, void *out_, int64_t out_stride, const Dims *d)
-{
-    const uint32_t *p = p_, *vp = vp_;   /* p: bf16 weights taken as pairs of keys, p_stride in weights */
-    uint16_t *out = out_;
-    const int64_t D = d->head_dim;
-    p_stride /= 2;
-    for (int64_t c = 0; c < D; c += 64) {
-        const int vecs = D - c >= 64 ? 4 : (int)(D - c) / 16;
-        __m512 acc[PV_ROWS][4];
-        for (int r = 0; r < PV_ROWS; r++)
-            for (int x = 0; x < 4; x++)
-                acc[r][x] = _mm512_setzero_ps();
-        for (int64_t m = 0; m < keys / 2; m++) {
-            __m512bh b[4];
-            for (int x = 0; x < vecs; x++)
-                b[x] = (__m512bh)_mm512_loadu_si512(vp + m * D + c + 16 * x);
-            for (int r = 0; r < PV_ROWS; r++) {
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[r * p_stride + m]);
-                for (int x = 0; x < vecs; x++)
-                    acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a, b[x]);
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
-            for (int x = 0; x < vecs; x++)
-                _mm256_storeu_si256((__m256i *)(out + r * out_stride + c + 16 * x),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][x], inv)));
-        }
-    }
-}
-
 /* fp32: kp[tile][dim][16 keys] and vp[key][dim]; keys past ctx are zeros. */
 static int pack_head_f32(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded,
                          void *kp_, void *vp_, const Dims *d)
@@ -209,86 +157,93 @@ static int pack_head_f32(const char *k, const char *v, const int64_t *table, int
     return OK;
 }
 
-/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS fp32 rows of qb (padded rows are zeros). */
-TARGET_F32 static void scores_f32(const void *qb_, const void *kp_, int64_t keys, float *s, int64_t s_stride,
-                                  const Dims *d)
-{
-    const float *qb = qb_, *kp = kp_;
-    const int64_t D = d->head_dim;
-    const __m512 scale = _mm512_set1_ps(d->scale);
-    for (int64_t j = 0; j < keys; j += KEY_TILE) {
-        __m512 acc[QK_ROWS][2];
-        for (int r = 0; r < QK_ROWS; r++)
-            acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        const float *t0 = kp + (j / 16) * D * 16, *t1 = t0 + D * 16;
-        for (int64_t i = 0; i < D; i++) {
-            const __m512 b0 = _mm512_loadu_ps(t0 + i * 16), b1 = _mm512_loadu_ps(t1 + i * 16);
-            for (int r = 0; r < QK_ROWS; r++) {
-                const __m512 a = _mm512_set1_ps(qb[r * D + i]);
-                acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < QK_ROWS; r++) {
-            _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(acc[r][0], scale));
-            _mm512_storeu_ps(s + r * s_stride + j + 16, _mm512_mul_ps(acc[r][1], scale));
-        }
-    }
+/* The three steps that differ by dtype only in their vector operations, written once. A "unit" is what one
+   broadcast lane holds: a pair of bf16 values (PER_UNIT 2: VDPBF16PS multiplies pairs) or one fp32 value (1).
+   K tiles hold units x 16 keys; V rows (or pairs of rows) hold units x d; the weights p are one element a key. */
+#define DEFINE_STEPS(NAME, TGT, UNIT, PER_UNIT, VEC, LOADV, BCAST, MAC, ELEM, STORE16)                          \
+/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS rows of qb (padded rows are zeros). */                        \
+TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, float *s, int64_t s_stride,       \
+                              const Dims *d)                                                                    \
+{                                                                                                               \
+    const UNIT *qb = qb_, *kp = kp_;                                                                            \
+    const int64_t units = d->head_dim / PER_UNIT;                                                               \
+    for (int64_t j = 0; j < keys; j += KEY_TILE) {                                                              \
+        __m512 acc[QK_ROWS][2];                                                                                 \
+        for (int r = 0; r < QK_ROWS; r++)                                                                       \
+            acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                                        \
+        const UNIT *t0 = kp + (j / 16) * units * 16, *t1 = t0 + units * 16;                                     \
+        for (int64_t u = 0; u < units; u++) {                                                                   \
+            const VEC b0 = LOADV(t0 + u * 16), b1 = LOADV(t1 + u * 16);                                         \
+            for (int r = 0; r < QK_ROWS; r++) {                                                                 \
+                const VEC a = BCAST(qb[r * units + u]);                                                         \
+                acc[r][0] = MAC(acc[r][0], a, b0);                                                              \
+                acc[r][1] = MAC(acc[r][1], a, b1);                                                              \
+            }                                                                                                   \
+        }                                                                                                       \
+        store_scores(acc, s, s_stride, j, d->scale);                                                            \
+    }                                                                                                           \
+}                                                                                                               \
+                                                                                                                \
+/* Turns scores s[0 .. valid) into exp(s - max) in p[0 .. width) (zeros past valid); returns their fp32 sum. */  \
+TGT static float softmax_##NAME(const float *s, int64_t valid, int64_t width, void *p_)                         \
+{                                                                                                               \
+    ELEM *p = p_;                                                                                               \
+    const __m512 top = row_max(s, valid);                                                                       \
+    __m512 sum = _mm512_setzero_ps();                                                                           \
+    for (int64_t j = 0; j < valid; j += 16) {                                                                   \
+        const __m512 e = weights(s, j, valid, top);                                                             \
+        sum = _mm512_add_ps(sum, e);                                                                            \
+        STORE16(p + j, e);                                                                                      \
+    }                                                                                                           \
+    const int64_t written = (valid + 15) / 16 * 16;                                                             \
+    if (written < width)                                                                                        \
+        memset(p + written, 0, (size_t)(width - written) * sizeof(ELEM));                                       \
+    return _mm512_reduce_add_ps(sum);                                                                           \
+}                                                                                                               \
+                                                                                                                \
+/* out rows = (P @ V) / sums for PV_ROWS rows of p (p_stride weights apart, keys up to `keys`), 64 dims at a    \
+   time. */                                                                                                     \
+TGT static void values_##NAME(const void *p_, int64_t p_stride, const void *vp_, int64_t keys,                  \
+                              const float *sums, int rows, void *out_, int64_t out_stride, const Dims *d)       \
+{                                                                                                               \
+    const UNIT *p = p_, *vp = vp_;                                                                              \
+    ELEM *out = out_;                                                                                           \
+    const int64_t D = d->head_dim;                                                                              \
+    p_stride /= PER_UNIT;                                                                                       \
+    for (int64_t c = 0; c < D; c += 64) {                                                                       \
+        const int vecs = D - c >= 64 ? 4 : (int)(D - c) / 16;                                                   \
+        __m512 acc[PV_ROWS][4];                                                                                 \
+        for (int r = 0; r < PV_ROWS; r++)                                                                       \
+            for (int x = 0; x < 4; x++)                                                                         \
+                acc[r][x] = _mm512_setzero_ps();                                                                \
+        for (int64_t m = 0; m < keys / PER_UNIT; m++) {                                                         \
+            VEC b[4];                                                                                           \
+            for (int x = 0; x < vecs; x++)                                                                      \
+                b[x] = LOADV(vp + m * D + c + 16 * x);                                                          \
+            for (int r = 0; r < PV_ROWS; r++) {                                                                 \
+                const VEC a = BCAST(p[r * p_stride + m]);                                                       \
+                for (int x = 0; x < vecs; x++)                                                                  \
+                    acc[r][x] = MAC(acc[r][x], a, b[x]);                                                        \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < rows; r++) {                                                                        \
+            const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);                                                  \
+            for (int x = 0; x < vecs; x++)                                                                      \
+                STORE16(out + r * out_stride + c + 16 * x, _mm512_mul_ps(acc[r][x], inv));                      \
+        }                                                                                                       \
+    }                                                                                                           \
 }
 
-/* Turns scores s[0 .. valid) into exp(s - max) in p[0 .. width) (zeros past valid); returns their sum. */
-TARGET_F32 static float softmax_f32(const float *s, int64_t valid, int64_t width, void *p_)
-{
-    float *p = p_;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < valid; j += 16) {
-        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + j));
-    }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < valid; j += 16) {
-        const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top)));
-        sum = _mm512_add_ps(sum, e);
-        _mm512_storeu_ps(p + j, e);
-    }
-    const int64_t written = (valid + 15) / 16 * 16;
-    if (written < width)
-        memset(p + written, 0, (size_t)(width - written) * sizeof(float));
-    return _mm512_reduce_add_ps(sum);
-}
+/* bf16: pairs multiplied by VDPBF16PS, results rounded to bf16 (round to nearest even) as they are stored. */
+#define LOAD_BF16(ptr) ((__m512bh)_mm512_loadu_si512(ptr))
+#define BCAST_BF16(pair) ((__m512bh)_mm512_set1_epi32((int)(pair)))
+#define MAC_BF16(acc, a, b) _mm512_dpbf16_ps((acc), (a), (b))
+#define STORE_BF16(ptr, v) _mm256_storeu_si256((__m256i *)(ptr), (__m256i)_mm512_cvtneps_pbh(v))
+DEFINE_STEPS(bf16, TARGET, uint32_t, 2, __m512bh, LOAD_BF16, BCAST_BF16, MAC_BF16, uint16_t, STORE_BF16)
 
-/* out rows = (P @ V) / sums for PV_ROWS fp32 rows of p (keys up to `keys`), 64 dims at a time. */
-TARGET_F32 static void values_f32(const void *p_, int64_t p_stride, const void *vp_, int64_t keys,
-                                  const float *sums, int rows, void *out_, int64_t out_stride, const Dims *d)
-{
-    const float *p = p_, *vp = vp_;
-    float *out = out_;
-    const int64_t D = d->head_dim;
-    for (int64_t c = 0; c < D; c += 64) {
-        const int vecs = D - c >= 64 ? 4 : (int)(D - c) / 16;
-        __m512 acc[PV_ROWS][4];
-        for (int r = 0; r < PV_ROWS; r++)
-            for (int x = 0; x < 4; x++)
-                acc[r][x] = _mm512_setzero_ps();
-        for (int64_t m = 0; m < keys; m++) {
-            __m512 b[4];
-            for (int x = 0; x < vecs; x++)
-                b[x] = _mm512_loadu_ps(vp + m * D + c + 16 * x);
-            for (int r = 0; r < PV_ROWS; r++) {
-                const __m512 a = _mm512_set1_ps(p[r * p_stride + m]);
-                for (int x = 0; x < vecs; x++)
-                    acc[r][x] = _mm512_fmadd_ps(a, b[x], acc[r][x]);
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
-            for (int x = 0; x < vecs; x++)
-                _mm512_storeu_ps(out + r * out_stride + c + 16 * x, _mm512_mul_ps(acc[r][x], inv));
-        }
-    }
-}
+/* fp32: FMAs, nothing rounded below fp32. */
+#define MAC_F32(acc, a, b) _mm512_fmadd_ps((a), (b), (acc))
+DEFINE_STEPS(f32, TARGET_F32, float, 1, __m512, _mm512_loadu_ps, _mm512_set1_ps, MAC_F32, float, _mm512_storeu_ps)
 
 static const Kernel BF16 = {pack_head_bf16, scores_bf16, softmax_bf16, values_bf16};
 static const Kernel F32 = {pack_head_f32, scores_f32, softmax_f32, values_f32};
