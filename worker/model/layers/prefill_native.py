@@ -2,15 +2,16 @@
 
 torch's CPU flash kernel runs bf16 no faster than fp32 on a CPU without AMX (one thread, the
 benchmark model's shapes, 2000 causal tokens: ~64 ms a layer in either dtype), so attention
-ate most of what bf16 gained in the linear layers; in fp32 it reaches about a third of the FMA
-peak (half of a 2000-token fp32 prefill on the AMD EPYC machine). The native kernel multiplies bf16
+ate most of what bf16 gained in the linear layers; in fp32 it runs at under a third of what the
+fp32 linear layers reach (half of a 2000-token fp32 prefill on the AMD EPYC machine). The native kernel multiplies bf16
 pairs with fp32 accumulation (fp32 on FMAs), keeps scores, softmax and sums in fp32 as the flash
 kernel does, and reads K and V through the block table (no gather, no mask). Results follow SDPA's
 within the dtype's rounding. Without a C compiler or without AVX-512 (BF16, for bf16), `applies` is
 False and attention runs as before. On a CPU with AMX, torch's flash kernel runs its bf16 matmuls on the
 tile unit and is the faster one in bf16 (one thread, the benchmark model: a 2000-token prefill in
 ~400 ms against ~800 ms, 4000 tokens ~1.35 s against ~3.0 s, 8 prompts of 512 tokens 625 against 782
-ms), so there the kernel runs fp32 only (`NATIVE`; `SUPPORTED` still says what it could run). With more
+ms), so there the kernel runs fp32 only, where the tile unit does not help torch (not measured on such a
+CPU; `NATIVE` says where it runs, `SUPPORTED` what it could run). With more
 than one torch thread, the KV heads are split across threads (the kernel releases the GIL); each head's
 numbers are the same whatever the split.
 """
