@@ -118,7 +118,7 @@ def starters(args: argparse.Namespace) -> dict[str, Callable[[], Stack]]:
     ours = StackOptions(cores=args.cores, model=args.model, startup_timeout_s=args.startup_timeout)
     return {"vllm_colocated": lambda: start_colocated_pair(vllm), "vllm_nixl": lambda: start_nixl_1p1d(vllm),
             "vllm_neuron": lambda: start_neuron_1p1d(vllm), "neuron_di": lambda: start_di(ours),
-            "vllm_one_core": lambda: start_colocated(replace(vllm, cores=args.cores[::-1]), proxied=True)}
+            "vllm_one_core": lambda: start_colocated(replace(vllm, cores=(args.cores[1],) * 2), proxied=True)}
 
 
 def nixl_problem() -> str | None:
