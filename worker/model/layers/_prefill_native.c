@@ -42,7 +42,7 @@ typedef struct {
 #define NO_MEMORY (-2)
 
 #define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 /* exp(x) for x <= 0 (Cephes' expf polynomial, 2^n applied by VSCALEFPS): ~1 ulp, underflows to 0. */
 TARGET_F32 static inline __m512 exp_ps(__m512 x)
@@ -239,7 +239,7 @@ TGT static void values_##NAME(const void *p_, int64_t p_stride, const void *vp_,
 #define BCAST_BF16(pair) ((__m512bh)_mm512_set1_epi32((int)(pair)))
 #define MAC_BF16(acc, a, b) _mm512_dpbf16_ps((acc), (a), (b))
 #define STORE_BF16(ptr, v) _mm256_storeu_si256((__m256i *)(ptr), (__m256i)_mm512_cvtneps_pbh(v))
-DEFINE_STEPS(bf16, TARGET, uint32_t, 2, __m512bh, LOAD_BF16, BCAST_BF16, MAC_BF16, uint16_t, STORE_BF16)
+DEFINE_STEPS(bf16, TARGET_BF16, uint32_t, 2, __m512bh, LOAD_BF16, BCAST_BF16, MAC_BF16, uint16_t, STORE_BF16)
 
 /* fp32: FMAs, nothing rounded below fp32. */
 #define MAC_F32(acc, a, b) _mm512_fmadd_ps((a), (b), (acc))
