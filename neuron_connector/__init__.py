@@ -23,6 +23,7 @@ proxy reads back and watches (`proxy.discovery.EtcdDiscovery`).
     recv.cancel(request_id)      # True: blocks free now; False: poll until FAILED first;
                                  # either way the prefill peer is told to release the request
     recv.release(request_id, p_host, p_kv_port)   # a request never pulled is gone: same
+    recv.write_back(p_host, p_kv_port, WriteBack(...))   # a finished answer's KV, for the prefill to pull
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from common.worker_record import WorkerRecord
 from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, EngineIdInUse, EngineMismatch, HandshakeError, IntegrityError,
     LayoutMismatch, PeerUnavailable, ProtocolError, PullTimeout, Unauthorized, UnknownRequest)
+from neuron_connector.protocol import WriteBack
 from neuron_connector.pulls import PullState, PullStatus
 from neuron_connector.registry import Registration
 
@@ -58,5 +60,5 @@ __all__ = [
     "LayoutMismatch", "PeerUnavailable", "ProtocolError", "PullTimeout", "RegistrationError", "Unauthorized",
     "UnknownRequest",
     "PullState", "PullStatus", "RecvBuffer", "SendBuffer", "SendStats",
-    "Registration", "WorkerRecord",
+    "Registration", "WorkerRecord", "WriteBack",
 ]

@@ -12,6 +12,7 @@ whose peer vanished (its host gone) within seconds.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from neuron_connector.errors import PeerUnavailable
+
+log = logging.getLogger(__name__)
 
 # Bounds what is in flight per peer; a peer over the bound gets its message dropped.
 HIGH_WATER_MARK = 1024
@@ -121,6 +124,14 @@ class ServiceThread:
     def close(self) -> None:
         """Frees the waker; after `stop`, once nothing polls it."""
         self.waker.close()
+
+    @staticmethod
+    def call(callback: Callable[..., None], *args: object) -> None:
+        """Calls an engine's `callback` from the thread: one that raises is logged and never stops the thread."""
+        try:
+            callback(*args)
+        except Exception:  # noqa: BLE001 - an engine callback must not kill the signal plane
+            log.exception("%s(%s) raised", getattr(callback, "__name__", "a callback"), ", ".join(map(repr, args)))
 
 
 def _configure(sock: zmq.Socket) -> None:

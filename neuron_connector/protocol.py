@@ -1,7 +1,8 @@
 """Signal-plane messages between a decode DEALER and a prefill ROUTER.
 
 Every message is a frozen dataclass that encodes itself with `to_bytes` and decodes with
-`from_bytes`; this module is the only place that touches the wire format. Requests carry
+`from_bytes`; this module (with the field rules of neuron_connector/wire_fields.py) is the only place
+that touches the wire format. Requests carry
 `"type"`; replies carry the `"type"` of the request they answer (so a DEALER can match
 out-of-order replies), or `"status": "error"` for an `ErrorReply`.
 
@@ -13,6 +14,8 @@ out-of-order replies), or `"status": "error"` for an `ErrorReply`.
       blocks D skips: its cached prefix,
       traceparent of its pull span if traced)
     Release (request id: D's request is gone)   no reply
+    WriteBack (a finished answer's KV waits     no reply (P pulls it from D's hand-back plane)
+      on D's hand-back plane: where, tokens)
                                                 Probe (is this session's peer still there?)
 
 With a shared KV secret each side proves it holds it: D's proof and P's proof are HMACs
@@ -21,12 +24,14 @@ can be replayed into another session.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 from common.kv_secret import proof as _proof
 from neuron_connector.errors import ProtocolError
+from neuron_connector.wire_fields import (
+    dump_object, generation_field, get_field, load_object, nonempty_field, non_negative_ints, request_id_field,
+    with_field, with_proof)
 
 # ErrorReply codes.
 BAD_REQUEST = "bad_request"
@@ -51,62 +56,6 @@ CRC32C = "crc32c"
 CHECKSUMS = (CRC32C,)
 
 
-def _load(data: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError) as exc:   # bad UTF-8, bad JSON, absurd nesting
-        raise ProtocolError(f"message is not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _dump(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _get(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if name not in obj:
-        if default is ...:
-            raise ProtocolError(f"message {obj.get('type')!r} lacks field {name!r}")
-        return default
-    value = obj[name]
-    # bool is an int subclass; a block id or token of `true` is a bug, not a number.
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ProtocolError(f"field {name!r} must be {kind}, got a bool")
-    if not isinstance(value, kind):
-        raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
-    return value
-
-
-def _block_ids(obj: dict[str, Any], name: str) -> tuple[int, ...]:
-    ids = _get(obj, name, list)
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
-        raise ProtocolError(f"field {name!r} must be a list of non-negative integers")
-    return tuple(ids)
-
-
-def _request_id(obj: dict[str, Any]) -> str:
-    rid = _get(obj, "request_id", str)
-    if not rid:
-        raise ProtocolError("field 'request_id' must not be empty")
-    return rid
-
-
-def _generation(obj: dict[str, Any]) -> int | None:
-    generation = _get(obj, "generation", int, None)
-    if generation is not None and not 0 < generation < 2**61:
-        raise ProtocolError(f"field 'generation' must be in [1, 2**61), got {generation}")
-    return generation
-
-
-def _nonempty(obj: dict[str, Any], name: str) -> str:
-    value = _get(obj, name, str)
-    if not value:
-        raise ProtocolError(f"field {name!r} must not be empty")
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class Handshake:
     """Opens a session: D's engine id (one live session per id), a fresh client nonce, and D's
@@ -119,13 +68,13 @@ class Handshake:
     incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump(_with("incarnation", self.incarnation,
+        return dump_object(with_field("incarnation", self.incarnation,
                            {"type": self.TYPE, "engine_id": self.engine_id, "nonce": self.nonce}))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Handshake:
-        return cls(engine_id=_nonempty(obj, "engine_id"), nonce=_nonempty(obj, "nonce"),
-                   incarnation=_get(obj, "incarnation", str, None))
+        return cls(engine_id=nonempty_field(obj, "engine_id"), nonce=nonempty_field(obj, "nonce"),
+                   incarnation=get_field(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +88,13 @@ class KVMapInit:
     proof: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump(_with_proof({"type": self.TYPE, "kv_map": self.kv_map, "transfer": self.transfer},
+        return dump_object(with_proof({"type": self.TYPE, "kv_map": self.kv_map, "transfer": self.transfer},
                                  self.proof))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> KVMapInit:
-        return cls(kv_map=_get(obj, "kv_map", dict), transfer=_get(obj, "transfer", dict),
-                   proof=_get(obj, "proof", str, None))
+        return cls(kv_map=get_field(obj, "kv_map", dict), transfer=get_field(obj, "transfer", dict),
+                   proof=get_field(obj, "proof", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +120,7 @@ class LookupAll:
     incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        obj: dict[str, Any] = _with("incarnation", self.incarnation, {
+        obj: dict[str, Any] = with_field("incarnation", self.incarnation, {
             "type": self.TYPE, "request_id": self.request_id,
             "block_ids_in_peer_device": list(self.block_ids_in_peer_device)})
         if self.generation is not None:
@@ -184,24 +133,24 @@ class LookupAll:
             obj["skipped_blocks"] = self.skipped_blocks
         if self.traceparent is not None:
             obj["traceparent"] = self.traceparent
-        return _dump(obj)
+        return dump_object(obj)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> LookupAll:
-        timeout = _get(obj, "timeout_s", (int, float), None)
+        timeout = get_field(obj, "timeout_s", (int, float), None)
         if timeout is not None and not timeout > 0:
             raise ProtocolError(f"field 'timeout_s' must be positive, got {timeout}")
-        checksum = _get(obj, "checksum", str, None)
+        checksum = get_field(obj, "checksum", str, None)
         if checksum is not None and checksum not in CHECKSUMS:
             raise ProtocolError(f"field 'checksum' must be one of {list(CHECKSUMS)}, got {checksum!r}")
-        skipped = _get(obj, "skipped_blocks", int, None)
+        skipped = get_field(obj, "skipped_blocks", int, None)
         if skipped is not None and skipped < 0:
             raise ProtocolError(f"field 'skipped_blocks' must not be negative, got {skipped}")
-        return cls(request_id=_request_id(obj),
-                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"),
+        return cls(request_id=request_id_field(obj),
+                   block_ids_in_peer_device=non_negative_ints(obj, "block_ids_in_peer_device"),
                    timeout_s=None if timeout is None else float(timeout), checksum=checksum,
-                   skipped_blocks=skipped, traceparent=_get(obj, "traceparent", str, None),
-                   generation=_generation(obj), incarnation=_get(obj, "incarnation", str, None))
+                   skipped_blocks=skipped, traceparent=get_field(obj, "traceparent", str, None),
+                   generation=generation_field(obj), incarnation=get_field(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,11 +162,41 @@ class Release:
     request_id: str
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "request_id": self.request_id})
+        return dump_object({"type": self.TYPE, "request_id": self.request_id})
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Release:
-        return cls(request_id=_request_id(obj))
+        return cls(request_id=request_id_field(obj))
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBack:
+    """D finished a request P prefilled and holds the KV of its prompt and answer for P to pull into its
+    prefix cache: `request_id` names it on D's hand-back signal plane at `host`:`port` (engine `engine_id`);
+    `token_ids` are the tokens the blocks hold, then the token after them (the pull's output token, a check
+    that the KV is of these tokens). Not answered."""
+
+    TYPE: ClassVar[str] = "write_back"
+    request_id: str
+    host: str
+    port: int
+    engine_id: str
+    token_ids: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        return dump_object({"type": self.TYPE, "request_id": self.request_id, "host": self.host, "port": self.port,
+                      "engine_id": self.engine_id, "token_ids": list(self.token_ids)})
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> WriteBack:
+        port = get_field(obj, "port", int)
+        if not 0 < port < 65536:
+            raise ProtocolError(f"field 'port' must be a TCP port, got {port}")
+        token_ids = non_negative_ints(obj, "token_ids")
+        if len(token_ids) < 2:
+            raise ProtocolError("field 'token_ids' must name the blocks' tokens and the token after them")
+        return cls(request_id=request_id_field(obj), host=nonempty_field(obj, "host"), port=port,
+                   engine_id=nonempty_field(obj, "engine_id"), token_ids=token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,16 +215,16 @@ class HandshakeReply:
     incarnation: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump(_with("incarnation", self.incarnation, {
+        return dump_object(with_field("incarnation", self.incarnation, {
             "type": self.TYPE, "status": "ok", "timestamp": self.timestamp, "engine_id": self.engine_id,
             "transfer": self.transfer, "nonce": self.nonce, "authenticated": self.authenticated}))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> HandshakeReply:
-        return cls(timestamp=float(_get(obj, "timestamp", (int, float))),
-                   engine_id=_get(obj, "engine_id", str), transfer=_get(obj, "transfer", dict),
-                   nonce=_nonempty(obj, "nonce"), authenticated=_get(obj, "authenticated", bool, False),
-                   incarnation=_get(obj, "incarnation", str, None))
+        return cls(timestamp=float(get_field(obj, "timestamp", (int, float))),
+                   engine_id=get_field(obj, "engine_id", str), transfer=get_field(obj, "transfer", dict),
+                   nonce=nonempty_field(obj, "nonce"), authenticated=get_field(obj, "authenticated", bool, False),
+                   incarnation=get_field(obj, "incarnation", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,11 +237,11 @@ class KVMapReply:
     proof: str | None = None
 
     def to_bytes(self) -> bytes:
-        return _dump(_with_proof({"type": self.TYPE, "status": "ok", "kv_map": self.kv_map}, self.proof))
+        return dump_object(with_proof({"type": self.TYPE, "status": "ok", "kv_map": self.kv_map}, self.proof))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> KVMapReply:
-        return cls(kv_map=_get(obj, "kv_map", dict), proof=_get(obj, "proof", str, None))
+        return cls(kv_map=get_field(obj, "kv_map", dict), proof=get_field(obj, "proof", str, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +252,7 @@ class Probe:
     TYPE: ClassVar[str] = "probe"
 
     def to_bytes(self) -> bytes:
-        return _dump({"type": self.TYPE, "status": "ok"})
+        return dump_object({"type": self.TYPE, "status": "ok"})
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Probe:
@@ -307,19 +286,19 @@ class LookupReply:
                 obj["checksum"] = self.checksum
         if self.error is not None:
             obj["error"] = self.error
-        return _dump(obj)
+        return dump_object(obj)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> LookupReply:
-        rid, success = _request_id(obj), _get(obj, "success", bool)
-        generation = _generation(obj)
+        rid, success = request_id_field(obj), get_field(obj, "success", bool)
+        generation = generation_field(obj)
         if not success:
-            return cls(request_id=rid, success=False, error=_get(obj, "error", str, None), generation=generation)
-        checksum = _get(obj, "checksum", int, None)
+            return cls(request_id=rid, success=False, error=get_field(obj, "error", str, None), generation=generation)
+        checksum = get_field(obj, "checksum", int, None)
         if checksum is not None and not 0 <= checksum < 2**32:
             raise ProtocolError(f"field 'checksum' must be a 32-bit unsigned integer, got {checksum}")
-        return cls(request_id=rid, success=True, output_token=_get(obj, "output_token", int, None),
-                   block_ids_in_peer_device=_block_ids(obj, "block_ids_in_peer_device"), checksum=checksum,
+        return cls(request_id=rid, success=True, output_token=get_field(obj, "output_token", int, None),
+                   block_ids_in_peer_device=non_negative_ints(obj, "block_ids_in_peer_device"), checksum=checksum,
                    generation=generation)
 
 
@@ -338,32 +317,23 @@ class ErrorReply:
             obj["type"] = self.reply_to
         if self.request_id is not None:
             obj["request_id"] = self.request_id
-        return _dump(obj)
+        return dump_object(obj)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> ErrorReply:
-        return cls(message=_get(obj, "message", str), code=_get(obj, "code", str, BAD_REQUEST),
-                   reply_to=_get(obj, "type", str, None), request_id=_get(obj, "request_id", str, None))
+        return cls(message=get_field(obj, "message", str), code=get_field(obj, "code", str, BAD_REQUEST),
+                   reply_to=get_field(obj, "type", str, None), request_id=get_field(obj, "request_id", str, None))
 
 
-Request = Union[Handshake, KVMapInit, LookupAll, Release]
+Request = Union[Handshake, KVMapInit, LookupAll, Release, WriteBack]
 Reply = Union[HandshakeReply, KVMapReply, LookupReply, Probe, ErrorReply]
 
-_REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll, Release)}
+_REQUESTS: dict[str, Any] = {c.TYPE: c for c in (Handshake, KVMapInit, LookupAll, Release, WriteBack)}
 _REPLIES: dict[str, Any] = {c.TYPE: c for c in (HandshakeReply, KVMapReply, LookupReply, Probe)}
 
 
-def _with(name: str, value: Any, obj: dict[str, Any]) -> dict[str, Any]:
-    """`obj` with the optional field `name`, when it has a value."""
-    return obj if value is None else {**obj, name: value}
-
-
-def _with_proof(obj: dict[str, Any], proof: str | None) -> dict[str, Any]:
-    return obj if proof is None else {**obj, "proof": proof}
-
-
 def _decode(data: bytes, table: dict[str, Any], what: str) -> Any:
-    obj = _load(data)
+    obj = load_object(data)
     kind = obj.get("type")
     if kind not in table:
         raise ProtocolError(f"unknown {what} type {kind!r}; expected one of {sorted(table)}")
@@ -377,7 +347,7 @@ def decode_request(data: bytes) -> Request:
 
 def decode_reply(data: bytes) -> Reply:
     """Decodes a P -> D message; raises ProtocolError for bad JSON or an unknown type."""
-    obj = _load(data)
+    obj = load_object(data)
     if obj.get("status") == "error":
         return ErrorReply.from_dict(obj)
     return _decode(data, _REPLIES, "reply")
@@ -386,7 +356,7 @@ def decode_reply(data: bytes) -> Reply:
 def request_fields(data: bytes) -> tuple[str | None, str | None]:
     """Best-effort (type, request_id) of a message that failed to decode, for the error reply."""
     try:
-        obj = _load(data)
+        obj = load_object(data)
     except ProtocolError:
         return None, None
     kind, rid = obj.get("type"), obj.get("request_id")

@@ -8,8 +8,9 @@ the deadline: FAILED always means our blocks are safe to reuse. Every pull that 
 terminal is recorded for `take_finished`, so the owner can announce it.
 
 A pull cancelled before it ended, or timed out while the peer kept answering "not yet",
-queues a `release` for its peer (`take_releases`): the prefill frees the request's blocks
-then, not at its abort timeout. `release` queues one for a request that never had a pull.
+queues a `release` for its peer (`take_notices`): the prefill frees the request's blocks
+then, not at its abort timeout. `release` queues one for a request that never had a pull;
+`write_back` queues an offer of a finished answer's KV, sent the same way.
 
 With `checksum` set, every lookup asks the peer for that checksum of the blocks it sends;
 the owner computes the same over our blocks when the reply comes (`on_reply`), and a pull
@@ -40,7 +41,7 @@ from typing import Callable
 from neuron_connector.errors import (
     ConnectorError, DuplicateRequest, EngineMismatch, IntegrityError, PeerUnavailable, ProtocolError,
     PullTimeout, UnknownRequest)
-from neuron_connector.protocol import LookupAll, LookupReply, Release
+from neuron_connector.protocol import LookupAll, LookupReply, Release, WriteBack
 
 
 class PullState(enum.Enum):
@@ -105,7 +106,7 @@ class PullTracker:
         self._engines: dict[str, str] = {}        # peer -> the engine its latest handshake named
         self._stale: set[str] = set()             # peers to handshake with again
         self._finished: dict[str, None] = {}      # ids turned terminal, not yet taken (in order)
-        self._releases: list[tuple[str, str]] = []  # (peer, request id) to tell that peer
+        self._notices: list[tuple[str, Release | WriteBack]] = []  # (peer, what to tell it), unanswered
         self._writers: dict[str, int | None] = {}   # peer -> pid of its process, when on this host
         self._incarnations: dict[str, str | None] = {}   # peer -> the incarnation its latest handshake named
         self.stale_replies = 0                     # replies naming a handoff generation not current
@@ -218,7 +219,7 @@ class PullTracker:
         for pull in self._pulls.values():
             if pull.peer == peer and pull.result is PENDING:
                 self._end(pull, PullStatus(PullState.FAILED, error=error))
-        self._releases = [(p, rid) for p, rid in self._releases if p != peer]
+        self._notices = [(p, notice) for p, notice in self._notices if p != peer]
 
     def answered(self, request_id: str) -> None:
         """The peer's success reply to the pull came and is being verified: the peer's part is over."""
@@ -295,12 +296,16 @@ class PullTracker:
 
     def release(self, request_id: str, peer: str) -> None:
         """Queues telling `peer` that our request `request_id` is gone."""
-        self._releases.append((peer, request_id))
+        self._notices.append((peer, Release(request_id)))
 
-    def take_releases(self, reachable: set[str]) -> list[tuple[str, Release]]:
-        """(peer, release) pairs to send now to the `reachable` peers; the rest wait."""
-        out = [(peer, Release(rid)) for peer, rid in self._releases if peer in reachable]
-        self._releases = [(peer, rid) for peer, rid in self._releases if peer not in reachable]
+    def write_back(self, peer: str, offer: WriteBack) -> None:
+        """Queues offering `peer` the KV of a finished answer it prefilled."""
+        self._notices.append((peer, offer))
+
+    def take_notices(self, reachable: set[str]) -> list[tuple[str, Release | WriteBack]]:
+        """(peer, notice) pairs to send now to the `reachable` peers; the rest wait."""
+        out = [(peer, notice) for peer, notice in self._notices if peer in reachable]
+        self._notices = [(peer, notice) for peer, notice in self._notices if peer not in reachable]
         return out
 
     def take_finished(self) -> list[str]:

@@ -16,7 +16,7 @@ from neuron_connector.incarnation import new_incarnation
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
     CRC32C, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
-    LookupReply, Probe, decode_reply)
+    LookupReply, Probe, WriteBack, decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
 from neuron_connector.verifier import PullVerifier
 from transfer import KVLayout, TransferError
@@ -204,6 +204,16 @@ class RecvBuffer:
             self._pulls.release(request_id, address)
         self._service.wake()
 
+    def write_back(self, peer_host: str, peer_kv_port: int, offer: WriteBack) -> None:
+        """Offers the peer (the prefill worker that served a finished request) that answer's KV, which waits on
+        our hand-back plane for its pull. Sent once the session is up; dropped with the peer if it fails."""
+        if not self._service.serving:
+            raise ConnectorError("RecvBuffer is not running (call start())")
+        address = self.maybe_setup_buffer(peer_host, peer_kv_port)
+        with self._lock:
+            self._pulls.write_back(address, offer)
+        self._service.wake()
+
     def close(self) -> None:
         """Stops the thread and closes every DEALER; idempotent."""
         if not self._service.stop():
@@ -245,10 +255,7 @@ class RecvBuffer:
         if self._on_finished is None:
             return
         for request_id in finished:
-            try:
-                self._on_finished(request_id)
-            except Exception:  # noqa: BLE001 - an engine callback must not kill the signal plane
-                log.exception("on_finished(%r) raised", request_id)
+            self._service.call(self._on_finished, request_id)
 
     def _sync_channels(self, poller: Poller) -> None:
         """Opens a DEALER per linked peer."""
@@ -276,8 +283,8 @@ class RecvBuffer:
             outgoing = [(a, m) for a, link in self._links.items()
                         if a in self.connection_dict and (m := link.due(now)) is not None]
             outgoing += lookups
-            # The peer takes a release only from an established (authenticated) session.
-            outgoing += [(a, m.to_bytes()) for a, m in self._pulls.take_releases(ready)]
+            # The peer takes a release or a write-back only from an established (authenticated) session.
+            outgoing += [(a, m.to_bytes()) for a, m in self._pulls.take_notices(ready)]
         for address, payload in outgoing:
             self.connection_dict[address].send(payload)
 

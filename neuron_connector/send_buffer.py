@@ -16,7 +16,7 @@ from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, S
 from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
     BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF, UNAUTHORIZED, ErrorReply,
-    Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply, Probe, Release, decode_request,
+    Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply, Probe, Release, WriteBack, decode_request,
     handshake_proof, request_fields)
 from neuron_connector.pullers import Pullers
 from neuron_connector.send_stats import Push, SendStats
@@ -54,8 +54,10 @@ class SendBuffer:
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
                  transfer_timeout: float = 30.0, on_transfer: Callable[[float, int], None] | None = None,
-                 secret: bytes | None = None, timeline: Timeline | None = None) -> None:
+                 secret: bytes | None = None, timeline: Timeline | None = None,
+                 on_write_back: Callable[[WriteBack], None] | None = None) -> None:
         self._engine = transfer_engine
+        self._on_write_back = on_write_back or (lambda offer: None)
         self.layout = layout
         self.engine_id = engine_id
         self._bind = (bind_host, kv_port)
@@ -219,8 +221,8 @@ class SendBuffer:
             return self._handshake(identity, message).to_bytes()
         if isinstance(message, KVMapInit):
             return self._kv_map_init(identity, message).to_bytes()
-        if isinstance(message, Release):
-            self._release(identity, message.request_id)
+        if isinstance(message, (Release, WriteBack)):
+            self._notice(identity, message)
             return None
         reply = self._lookup(identity, message)
         return None if reply is None else reply.to_bytes()
@@ -229,8 +231,7 @@ class SendBuffer:
         """Opens the connection's session, unless another live session holds the engine id."""
         assert self._router is not None
         self._sessions.drop_gone(self._alive, but=identity)
-        refusal = self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)
-        if refusal is not None:
+        if (refusal := self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)) is not None:
             return refusal
         session = self._sessions.open(identity, message.engine_id, message.nonce, message.incarnation)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
@@ -259,8 +260,7 @@ class SendBuffer:
             log.warning("refused %s: %s", session.describe(), refusal)
             return ErrorReply(refusal, UNAUTHORIZED, KVMapInit.TYPE)
         # Another connection of the same id may have proved itself since this one's handshake.
-        refusal = self._engine_id_taken(identity, session.engine_id, KVMapInit.TYPE)
-        if refusal is not None:
+        if (refusal := self._engine_id_taken(identity, session.engine_id, KVMapInit.TYPE)) is not None:
             return refusal
         try:
             peer_layout = KVLayout.from_dict(message.kv_map)
@@ -317,20 +317,25 @@ class SendBuffer:
             spans.join(rid, PUSH_SPAN, message.traceparent)  # the push goes under the decode worker's pull
         return self._start(rid, peer, decision, timeout, message)
 
-    def _release(self, identity: bytes, rid: str) -> None:
-        """A decode peer's request is gone; the release itself goes out at the end of this loop turn."""
-        self.stats.peer_releases += 1
+    def _notice(self, identity: bytes, message: Release | WriteBack) -> None:
+        """Taken only from an established session: a decode peer's request is gone (the release goes out at the end
+        of this loop turn), or it offers a finished answer's KV for `on_write_back` (none: the peer frees it later)."""
+        rid = message.request_id
+        self.stats.peer_releases += isinstance(message, Release)
         session = self._sessions.established(identity)
         if session is None:
             self.stats.unauthorized += 1
-            log.warning("ignored a release of %s from %s, which has not completed the handshake",
-                        rid, self._sessions.name(identity))
-            return
-        with self._lock:
-            accepted = self._table.release(rid, session.engine_id.encode(), time.monotonic())
-        if not accepted:
-            log.warning("%s released request %s, which another decode peer is pulling: ignored",
-                        session.describe(), rid)
+            log.warning("ignored a %s of %s from %s, which has not completed the handshake", message.TYPE, rid,
+                        self._sessions.name(identity))
+        elif isinstance(message, WriteBack):
+            self.stats.write_backs_offered += 1
+            self._service.call(self._on_write_back, message)
+        else:
+            with self._lock:
+                accepted = self._table.release(rid, session.engine_id.encode(), time.monotonic())
+            if not accepted:
+                log.warning("%s released request %s, which another decode peer is pulling: ignored",
+                            session.describe(), rid)
 
     def _start(self, rid: str, peer: Any, start: Start, timeout: float, lookup: LookupAll) -> LookupReply | None:
         token, started, checksum = CompletionToken(), time.monotonic(), lookup.checksum is not None
@@ -364,10 +369,7 @@ class SendBuffer:
                 self.stats.stale_pushes += isinstance(exc, StaleHandoff)
                 self.timeline.fail(rid, error)
             if error is None and self._on_transfer is not None:
-                try:
-                    self._on_transfer(time.monotonic() - push.started, push.num_blocks)
-                except Exception:  # noqa: BLE001 - a metrics callback must not kill the signal plane
-                    log.exception("on_transfer for %r raised", rid)
+                self._service.call(self._on_transfer, time.monotonic() - push.started, push.num_blocks)
             done = self._transfer_done(rid, error, push.token.checksum if push.summed else None)
             if done is None:
                 continue
@@ -394,7 +396,5 @@ class SendBuffer:
         for rid in released:
             self.stats.released += 1
             self.timeline.mark(rid, RELEASED)
-            try:
-                self._on_release(rid)
-            except Exception:  # noqa: BLE001 - an engine callback must not kill the signal plane
-                log.exception("on_release(%r) raised", rid)
+            self._service.call(self._on_release, rid)
+

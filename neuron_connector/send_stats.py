@@ -16,8 +16,9 @@ class SendStats:
     transfers_failed: int = 0
     released: int = 0
     peer_releases: int = 0     # `release` messages from decode peers (refused ones included)
+    write_backs_offered: int = 0   # `write_back` offers from established decode sessions
     bad_messages: int = 0
-    unauthorized: int = 0      # kv_map_init without a valid proof; releases before the handshake
+    unauthorized: int = 0      # kv_map_init without a valid proof; releases, write-backs before the handshake
     engine_id_conflicts: int = 0   # handshakes naming the engine id of another live session
     orphaned: int = 0          # requests released because the decode engine that was to pull them is gone
     stale_pushes: int = 0      # pushes refused: the decode peer no longer held its blocks for the handoff

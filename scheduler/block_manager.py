@@ -55,12 +55,21 @@ class BlockManager:
 
         Its own new blocks join the prefix cache only as their KV is computed (`commit`).
         """
+        # The block holding the last token is always computed: its logits are needed.
+        self._take_cached(seq, (len(seq) - 1) // self.block_size if seq.reads_prefix_cache else 0)
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def take_cached(self, seq: Sequence) -> int:
+        """Gives `seq` the cached blocks of its prefix, every full block of its tokens included, and no other
+        block (`may_append` adds the rest); returns how many it got."""
+        self._take_cached(seq, len(seq) // self.block_size)
+        return len(seq.block_table)
+
+    def _take_cached(self, seq: Sequence, max_blocks: int) -> None:
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         prev_hash: int | None = None
-        for i in range(seq.num_blocks):
-            # The block holding the last token is always computed: its logits are needed.
-            if not (self.enable_prefix_caching and seq.reads_prefix_cache) or (i + 1) * self.block_size >= len(seq):
-                break
+        for i in range(max_blocks if self.enable_prefix_caching else 0):
             token_ids, media = seq.block(i), seq.block_media(i)
             h = chain_hash(token_ids, prev_hash, media)
             block_id = self._lookup(h, token_ids, media)
@@ -70,8 +79,6 @@ class BlockManager:
             prev_hash = h
         seq.num_hashed_blocks = len(seq.block_table)
         seq.num_cached_tokens = seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        while len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._take_free_block().block_id)
 
     def allocate_fresh(self, seq: Sequence) -> None:
         """Gives `seq` unshared blocks for all its tokens that never join the prefix cache: a

@@ -1,6 +1,7 @@
 """Both legs of requests stepped through an in-process prefill engine and decode engine."""
 from __future__ import annotations
 
+import random
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -14,16 +15,18 @@ from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
 
 @contextmanager
-def engine_trio(num_blocks: int, dtype: str = "float32", decode_dtype: str | None = None,
+def engine_trio(num_blocks: int, dtype: str = "float32", decode_dtype: str | None = None, write_back: bool = False,
                 **decode_config: Any) -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
     """A prefill and a decode engine over shm, and a `both` engine to compare with, computing in `dtype`
-    (the decode engine in `decode_dtype` if given); closed on the way out."""
+    (the decode engine in `decode_dtype` if given; with `write_back`, answers' KV goes back to the prefill
+    engine); closed on the way out."""
     torch.set_num_threads(1)
     prefill = LLMEngine(EngineConfig(role="prefill", num_kv_blocks=num_blocks, dtype=dtype),
-                        kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port())))
+                        kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port(),
+                                                                   write_back=write_back)))
     decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=num_blocks, dtype=decode_dtype or dtype,
                                      **decode_config),
-                       kv_connector=KVConnector(KVConnectorConfig("decode", "shm",
+                       kv_connector=KVConnector(KVConnectorConfig("decode", "shm", write_back=write_back,
                                                                   engine_id=f"decode-{time.monotonic_ns()}")))
     both = LLMEngine(EngineConfig(num_kv_blocks=num_blocks, dtype=dtype))
     try:
@@ -65,3 +68,32 @@ def wait_all_free(*engines: LLMEngine) -> None:
         for engine in engines:
             engine.step()  # takes the connector's releases
         time.sleep(0.01)
+
+
+class Recorder:
+    """What the decode engine pulled and what the prefill engine computed, through their real hooks."""
+
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine) -> None:
+        self.pulls: list[tuple[int, int]] = []              # (blocks pulled, blocks skipped) per pull
+        self.prefill_starts: list[int] = []                 # first position each prefill chunk computed
+        self._prefill, self._decode = prefill, decode
+        self._run = prefill.runner.run
+
+    def __enter__(self) -> Recorder:
+        self._decode.kv_connector.on_pull = lambda pulled, skipped, block_bytes: self.pulls.append((pulled, skipped))
+
+        def run(step):  # the real runner, noting where each prompt chunk starts
+            self.prefill_starts.extend(c.start for c in step.chunks)
+            return self._run(step)
+
+        self._prefill.runner.run = run
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prefill.runner.run = self._run
+        self._decode.kv_connector.on_pull = lambda pulled, skipped, block_bytes: None
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(30, 230) for _ in range(n)]

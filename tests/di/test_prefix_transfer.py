@@ -3,14 +3,13 @@ the prompt blocks its prefix cache lacks, a prefill worker computes only the one
 and the tokens equal a `both` engine's."""
 from __future__ import annotations
 
-import random
 import time
 from typing import Iterator
 
 import pytest
 
 from common.handoff import parse_leg
-from tests.di.engine_pair import engine_trio, run_pair, wait_all_free
+from tests.di.engine_pair import Recorder, engine_trio, run_pair, tokens, wait_all_free
 from worker import LLMEngine, SamplingParams
 
 NUM_BLOCKS = 256
@@ -21,35 +20,6 @@ BLOCK = 16
 def engines() -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
     with engine_trio(NUM_BLOCKS) as trio:
         yield trio
-
-
-class Recorder:
-    """What the decode engine pulled and what the prefill engine computed, through their real hooks."""
-
-    def __init__(self, prefill: LLMEngine, decode: LLMEngine) -> None:
-        self.pulls: list[tuple[int, int]] = []              # (blocks pulled, blocks skipped) per pull
-        self.prefill_starts: list[int] = []                 # first position each prefill chunk computed
-        self._prefill, self._decode = prefill, decode
-        self._run = prefill.runner.run
-
-    def __enter__(self) -> Recorder:
-        self._decode.kv_connector.on_pull = lambda pulled, skipped, block_bytes: self.pulls.append((pulled, skipped))
-
-        def run(step):  # the real runner, noting where each prompt chunk starts
-            self.prefill_starts.extend(c.start for c in step.chunks)
-            return self._run(step)
-
-        self._prefill.runner.run = run
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._prefill.runner.run = self._run
-        self._decode.kv_connector.on_pull = lambda pulled, skipped, block_bytes: None
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(30, 230) for _ in range(n)]
 
 
 def chat(engines: tuple[LLMEngine, LLMEngine, LLMEngine], seed: int, params: SamplingParams,

@@ -301,7 +301,7 @@ def test_a_raising_on_finished_is_logged_and_the_thread_goes_on(
             wait_until(lambda: rid in named, timeout=10, what=f"on_finished({rid!r})")
             assert recv.poll(rid).output_token == block
         assert named == ["a", "b"]
-        assert "on_finished('a') raised" in caplog.text
+        assert "boom('a') raised" in caplog.text
     finally:
         recv.close()
         engine.close()

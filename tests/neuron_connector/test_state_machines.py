@@ -206,9 +206,9 @@ class TestPullTracker:
         pulls.on_reply(LookupReply("done", True, 1, (1,)), 1)
         assert pulls.cancel("quiet") is True and pulls.cancel("asked") is False
         assert pulls.cancel("asked") is False and pulls.cancel("done") is True
-        assert pulls.take_releases(set()) == []             # no channel to p yet: they wait
-        assert pulls.take_releases({"p"}) == [("p", Release("quiet")), ("p", Release("asked"))]
-        assert pulls.take_releases({"p"}) == []
+        assert pulls.take_notices(set()) == []             # no channel to p yet: they wait
+        assert pulls.take_notices({"p"}) == [("p", Release("quiet")), ("p", Release("asked"))]
+        assert pulls.take_notices({"p"}) == []
 
     def test_a_timed_out_pull_releases_only_on_a_peer_that_answered(self) -> None:
         pulls = PullTracker(resend_after=100)
@@ -217,14 +217,14 @@ class TestPullTracker:
         pulls.due(0, {"p"})
         pulls.on_reply(LookupReply("slow", False), 0.1)     # "not finished yet": it may publish later
         pulls.expire(1, {"p"})
-        assert pulls.take_releases({"p", "q"}) == [("p", Release("slow"))]
+        assert pulls.take_notices({"p", "q"}) == [("p", Release("slow"))]
 
     def test_release_without_a_pull_and_a_failed_peer_drops_its_releases(self) -> None:
         pulls = PullTracker()
         pulls.release("waited", "p")
         pulls.release("other", "q")
         pulls.fail_peer("q", PeerUnavailable("gone"))
-        assert pulls.take_releases({"p", "q"}) == [("p", Release("waited"))]
+        assert pulls.take_notices({"p", "q"}) == [("p", Release("waited"))]
 
     def test_terminal_error_and_duplicates(self) -> None:
         pulls = PullTracker()

@@ -5,11 +5,13 @@ cache holds already are not pulled: only the blocks after them are.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 
 from common.handoff import DecodeParams, LegParams
 from worker.engine.request import Request, RequestOutput
 from worker.engine.roles import DisaggregatedRole, EngineParts, Leg
 from worker.engine.kv_connector import KVConnector
+from worker.engine.kv_write_back import WriteBackCounts, WriteBackOffers
 from worker.engine.stream_handoff import StreamHandOffs, source_blocks
 from worker.errors import KVTransferError
 from worker.model.sampler import skip_sample
@@ -23,6 +25,7 @@ class DecodeSide(DisaggregatedRole):
     def __init__(self, parts: EngineParts, connector: KVConnector | None = None) -> None:
         super().__init__(parts, connector)
         self.hand_offs = StreamHandOffs(parts, self.kv)   # running streams handed to another decode worker
+        self.write_backs = WriteBackOffers(parts, self.kv)   # finished answers' KV held for their prefill worker
 
     def _leg(self, params: LegParams) -> Leg:
         assert isinstance(params, DecodeParams)
@@ -32,7 +35,9 @@ class DecodeSide(DisaggregatedRole):
         scheduler = self.parts.scheduler
         outputs: list[RequestOutput] = []
         results = self.kv.take_finished()
-        self.hand_offs.take_released()
+        released = self.kv.take_released()
+        self.hand_offs.take_released(released)
+        self.write_backs.take_released(released)
         for request_id, token_id in results.done:
             if (request := self._pulled(request_id)) is not None and request.num_output_tokens:
                 outputs.extend(self._resumed(request, token_id))
@@ -41,6 +46,8 @@ class DecodeSide(DisaggregatedRole):
                 skip_sample(self.parts.vocab_size, request.params, request.generator)
                 self.kv.pulled(request_id, len(request.block_table) - request.num_cached_blocks,
                                request.num_cached_blocks)
+                if self.kv.config.write_back:
+                    request.write_back_target = request.pull_target
                 scheduler.transfer_done(request, token_id)
                 request.advance(token_id)   # the prefill's token is this request's first output
                 outputs.append(self.parts.emit(request, token_id))
@@ -55,6 +62,11 @@ class DecodeSide(DisaggregatedRole):
                 outputs.append(self._fail(request, exc))
         return outputs
 
+    def after_step(self, seqs: list[Request]) -> None:
+        for request in seqs:
+            if request.is_finished and request.write_back_target is not None:
+                self.write_backs.offer(request)
+
     def abort(self, request: Request) -> None:
         """A pull the peer may still be writing keeps its blocks until it reports failed. The prefill
         worker is told the request is gone (by the cancel, or without a pull if none started yet)."""
@@ -65,6 +77,12 @@ class DecodeSide(DisaggregatedRole):
         elif request.remote_kv and request.pull_target is not None:   # still waiting for blocks to pull into
             self.kv.release(request.request_id, request.pull_target)
         super().abort(request)
+
+    def write_back_counts(self) -> WriteBackCounts | None:
+        return replace(self.write_backs.counts) if self.kv.config.write_back else None
+
+    def holds_kv(self) -> bool:
+        return self.write_backs.holds_kv
 
     def has_work(self) -> bool:
         return self.parts.scheduler.can_admit_transfer()

@@ -7,13 +7,17 @@ worker it starts a pull into each admitted request's fresh blocks with a RecvBuf
 reports the pulls its thread announces as finished: "done with first token t" or "failed
 with this error". Either buffer's announcement also calls `wake`, so an idle engine thread
 steps at once instead of polling.
+
+With `write_back` a decode worker offers the prefill worker that served a finished request the KV of its
+prompt and answer (held on its hand-back plane), and that prefill worker pulls it with a RecvBuffer of its own
+(worker/engine/kv_write_back.py).
 """
 from __future__ import annotations
 
 import logging
 import queue
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -22,12 +26,13 @@ from common.kv_secret import describe_plane
 from common.roles import DEFAULT_KV_PORT
 from common.timeline import ADMITTED, FIRST_STEP, PULL_REPORTED, Timeline
 from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, IntegrityError, ProtocolError,
-                              PullState, RecvBuffer, SendBuffer, UnknownRequest)
+                              PullState, RecvBuffer, SendBuffer, UnknownRequest, WriteBack)
 from transfer import KVLayout, TransferError, create_transfer_engine
 from common.held_blocks import HeldBlocks
 from worker.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -44,6 +49,7 @@ class KVConnectorConfig:
     integrity_check: bool = True           # decode: verify every pull with a CRC-32C the prefill sends
     hand_back_port: int | None = None      # decode: serve handed-back streams' KV here (0 = a free port); None: no
     hand_back_timeout: float = 3.0         # decode: free a handed-back stream's KV nobody pulled after this long
+    write_back: bool = False               # decode: offer finished answers' KV to their prefill; prefill: take it
     secret: bytes | None = field(default=None, repr=False)   # the shared KV secret; None: unauthenticated
 
 
@@ -75,6 +81,7 @@ class KVConnector:
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.held = HeldBlocks()   # prefill: the block sets published and not released yet
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._write_backs: queue.SimpleQueue[WriteBack] = queue.SimpleQueue()
         self._transfer: Any = None
         self.engine_id = config.engine_id              # the transfer engine's transfer_id if "", once allocated
         self.send: SendBuffer | None = None
@@ -93,17 +100,19 @@ class KVConnector:
             pool = self._transfer.allocate_region(layout)
             self._block_bytes = layout.block_bytes
             engine_id = self.engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: one session per id
-            if self.role == "prefill" or cfg.hand_back_port is not None:
-                decode = self.role == "decode"
+            decode = self.role == "decode"
+            hand_back_port = 0 if cfg.hand_back_port is None and cfg.write_back else cfg.hand_back_port
+            if not decode or hand_back_port is not None:
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host,
-                                       cfg.hand_back_port if decode else cfg.kv_port, on_release=self._on_release,
+                                       hand_back_port if decode else cfg.kv_port, on_release=self._on_release,
                                        abort_timeout=cfg.hand_back_timeout if decode else cfg.abort_timeout,
                                        transfer_timeout=cfg.pull_timeout,
                                        on_transfer=lambda seconds, blocks: self.on_transfer(
                                            seconds, blocks, blocks * layout.block_bytes), secret=cfg.secret,
-                                       timeline=self.timeline)
+                                       timeline=self.timeline,
+                                       on_write_back=self._on_write_back if cfg.write_back and not decode else None)
                 self.send.start()
-            if self.role == "decode":
+            if decode or cfg.write_back:
                 self.recv = RecvBuffer(self._transfer, layout, engine_id, default_timeout=cfg.pull_timeout,
                                        on_finished=self._on_finished, secret=cfg.secret,
                                        integrity_check=cfg.integrity_check, timeline=self.timeline)
@@ -140,6 +149,19 @@ class KVConnector:
         ends), its decode peer's lookup fails at once, and a leg with its id that arrives later is refused."""
         if self.send is not None:
             self.send.discard(request_id)
+
+    def _on_write_back(self, offer: WriteBack) -> None:
+        # SendBuffer thread: as _on_release.
+        self._write_backs.put(offer)
+        self.wake()
+
+    def has_write_backs(self) -> bool:
+        """Prefill: whether offers wait to be taken."""
+        return not self._write_backs.empty()
+
+    def take_write_backs(self) -> list[WriteBack]:
+        """Prefill: the answers' KV decode workers offered since the last call."""
+        return _drain(self._write_backs)
 
     def _on_release(self, request_id: str) -> None:
         # SendBuffer thread: queue it for the engine thread and wake that thread up.
@@ -212,6 +234,17 @@ class KVConnector:
         Either way the prefill worker is told to free the request's blocks."""
         return self.recv is None or self.recv.cancel(request_id)
 
+    def offer_write_back(self, request_id: str, target: DecodeParams, token_ids: list[int]) -> None:
+        """Decode: tells `target` (the prefill worker a finished request was pulled from) that the KV of
+        `token_ids` but the last waits, published as `request_id`, on this worker's hand-back plane."""
+        assert self.recv is not None and self.send is not None
+        offer = WriteBack(request_id, self.config.kv_host, self.send.port, self.engine_id, tuple(token_ids))
+        try:
+            self.recv.write_back(target.host, target.port, offer)
+        except ConnectorError as exc:
+            raise KVTransferError(f"could not offer {target.host}:{target.port} the KV of {request_id}: {exc}") \
+                from exc
+
     def release(self, request_id: str, target: DecodeParams) -> None:
         """A request that never started its pull is gone: its prefill worker may free the blocks now."""
         if self.recv is None:
@@ -241,10 +274,10 @@ def _retryable(error: ConnectorError | None) -> bool:
     return isinstance(error, EngineMismatch) or not isinstance(error, (HandshakeError, ProtocolError))
 
 
-def _drain(ids: queue.SimpleQueue[str]) -> list[str]:
-    taken: list[str] = []
+def _drain(items: queue.SimpleQueue[T]) -> list[T]:
+    taken: list[T] = []
     while True:
         try:
-            taken.append(ids.get_nowait())
+            taken.append(items.get_nowait())
         except queue.Empty:
             return taken

@@ -17,6 +17,7 @@ from worker.config import EngineConfig
 from worker.engine.decode_side import DecodeSide
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_connector import KVConnector
+from worker.engine.kv_write_back import WriteBackCounts
 from worker.engine.prefill_side import PrefillSide
 from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
@@ -42,6 +43,7 @@ class EngineStats:
     num_blocks_total: int
     num_transferring: int = 0   # prefill: finished, blocks held until pulled; decode: pulling
     counters: StepCounters = field(default_factory=StepCounters)   # a copy of the engine's running totals
+    write_back: WriteBackCounts | None = None   # with --kv-write-back: a copy of its running totals
 
 
 def zeros_pool(layout: KVLayout) -> torch.Tensor:
@@ -241,13 +243,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or blocks still held for (or by) a transfer."""
-        return self.requests.has_work()
+        return self.requests.has_work() or self.role.holds_kv()
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            len(bm.used_block_ids), bm.num_blocks, len(self.scheduler.transferring),
-                           replace(self.counters))
+                           replace(self.counters), self.role.write_back_counts())
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

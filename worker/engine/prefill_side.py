@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from common.handoff import LegParams, PrefillParams
 from neuron_connector import ConnectorError
+from worker.engine.kv_connector import KVConnector
+from worker.engine.kv_write_back import WriteBackCounts, WriteBackPulls
 from worker.engine.request import Request, RequestOutput
-from worker.engine.roles import DisaggregatedRole, Leg
+from worker.engine.roles import DisaggregatedRole, EngineParts, Leg
 
 logger = logging.getLogger(__name__)
 
@@ -16,11 +19,25 @@ class PrefillSide(DisaggregatedRole):
 
     name = "prefill"
 
+    def __init__(self, parts: EngineParts, connector: KVConnector | None = None) -> None:
+        super().__init__(parts, connector)
+        # With write-back: the answers' KV decode workers send back, for the prefix cache.
+        self.write_backs = WriteBackPulls(parts, self.kv) if self.kv.config.write_back else None
+
     def leg(self, request_id: str, params: LegParams | None) -> Leg:
         leg = super().leg(request_id, params)
         if leg.remote_kv:
             self.kv.admitted(request_id, params.decode_engine_id if isinstance(params, PrefillParams) else None)
         return leg
+
+    def write_back_counts(self) -> WriteBackCounts | None:
+        return None if self.write_backs is None else replace(self.write_backs.counts)
+
+    def has_work(self) -> bool:
+        return self.write_backs is not None and self.kv.has_write_backs()
+
+    def holds_kv(self) -> bool:
+        return self.write_backs is not None and (self.write_backs.holds_kv or self.kv.has_write_backs())
 
     def before_step(self) -> list[RequestOutput]:
         scheduler, requests = self.parts.scheduler, self.parts.requests
@@ -28,6 +45,8 @@ class PrefillSide(DisaggregatedRole):
             if (seq := scheduler.transferring.get(request_id)) is not None:
                 scheduler.release(seq)
                 requests.remove(request_id)
+        if self.write_backs is not None:
+            self.write_backs.before_step()
         return []
 
     def after_step(self, seqs: list[Request]) -> None:

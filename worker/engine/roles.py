@@ -14,6 +14,7 @@ from scheduler import Scheduler
 from common.handoff import DecodeParams, LegParams
 from common.roles import DISAGGREGATED_ROLES
 from worker.engine.kv_connector import KVConnector
+from worker.engine.kv_write_back import WriteBackCounts
 from worker.engine.request import Request, RequestOutput
 from worker.engine.request_table import RequestTable
 from worker.errors import InvalidRequestError, OtherRoleError
@@ -74,6 +75,14 @@ class EngineRole:
     def has_work(self) -> bool:
         """Whether a step now would do something the scheduler alone does not see."""
         return False
+
+    def holds_kv(self) -> bool:
+        """Whether KV outside the request table is held or moving (write-backs): steps must go on to end it."""
+        return False
+
+    def write_back_counts(self) -> WriteBackCounts | None:
+        """The totals of the answers' KV written back (`--kv-write-back`); None when it is off."""
+        return None
 
     def close(self) -> None:
         pass

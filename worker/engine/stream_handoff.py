@@ -51,9 +51,9 @@ class StreamHandOffs:
             return None
         return self.kv.handoff(request_id)
 
-    def take_released(self) -> None:
-        """Frees the blocks of every handed-off stream pulled, failed or not pulled in time."""
-        for request_id in self.kv.take_released():
+    def take_released(self, released: list[str]) -> None:
+        """Frees the blocks of every handed-off stream in `released` (pulled, failed or not pulled in time)."""
+        for request_id in released:
             if (request := self.parts.scheduler.transferring.get(request_id)) is not None:
                 self._free(request)
 

@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--prefix-aware-transfer", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: pull only the prompt's KV blocks this worker's prefix cache lacks, and cache the "
                          "pulled ones for the next prompt with that prefix (default: on; needs prefix caching)")
+    kv.add_argument("--kv-write-back", action="store_true",
+                    help="give both roles: a decode worker offers the KV of each finished answer back to the prefill "
+                         "worker that served its prompt, which pulls it into its prefix cache, so a chat's next turn "
+                         "sent there computes only the new message (default: off)")
     kv.add_argument("--kv-events-config", default=None, metavar="JSON",
                     help="publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\":true,"
                          "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}' (default: off)")
@@ -163,6 +167,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                                                    and 0 <= args.hand_back_kv_port <= 65535):
         parser.error("--hand-back-kv-port is a TCP port or 0, for a decode worker (or a prefill worker that may "
                      "change role to decode) with --drain-hands-back-streams")
+    if args.kv_write_back and args.role not in DISAGGREGATED_ROLES:
+        parser.error("--kv-write-back is for prefill and decode workers")
     if not 0 <= args.kv_port <= 65535:
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
@@ -314,7 +320,8 @@ def engine_factory(args: argparse.Namespace, engine_config: EngineConfig, role: 
             role=config.role, transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
             engine_id=args.engine_id, abort_timeout=args.kv_abort_timeout,
             pull_timeout=args.kv_pull_timeout, secret=args.kv_secret, integrity_check=args.kv_integrity_check,
-            hand_back_port=args.hand_back_kv_port if config.role == "decode" else None))
+            hand_back_port=args.hand_back_kv_port if config.role == "decode" else None,
+            write_back=args.kv_write_back))
         try:
             return published(LLMEngine(config, kv_connector=connector, model=loaded))
         except BaseException:

@@ -80,8 +80,10 @@ class ServerMetrics:
         self.requests = Counter("neuron_di_requests", "Requests answered, by finish reason or error status.",
                                 [*labels, "outcome"], registry=self.registry)
         self.model_name = model_name
-        self.steps = _StepCollector(model_name)
+        self.steps = _TotalsCollector(model_name, _STEP_SERIES, StepCounters())
+        self.write_back = _TotalsCollector(model_name, _WRITE_BACK_SERIES, None)
         self.registry.register(self.steps)
+        self.registry.register(self.write_back)
         for counter in (self.prompt_tokens, self.generation_tokens, self.requested_tokens,
                         self.finished_requested_tokens, self.finished_generated_tokens, self.integrity_checks,
                         self.integrity_failures, self.pulls, self.blocks_pulled, self.bytes_pulled, self.blocks_skipped,
@@ -89,7 +91,7 @@ class ServerMetrics:
             counter.labels(model_name)    # shown as 0 before the first request or pull
 
     def observe_stats(self, stats: EngineStats) -> None:
-        self.steps.counters = stats.counters
+        self.steps.totals, self.write_back.totals = stats.counters, stats.write_back
         self.running.labels(self.model_name).set(stats.num_running)
         self.waiting.labels(self.model_name).set(stats.num_waiting)
         self.transferring.labels(self.model_name).set(stats.num_transferring)
@@ -176,15 +178,28 @@ _STEP_SERIES = (
 )
 
 
-class _StepCollector(Collector):
-    """The engine's step counters as Prometheus counters (running totals kept by the engine thread)."""
+# name, help, WriteBackCounts field: a worker's answers' KV written back (--kv-write-back)
+_WRITE_BACK_SERIES = (
+    ("neuron_di_kv_write_back_offers", "Decode: finished answers whose KV was offered to their prefill worker.",
+     "offered"),
+    ("neuron_di_kv_write_back_cached_blocks", "Prefill: KV blocks of answers pulled into the prefix cache.",
+     "cached_blocks"),
+    ("neuron_di_kv_write_back_refused", "Prefill: answers' KV offered and not taken (no room, or malformed).",
+     "refused"),
+    ("neuron_di_kv_write_back_failed", "Prefill: pulls of answers' KV that failed.", "failed"),
+)
 
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
-        self.counters = StepCounters()
+
+class _TotalsCollector(Collector):
+    """Running totals the engine thread keeps (`totals`, a copy; None: nothing to show) as Prometheus counters."""
+
+    def __init__(self, model_name: str, series: tuple[tuple[str, str, str], ...], totals: object | None) -> None:
+        self.model_name, self.series, self.totals = model_name, series, totals
 
     def collect(self) -> Iterator[Metric]:
-        for name, doc, attr in _STEP_SERIES:
+        if self.totals is None:
+            return
+        for name, doc, attr in self.series:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(getattr(self.counters, attr)))
+            family.add_metric([self.model_name], float(getattr(self.totals, attr)))
             yield family

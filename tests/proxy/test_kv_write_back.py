@@ -1,0 +1,85 @@
+"""--kv-write-back with real worker processes behind a KV-routed proxy: a chat's answer KV goes back to the
+prefill worker that served the prompt, the proxy hears of it from that worker's KV events and sends the next
+turn there, which holds every block of the last turn's prompt and answer; the answers equal one `both`
+worker's and every block comes back."""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from stack.serving import free_port
+from stack.worker_metrics import metric
+from tests.helpers import wait_until
+from tests.proxy.conftest import Server, start_proxy
+from tests.worker_process import WorkerProcess, start_workers, stop_together
+
+MODEL = "neuron-di-builtin"
+BLOCK = 16
+
+
+def events_flag() -> list[str]:
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    return ["--kv-events-config", json.dumps(config)]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
+    workers: list[WorkerProcess] = []
+    proxy: Server | None = None
+    try:
+        workers = start_workers(*((role, "shm", [*events_flag(), "--kv-write-back"] if role != "both" else ())
+                                  for role in ("prefill", "prefill", "decode", "both")))
+        p1, p2, d1, _ = workers
+        proxy = start_proxy([f"--prefill=127.0.0.1:{p1.port}:{p1.kv_port}",
+                             f"--prefill=127.0.0.1:{p2.port}:{p2.kv_port}", f"--decode=127.0.0.1:{d1.port}",
+                             "--routing", "kv", "--tokenizer", "builtin", "--health-interval", "0.5"])
+        yield proxy, workers
+    finally:
+        stop_together(proxy.process if proxy is not None else None, *workers)
+
+
+def complete(client: httpx.Client, url: str, prompt: list[int], sampling: dict[str, Any]) -> list[int]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "neuron_di_token_ids": True,
+            **sampling}
+    reply = client.post(f"{url}/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["token_ids"]
+
+
+def indexed(proxy: Server, worker: WorkerProcess) -> float:
+    """The blocks the proxy's index says `worker` holds."""
+    return metric(proxy.url, "proxy_kv_index_blocks", 0.0, worker=f"127.0.0.1:{worker.port}")
+
+
+def written_back(workers: list[WorkerProcess]) -> float:
+    return sum(metric(w.url, "neuron_di_kv_write_back_cached_blocks_total", 0.0) for w in workers[:2])
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 11}])
+def test_the_next_turn_finds_the_answer_on_its_prefill_worker(stack, sampling: dict[str, Any]) -> None:
+    proxy, workers = stack
+    rng = random.Random(str(sampling))
+    prompt = [rng.randrange(30, 230) for _ in range(150)]
+    with httpx.Client(timeout=120) as client:
+        for turn in range(3):
+            cached = written_back(workers)
+            hits = metric(proxy.url, "proxy_kv_route_tokens_total", 0.0, kind="hit")
+            answer = complete(client, proxy.url, prompt, sampling)
+            assert answer == complete(client, workers[-1].url, prompt, sampling), f"turn {turn}"
+            if turn:   # the prefill worker picked held the last turn's prompt and answer but its newest token
+                held = metric(proxy.url, "proxy_kv_route_tokens_total", 0.0, kind="hit") - hits
+                assert held >= (len(prompt) - 1 - 40) // BLOCK * BLOCK, (turn, held)
+            wait_until(lambda: written_back(workers) > cached, timeout=30)
+            # ... and the proxy heard it: a prefill worker's index holds the chat's every full block.
+            full = (len(prompt) + len(answer) - 1) // BLOCK
+            wait_until(lambda: max(indexed(proxy, w) for w in workers[:2]) >= full, timeout=30)
+            prompt = prompt + answer + [rng.randrange(30, 230) for _ in range(40)]
+    for worker in workers:
+        worker.wait_blocks_free()
+    decode = workers[2]
+    assert metric(decode.url, "neuron_di_kv_write_back_offers_total", 0.0) >= 3
+    assert sum(metric(w.url, "neuron_di_kv_write_back_failed_total", 0.0) for w in workers[:2]) == 0
