@@ -17,6 +17,8 @@ loop as well (or instead: `--no-closed-loop`): R chats start per second per pref
 (the same for both routings), each turn `--think-time` seconds after the last answer, so both routings
 face the same load. `--conditional-disaggregation` turns it on in both proxies (a decode worker that holds all
 but a short part of a prompt prefills it itself).
+`--kv-write-back` starts every worker with it: a finished answer's KV goes back to the prefill worker that
+served its prompt, so a next turn sent there computes only its new message.
 It reports TTFT/TPOT/ITL per run, from the KV-routed proxy's counters the prompt tokens its picked
 prefill worker held (`hit`) and the most any prefill worker held (`best`), and what TTFT is made of
 (`ttft_split`, benchmarks/ttft_split.py: the proxy, the leg's trip, the prefill workers' queue and compute,
@@ -89,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="both proxies run conditional disaggregation (a decode worker prefills a prompt whose "
                         "uncached part is short itself); KV routing weighs it with the index, round-robin with "
                         "the proxy's own estimate")
+    p.add_argument("--kv-write-back", action="store_true",
+                   help="every worker with --kv-write-back: a decode worker gives each finished answer's KV back to "
+                        "the prefill worker that served its prompt (under both routings)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per stack (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -104,7 +109,8 @@ def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
         proxy += ["--kv-load-tokens", str(args.kv_load_tokens)]
     if routing == "kv" and args.kv_load_queued_tokens is not None:
         proxy += ["--kv-load-queued-tokens" if args.kv_load_queued_tokens else "--no-kv-load-queued-tokens"]
-    return StackOptions(cores=(0, 1), worker_extra=MOCK if args.engine == "mock" else (),
+    workers = (MOCK if args.engine == "mock" else ()) + (("--kv-write-back",) if args.kv_write_back else ())
+    return StackOptions(cores=(0, 1), worker_extra=workers,
                         startup_timeout_s=300.0, proxy_extra=tuple(proxy))
 
 
