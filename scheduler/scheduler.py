@@ -11,6 +11,8 @@ pull done (`transfer_done`, its first token) or failed (`release`). With
 `prefix_aware_transfer` its leading blocks come from the prefix cache where it has them
 (`Sequence.num_cached_blocks`), only the rest is pulled, and the pulled full blocks join the
 cache once they arrived. In every role running + transferring never exceeds `max_num_seqs`.
+A waiting request whose prefix's KV is on its way into the prefix cache (`kv_arriving`, set by
+the engine) is not started, nor is any request behind it, until the flag is cleared.
 """
 from __future__ import annotations
 
@@ -106,7 +108,8 @@ class Scheduler:
 
     def has_runnable(self) -> bool:
         """Whether schedule() could return work now (transfers alone only need polling)."""
-        return bool(self.running) or any(not self._needs_pull(s) for s in self.waiting)
+        first = next((s for s in self.waiting if not self._needs_pull(s)), None)
+        return bool(self.running) or (first is not None and not first.kv_arriving)
 
     def _num_busy(self) -> int:
         return len(self.running) + len(self.transferring)
@@ -147,7 +150,7 @@ class Scheduler:
             return chunks  # one prefill at a time: it starts only when nothing runs
         chunked = self.config.enable_chunked_prefill
         for seq in [s for s in self.waiting if not self._needs_pull(s)]:
-            if budget <= 0 or self._num_busy() >= self.config.max_num_seqs:
+            if budget <= 0 or self._num_busy() >= self.config.max_num_seqs or seq.kv_arriving:
                 break
             # Unchunked, a lone request may exceed the token budget: prompts are not split.
             too_many = not chunked and chunks and len(seq) > budget

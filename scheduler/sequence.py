@@ -31,6 +31,7 @@ class Sequence:
     remote_kv: bool = False          # prefill: hold blocks until pulled; decode: pull the prompt's KV
     stop_token_ids: frozenset[int] = frozenset()   # tokens that end it as EOS does (even with ignore_eos)
     reads_prefix_cache: bool = True  # False: every prompt position is computed (its logits are wanted)
+    kv_arriving: bool = False        # KV of its prefix is on its way into the prefix cache: it (and the queue) waits
     # Prompt positions whose input is an embedding, not a token: (start, length, digest) per image,
     # sorted and disjoint. The prefix cache keys blocks on them too.
     mm_spans: tuple[tuple[int, int, str], ...] = ()

@@ -14,7 +14,9 @@ from neuron_connector import ProtocolError, WriteBack
 from neuron_connector.protocol import decode_request
 from scheduler import Sequence
 from tests.di.engine_pair import Recorder, engine_trio, run_pair, tokens, wait_all_free
+from tests.helpers import wait_until
 from worker import LLMEngine, SamplingParams
+from worker.engine import kv_write_back
 
 NUM_BLOCKS = 256
 BLOCK = 16
@@ -57,6 +59,24 @@ def test_the_next_turn_computes_only_its_new_tokens(engines, sampling: dict, see
     assert pulls.cached_blocks > cached_before and pulls.failed == 0
     assert len(stored) >= pulls.cached_blocks - cached_before   # announced as KV events, for KV-aware routing
     prefill.scheduler.block_manager.on_event = None
+
+
+def test_a_next_turn_that_comes_during_the_write_back_waits_for_it(engines, monkeypatch) -> None:
+    """The next turn reaches the prefill engine together with the last answer's offer: it waits for that pull
+    instead of computing the answer again, and equals the `both` engine's. (This test steps both engines in a
+    busy loop, which slows the buffers' threads: the hold is made long enough for any pull here.)"""
+    monkeypatch.setattr(kv_write_back, "HOLD_S", 10.0)
+    prefill, decode, both = engines
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    prompt = tokens(6000, 70)
+    _, (answer,) = run_pair(prefill, decode, [prompt], [params])
+    wait_until(prefill.kv_connector.has_write_backs, timeout=10, what="the offer of the answer's KV")
+    previous, prompt = prompt + answer, prompt + answer + tokens(6001, 9)
+    with Recorder(prefill, decode) as rec:
+        first, (got,) = run_pair(prefill, decode, [prompt], [params])
+    assert got == both.generate([prompt], [params])[0] and first == [got[0]]
+    assert rec.prefill_starts == [(len(previous) - 1) // BLOCK * BLOCK]
+    wait_all_free(prefill, decode)
 
 
 def test_an_offer_of_blocks_the_prefill_holds_pulls_nothing(engines) -> None:

@@ -33,6 +33,17 @@ def test_prefill_runs_one_prefill_at_a_time_and_holds_finished_blocks() -> None:
     assert seqs[0].is_finished and s.block_manager.num_free_blocks == 32
 
 
+def test_a_prompt_whose_prefix_kv_is_arriving_waits_with_the_queue_behind_it() -> None:
+    s = scheduler("prefill")
+    first, second = seq(0), seq(1)
+    s.add(first)
+    s.add(second)
+    first.kv_arriving = True
+    assert not s.has_runnable() and not s.schedule()
+    first.kv_arriving = False
+    assert s.has_runnable() and s.schedule().seqs == [first]
+
+
 def test_prefill_admits_nothing_while_transfers_fill_the_batch() -> None:
     s = scheduler("prefill", max_num_seqs=2)
     for i in range(3):

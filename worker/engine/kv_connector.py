@@ -174,12 +174,14 @@ class KVConnector:
 
     # ---- decode -------------------------------------------------------------------------------
 
-    def start_pull(self, request_id: str, target: DecodeParams, block_ids: list[int], num_skipped: int = 0) -> None:
-        """Pulls the request's blocks after its first `num_skipped` (which this worker holds) into `block_ids`."""
+    def start_pull(self, request_id: str, target: DecodeParams, block_ids: list[int], num_skipped: int = 0,
+                   timeout: float | None = None) -> None:
+        """Pulls the request's blocks after its first `num_skipped` (which this worker holds) into `block_ids`,
+        failing after `timeout` seconds (default: the configured pull timeout)."""
         assert self.recv is not None
         self.timeline.mark(request_id, ADMITTED)
         try:
-            self.recv.request_pull(request_id, target.host, target.port, block_ids,
+            self.recv.request_pull(request_id, target.host, target.port, block_ids, deadline_s=timeout,
                                    peer_engine_id=target.engine_id, skipped_blocks=num_skipped)
         except (ConnectorError, ValueError) as exc:
             raise KVTransferError(f"KV pull of request {request_id!r} could not start: {exc}") from exc

@@ -10,14 +10,19 @@ transfer engine (fences, checksum and timeout as for any pull) into blocks of it
 prefix cache, which publishes `BlockStored`: KV-aware routing then sends the next turn there, and its
 prefill computes the new message only.
 
-Write-back never delays a request: the prefill worker takes an offer only while at most `MAX_PULLS` are in
-flight and half its pool stays free; the decode worker offers only while its held blocks stay under a
-quarter of its pool. Whatever is refused, fails or is not pulled in time frees its blocks on both sides (the
-decode worker's at its hand-back timeout at the latest).
+A chat's next turn often reaches the prefill worker as the write-back of its last answer is still being
+pulled: a waiting prompt that extends a write-back in flight (and the queue behind it) waits for that pull,
+at most `HOLD_S`, so that it computes only its new tokens.
+
+Write-back is bounded: the prefill worker takes an offer only while at most `MAX_PULLS` are in flight and
+half its pool stays free, and fails a pull not done within `PULL_TIMEOUT_S`; the decode worker offers only
+while its held blocks stay under a quarter of its pool. Whatever is refused, fails or is not pulled in time
+frees its blocks on both sides (the decode worker's at its hand-back timeout at the latest).
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 SUFFIX = ".write-back"   # the id of an answer's written-back KV: the request's id and this
 MAX_PULLS = 8            # write-back pulls a prefill worker runs at once
+PULL_TIMEOUT_S = 2.0     # a write-back pull not done by then fails (and frees its blocks)
+HOLD_S = 0.05            # the longest a waiting prompt waits for the write-back of its prefix
 
 
 @dataclass(slots=True)
@@ -109,14 +116,35 @@ class WriteBackPulls:
     def __init__(self, parts: EngineParts, kv: KVConnector) -> None:
         self.parts, self.kv = parts, kv
         self._pulling: dict[str, tuple[Sequence, int]] = {}   # request id -> its blocks, the token after them
+        self._holds: dict[str, float] = {}   # waiting request id -> when it stops waiting for a write-back
         self.counts = WriteBackCounts()
 
     def before_step(self) -> None:
-        """Takes new offers, and adds each finished pull's blocks to the prefix cache."""
+        """Takes new offers, adds each finished pull's blocks to the prefix cache, and holds the waiting prompts
+        that extend a pull still running."""
         for offer in self.kv.take_write_backs():
             self._take(offer)
-        if not self._pulling:
-            return
+        if self._pulling:
+            self._take_finished()
+        self._hold_waiting(time.monotonic())
+
+    def wait_hint(self) -> float | None:
+        """Seconds until a held prompt stops waiting (None: none is held)."""
+        now = time.monotonic()
+        return min((until - now for until in self._holds.values() if until > now), default=None)
+
+    def _hold_waiting(self, now: float) -> None:
+        holds: dict[str, float] = {}
+        for seq in self.parts.scheduler.waiting:
+            arriving = not seq.num_computed_tokens and any(
+                len(seq) > len(pulled) and seq.token_ids[:len(pulled)] == pulled.token_ids
+                for pulled, _ in self._pulling.values())
+            if arriving:   # held from the first step that saw it, until then + HOLD_S (and not again)
+                holds[seq.request_id] = self._holds.get(seq.request_id, now + HOLD_S)
+            seq.kv_arriving = holds.get(seq.request_id, now) > now
+        self._holds = holds
+
+    def _take_finished(self) -> None:
         manager = self.parts.scheduler.block_manager
         results = self.kv.take_finished()
         for request_id, token_id in results.done:
@@ -159,7 +187,7 @@ class WriteBackPulls:
             return
         manager.may_append(seq)
         try:
-            self.kv.start_pull(offer.request_id, source, seq.block_table[held:], held)
+            self.kv.start_pull(offer.request_id, source, seq.block_table[held:], held, PULL_TIMEOUT_S)
         except KVTransferError:
             logger.warning("could not pull the write-back %s", offer.request_id, exc_info=True)
             manager.free(seq)

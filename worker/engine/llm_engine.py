@@ -203,7 +203,7 @@ class LLMEngine:
         None = nothing to do until a command (or a KV connector's wake-up) arrives."""
         if self.requests.has_unreported_aborts() or self.scheduler.has_runnable() or self.role.has_work():
             return 0.0
-        return None
+        return self.role.wait_hint()
 
     def close(self) -> None:
         """Stops the KV connector's thread (role prefill or decode); the engine is unusable after."""

@@ -36,6 +36,9 @@ class PrefillSide(DisaggregatedRole):
     def has_work(self) -> bool:
         return self.write_backs is not None and self.kv.has_write_backs()
 
+    def wait_hint(self) -> float | None:
+        return None if self.write_backs is None else self.write_backs.wait_hint()
+
     def holds_kv(self) -> bool:
         return self.write_backs is not None and (self.write_backs.holds_kv or self.kv.has_write_backs())
 

@@ -76,6 +76,10 @@ class EngineRole:
         """Whether a step now would do something the scheduler alone does not see."""
         return False
 
+    def wait_hint(self) -> float | None:
+        """Seconds until the role must step again though nothing else happens (None: it need not)."""
+        return None
+
     def holds_kv(self) -> bool:
         """Whether KV outside the request table is held or moving (write-backs): steps must go on to end it."""
         return False
