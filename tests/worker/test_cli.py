@@ -87,3 +87,12 @@ def test_a_hand_back_kv_port_is_for_a_worker_that_decodes_and_hands_streams_back
         with pytest.raises(SystemExit) as exc:
             parse_args(wrong)
         assert exc.value.code == 2 and "--hand-back-kv-port" in capsys.readouterr().err
+
+
+def test_kv_write_back_is_for_prefill_and_decode_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    for role in ("prefill", "decode"):
+        assert parse_args(["--role", role, "--kv-write-back"])[0].kv_write_back
+    assert not parse_args(["--role", "decode"])[0].kv_write_back
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--role", "both", "--kv-write-back"])
+    assert exc.value.code == 2 and "--kv-write-back" in capsys.readouterr().err
