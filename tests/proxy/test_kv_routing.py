@@ -9,36 +9,20 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from stack.serving import free_port
 from stack.worker_metrics import metric
 from tests.helpers import wait_until
 from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers, stop_together
+from tests.proxy.kv_stack import kv_routed_stack
+from tests.worker_process import WorkerProcess
 
 MODEL = "neuron-di-builtin"
 SYSTEM = "You are a careful assistant. Answer in one short line of Python.\n" * 3
 
 
-def events_flag() -> list[str]:
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
-    return ["--kv-events-config", json.dumps(config)]
-
-
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
-    workers: list[WorkerProcess] = []
-    proxy: Server | None = None
-    try:
-        workers = start_workers(*((role, "shm", events_flag() if role != "both" else ())
-                                  for role in ("prefill", "prefill", "decode", "decode", "both")))
-        p1, p2, d1, d2, _ = workers
-        proxy = start_proxy([f"--prefill=127.0.0.1:{p1.port}:{p1.kv_port}",
-                             f"--prefill=127.0.0.1:{p2.port}:{p2.kv_port}",
-                             f"--decode=127.0.0.1:{d1.port}", f"--decode=127.0.0.1:{d2.port}",
-                             "--routing", "kv", "--tokenizer", "builtin", "--health-interval", "0.5"])
-        yield proxy, workers
-    finally:
-        stop_together(proxy.process if proxy is not None else None, *workers)
+    with kv_routed_stack(2, 2) as served:
+        yield served
 
 
 def request(i: int) -> tuple[str, dict[str, Any]]:

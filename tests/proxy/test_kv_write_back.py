@@ -4,42 +4,26 @@ turn there, which holds every block of the last turn's prompt and answer; the an
 worker's and every block comes back."""
 from __future__ import annotations
 
-import json
 import random
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from stack.serving import free_port
 from stack.worker_metrics import metric
 from tests.helpers import wait_until
-from tests.proxy.conftest import Server, start_proxy
-from tests.worker_process import WorkerProcess, start_workers, stop_together
+from tests.proxy.conftest import Server
+from tests.proxy.kv_stack import kv_routed_stack
+from tests.worker_process import WorkerProcess
 
 MODEL = "neuron-di-builtin"
 BLOCK = 16
 
 
-def events_flag() -> list[str]:
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
-    return ["--kv-events-config", json.dumps(config)]
-
-
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
-    workers: list[WorkerProcess] = []
-    proxy: Server | None = None
-    try:
-        workers = start_workers(*((role, "shm", [*events_flag(), "--kv-write-back"] if role != "both" else ())
-                                  for role in ("prefill", "prefill", "decode", "both")))
-        p1, p2, d1, _ = workers
-        proxy = start_proxy([f"--prefill=127.0.0.1:{p1.port}:{p1.kv_port}",
-                             f"--prefill=127.0.0.1:{p2.port}:{p2.kv_port}", f"--decode=127.0.0.1:{d1.port}",
-                             "--routing", "kv", "--tokenizer", "builtin", "--health-interval", "0.5"])
-        yield proxy, workers
-    finally:
-        stop_together(proxy.process if proxy is not None else None, *workers)
+    with kv_routed_stack(2, 1, ["--kv-write-back"]) as served:
+        yield served
 
 
 def complete(client: httpx.Client, url: str, prompt: list[int], sampling: dict[str, Any]) -> list[int]:
