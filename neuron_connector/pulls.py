@@ -10,7 +10,7 @@ terminal is recorded for `take_finished`, so the owner can announce it.
 A pull cancelled before it ended, or timed out while the peer kept answering "not yet",
 queues a `release` for its peer (`take_notices`): the prefill frees the request's blocks
 then, not at its abort timeout. `release` queues one for a request that never had a pull;
-`write_back` queues an offer of a finished answer's KV, sent the same way.
+`notify` queues any unanswered notice (a write-back offer too), sent the same way.
 
 With `checksum` set, every lookup asks the peer for that checksum of the blocks it sends;
 the owner computes the same over our blocks when the reply comes (`on_reply`), and a pull
@@ -296,11 +296,11 @@ class PullTracker:
 
     def release(self, request_id: str, peer: str) -> None:
         """Queues telling `peer` that our request `request_id` is gone."""
-        self._notices.append((peer, Release(request_id)))
+        self.notify(peer, Release(request_id))
 
-    def write_back(self, peer: str, offer: WriteBack) -> None:
-        """Queues offering `peer` the KV of a finished answer it prefilled."""
-        self._notices.append((peer, offer))
+    def notify(self, peer: str, notice: Release | WriteBack) -> None:
+        """Queues `notice` (unanswered) for `peer`."""
+        self._notices.append((peer, notice))
 
     def take_notices(self, reachable: set[str]) -> list[tuple[str, Release | WriteBack]]:
         """(peer, notice) pairs to send now to the `reachable` peers; the rest wait."""

@@ -16,7 +16,7 @@ from neuron_connector.incarnation import new_incarnation
 from neuron_connector.peer_link import LinkState, PeerLink
 from neuron_connector.protocol import (
     CRC32C, HANDSHAKE_REQUIRED, ErrorReply, Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll,
-    LookupReply, Probe, WriteBack, decode_reply)
+    LookupReply, Probe, Release, WriteBack, decode_reply)
 from neuron_connector.pulls import PullStatus, PullTracker
 from neuron_connector.verifier import PullVerifier
 from transfer import KVLayout, TransferError
@@ -197,21 +197,20 @@ class RecvBuffer:
         """Tells the peer that a request we never pulled is gone (say, aborted while it waited
         for blocks), so it frees the request's blocks now or when it publishes them, not at
         its abort timeout. For a request with a pull, `cancel` does this."""
-        if not self._service.serving:
-            raise ConnectorError("RecvBuffer is not running (call start())")
-        address = self.maybe_setup_buffer(peer_host, peer_kv_port)
-        with self._lock:
-            self._pulls.release(request_id, address)
-        self._service.wake()
+        self._notify(peer_host, peer_kv_port, Release(request_id))
 
     def write_back(self, peer_host: str, peer_kv_port: int, offer: WriteBack) -> None:
         """Offers the peer (the prefill worker that served a finished request) that answer's KV, which waits on
-        our hand-back plane for its pull. Sent once the session is up; dropped with the peer if it fails."""
+        our hand-back plane for its pull."""
+        self._notify(peer_host, peer_kv_port, offer)
+
+    def _notify(self, peer_host: str, peer_kv_port: int, notice: Release | WriteBack) -> None:
+        """Queues `notice` for the peer: sent once its session is up, dropped with the peer if it fails."""
         if not self._service.serving:
             raise ConnectorError("RecvBuffer is not running (call start())")
         address = self.maybe_setup_buffer(peer_host, peer_kv_port)
         with self._lock:
-            self._pulls.write_back(address, offer)
+            self._pulls.notify(address, notice)
         self._service.wake()
 
     def close(self) -> None:
