@@ -27,7 +27,8 @@
 
 #define QB 48          /* query rows per block: their scores (QB x context, fp32) stay in L2 */
 #define QK_ROWS 12     /* score micro-kernel: 12 rows x 32 keys, 24 accumulators */
-#define PV_ROWS 6      /* value micro-kernel: 6 rows x 64 dims, 24 accumulators */
+#define PV_ROWS 12     /* value micro-kernel: 12 rows x 32 dims, 24 accumulators */
+#define PV_VECS 2      /* vectors of 16 dims a value micro-kernel row holds */
 #define KEY_TILE 32    /* keys per score micro-kernel step (two vectors of 16) */
 
 typedef struct {
@@ -201,8 +202,8 @@ TGT static float softmax_##NAME(const float *s, int64_t valid, int64_t width, vo
     return _mm512_reduce_add_ps(sum);                                                                           \
 }                                                                                                               \
                                                                                                                 \
-/* out rows = (P @ V) / sums for PV_ROWS rows of p (p_stride weights apart, keys up to `keys`), 64 dims at a    \
-   time. */                                                                                                     \
+/* out rows = (P @ V) / sums for PV_ROWS rows of p (p_stride weights apart, keys up to `keys`), 16 * PV_VECS    \
+   dims at a time. */                                                                                           \
 TGT static void values_##NAME(const void *p_, int64_t p_stride, const void *vp_, int64_t keys,                  \
                               const float *sums, int rows, void *out_, int64_t out_stride, const Dims *d)       \
 {                                                                                                               \
@@ -210,14 +211,14 @@ TGT static void values_##NAME(const void *p_, int64_t p_stride, const void *vp_,
     ELEM *out = out_;                                                                                           \
     const int64_t D = d->head_dim;                                                                              \
     p_stride /= PER_UNIT;                                                                                       \
-    for (int64_t c = 0; c < D; c += 64) {                                                                       \
-        const int vecs = D - c >= 64 ? 4 : (int)(D - c) / 16;                                                   \
-        __m512 acc[PV_ROWS][4];                                                                                 \
+    for (int64_t c = 0; c < D; c += 16 * PV_VECS) {                                                             \
+        const int vecs = D - c >= 16 * PV_VECS ? PV_VECS : (int)(D - c) / 16;                                   \
+        __m512 acc[PV_ROWS][PV_VECS];                                                                           \
         for (int r = 0; r < PV_ROWS; r++)                                                                       \
-            for (int x = 0; x < 4; x++)                                                                         \
+            for (int x = 0; x < PV_VECS; x++)                                                                   \
                 acc[r][x] = _mm512_setzero_ps();                                                                \
         for (int64_t m = 0; m < keys / PER_UNIT; m++) {                                                         \
-            VEC b[4];                                                                                           \
+            VEC b[PV_VECS];                                                                                     \
             for (int x = 0; x < vecs; x++)                                                                      \
                 b[x] = LOADV(vp + m * D + c + 16 * x);                                                          \
             for (int r = 0; r < PV_ROWS; r++) {                                                                 \
