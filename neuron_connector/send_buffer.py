@@ -36,12 +36,13 @@ _CLOSE_FLUSH_S = 2.0     # closing waits this long at most for queued replies (a
 class SendBuffer:
     """The prefill worker's end of the signal plane: a ROUTER served by its own thread.
 
-    The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all` then queues
-    the push of its blocks; `on_release(request_id)` is called from this buffer's thread once the blocks
-    may be freed (pulled, failed, discarded, released by the decode peer whose request is gone or whose
-    session is lost, or expired), and `on_transfer(seconds, num_blocks)` once for every push that
-    completed. A lookup that asks for a checksum gets the one the push computed over the bytes it sent
-    (in the copy's pass over shm, on the transfer thread otherwise: never on this buffer's thread).
+    The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all` then queues the
+    push of its blocks; `on_release(request_id)` is called from this buffer's thread once the blocks may be
+    freed (pulled, failed, discarded, released by the decode peer whose request is gone or whose session is
+    lost, or expired), `on_transfer(seconds, num_blocks)` once for every push that completed, and
+    `on_write_back(offer)` for each finished answer's KV a decode peer offers. A lookup that asks for a
+    checksum gets the one the push computed over the bytes it sent (in the copy's pass over shm, on the
+    transfer thread otherwise: never on this buffer's thread).
     A push never runs past `transfer_timeout`, nor past the time the decode peer said it still waits,
     and writes only into blocks the peer still holds for the lookup's handoff (transfer.fences).
 
@@ -61,8 +62,7 @@ class SendBuffer:
         self.layout = layout
         self.engine_id = engine_id
         self._bind = (bind_host, kv_port)
-        self._on_release = on_release
-        self._on_transfer = on_transfer
+        self._on_release, self._on_transfer = on_release, on_transfer
         self._table = LookupTable(abort_timeout)
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
