@@ -203,7 +203,7 @@ TGT static float softmax_##NAME(const float *s, int64_t valid, int64_t width, vo
 }                                                                                                               \
                                                                                                                 \
 /* out rows = (P @ V) / sums for PV_ROWS rows of p (p_stride weights apart, keys up to `keys`), 16 * PV_VECS    \
-   dims at a time. */                                                                                           \
+   dims at a time (head_dim is a multiple of that: loops of fixed length keep the accumulators in registers). */ \
 TGT static void values_##NAME(const void *p_, int64_t p_stride, const void *vp_, int64_t keys,                  \
                               const float *sums, int rows, void *out_, int64_t out_stride, const Dims *d)       \
 {                                                                                                               \
@@ -212,24 +212,23 @@ TGT static void values_##NAME(const void *p_, int64_t p_stride, const void *vp_,
     const int64_t D = d->head_dim;                                                                              \
     p_stride /= PER_UNIT;                                                                                       \
     for (int64_t c = 0; c < D; c += 16 * PV_VECS) {                                                             \
-        const int vecs = D - c >= 16 * PV_VECS ? PV_VECS : (int)(D - c) / 16;                                   \
         __m512 acc[PV_ROWS][PV_VECS];                                                                           \
         for (int r = 0; r < PV_ROWS; r++)                                                                       \
             for (int x = 0; x < PV_VECS; x++)                                                                   \
                 acc[r][x] = _mm512_setzero_ps();                                                                \
         for (int64_t m = 0; m < keys / PER_UNIT; m++) {                                                         \
             VEC b[PV_VECS];                                                                                     \
-            for (int x = 0; x < vecs; x++)                                                                      \
+            for (int x = 0; x < PV_VECS; x++)                                                                   \
                 b[x] = LOADV(vp + m * D + c + 16 * x);                                                          \
             for (int r = 0; r < PV_ROWS; r++) {                                                                 \
                 const VEC a = BCAST(p[r * p_stride + m]);                                                       \
-                for (int x = 0; x < vecs; x++)                                                                  \
+                for (int x = 0; x < PV_VECS; x++)                                                               \
                     acc[r][x] = MAC(acc[r][x], a, b[x]);                                                        \
             }                                                                                                   \
         }                                                                                                       \
         for (int r = 0; r < rows; r++) {                                                                        \
             const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);                                                  \
-            for (int x = 0; x < vecs; x++)                                                                      \
+            for (int x = 0; x < PV_VECS; x++)                                                                   \
                 STORE16(out + r * out_stride + c + 16 * x, _mm512_mul_ps(acc[r][x], inv));                      \
         }                                                                                                       \
     }                                                                                                           \
