@@ -69,11 +69,12 @@ class WriteBackOffers:
         if target is None or request.finish_reason not in ("stop", "length") or request.mm_spans:
             return
         full = (len(request) - 1) // size   # the newest token's KV is never computed
-        if full == 0 or self.num_held_blocks + full > manager.num_blocks // 4:
+        held_id = request.request_id + SUFFIX
+        if full == 0 or held_id in self._held or self.num_held_blocks + full > manager.num_blocks // 4:
             return
-        held = Sequence(request.request_id + SUFFIX, request.token_ids[:full * size], max_tokens=1, block_size=size)
+        held = Sequence(held_id, request.token_ids[:full * size], max_tokens=1, block_size=size)
         cached = manager.take_cached(held)
-        if cached == 0 or held.request_id in self._held:
+        if cached == 0:
             manager.free(held)
             return
         self.hold(held, request.token_ids[:cached * size + 1], target)
@@ -126,7 +127,8 @@ class WriteBackPulls:
             self._take(offer)
         if self._pulling:
             self._take_finished()
-        self._hold_waiting(time.monotonic())
+        if self._pulling or self._holds:   # else no waiting prompt is held, nor needs to be
+            self._hold_waiting(time.monotonic())
 
     def wait_hint(self) -> float | None:
         """Seconds until a held prompt stops waiting (None: none is held)."""
