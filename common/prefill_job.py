@@ -7,7 +7,8 @@ replies the prefill worker that takes it sends back to the requester's reply sub
                                                                               client left, the job is dropped
       (the decode leg now pulls from that worker)                             runs the prefill leg
       ◀── ANSWER (HTTP status, the leg's answer body) ───────────────────────  KV published (answer_after_pull:
-                                                                              pulled), then acks the job
+                                                                              in the decode worker's blocks, as
+                                                                              it said), then acks the job
       ◀── REFUSED (why) ── a job that breaks this contract: acked, never retried
 
 Encoded with msgpack, versioned (`JOB_VERSION`). The reply subject also rides in the message header
@@ -41,6 +42,12 @@ def attempt_id(request_id: str, delivery: int) -> str:
     return request_id if delivery <= 1 else f"{request_id}-take{delivery}"
 
 
+def resent_id(request_id: str, resend: int) -> str:
+    """The id of a job put on the queue again, its `resend`-th time, by a requester whose pull failed after the
+    job's taker answered (and so acked it): a new job, never taken as a duplicate of the first."""
+    return f"{request_id}-again{resend}"
+
+
 class JobError(ValueError):
     """Bytes that are not a job (or reply) of this contract."""
 
@@ -62,8 +69,8 @@ class PrefillJob:
     """One prefill leg to run: the OpenAI `path` and `body` the prefill worker would get over HTTP (the prompt or
     its token ids, the sampling parameters, kv_transfer_params naming `request_id`), who asked, where to reply,
     and until when (unix time) the requester waits: a job taken later is dropped. `answer_after_pull`: the
-    decode leg is already pulling (concurrent flow), so the worker answers and acks only once its KV has left;
-    a worker that dies before then has its job redelivered and nothing is lost."""
+    decode leg is already pulling (concurrent flow), so the worker answers and acks only once the decode worker
+    said the KV is in its blocks; a worker that dies before then has its job redelivered and nothing is lost."""
 
     request_id: str
     path: str

@@ -44,6 +44,7 @@ PUBLISHED = "published"                # prefill done: the blocks wait for the d
 PUSH_STARTED = "push_started"          # a lookup found them: the push into decode's blocks began
 PUSH_DONE = "push_done"                # the push ended
 RELEASED = "released"                  # the blocks were freed (pulled, released, or timed out)
+DECODE_DONE = "decode_done"            # the decode peer said it is done: the KV is in its blocks, or it let go
 # A decode worker's phases (ADMITTED too).
 PULL_STARTED = "pull_started"          # the pull was registered with the signal plane's thread
 LOOKUP_ANSWERED = "lookup_answered"    # prefill's answer to the lookup arrived: the KV is in our blocks
@@ -51,7 +52,7 @@ PULL_REPORTED = "pull_reported"        # the engine learned the pull is done
 FIRST_STEP = "first_step"              # the first engine step that runs the request after its pull
 
 PHASES = {PROXY: (RECEIVED, PREFILL_SENT, PREFILL_ANSWERED, DECODE_SENT, DECODE_FIRST, DONE),
-          PREFILL: (ADMITTED, PUBLISHED, PUSH_STARTED, PUSH_DONE, RELEASED),
+          PREFILL: (ADMITTED, PUBLISHED, PUSH_STARTED, PUSH_DONE, RELEASED, DECODE_DONE),
           DECODE: (ADMITTED, PULL_STARTED, LOOKUP_ANSWERED, PULL_REPORTED, FIRST_STEP)}
 
 # Span name -> (from phase, to phase), per source: each is a histogram series.

@@ -13,7 +13,8 @@ out-of-order replies), or `"status": "error"` for an `ErrorReply`.
     LookupAll (request id, D's block ids,       LookupReply | ErrorReply
       blocks D skips: its cached prefix,
       traceparent of its pull span if traced)
-    Release (request id: D's request is gone)   no reply
+    Release (request id: D's request is gone,   no reply
+      or, `pulled`, D holds its KV)
     WriteBack (a finished answer's KV waits     no reply (P pulls it from D's hand-back plane)
       on D's hand-back plane: where, tokens)
                                                 Probe (is this session's peer still there?)
@@ -155,18 +156,21 @@ class LookupAll:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """D's request ended before (or while) it pulled: P may free the blocks now, or as soon as it
-    publishes them, instead of holding them until its abort timeout. Not answered."""
+    """D is done with a request of P's: it ended before (or while) it pulled, so P may free the blocks now, or
+    as soon as it publishes them, instead of holding them until its abort timeout; or, `pulled`, its pull
+    ended and the KV is in D's blocks (P frees nothing for it: the push already did). Not answered."""
 
     TYPE: ClassVar[str] = "release"
     request_id: str
+    pulled: bool = False
 
     def to_bytes(self) -> bytes:
-        return dump_object({"type": self.TYPE, "request_id": self.request_id})
+        return dump_object({"type": self.TYPE, "request_id": self.request_id, **({"pulled": True} if self.pulled
+                                                                                 else {})})
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Release:
-        return cls(request_id=request_id_field(obj))
+        return cls(request_id=request_id_field(obj), pulled=get_field(obj, "pulled", bool, False))
 
 
 @dataclass(frozen=True, slots=True)

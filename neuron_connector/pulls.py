@@ -10,7 +10,9 @@ terminal is recorded for `take_finished`, so the owner can announce it.
 A pull cancelled before it ended, or timed out while the peer kept answering "not yet",
 queues a `release` for its peer (`take_notices`): the prefill frees the request's blocks
 then, not at its abort timeout. `release` queues one for a request that never had a pull;
-`notify` queues any unanswered notice (a write-back offer too), sent the same way.
+`notify` queues any unanswered notice (a write-back offer too), sent the same way. A pull that
+turns DONE queues a `pulled` release: the peer learns its KV is safe here (a prefill worker acks
+its prefill queue job only then, worker/server/prefill_puller.py).
 
 With `checksum` set, every lookup asks the peer for that checksum of the blocks it sends;
 the owner computes the same over our blocks when the reply comes (`on_reply`), and a pull
@@ -200,6 +202,7 @@ class PullTracker:
                 f"{_hex(local_checksum)} of our blocks {list(pull.dst)}, the peer sent {_hex(reply.checksum)}")))
         elif reply.success:
             self._end(pull, PullStatus(PullState.DONE, output_token=reply.output_token))
+            self.notify(pull.peer, Release(pull.request_id, pulled=True))
         elif reply.error is not None:
             self._end(pull, PullStatus(PullState.FAILED, error=ConnectorError(
                 f"prefill peer {pull.peer} failed request {pull.request_id!r}: {reply.error}")))

@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from common.timeline import PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
+from common.timeline import DECODE_DONE, PUBLISHED, PUSH_DONE, PUSH_STARTED, RELEASED, Timeline
 from common.trace_spans import PUSH_SPAN, spans_of
 from neuron_connector.channel import Delivery, Poller, RouterChannel, ServiceThread, new_context
 from neuron_connector.errors import ConnectorError, ProtocolError
@@ -57,11 +57,8 @@ class SendBuffer:
                  transfer_timeout: float = 30.0, on_transfer: Callable[[float, int], None] | None = None,
                  secret: bytes | None = None, timeline: Timeline | None = None,
                  on_write_back: Callable[[WriteBack], None] | None = None) -> None:
-        self._engine = transfer_engine
+        self._engine, self.layout, self.engine_id, self._bind = transfer_engine, layout, engine_id, (bind_host, kv_port)
         self._on_write_back = on_write_back or (lambda offer: None)
-        self.layout = layout
-        self.engine_id = engine_id
-        self._bind = (bind_host, kv_port)
         self._on_release, self._on_transfer = on_release, on_transfer
         self._table = LookupTable(abort_timeout)
         self.transfer_timeout = transfer_timeout
@@ -318,10 +315,11 @@ class SendBuffer:
         return self._start(rid, peer, decision, timeout, message)
 
     def _notice(self, identity: bytes, message: Release | WriteBack) -> None:
-        """Taken only from an established session: a decode peer's request is gone (the release goes out at the end
-        of this loop turn), or it offers a finished answer's KV for `on_write_back` (none: the peer frees it later)."""
+        """Taken only from an established session: a decode peer is done with a request (its KV pulled, or the
+        request gone: the release goes out at the end of this loop turn), or it offers a finished answer's KV for
+        `on_write_back` (none: the peer frees it later)."""
         rid = message.request_id
-        self.stats.peer_releases += isinstance(message, Release)
+        self.stats.peer_releases += isinstance(message, Release) and not message.pulled
         session = self._sessions.established(identity)
         if session is None:
             self.stats.unauthorized += 1
@@ -332,8 +330,10 @@ class SendBuffer:
             self._service.call(self._on_write_back, message)
         else:
             with self._lock:
-                accepted = self._table.release(rid, session.engine_id.encode(), time.monotonic())
-            if not accepted:
+                accepted = message.pulled or self._table.release(rid, session.engine_id.encode(), time.monotonic())
+            if accepted:
+                self.timeline.mark(rid, DECODE_DONE)
+            else:
                 log.warning("%s released request %s, which another decode peer is pulling: ignored",
                             session.describe(), rid)
 

@@ -28,6 +28,7 @@ LAYOUT = {"num_layers": 2, "num_blocks": 8, "block_size": 4, "num_kv_heads": 2, 
     LookupAll("req-1", (3,), traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
     LookupAll("req-1", (3,), generation=2**61 - 1, incarnation="5f0c"),
     Release("req-1"),
+    Release("req-1", pulled=True),
 ])
 def test_requests_round_trip(message: object) -> None:
     assert decode_request(message.to_bytes()) == message  # type: ignore[attr-defined]
@@ -64,6 +65,7 @@ def test_wire_format_matches_the_design() -> None:
     assert json.loads(LookupReply("r", False).to_bytes()) == {
         "type": "lookup_all", "request_id": "r", "success": False}
     assert json.loads(Release("r").to_bytes()) == {"type": "release", "request_id": "r"}
+    assert json.loads(Release("r", pulled=True).to_bytes()) == {"type": "release", "request_id": "r", "pulled": True}
     assert json.loads(LookupAll("r", (1,), checksum="crc32c").to_bytes())["checksum"] == "crc32c"
     assert json.loads(LookupAll("r", (1,), skipped_blocks=3).to_bytes())["skipped_blocks"] == 3
     assert json.loads(LookupReply("r", True, 9, (1,), checksum=0xDEADBEEF).to_bytes())["checksum"] == 0xDEADBEEF

@@ -207,7 +207,9 @@ class TestPullTracker:
         assert pulls.cancel("quiet") is True and pulls.cancel("asked") is False
         assert pulls.cancel("asked") is False and pulls.cancel("done") is True
         assert pulls.take_notices(set()) == []             # no channel to p yet: they wait
-        assert pulls.take_notices({"p"}) == [("p", Release("quiet")), ("p", Release("asked"))]
+        # The pull that ended tells its peer it holds the KV; the two cancelled ones release theirs.
+        assert pulls.take_notices({"p"}) == [("p", Release("done", pulled=True)), ("p", Release("quiet")),
+                                             ("p", Release("asked"))]
         assert pulls.take_notices({"p"}) == []
 
     def test_a_timed_out_pull_releases_only_on_a_peer_that_answered(self) -> None:

@@ -5,7 +5,8 @@ It pulls jobs (common/prefill_job.py) from the one durable consumer while it has
 tell the requester at once that this worker took it (its worker record: the signal plane the decode
 leg pulls from); a requester no longer there (its client left) means the job is dropped, never run.
 Then the job runs as the HTTP prefill leg it is, on this worker's own API; the answer (the first token)
-goes back to the requester, and the job is acked, its KV published by then. A job whose body breaks
+goes back to the requester, and the job is acked, its KV published by then (`answer_after_pull`: in the decode
+leg's blocks, as that decode worker said, so that a kill of this worker loses nothing). A job whose body breaks
 the contract is refused back and acked: never retried. While a job runs its progress is signalled, so
 only a worker that died has its job redelivered to another.
 """
@@ -26,7 +27,7 @@ from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillParams
 from common.prefill_job import (ANSWER, CONSUMER_NAME, GO, JOB_SUBJECT, REFUSED, REPLY_HEADER, STREAM_NAME, TAKEN,
                                 JobError, JobReply, PrefillJob, attempt_id)
 from common.prefill_stream import NATS_ERRORS, PROGRESS_S, connect, consumer_config, ensure_stream
-from common.timeline import RELEASED
+from common.timeline import DECODE_DONE, RELEASED
 from common.worker_record import WorkerRecord
 from scheduler.prefill_admission import prefill_room
 
@@ -35,13 +36,14 @@ CLAIM_TIMEOUT_S = 2.0     # a requester that does not answer TAKEN within this i
 FETCH_WAIT_S = 0.5
 RETRY_S = 0.25            # after NATS failed us, before trying again
 RELEASE_POLL_S = 0.005
+CONFIRM_WAIT_S = 2.0      # after the KV left, how long a job waits for its decode peer to say it holds it
 Load = Callable[[], tuple[int, bool]]   # the engine's requests (running and waiting), and whether it drains
 
 
 class PrefillPuller:
     """Pulls and runs prefill jobs for the worker whose API is at `api_url`; `record()` is its worker record,
-    `load()` its engine's load, `released(request_id)` whether a request's KV has left it; at most `max_jobs`
-    jobs at a time."""
+    `load()` its engine's load, `released(request_id)` whether a request's KV is safe in its decode peer's blocks;
+    at most `max_jobs` jobs at a time."""
 
     def __init__(self, url: str, api_url: str, record: Callable[[], WorkerRecord | None], load: Load,
                  released: Callable[[str], bool], max_jobs: int) -> None:
@@ -152,7 +154,7 @@ class PrefillPuller:
         await msg.ack()
 
     async def _until_released(self, rid: str, deadline: float) -> None:
-        """Until the KV of `rid` has left this worker (pulled, released, or timed out)."""
+        """Until the KV of `rid` is in its decode peer's blocks, or that peer let go of it (or it timed out)."""
         while not self._released(rid) and time.time() < deadline:
             await asyncio.sleep(RELEASE_POLL_S)
 
@@ -200,8 +202,11 @@ def worker_puller(worker: object, url: str, host: str, port: int, max_jobs: int)
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
     api = f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
     def released(rid: str) -> bool:
+        """The decode peer said it holds the KV (or let go), or the KV left CONFIRM_WAIT_S ago with no word."""
         timeline = worker._timeline()  # type: ignore[attr-defined]
         record = timeline.get(rid) if timeline is not None else None
-        return record is None or RELEASED in record["phases"]
+        phases = {} if record is None else record["phases"]
+        return (record is None or DECODE_DONE in phases
+                or (RELEASED in phases and time.time() - phases[RELEASED] >= CONFIRM_WAIT_S))
 
     return PrefillPuller(url, api, lambda: worker.record, load, released, max_jobs)  # type: ignore[attr-defined]
