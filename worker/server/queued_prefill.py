@@ -6,8 +6,10 @@ takes it says so at once (TAKEN, with its worker record and the id it runs the j
 the decode request admitted, pulling from that worker as any decode leg. The job is acked once the pull is
 done (`answer_after_pull`). A taker that dies before then has its job redelivered: a new TAKEN ends the
 request admitted for the old taker and admits it again for the new one (a pull that fails first waits
-`RETAKE_S` for it). Its answer matters only for the first token's logprobs. NATS unreachable: a 503 naming
-it; a refused or failed job: the prefill worker's error, as over HTTP.
+`RETAKE_S` for it). A taker that answered has acked the job, which then never comes back by itself: should the
+pull from it fail after all (it died before the decode worker had its KV), the job is put on the queue again,
+under a new id, at most `MAX_RESENDS` times. Its answer matters only for the first token's logprobs. NATS
+unreachable: a 503 naming it; a refused or failed job: the prefill worker's error, as over HTTP.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from nats.aio.msg import Msg
 
 from common.errors import RegistrationError
 from common.handoff import KV_TRANSFER_PARAMS, DecodeParams, QueuedDecodeParams
-from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
+from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob, resent_id
 from common.prefill_requester import JobReplies, JobRequester
 from common.prefill_stream import RETAKE_S
 from common.worker_record import WorkerRecord
@@ -36,6 +38,7 @@ from worker.server.remote_prefill import error_message, first_logprobs, prefill_
 
 logger = logging.getLogger(__name__)
 JOB_TIMEOUT_S = 600.0   # how long a job may wait in the queue for a prefill worker with room
+MAX_RESENDS = 2         # times a job is put on the queue again after its taker answered and the pull failed
 Admit = Callable[[DecodeParams], Awaitable[list[Part]]]
 Start = Callable[..., Awaitable[list[Part]]]   # the app's: admits a request, optionally under an engine id
 
@@ -50,15 +53,18 @@ class QueuedPrefills(JobRequester):
         """Puts the prefill leg of `leg`'s request (`body` sent to `path`) on the queue."""
         job = PrefillJob(leg.request_id, path, prefill_leg_body(leg.request_id, body), "-", requester="decode",
                          deadline=time.time() + JOB_TIMEOUT_S, answer_after_pull=True)
-        return QueuedPrefill(self, leg, await self.submit(job), body.get("logprobs") not in (None, False))
+        return QueuedPrefill(self, leg, job, await self.submit(job), body.get("logprobs") not in (None, False))
 
 
 class QueuedPrefill:
     """One queued prefill leg: who took it (`taken`), then the decode request's first output (`first_output`)."""
 
-    def __init__(self, queue: QueuedPrefills, leg: QueuedDecodeParams, replies: JobReplies, logprobs: bool) -> None:
-        self._queue, self._leg, self._replies, self._logprobs = queue, leg, replies, logprobs
+    def __init__(self, queue: QueuedPrefills, leg: QueuedDecodeParams, job: PrefillJob, replies: JobReplies,
+                 logprobs: bool) -> None:
+        self._queue, self._leg, self._job, self._replies, self._logprobs = queue, leg, job, replies, logprobs
         self._next: asyncio.Future[tuple[JobReply, Msg]] | None = None
+        self._rid = ""       # the id the current taker runs the job under
+        self._resends = 0
         self.answer: JobReply | None = None
         self.where = f"the prefill queue (NATS at {queue.url})"
 
@@ -105,7 +111,7 @@ class QueuedPrefill:
                 down.cancel()
             if first.done() and failed_at is None:
                 if (first.cancelled() or first.exception() is None or not _may_be_retaken(first.exception())
-                        or self.answer is not None):   # the taker answered the job: alive, it gives it to nobody
+                        or not await self._unless_answered()):
                     first.result()   # done, or its failure raised
                     return None
                 failed_at = time.monotonic()   # its prefill worker may have died: the job comes back
@@ -113,12 +119,32 @@ class QueuedPrefill:
                 pull = await self._reply(first)
                 if pull is not None:
                     return pull
-                if failed_at is not None and self.answer is not None:
-                    first.result()   # the taker answered after the pull failed: alive, it gives the job to nobody
+                if failed_at is not None and not await self._unless_answered():
+                    first.result()   # the pull's failure ends the request
             elif self._queue.down.is_set():
                 raise self._queue.unavailable()
             elif failed_at is not None and time.monotonic() >= failed_at + RETAKE_S:
                 first.result()   # no new taker came: the pull's failure ends the request
+
+    async def _unless_answered(self) -> bool:
+        """After the pull failed: whether a new taker may come. Not yet answered, the job is still the taker's,
+        and comes back if it died. Answered (and so acked), the job is put on the queue again under a new id,
+        while resends are left; an answer that is an error ends the request."""
+        if self.answer is None:
+            return True
+        if self.answer.status != 200 or self._resends >= MAX_RESENDS:
+            return False
+        self._resends += 1
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+        await self._replies.close()
+        job = dataclasses.replace(self._job, request_id=resent_id(self._job.request_id, self._resends),
+                                  deadline=time.time() + JOB_TIMEOUT_S)
+        logger.warning("request %s: the pull from %s failed after it answered: its prefill job goes on the queue "
+                       "again, as %s", self._leg.request_id, self.where, job.request_id)
+        self._replies, self.answer = await self._queue.submit(job), None
+        return True
 
     async def _reply(self, first: asyncio.Future[RequestOutput] | None) -> DecodeParams | None:
         """Handles the next reply: a place to pull from if it is a TAKEN, else None; raises a refusal or failure."""
@@ -142,13 +168,13 @@ class QueuedPrefill:
                 raise RemotePrefillError(f"the worker that took the prefill job of request {self._leg.request_id!r} "
                                          f"from {self.where} shows no usable record: {exc}") from exc
             await msg.respond(GO)
-            self.answer, self.where = None, f"prefill worker {taker.address}"
+            self.answer, self.where, self._rid = None, f"prefill worker {taker.address}", reply.request_id
             return self._leg.pull_from(taker.kv_host, taker.kv_port, reply.request_id or self._leg.request_id,
                                        taker.engine_id or None)
         if reply.kind == REFUSED:
             raise RemotePrefillError(f"{self.where} refused the prefill job of request {self._leg.request_id!r}: "
                                      f"{reply.message}")
-        if reply.kind == ANSWER:
+        if reply.kind == ANSWER and reply.request_id in ("", self._rid):   # not a previous taker's
             self.answer = reply
             if reply.status != 200 and (first is None or not first.done()):
                 raise RemotePrefillError(f"remote prefill of request {self._leg.request_id!r} on {self.where} "
