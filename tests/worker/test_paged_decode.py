@@ -23,12 +23,16 @@ def reference(q_group: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tenso
 
 
 @needs_native
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])   # 48: the plain loops even where AVX-512 is
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("lens", [[1], [7, 13, 4, 9], [12, 12]], ids=["one-token", "ragged", "equal"])
-def test_native_decode_attention_equals_sdpa_over_the_gathered_context(lens: list[int], dtype: torch.dtype) -> None:
-    layer_kv, tables = pool_and_tables(lens, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
-    q_group = torch.randn(len(lens), KV_HEADS, GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
-    out = paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor(lens), max(lens))
+@pytest.mark.parametrize("lens", [[1], [7, 13, 4, 9], [12, 12], [37, 16, 5]],
+                         ids=["one-token", "ragged", "equal", "past-16"])
+def test_native_decode_attention_equals_sdpa_over_the_gathered_context(lens: list[int], dtype: torch.dtype,
+                                                                       head_dim: int, portable: bool) -> None:
+    layer_kv, tables = pool_and_tables(lens, BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim, dtype=dtype)
+    q_group = torch.randn(len(lens), KV_HEADS, GROUP, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = paged_decode.decode_attention(q_group, layer_kv, tables, torch.tensor(lens), max(lens), portable)
     expected = reference(q_group, layer_kv, tables, lens)
     assert out.shape == q_group.shape and out.dtype == dtype
     if dtype == torch.float32:
