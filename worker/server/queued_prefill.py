@@ -3,13 +3,13 @@
 The proxy sends the decode leg alone, its kv_transfer_params naming no prefill worker (`QueuedDecodeParams`).
 This decode worker puts the prefill leg on the queue as a job (requester "decode"); the prefill worker that
 takes it says so at once (TAKEN, with its worker record and the id it runs the job under), and only then is
-the decode request admitted, pulling from that worker as any decode leg. The job is acked once the pull is
-done (`answer_after_pull`). A taker that dies before then has its job redelivered: a new TAKEN ends the
-request admitted for the old taker and admits it again for the new one (a pull that fails first waits
-`RETAKE_S` for it). A taker that answered has acked the job, which then never comes back by itself: should the
-pull from it fail after all (it died before the decode worker had its KV), the job is put on the queue again,
-under a new id, at most `MAX_RESENDS` times. Its answer matters only for the first token's logprobs. NATS
-unreachable: a 503 naming it; a refused or failed job: the prefill worker's error, as over HTTP.
+the decode request admitted, pulling from that worker as any decode leg. The job is acked once this worker
+told the taker its pull is done (`answer_after_pull`). A taker that dies before then has its job
+redelivered: a new TAKEN ends the request admitted for the old taker and admits it again for the new one (a
+pull that fails first waits `RETAKE_S` for it). A taker that answered has acked the job, which then never
+comes back by itself: should the pull from it fail after all, the job is put on the queue again, under a new
+id, at most `MAX_RESENDS` times. Its answer matters only for the first token's logprobs. NATS unreachable: a
+503 naming it; a refused or failed job: the prefill worker's error, as over HTTP.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ class QueuedPrefill:
                 down.cancel()
             if first.done() and failed_at is None:
                 if (first.cancelled() or first.exception() is None or not _may_be_retaken(first.exception())
-                        or not await self._unless_answered()):
+                        or not await self._may_be_taken_again()):
                     first.result()   # done, or its failure raised
                     return None
                 failed_at = time.monotonic()   # its prefill worker may have died: the job comes back
@@ -119,14 +119,14 @@ class QueuedPrefill:
                 pull = await self._reply(first)
                 if pull is not None:
                     return pull
-                if failed_at is not None and not await self._unless_answered():
+                if failed_at is not None and not await self._may_be_taken_again():
                     first.result()   # the pull's failure ends the request
             elif self._queue.down.is_set():
                 raise self._queue.unavailable()
             elif failed_at is not None and time.monotonic() >= failed_at + RETAKE_S:
                 first.result()   # no new taker came: the pull's failure ends the request
 
-    async def _unless_answered(self) -> bool:
+    async def _may_be_taken_again(self) -> bool:
         """After the pull failed: whether a new taker may come. Not yet answered, the job is still the taker's,
         and comes back if it died. Answered (and so acked), the job is put on the queue again under a new id,
         while resends are left; an answer that is an error ends the request."""
