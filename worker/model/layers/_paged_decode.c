@@ -173,6 +173,8 @@ AVX512 static inline __m512 sum16(const __m512 *a)
    per sequence, VALUE_TILE positions at a time (their V rows stay in cache), per pair of query rows of a KV
    head, whose sums stay in registers over the tile. */
 #define VALUE_TILE 32
+#define SCORES_AHEAD 16   /* how far ahead of the positions in use the loops ask for rows (two or three tiles */
+#define VALUES_AHEAD 32   /* ahead measured no better: this machine's memory is the limit) */
 #define AVX512_LOOPS(SUFFIX, T, VEC, CH)                                                                \
 AVX512 static int scores_##SUFFIX##_##CH(const float *q, const T *k, const int64_t *tables, const int64_t *lens, \
                                          float scale, float *scores, const Dims *d)                     \
@@ -193,12 +195,12 @@ AVX512 static int scores_##SUFFIX##_##CH(const float *q, const T *k, const int64
                     return BAD_BLOCK;                                                                   \
                 at[j] = k + row;                                                                        \
             }                                                                                           \
-            const int64_t ahead = t0 + 32 < lens[s] ? 16 : lens[s] - t0 - 16;                           \
+            const int64_t from = t0 + SCORES_AHEAD, ahead = lens[s] - from < 16 ? lens[s] - from : 16;   \
             const int64_t bytes = d->kv_heads * D * (int64_t)sizeof(T);                                 \
             for (int64_t r = 0; r < rows; r++) {                                                        \
                 const int64_t head = (r / d->group) * D;                                                \
-                for (int64_t j = r; j < ahead; j += rows) {   /* the next 16 positions, spread over the rows */ \
-                    const int64_t row = pool_row(tables + s * d->max_blocks, t0 + 16 + j, d);           \
+                for (int64_t j = r; j < ahead; j += rows) {   /* 16 positions ahead, spread over the rows */ \
+                    const int64_t row = pool_row(tables + s * d->max_blocks, from + j, d);              \
                     if (row >= 0)                                                                       \
                         prefetch_row((const char *)(k + row), bytes);                                  \
                 }                                                                                       \
@@ -248,7 +250,7 @@ AVX512 static int values_##SUFFIX##_##CH(const float *probs, const T *v, const i
                     acc1[c] = _mm512_loadu_ps(o1 + 16 * c);                                             \
                 }                                                                                       \
                 for (int64_t j = 0; j < n; j++) {                                                       \
-                    const int64_t next = t0 + VALUE_TILE + j;   /* this head's part of the next tile's row */ \
+                    const int64_t next = t0 + VALUES_AHEAD + j;   /* this head's part of a row ahead */ \
                     const int64_t ahead = next < lens[s] ? pool_row(tables + s * d->max_blocks, next, d) : -1; \
                     if (ahead >= 0)                                                                     \
                         prefetch_row((const char *)(v + ahead + head), D * (int64_t)sizeof(T));         \
