@@ -53,6 +53,14 @@ static inline float f32_value(float x)
     return x;
 }
 
+/* -inf past a sequence's context, in each of its rows of scores. */
+static void mask_past(float *out, int64_t rows, int64_t max_context, int64_t len)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = len; t < max_context; t++)
+            out[r * max_context + t] = -INFINITY;
+}
+
 /* Return codes of the loops. */
 #define OK 0
 #define BAD_BLOCK (-1)
@@ -91,9 +99,7 @@ static int scores_##SUFFIX(const float *q, const T *k, const int64_t *tables, co
             for (int64_t r = 0; r < rows; r++)                                                          \
                 out[r * T_ + t] = scale * dot_##SUFFIX(qs + r * D, k + at + (r / d->group) * D, D);     \
         }                                                                                               \
-        for (int64_t r = 0; r < rows; r++)                                                              \
-            for (int64_t t = lens[s]; t < T_; t++)                                                      \
-                out[r * T_ + t] = -INFINITY;                                                            \
+        mask_past(out, rows, T_, lens[s]);                                                              \
     }                                                                                                   \
     return OK;                                                                                          \
 }                                                                                                       \
@@ -216,9 +222,7 @@ AVX512 static int scores_##SUFFIX##_##CH(const float *q, const T *k, const int64
                                       _mm512_mul_ps(scaled, sum16(acc)));                               \
             }                                                                                           \
         }                                                                                               \
-        for (int64_t r = 0; r < rows; r++)                                                              \
-            for (int64_t t = lens[s]; t < T_; t++)                                                      \
-                out[r * T_ + t] = -INFINITY;                                                            \
+        mask_past(out, rows, T_, lens[s]);                                                              \
     }                                                                                                   \
     return OK;                                                                                          \
 }                                                                                                       \
