@@ -8,7 +8,9 @@ replies the prefill worker that takes it sends back to the requester's reply sub
       (the decode leg now pulls from that worker)                             runs the prefill leg
       ◀── ANSWER (HTTP status, the leg's answer body) ───────────────────────  KV published (answer_after_pull:
                                                                               in the decode worker's blocks, as
-                                                                              it said), then acks the job
+                                                                              it said)
+      ◀── ACKED (not answer_after_pull) ─────────────────────────────────────  acks the job once the KV is in
+                                                                              the decode worker's blocks
       ◀── REFUSED (why) ── a job that breaks this contract: acked, never retried
 
 Encoded with msgpack, versioned (`JOB_VERSION`). The reply subject also rides in the message header
@@ -30,7 +32,7 @@ JOB_SUBJECT = "neuron_di.prefill.jobs"
 CONSUMER_NAME = "prefill-workers"   # the one durable consumer every prefill worker pulls through
 REPLY_HEADER = "Neuron-Di-Reply"
 REQUESTERS = ("proxy", "decode")
-TAKEN, ANSWER, REFUSED = "taken", "answer", "refused"
+TAKEN, ANSWER, REFUSED, ACKED = "taken", "answer", "refused", "acked"
 GO, DROP = b"go", b"drop"           # a requester's answer to TAKEN
 DEFAULT_NATS_PORT = 4222
 
@@ -116,7 +118,8 @@ class PrefillJob:
 class JobReply:
     """What the prefill worker tells the requester: TAKEN (`worker`: its worker record as a dict, the signal
     plane the decode leg pulls from; `request_id`: the id it runs the job under, see `attempt_id`), ANSWER
-    (`status` and `body` of the prefill leg's HTTP answer) or REFUSED (`message`: why it cannot be run)."""
+    (`status` and `body` of the prefill leg's HTTP answer), REFUSED (`message`: why it cannot be run), or, for a
+    job answered before its pull, ACKED (the job is acked: it will not come back, whatever the pull did)."""
 
     kind: str
     request_id: str = ""
@@ -126,7 +129,7 @@ class JobReply:
     message: str = ""
 
     def __post_init__(self) -> None:
-        _check(self.kind in (TAKEN, ANSWER, REFUSED), f"reply kind {self.kind!r} is unknown")
+        _check(self.kind in (TAKEN, ANSWER, REFUSED, ACKED), f"reply kind {self.kind!r} is unknown")
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({"kind": self.kind, "id": self.request_id, "worker": self.worker,

@@ -4,10 +4,13 @@ The proxy puts the prefill leg on the queue as a job (proxy/prefill_queue.py) in
 worker it picked; the prefill worker that takes the job says so at once (TAKEN, with its worker record).
 `concurrent`: the decode leg starts then, naming that worker, while the prefill runs. `prefill_first`:
 it starts once the prefill's answer says where the KV lies. `decode_first`: the decode leg goes alone,
-naming no prefill worker; the decode worker puts the prefill leg on the queue (worker/server/queued_prefill.py). A job taken again (its first taker died
-before acking it, and the stream gave it to another) restarts the decode leg on the new taker; a decode
-leg that fails before the prefill answered waits `RETAKE_S` for such a new taker before the request
-fails. The prefill's answer (the first token) comes back through the queue as an HTTP prefill leg's would.
+naming no prefill worker; the decode worker puts the prefill leg on the queue (worker/server/queued_prefill.py).
+A job taken again (its first taker died before acking it, and the stream gave it to another) restarts the
+decode leg on the new taker; a decode leg whose pull fails waits `RETAKE_S` from then for such a new taker
+before the request fails. A taker acks only once the decode worker said it holds the KV, so in
+`prefill_first` too, where the decode leg starts after the answer, the replies are read on while that leg
+pulls (`supervised`). The prefill's answer (the first token) comes back through the queue as an HTTP prefill
+leg's would.
 """
 from __future__ import annotations
 
@@ -18,14 +21,15 @@ from typing import Any, Callable
 
 from common.errors import RegistrationError
 from common.handoff import PrefillParams, QueuedDecodeParams
-from common.prefill_job import ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
+from common.prefill_job import ACKED, ANSWER, DROP, GO, REFUSED, TAKEN, JobReply, PrefillJob
 from common.prefill_stream import RETAKE_S
 from proxy.errors import KV_TRANSFER_ERROR, UpstreamProtocol, UpstreamStatus, UpstreamTimeout
-from proxy.flows import DecodeLeg, json_object, neuron_handoff
+from proxy.flows import DecodeLeg, json_object, neuron_handoff, spawn
 from proxy.leg_client import Took
 from proxy.prefill_queue import JobReplies, PrefillQueue
 from proxy.requests import ClientRequest, decode_body, neuron_decode_params, prefill_body
 from proxy.stitch import prefill_finished
+from proxy.streams import END
 from proxy.workers import WorkerRecord
 
 Handoff = tuple[dict[str, Any], DecodeLeg | None, WorkerRecord, str]
@@ -63,16 +67,15 @@ class QueuedFlow:
         replies = await self.queue.submit(job)
         run = _Run(self, request, decode, uid, seed, took)
         try:
-            return await asyncio.wait_for(run.until_answered(replies), self.timeout_s)
-        except asyncio.TimeoutError as exc:
-            run.fail()
-            raise UpstreamTimeout(f"no prefill answer through the prefill queue within {self.timeout_s:g} s",
-                                  QUEUE_ROLE, run.where) from exc
+            first, leg, taker, rid = await run.answered(replies)
         except BaseException:
             run.fail()
-            raise
-        finally:
             await replies.close()
+            raise
+        if not self.prefill_first or leg is None:
+            await replies.close()
+            return first, leg, taker, rid
+        return first, run.supervised(replies), taker, rid
 
 
 class _Run:
@@ -84,10 +87,45 @@ class _Run:
         self.taker: WorkerRecord | None = None
         self.rid = uid   # the request id the taker runs the job under
         self.leg: DecodeLeg | None = None
+        self._failed_at: float | None = None   # when the current decode leg's pull failed
 
     @property
     def where(self) -> str:
         return self.taker.address if self.taker else f"queue {self.flow.queue.url}"
+
+    async def answered(self, replies: JobReplies) -> Handoff:
+        """`until_answered`, within the flow's timeout."""
+        try:
+            return await asyncio.wait_for(self.until_answered(replies), self.flow.timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise UpstreamTimeout(f"no prefill answer through the prefill queue within {self.flow.timeout_s:g} s",
+                                  QUEUE_ROLE, self.where) from exc
+
+    def supervised(self, replies: JobReplies) -> DecodeLeg:
+        """prefill_first: the decode leg, started again on the job's next taker should its pull fail (the taker
+        died before the decode worker had the KV, so the job comes back); the replies close when it ends."""
+        assert self.leg is not None
+        queue: asyncio.Queue[Any] | None = None if self.leg.queue is None else asyncio.Queue(maxsize=1)
+        return DecodeLeg(self.leg.worker, spawn(self._supervise(replies, queue)), queue)
+
+    async def _supervise(self, replies: JobReplies, queue: asyncio.Queue[Any] | None) -> Any:
+        try:
+            while True:
+                assert self.leg is not None
+                try:
+                    return await (self.leg.task if queue is None else _relay(self.leg, queue))
+                except UpstreamStatus as exc:
+                    if not _may_be_retaken(exc):
+                        raise
+                await self.answered(replies)   # the next taker's answer starts the next leg
+        except Exception as exc:
+            if queue is not None:
+                await queue.put(exc)   # a stream's reader learns of the failure from its queue, as from a leg's
+            raise
+        finally:
+            if self.leg is not None:
+                self.leg.task.cancel()
+            await replies.close()
 
     async def until_answered(self, replies: JobReplies) -> Handoff:
         while True:
@@ -104,17 +142,25 @@ class _Run:
                 raise UpstreamProtocol(f"the prefill queue refused the job: {reply.message}", QUEUE_ROLE, self.where)
             elif reply.kind == ANSWER and self.taker is not None and reply.request_id in ("", self.rid):  # not stale
                 return self._answered(reply), self.leg, self.taker, self.rid
+            elif reply.kind == ACKED and reply.request_id == self.rid and (failed := self._leg_failure()):
+                raise failed   # the taker lives and acked the job: it will not come back
 
     async def _next(self, replies: JobReplies) -> tuple[JobReply, Any]:
-        """The next reply; raises if NATS is lost meanwhile, or the decode leg failed and no new taker came."""
-        waiting_since: float | None = None
+        """The next reply; raises if NATS is lost meanwhile, or the decode leg failed and no new taker came
+        within RETAKE_S of that."""
         while True:
+            failed = self._leg_failure()
+            if failed is not None and not _may_be_retaken(failed):
+                raise failed
+            if failed is not None and self._failed_at is None:
+                self._failed_at = time.monotonic()   # its prefill worker may have died: the job comes back
+            if failed is not None and time.monotonic() >= self._failed_at + RETAKE_S:
+                raise failed
             get, down = asyncio.ensure_future(replies.get()), asyncio.ensure_future(self.flow.queue.down.wait())
             waits = {get, down}
             if self.leg is not None and not self.leg.task.done():
                 waits.add(self.leg.task)
-            timeout = None if waiting_since is None else max(0.0, waiting_since + RETAKE_S
-                                                              - time.monotonic())
+            timeout = None if self._failed_at is None else max(0.0, self._failed_at + RETAKE_S - time.monotonic())
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             down.cancel()
             if get.done():
@@ -122,12 +168,6 @@ class _Run:
             get.cancel()
             if self.flow.queue.down.is_set():
                 raise self.flow.queue.unavailable()
-            failed = self._leg_failure()
-            if failed is not None and waiting_since is None and _may_be_retaken(failed):
-                waiting_since = time.monotonic()   # its prefill worker may have died: the job comes back
-            elif failed is not None and (waiting_since is None
-                                         or time.monotonic() >= waiting_since + RETAKE_S):
-                raise failed
 
     def _leg_failure(self) -> BaseException | None:
         task = self.leg.task if self.leg is not None else None
@@ -159,6 +199,7 @@ class _Run:
         if self.leg is not None:
             self.leg.task.cancel()
         self.leg = self.flow.start_decode(self.decode, self.request, body, {"X-Request-Id": self.rid}, self.took)
+        self._failed_at = None
 
     def fail(self) -> None:
         if self.leg is not None:
@@ -173,6 +214,21 @@ def _taker(reply: JobReply, where: str) -> WorkerRecord:
     except RegistrationError as exc:
         raise UpstreamProtocol(f"the worker that took the prefill job shows no usable record: {exc}",
                                QUEUE_ROLE, where) from exc
+
+
+async def _relay(leg: DecodeLeg, queue: asyncio.Queue[Any]) -> None:
+    """A streamed leg's items into `queue`, until its end; its failure is raised instead if it came first (no
+    event of its answer went out yet, so the leg may start again), else relayed."""
+    assert leg.queue is not None
+    relayed = False
+    while True:
+        item = await leg.queue.get()
+        if isinstance(item, BaseException) and not relayed:
+            raise item
+        await queue.put(item)
+        if item is END or isinstance(item, BaseException):
+            return
+        relayed = True
 
 
 def _may_be_retaken(exc: BaseException) -> bool:

@@ -5,7 +5,7 @@ import msgpack
 import pytest
 from hypothesis import given, strategies as st
 
-from common.prefill_job import ANSWER, REFUSED, TAKEN, JobError, JobReply, PrefillJob, nats_url
+from common.prefill_job import ACKED, ANSWER, REFUSED, TAKEN, JobError, JobReply, PrefillJob, nats_url
 
 bodies = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(-2**63, 2**63 - 1), st.text(max_size=20),
                                                          st.lists(st.integers(0, 2**31), max_size=20)), max_size=6)
@@ -13,7 +13,8 @@ jobs = st.builds(PrefillJob, request_id=st.text(min_size=1, max_size=40),
                  path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=bodies,
                  reply=st.text(min_size=1, max_size=40), requester=st.sampled_from(["proxy", "decode"]),
                  deadline=st.floats(0, 4e9))
-replies = st.builds(JobReply, kind=st.sampled_from([TAKEN, ANSWER, REFUSED]), request_id=st.text(max_size=20),
+replies = st.builds(JobReply, kind=st.sampled_from([TAKEN, ANSWER, REFUSED, ACKED]),
+                    request_id=st.text(max_size=20),
                     worker=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4),
                     status=st.integers(0, 599), body=st.binary(max_size=64), message=st.text(max_size=40))
 

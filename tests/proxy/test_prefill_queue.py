@@ -232,11 +232,13 @@ def _serves_as(worker: WorkerProcess, role: str) -> bool:
 
 
 def test_a_prefill_worker_killed_holding_jobs_loses_nothing(stack: QueueStack) -> None:
-    """Last: it kills a prefill worker while 56 requests (new prompts) keep both busy, 32 at concurrency 8 whose
-    proxy puts their prefill legs on the queue (concurrent) and 24 at 6 whose decode worker does (decode_first);
-    it is killed as soon as it holds a job it has not acked (its gauge neuron_di_prefill_jobs_held)."""
-    proxies, (victim, survivor) = [stack.proxies["concurrent"], stack.proxies["decode_first"]], stack.prefills
-    loads = [(proxies[0], 32, 8), (proxies[1], 24, 6)]
+    """Last: it kills a prefill worker while 72 requests (new prompts) keep both busy, 32 at concurrency 8 whose
+    proxy puts their prefill legs on the queue (concurrent), 24 at 6 whose decode worker does (decode_first) and
+    16 at 4 whose decode legs start after the prefill's answer (prefill_first); it is killed as soon as it holds
+    a job it has not acked (its gauge neuron_di_prefill_jobs_held)."""
+    proxies = [stack.proxies[name] for name in ("concurrent", "decode_first", "prefill_first")]
+    victim, survivor = stack.prefills
+    loads = [(proxies[0], 32, 8), (proxies[1], 24, 6), (proxies[2], 16, 4)]
 
     async def all_of(url_of: Callable[[Server], str]) -> list[list[str]]:
         return list(await asyncio.gather(*(answers(url_of(proxy), n, c) for proxy, n, c in loads)))

@@ -5,8 +5,9 @@ It pulls jobs (common/prefill_job.py) from the one durable consumer while it has
 tell the requester at once that this worker took it (its worker record: the signal plane the decode
 leg pulls from); a requester no longer there (its client left) means the job is dropped, never run.
 Then the job runs as the HTTP prefill leg it is, on this worker's own API; the answer (the first token)
-goes back to the requester, and the job is acked, its KV published by then (`answer_after_pull`: in the decode
-leg's blocks, as that decode worker said, so that a kill of this worker loses nothing). A job whose body breaks
+goes back to the requester (`answer_after_pull`: once the KV is in the decode leg's blocks, as that decode
+worker said; else at once, for the decode leg to start), and the job is acked once the KV is there, so that a
+kill of this worker before then has the job redelivered and loses nothing. A job whose body breaks
 the contract is refused back and acked: never retried. While a job runs its progress is signalled, so
 only a worker that died has its job redelivered to another.
 """
@@ -24,10 +25,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from common.handoff import KV_TRANSFER_PARAMS, HandoffError, PrefillParams
-from common.prefill_job import (ANSWER, CONSUMER_NAME, GO, JOB_SUBJECT, REFUSED, REPLY_HEADER, STREAM_NAME, TAKEN,
-                                JobError, JobReply, PrefillJob, attempt_id)
+from common.prefill_job import (ACKED, ANSWER, CONSUMER_NAME, GO, JOB_SUBJECT, REFUSED, REPLY_HEADER, STREAM_NAME,
+                                TAKEN, JobError, JobReply, PrefillJob, attempt_id)
 from common.prefill_stream import NATS_ERRORS, PROGRESS_S, connect, consumer_config, ensure_stream
-from common.timeline import DECODE_DONE, RELEASED
+from common.timeline import DECODE_DONE, PUBLISHED, RELEASED
 from common.worker_record import WorkerRecord
 from scheduler.prefill_admission import prefill_room
 
@@ -151,7 +152,11 @@ class PrefillPuller:
         if status == 200 and job.answer_after_pull:
             await self._until_released(rid, job.deadline)
         await self._nc.publish(job.reply, JobReply(ANSWER, rid, status=status, body=body).to_bytes())
+        if status == 200:   # prefill_first: its decode leg starts now; the job is held until that pull ended
+            await self._until_released(rid, job.deadline)
         await msg.ack()
+        if not job.answer_after_pull:   # the requester waits for the job to come back only until it hears this
+            await self._nc.publish(job.reply, JobReply(ACKED, rid).to_bytes())
 
     async def _until_released(self, rid: str, deadline: float) -> None:
         """Until the KV of `rid` is in its decode peer's blocks, or that peer let go of it (or it timed out)."""
@@ -202,11 +207,12 @@ def worker_puller(worker: object, url: str, host: str, port: int, max_jobs: int)
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
     api = f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
     def released(rid: str) -> bool:
-        """The decode peer said it holds the KV (or let go), or the KV left CONFIRM_WAIT_S ago with no word."""
+        """Nothing was published (the answer ended at its first token), the decode peer said it holds the KV (or
+        let go), or the KV left CONFIRM_WAIT_S ago with no word."""
         timeline = worker._timeline()  # type: ignore[attr-defined]
         record = timeline.get(rid) if timeline is not None else None
         phases = {} if record is None else record["phases"]
-        return (record is None or DECODE_DONE in phases
+        return (PUBLISHED not in phases or DECODE_DONE in phases
                 or (RELEASED in phases and time.time() - phases[RELEASED] >= CONFIRM_WAIT_S))
 
     return PrefillPuller(url, api, lambda: worker.record, load, released, max_jobs)  # type: ignore[attr-defined]
