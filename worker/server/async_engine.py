@@ -1,8 +1,8 @@
 """AsyncEngine: runs the single-threaded LLMEngine on its own thread and serves it to asyncio code.
 
 Every call into the engine happens on that thread. The event loop talks to it through a
-thread-safe inbox of commands (add, abort, stop); the thread hands each RequestOutput back to
-the request's asyncio.Queue with `loop.call_soon_threadsafe`.
+thread-safe inbox of commands (add, abort, stop); the thread hands each step's outputs back to
+their requests' asyncio.Queues with one `loop.call_soon_threadsafe` per event loop.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from worker.engine.llm_engine import EngineStats, LLMEngine
 from worker.engine.request import RequestOutput
 from worker.errors import WorkerError
 from worker.multimodal.embeds import ImageEmbeds
+from worker.server.loop_delivery import Sink, deliver, deliver_all, settle
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    sink: _Sink
+    sink: Sink
     admitted: asyncio.Future[None]
     leg: LegParams | None = None
     mm: list[tuple[int, ImageEmbeds]] | None = None
@@ -61,43 +62,6 @@ class _Rebuild:
     loop: asyncio.AbstractEventLoop
 
 
-@dataclass(frozen=True)
-class _Sink:
-    """Where one request's outputs go: a queue owned by an event loop on another thread."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        _deliver(self.loop, self.queue.put_nowait, item)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
-    """Runs `callback` on `loop`'s thread; a loop already closed has nobody left to tell."""
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        logger.debug("event loop closed; dropped a delivery")
-
-
-def _settle_int(future: asyncio.Future[int], outcome: int | BaseException) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-
-
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():  # the caller stopped waiting (cancelled it); a cancelled caller's abort follows the add
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
 class RequestStream:
     """The outputs of one admitted request, in order, until one is `finished`.
 
@@ -105,7 +69,7 @@ class RequestStream:
     the engine frees its blocks.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, sink: Sink) -> None:
         self.request_id = request_id
         self._sink = sink
         self._done = False
@@ -168,7 +132,7 @@ class AsyncEngine:
         self._factory = factory
         self._thread_name = thread_name
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake | _Rebuild] = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.llm_engine: LLMEngine | None = None
@@ -218,7 +182,7 @@ class AsyncEngine:
         if not self.is_alive():
             raise WorkerError("the engine is not running")
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop, asyncio.Queue())
+        sink = Sink(loop, asyncio.Queue())
         admitted: asyncio.Future[None] = loop.create_future()
         self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, leg, mm, resumed))
         try:
@@ -227,7 +191,7 @@ class AsyncEngine:
             self.abort(request_id)  # it may have been admitted after all
             raise
         finally:
-            # Nobody awaits the answer any more. Cancelled, the future drops a later one (_settle skips
+            # Nobody awaits the answer any more. Cancelled, the future drops a later one (settle skips
             # it); one already there is marked read. Else an error the caller missed by being cancelled
             # (e.g. an invalid prompt) would be logged as "Future exception was never retrieved".
             if not admitted.cancel():
@@ -263,9 +227,9 @@ class AsyncEngine:
         try:
             self._use(self._factory())
         except Exception as exc:  # e.g. ModelLoadError, or a config the model cannot honour
-            _deliver(loop, _settle, ready, WorkerError(f"engine failed to start: {exc}"))
+            deliver(loop, settle, ready, WorkerError(f"engine failed to start: {exc}"))
             return
-        _deliver(loop, _settle, ready, None)
+        deliver(loop, settle, ready, None)
         reason = "the engine is shutting down"
         try:
             self._loop()
@@ -322,7 +286,7 @@ class AsyncEngine:
             # Also for a request that has ended here: a prefill leg's KV may still be held for a pull.
             sink = self._sinks.pop(command.request_id, None)
             if sink is not None and command.last is not None:
-                sink.put(command.last(self._engine, command.request_id))
+                deliver_all([(sink, command.last(self._engine, command.request_id))])
             self._engine.abort_request(command.request_id)
         elif isinstance(command, _Stop):
             self._stopping.set()
@@ -330,7 +294,7 @@ class AsyncEngine:
     def _rebuild(self, command: _Rebuild) -> None:
         old = self._engine
         if old.has_unfinished_requests() or self._sinks or self._stopping.is_set():
-            _deliver(command.loop, _settle_int, command.built, WorkerError("the engine is busy or stopping"))
+            deliver(command.loop, settle, command.built, WorkerError("the engine is busy or stopping"))
             return
         old.close()
         self.rebuild_error = None
@@ -343,10 +307,10 @@ class AsyncEngine:
                 continue
             engine.counters = old.counters   # running totals go on across roles
             self._use(engine)
-            _deliver(command.loop, _settle_int, command.built, index)
+            deliver(command.loop, settle, command.built, index)
             return
         self._stopping.set()   # the closed engine stays as `llm_engine` (its names, for the last answers)
-        _deliver(command.loop, _settle_int, command.built,
+        deliver(command.loop, settle, command.built,
                  WorkerError(f"no engine could be built: {self.rebuild_error}"))
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
@@ -358,7 +322,7 @@ class AsyncEngine:
             self.stats = engine.stats()  # before the caller hears of it: a drain must see it in flight
         except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller
             error = exc
-        _deliver(command.sink.loop, _settle, command.admitted, error)
+        deliver(command.sink.loop, settle, command.admitted, error)
 
     def _step(self, engine: LLMEngine) -> bool:
         """One engine step, its outputs delivered; False if the step raised (its requests are failed)."""
@@ -368,25 +332,27 @@ class AsyncEngine:
             logger.exception("engine step failed")
             self._fail_all(WorkerError(f"engine step failed: {exc}"), engine)
             return False
+        ready: list[tuple[Sink, RequestOutput | BaseException]] = []
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:  # aborted while the step ran
                 continue
             if output.finished:
                 del self._sinks[output.request_id]
-            sink.put(output if output.error is None else output.error)
+            ready.append((sink, output if output.error is None else output.error))
+        deliver_all(ready)
         return True
 
     def _fail_all(self, error: WorkerError, engine: LLMEngine | None = None) -> None:
         """Ends every in-flight request with `error`, aborting it in the engine so its blocks are freed."""
-        for request_id, sink in list(self._sinks.items()):
-            del self._sinks[request_id]
+        sinks, self._sinks = self._sinks, {}
+        for request_id in sinks:
             if engine is not None:
                 try:
                     engine.abort_request(request_id)
                 except Exception:
                     logger.exception("could not abort %s after an engine failure", request_id)
-            sink.put(error)
+        deliver_all((sink, error) for sink in sinks.values())
 
     def _close(self, error: WorkerError) -> None:
         """Fails everything in flight or still queued, so no caller waits on a stopped thread."""
@@ -397,4 +363,4 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                _deliver(command.sink.loop, _settle, command.admitted, error)
+                deliver(command.sink.loop, settle, command.admitted, error)
