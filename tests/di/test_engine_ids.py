@@ -111,7 +111,9 @@ def test_a_frozen_decode_worker_loses_its_engine_id_within_seconds(workers, both
     try:
         def second_served() -> bool:
             response = asyncio.run(through(prefill, [second], request))[0]
-            return response.status_code == 200 and response.json()["choices"] == want
+            # Not served yet: raised, so that a timeout names the last answer the second worker gave.
+            assert response.status_code == 200 and response.json()["choices"] == want, response.text
+            return True
         wait_until(second_served, timeout=30, interval=0.5, what="the second decode worker to take the id")
     finally:
         os.kill(frozen.proc.pid, signal.SIGCONT)
