@@ -152,8 +152,8 @@ class PrefillPuller:
         if status == 200 and job.answer_after_pull:
             await self._until_released(rid, job.deadline)
         await self._nc.publish(job.reply, JobReply(ANSWER, rid, status=status, body=body).to_bytes())
-        if status == 200:   # prefill_first: its decode leg starts now; the job is held until that pull ended
-            await self._until_released(rid, job.deadline)
+        if status == 200 and not job.answer_after_pull:   # prefill_first: the decode leg starts on the answer,
+            await self._until_released(rid, job.deadline)   # and the job is held until its pull ended
         await msg.ack()
         if not job.answer_after_pull:   # the requester waits for the job to come back only until it hears this
             await self._nc.publish(job.reply, JobReply(ACKED, rid).to_bytes())
