@@ -311,7 +311,7 @@ class AsyncEngine:
             return
         self._stopping.set()   # the closed engine stays as `llm_engine` (its names, for the last answers)
         deliver(command.loop, settle, command.built,
-                 WorkerError(f"no engine could be built: {self.rebuild_error}"))
+                WorkerError(f"no engine could be built: {self.rebuild_error}"))
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
         error: BaseException | None = None
