@@ -331,15 +331,15 @@ static PyObject *run(PyObject *args, int scores)
     const float *in = (const float *)(uintptr_t)a;
     const int64_t *table_ptr = (const int64_t *)(uintptr_t)tables, *len_ptr = (const int64_t *)(uintptr_t)lens;
     float *dst = (float *)(uintptr_t)out;
-    if (!portable && run_avx512(scores, bf16, in, (const void *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale,
-                                dst, &d, &rc))
-        ;
-    else if (bf16)
-        rc = scores ? scores_bf16(in, (const uint16_t *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale, dst, &d)
-                    : values_bf16(in, (const uint16_t *)(uintptr_t)plane, table_ptr, len_ptr, dst, &d);
-    else
-        rc = scores ? scores_f32(in, (const float *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale, dst, &d)
-                    : values_f32(in, (const float *)(uintptr_t)plane, table_ptr, len_ptr, dst, &d);
+    if (portable || !run_avx512(scores, bf16, in, (const void *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale,
+                                dst, &d, &rc)) {   /* the plain loops */
+        if (bf16)
+            rc = scores ? scores_bf16(in, (const uint16_t *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale, dst, &d)
+                        : values_bf16(in, (const uint16_t *)(uintptr_t)plane, table_ptr, len_ptr, dst, &d);
+        else
+            rc = scores ? scores_f32(in, (const float *)(uintptr_t)plane, table_ptr, len_ptr, (float)scale, dst, &d)
+                        : values_f32(in, (const float *)(uintptr_t)plane, table_ptr, len_ptr, dst, &d);
+    }
     Py_END_ALLOW_THREADS
     if (rc != OK) {
         PyErr_SetString(PyExc_ValueError, rc == BAD_BLOCK ? "a block table holds a block id outside the pool"
