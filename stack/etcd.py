@@ -5,7 +5,7 @@ import shutil
 import tempfile
 from typing import Sequence
 
-from stack.serving import Process, StackError, free_port, wait_healthy
+from stack.serving import Process, StackError, free_port, port_was_taken, wait_healthy
 
 
 def etcd_binary() -> str:
@@ -35,17 +35,20 @@ class EtcdServer:
     """
 
     def __init__(self, hosts: Sequence[str] = ("127.0.0.1",), prefix: Sequence[str] = (),
-                 timeout_s: float = 20.0) -> None:
-        self.data_dir = tempfile.mkdtemp(prefix="neuron-di-etcd-")
-        self.port = free_port()
-        self.endpoint = f"{hosts[0]}:{self.port}"
-        try:
-            self.process = Process("etcd", etcd_args("etcd", self.data_dir, self.port, hosts),
-                                   program=etcd_binary(), prefix=prefix)
-            wait_healthy(f"http://{hosts[-1]}:{self.port}/health", [self.process], timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+                 timeout_s: float = 20.0, attempts: int = 3) -> None:
+        for attempt in range(1, attempts + 1):   # a port taken before etcd bound it: again, on new ports
+            self.data_dir = tempfile.mkdtemp(prefix="neuron-di-etcd-")
+            self.port = free_port()
+            self.endpoint = f"{hosts[0]}:{self.port}"
+            try:
+                self.process = Process("etcd", etcd_args("etcd", self.data_dir, self.port, hosts),
+                                       program=etcd_binary(), prefix=prefix)
+                wait_healthy(f"http://{hosts[-1]}:{self.port}/health", [self.process], timeout_s)
+                return
+            except BaseException as exc:
+                self.stop()
+                if not isinstance(exc, StackError) or not port_was_taken(exc) or attempt == attempts:
+                    raise
 
     def stop(self) -> None:
         if hasattr(self, "process"):

@@ -52,6 +52,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_was_taken(exc: StackError) -> bool:
+    """Whether a process exited because a port picked for it with `free_port` was taken before it bound it (by
+    an outgoing connection of any process, say): Python says "Address already in use", Go (etcd) "address
+    already in use". Such a process may be started again on new ports."""
+    return "address already in use" in str(exc).lower()
+
+
 def worker_args(role: str, port: int, options: StackOptions, kv_port: int | None = None,
                 host: str = "127.0.0.1") -> list[str]:
     """The worker command line for one role; the DI flags live here and nowhere else."""

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from stack.serving import Process, StackError, free_port, wait_healthy
-
-PORT_TAKEN = "Address already in use"
+from stack.serving import Process, StackError, free_port, port_was_taken, wait_healthy
 
 # (index, http port, kv port) -> the worker's name and its command line after `python`
 WorkerArgs = Callable[[int, int, int], tuple[str, Sequence[str]]]
@@ -29,7 +27,7 @@ def start_workers(count: int, make_args: WorkerArgs, timeout_s: float = 180.0,
                     wait_healthy(f"{url}/health", [process], timeout_s)
                     break
                 except StackError as exc:
-                    if PORT_TAKEN not in str(exc) or attempt == attempts:
+                    if not port_was_taken(exc) or attempt == attempts:
                         raise
                     process.stop()
                     workers[i] = _start(i, make_args)

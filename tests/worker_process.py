@@ -6,8 +6,8 @@ from typing import Sequence
 
 import httpx
 
-from stack.serving import Process, StackError, StackOptions, free_port, stop_all, wait_healthy, worker_args
-from stack.worker_fleet import PORT_TAKEN
+from stack.serving import (Process, StackError, StackOptions, free_port, port_was_taken, stop_all, wait_healthy,
+                           worker_args)
 from tests.helpers import wait_until
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -45,7 +45,7 @@ class WorkerProcess:
                 return
             except StackError as exc:
                 self.proc.stop()
-                if PORT_TAKEN not in str(exc) or attempt == attempts:
+                if not port_was_taken(exc) or attempt == attempts:
                     raise
                 self._launch()
             except BaseException:
