@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import socket
 from typing import Iterator
 
 import pytest
@@ -37,3 +38,12 @@ def etcd_server() -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port another server listens on (as when another process took a picked port first)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]

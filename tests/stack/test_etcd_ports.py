@@ -2,23 +2,11 @@
 failure is not retried."""
 from __future__ import annotations
 
-import socket
-from typing import Iterator
-
 import pytest
 
 import stack.etcd
 from stack.etcd import EtcdServer
 from stack.serving import StackError, free_port, port_was_taken
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    """A loopback port something listens on, as when another process took it first."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def test_etcd_starts_again_on_new_ports_when_its_port_was_taken(taken_port: int,

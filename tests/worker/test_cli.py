@@ -3,10 +3,8 @@ in use (HTTP or KV) stops the worker at once with one line naming it, exit statu
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
-from typing import Iterator
 
 import pytest
 
@@ -33,15 +31,6 @@ def test_each_role_has_its_own_default_port() -> None:
         "both": 8000, "prefill": 8100, "decode": 8200}
     assert DEFAULT_HTTP_PORTS["encode"] == 8300
     assert parse_args(["--role", "decode", "--port", "9000"])[0].port == 9000
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    """A loopback port another server listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def _worker(*args: str) -> subprocess.CompletedProcess[str]:
