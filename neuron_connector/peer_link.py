@@ -42,6 +42,7 @@ class PeerInfo:
     kv_map: dict[str, Any]
     timestamp: float
     incarnation: str | None = None      # this life of the peer's signal plane (neuron_connector.incarnation)
+    takes_write_backs: bool = False     # the peer pulls the answers' KV we offer it (`WriteBack`)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class PeerLink:
                                    "secret (another secret file?): refused"))
             return
         self.info = PeerInfo(self.address, hello.engine_id, hello.transfer, reply.kv_map, hello.timestamp,
-                             hello.incarnation)
+                             hello.incarnation, hello.takes_write_backs)
         self.state = LinkState.READY
 
     def reset(self) -> None:

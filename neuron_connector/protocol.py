@@ -8,7 +8,8 @@ out-of-order replies), or `"status": "error"` for an `ErrorReply`.
 
     D -> P                                      P -> D
     Handshake (D's engine id, client nonce)     HandshakeReply (engine id, transfer descriptor,
-                                                  server nonce) | ErrorReply (engine_id_in_use)
+                                                  server nonce, whether it takes write-backs)
+                                                  | ErrorReply (engine_id_in_use)
     KVMapInit (D's layout + descriptor, proof)  KVMapReply (agreed layout, proof) | ErrorReply
     LookupAll (request id, D's block ids,       LookupReply | ErrorReply
       blocks D skips: its cached prefix,
@@ -208,7 +209,8 @@ class HandshakeReply:
     """P's identity: `timestamp` is when its signal plane started, so a restart shows;
     `nonce` is this session's server nonce; `authenticated`: P requires the KV secret;
     `incarnation`: random, new whenever P's signal plane starts (a restart at the same address
-    with the same engine id is another incarnation, which never had the old one's KV)."""
+    with the same engine id is another incarnation, which never had the old one's KV);
+    `takes_write_backs`: P pulls the answers' KV a decode peer offers (`WriteBack`), so D offers it only then."""
 
     TYPE: ClassVar[str] = "handshake"
     timestamp: float
@@ -217,18 +219,21 @@ class HandshakeReply:
     nonce: str
     authenticated: bool = False
     incarnation: str | None = None
+    takes_write_backs: bool = False
 
     def to_bytes(self) -> bytes:
-        return dump_object(with_field("incarnation", self.incarnation, {
-            "type": self.TYPE, "status": "ok", "timestamp": self.timestamp, "engine_id": self.engine_id,
-            "transfer": self.transfer, "nonce": self.nonce, "authenticated": self.authenticated}))
+        return dump_object(with_field("takes_write_backs", self.takes_write_backs or None, with_field(
+            "incarnation", self.incarnation, {
+                "type": self.TYPE, "status": "ok", "timestamp": self.timestamp, "engine_id": self.engine_id,
+                "transfer": self.transfer, "nonce": self.nonce, "authenticated": self.authenticated})))
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> HandshakeReply:
         return cls(timestamp=float(get_field(obj, "timestamp", (int, float))),
                    engine_id=get_field(obj, "engine_id", str), transfer=get_field(obj, "transfer", dict),
                    nonce=nonempty_field(obj, "nonce"), authenticated=get_field(obj, "authenticated", bool, False),
-                   incarnation=get_field(obj, "incarnation", str, None))
+                   incarnation=get_field(obj, "incarnation", str, None),
+                   takes_write_backs=get_field(obj, "takes_write_backs", bool, False))
 
 
 @dataclass(frozen=True, slots=True)

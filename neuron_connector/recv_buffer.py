@@ -199,6 +199,12 @@ class RecvBuffer:
         its abort timeout. For a request with a pull, `cancel` does this."""
         self._notify(peer_host, peer_kv_port, Release(request_id))
 
+    def takes_write_backs(self, peer_host: str, peer_kv_port: int) -> bool:
+        """Whether the peer's handshake (done: we pulled from it) said it pulls the answers' KV we offer."""
+        with self._lock:
+            link = self._links.get(f"{peer_host}:{peer_kv_port}")
+            return link is not None and link.info is not None and link.info.takes_write_backs
+
     def write_back(self, peer_host: str, peer_kv_port: int, offer: WriteBack) -> None:
         """Offers the peer (the prefill worker that served a finished request) that answer's KV, which waits on
         our hand-back plane for its pull."""

@@ -36,21 +36,21 @@ _CLOSE_FLUSH_S = 2.0     # closing waits this long at most for queued replies (a
 class SendBuffer:
     """The prefill worker's end of the signal plane: a ROUTER served by its own thread.
 
-    The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all` then queues the
-    push of its blocks; `on_release(request_id)` is called from this buffer's thread once the blocks may be
-    freed (pulled, failed, discarded, released by the decode peer whose request is gone or whose session is
-    lost, or expired), `on_transfer(seconds, num_blocks)` once for every push that completed, and
-    `on_write_back(offer)` for each finished answer's KV a decode peer offers. A lookup that asks for a
-    checksum gets the one the push computed over the bytes it sent (in the copy's pass over shm, on the
-    transfer thread otherwise: never on this buffer's thread).
-    A push never runs past `transfer_timeout`, nor past the time the decode peer said it still waits,
-    and writes only into blocks the peer still holds for the lookup's handoff (transfer.fences).
+    The engine `publish`es a request when its prefill is done; a decode peer's `lookup_all` then queues the push of its
+    blocks; `on_release(request_id)` is called from this buffer's thread once the blocks may be freed (pulled, failed,
+    discarded, released by the decode peer whose request is gone or whose session is lost, or expired),
+    `on_transfer(seconds, num_blocks)` once for every push that completed, and `on_write_back(offer)` for each
+    finished answer's KV a decode peer offers (given it, the handshake says this side takes write-backs). A lookup
+    that asks for a checksum gets the one the push computed over the bytes it sent (in the copy's pass over shm, on
+    the transfer thread otherwise: never on this buffer's thread). A push never runs past `transfer_timeout`, nor
+    past the time the decode peer said it still waits, and writes only into blocks the peer still holds for the
+    lookup's handoff (transfer.fences).
 
-    Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake
-    names; with a `secret` it is established only once the peer proved it holds the secret, and this
-    side proves it back. A request whose decode engine (named by `expect`, or by its first lookup) lost its
-    session or came back as another incarnation is released within seconds (`pullers.Pullers`); a lookup
-    naming another life of either side than the one its request is held for is refused (`incarnation`)."""
+    Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake names; with a
+    `secret` it is established only once the peer proved it holds the secret, and this side proves it back. A request
+    whose decode engine (named by `expect`, or by its first lookup) lost its session or came back as another
+    incarnation is released within seconds (`pullers.Pullers`); a lookup naming another life of either side than the
+    one its request is held for is refused (`incarnation`)."""
 
     def __init__(self, transfer_engine: Any, layout: KVLayout, engine_id: str, bind_host: str,
                  kv_port: int, on_release: Callable[[str], None], abort_timeout: float = 60.0,
@@ -58,8 +58,7 @@ class SendBuffer:
                  secret: bytes | None = None, timeline: Timeline | None = None,
                  on_write_back: Callable[[WriteBack], None] | None = None) -> None:
         self._engine, self.layout, self.engine_id, self._bind = transfer_engine, layout, engine_id, (bind_host, kv_port)
-        self._on_write_back = on_write_back or (lambda offer: None)
-        self._on_release, self._on_transfer = on_release, on_transfer
+        self._on_release, self._on_transfer, self._on_write_back = on_release, on_transfer, on_write_back
         self._table = LookupTable(abort_timeout)
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
@@ -193,8 +192,7 @@ class SendBuffer:
             except Exception as exc:  # noqa: BLE001 - one bad message must not stop the plane
                 log.exception("handling a message from %r failed", identity)
                 kind, rid = request_fields(payload)
-                reply = ErrorReply(f"internal error in {self.engine_id}: {exc}", BAD_REQUEST, kind,
-                                   rid).to_bytes()
+                reply = ErrorReply(f"internal error in {self.engine_id}: {exc}", BAD_REQUEST, kind, rid).to_bytes()
             if reply is not None:
                 self._reply(identity, reply)
 
@@ -232,7 +230,8 @@ class SendBuffer:
             return refusal
         session = self._sessions.open(identity, message.engine_id, message.nonce, message.incarnation)
         return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
-                              authenticated=self._secret is not None, incarnation=self.incarnation)
+                              authenticated=self._secret is not None, incarnation=self.incarnation,
+                              takes_write_backs=self._on_write_back is not None)
 
     def _engine_id_taken(self, identity: bytes, engine_id: str, reply_to: str) -> ErrorReply | None:
         """The refusal of connection `identity` as `engine_id` while another live session holds it."""
@@ -317,7 +316,7 @@ class SendBuffer:
     def _notice(self, identity: bytes, message: Release | WriteBack) -> None:
         """Taken only from an established session: a decode peer is done with a request (its KV pulled, or the
         request gone: the release goes out at the end of this loop turn), or it offers a finished answer's KV for
-        `on_write_back` (none: the peer frees it later)."""
+        `on_write_back` (none: the peer, told in the handshake that we take none, frees it later)."""
         rid = message.request_id
         self.stats.peer_releases += isinstance(message, Release) and not message.pulled
         session = self._sessions.established(identity)
@@ -327,7 +326,8 @@ class SendBuffer:
                         self._sessions.name(identity))
         elif isinstance(message, WriteBack):
             self.stats.write_backs_offered += 1
-            self._service.call(self._on_write_back, message)
+            if self._on_write_back is not None:
+                self._service.call(self._on_write_back, message)
         else:
             with self._lock:
                 accepted = message.pulled or self._table.release(rid, session.engine_id.encode(), time.monotonic())

@@ -16,14 +16,16 @@ from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
 @contextmanager
 def engine_trio(num_blocks: int, dtype: str = "float32", decode_dtype: str | None = None, write_back: bool = False,
+                prefill_write_back: bool | None = None,
                 **decode_config: Any) -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
     """A prefill and a decode engine over shm, and a `both` engine to compare with, computing in `dtype`
     (the decode engine in `decode_dtype` if given; with `write_back`, answers' KV goes back to the prefill
-    engine); closed on the way out."""
+    engine, unless `prefill_write_back` turns it off there); closed on the way out."""
     torch.set_num_threads(1)
+    takes = write_back if prefill_write_back is None else prefill_write_back
     prefill = LLMEngine(EngineConfig(role="prefill", num_kv_blocks=num_blocks, dtype=dtype),
                         kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port(),
-                                                                   write_back=write_back)))
+                                                                   write_back=takes)))
     decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=num_blocks, dtype=decode_dtype or dtype,
                                      **decode_config),
                        kv_connector=KVConnector(KVConnectorConfig("decode", "shm", write_back=write_back,

@@ -113,6 +113,18 @@ def test_a_bad_or_withdrawn_offer_caches_nothing_and_frees_both_sides(engines, b
     assert pulls.cached_blocks == cached
 
 
+def test_a_prefill_engine_without_write_back_is_offered_nothing() -> None:
+    """Its handshake says it takes no write-backs, so the decode engine holds no blocks for a pull that would never
+    come (they would stay pinned until the hand-back timeout)."""
+    with engine_trio(NUM_BLOCKS, write_back=True, prefill_write_back=False) as (prefill, decode, both):
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+        prompt = tokens(7, 70)
+        _, (got,) = run_pair(prefill, decode, [prompt], [params])
+        assert got == both.generate([prompt], [params])[0]
+        assert decode.role.write_backs.counts.offered == 0 and not decode.role.write_backs.holds_kv
+        wait_all_free(prefill, decode)
+
+
 def test_write_back_messages_round_trip_and_refuse_bad_fields() -> None:
     offer = WriteBack("r.write-back", "127.0.0.1", 5000, "decode-1", (1, 2, 3))
     assert decode_request(offer.to_bytes()) == offer

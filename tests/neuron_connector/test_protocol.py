@@ -38,6 +38,7 @@ def test_requests_round_trip(message: object) -> None:
     HandshakeReply(1234.5, "p0", {"engine_id": "p0"}, "n2"),
     HandshakeReply(1234.5, "p0", {}, "n2", authenticated=True),
     HandshakeReply(1234.5, "p0", {}, "n2", incarnation="a1b2"),
+    HandshakeReply(1234.5, "p0", {}, "n2", takes_write_backs=True),
     KVMapReply(LAYOUT),
     KVMapReply(LAYOUT, proof="cd34"),
     Probe(),
@@ -72,6 +73,8 @@ def test_wire_format_matches_the_design() -> None:
     hello = json.loads(HandshakeReply(1.0, "p0", {}, "n2").to_bytes())
     assert hello["status"] == "ok" and hello["timestamp"] == 1.0 and hello["engine_id"] == "p0"
     assert (hello["nonce"], hello["authenticated"]) == ("n2", False)
+    assert "takes_write_backs" not in hello   # a peer that takes none says nothing: older decode peers read it so
+    assert json.loads(HandshakeReply(1.0, "p0", {}, "n2", takes_write_backs=True).to_bytes())["takes_write_backs"]
     assert "proof" not in json.loads(KVMapInit(LAYOUT, {}).to_bytes())
     assert json.loads(ErrorReply("boom").to_bytes())["status"] == "error"
 

@@ -236,6 +236,11 @@ class KVConnector:
         Either way the prefill worker is told to free the request's blocks."""
         return self.recv is None or self.recv.cancel(request_id)
 
+    def takes_write_backs(self, target: DecodeParams) -> bool:
+        """Decode: whether `target`, a prefill worker we pulled from, pulls the answers' KV we offer it (its
+        handshake says so: a worker without write-back, or a `vllm serve` one, does not)."""
+        return self.recv is not None and self.recv.takes_write_backs(target.host, target.port)
+
     def offer_write_back(self, request_id: str, target: DecodeParams, token_ids: list[int]) -> None:
         """Decode: tells `target` (the prefill worker a finished request was pulled from) that the KV of
         `token_ids` but the last waits, published as `request_id`, on this worker's hand-back plane."""

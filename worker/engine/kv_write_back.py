@@ -14,10 +14,12 @@ A chat's next turn often reaches the prefill worker as the write-back of its las
 pulled: a waiting prompt that extends a write-back in flight (and the queue behind it) waits for that pull,
 at most `HOLD_S`, so that it computes only its new tokens.
 
-Write-back is bounded: the prefill worker takes an offer only while at most `MAX_PULLS` are in flight and
-half its pool stays free, and fails a pull not done within `PULL_TIMEOUT_S`; the decode worker offers only
-while its held blocks stay under a quarter of its pool. Whatever is refused, fails or is not pulled in time
-frees its blocks on both sides (the decode worker's at its hand-back timeout at the latest).
+A decode worker offers only to a prefill worker whose handshake said it takes write-backs (one without
+`--kv-write-back`, or a `vllm serve` one, is offered nothing). Write-back is bounded: the prefill worker
+takes an offer only while at most `MAX_PULLS` are in flight and half its pool stays free, and fails a pull
+not done within `PULL_TIMEOUT_S`; the decode worker offers only while its held blocks stay under a quarter
+of its pool. Whatever is refused, fails or is not pulled in time frees its blocks on both sides (the decode
+worker's at its hand-back timeout at the latest).
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ class WriteBackOffers:
         offers them to the prefill worker it was pulled from."""
         target, size = request.write_back_target, request.block_size
         manager = self.parts.scheduler.block_manager
-        if target is None or request.finish_reason not in ("stop", "length") or request.mm_spans:
+        if target is None or request.finish_reason not in ("stop", "length") or request.mm_spans \
+                or not self.kv.takes_write_backs(target):
             return
         full = (len(request) - 1) // size   # the newest token's KV is never computed
         held_id = request.request_id + SUFFIX
