@@ -8,7 +8,8 @@
 For each topology and each routing (`--routing round_robin`, `--routing kv`) it starts the static xPyD
 stack (stack/xpyd.py: every worker publishes KV cache events) and sends the same load: chats from
 benchmarks/multiturn_load.py (`--conversations` x `--turns`, `--system-prompts` shared system texts,
-`--max-concurrency` chats at once, each starting as another ends: a closed loop), or a Mooncake-format
+`--max-concurrency` chats at once, each starting as another ends: a closed loop; sent as /v1/chat/completions
+messages, or with `--api completions` as text prompts), or a Mooncake-format
 trace (benchmarks/mooncake_trace.py; `--trace` a file, or `--synthetic-trace` one of our own). Workers are our engine, by default simulated (`--engine
 mock`: the real scheduler, prefix cache and KV transfer, the forward pass replaced by the cost model
 calibrated on this machine), so four workers and the proxy fit two cores; `--engine model` computes.
@@ -17,8 +18,8 @@ loop as well (or instead: `--no-closed-loop`): R chats start per second per pref
 (the same for both routings), each turn `--think-time` seconds after the last answer, so both routings
 face the same load. `--conditional-disaggregation` turns it on in both proxies (a decode worker that holds all
 but a short part of a prompt prefills it itself).
-`--kv-write-back` starts every worker with it: a finished answer's KV goes back to the prefill worker that
-served its prompt, so a next turn sent there computes only its new message.
+`--kv-write-back MODE` starts every worker with it (the workers' default is `chats`): a finished answer's KV
+goes back to the prefill worker that served its prompt, so a next turn sent there computes only its new message.
 It reports TTFT/TPOT/ITL per run, from the KV-routed proxy's counters the prompt tokens its picked
 prefill worker held (`hit`) and the most any prefill worker held (`best`), and what TTFT is made of
 (`ttft_split`, benchmarks/ttft_split.py: the proxy, the leg's trip, the prefill workers' queue and compute,
@@ -47,12 +48,13 @@ import httpx
 from benchmarks import ttft_split
 from benchmarks.bench_cli import write_json
 from benchmarks.mooncake_trace import load_trace, run_trace, synthetic_trace
-from benchmarks.multiturn_load import MultiturnSpec, run_multiturn
+from benchmarks.multiturn_load import APIS, MultiturnSpec, run_multiturn
 from benchmarks.serving_load import fetch_model, warm_up
 from benchmarks.serving_metrics import SLO, RequestResult, ratio, summarize
 from benchmarks.serving_report import format_table, plot_distributions
 from stack.serving import Stack, StackError, StackOptions
 from stack.xpyd import start_xpyd
+from worker.config import DEFAULT_WRITE_BACK, WRITE_BACK_MODES
 
 TOPOLOGIES = {"1p2d": (1, 2), "2p2d": (2, 2)}
 ROUTINGS = ("round_robin", "kv")
@@ -77,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "comma-separated, the first one's ratio is the headline")
     p.add_argument("--think-time", type=float, default=0.0, help="open loop: seconds between an answer and the "
                                                                  "chat's next turn (default 0)")
+    p.add_argument("--api", choices=APIS, default="chat",
+                   help="chats as chat-completion messages (default), or as text prompts to /v1/completions")
     p.add_argument("--closed-loop", action=argparse.BooleanOptionalAction, default=None,
                    help="run the closed loop too (default: only when no --session-rate is given)")
     p.add_argument("--trace", type=Path, help="replay this Mooncake-format trace instead of chats")
@@ -91,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="both proxies run conditional disaggregation (a decode worker prefills a prompt whose "
                         "uncached part is short itself); KV routing weighs it with the index, round-robin with "
                         "the proxy's own estimate")
-    p.add_argument("--kv-write-back", action="store_true",
-                   help="every worker with --kv-write-back: a decode worker gives each finished answer's KV back to "
-                        "the prefill worker that served its prompt (under both routings)")
+    p.add_argument("--kv-write-back", default=None, choices=WRITE_BACK_MODES,
+                   help="every worker with --kv-write-back MODE, under both routings: which finished answers' KV a "
+                        "decode worker gives back to the prefill worker that served its prompt (default: the "
+                        f"workers' own, {DEFAULT_WRITE_BACK})")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per stack (default 2)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -109,7 +114,8 @@ def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
         proxy += ["--kv-load-tokens", str(args.kv_load_tokens)]
     if routing == "kv" and args.kv_load_queued_tokens is not None:
         proxy += ["--kv-load-queued-tokens" if args.kv_load_queued_tokens else "--no-kv-load-queued-tokens"]
-    workers = (MOCK if args.engine == "mock" else ()) + (("--kv-write-back",) if args.kv_write_back else ())
+    workers = (MOCK if args.engine == "mock" else ()) + (
+        ("--kv-write-back", args.kv_write_back) if args.kv_write_back else ())
     return StackOptions(cores=(0, 1), worker_extra=workers,
                         startup_timeout_s=300.0, proxy_extra=tuple(proxy))
 
@@ -228,7 +234,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         args.spec = MultiturnSpec(args.conversations or (8 if args.quick else 48), args.turns or (3 if args.quick else 6),
                                   system_chars=args.system_chars, opening_chars=(100, 200), user_chars=(40, 100),
                                   output_len=(16, 32), max_concurrency=args.max_concurrency or (4 if args.quick else 12),
-                                  seed=args.seed, num_system_prompts=args.system_prompts)
+                                  seed=args.seed, num_system_prompts=args.system_prompts, api=args.api)
         args.rows = (load_trace(args.trace) if args.trace else
                      synthetic_trace(args.synthetic_trace, 2.0, 4, 2, (2, 3), 128, args.seed)
                      if args.synthetic_trace else None)

@@ -9,7 +9,9 @@ conversations run at once, each starting when another ends, so a faster server i
 loop (`session_rate` set): conversations start at Poisson times (serving_load.arrival_offsets, the
 same for the same seed, stretched to the rate asked for) whatever the server does, and each turn
 follows the last answer after `think_time_s`, so every server is offered the same chats at the same
-times.
+times. `api`: "completions" sends each turn's prompt as text ("user:" / "assistant:" lines); "chat" sends
+the same texts as /v1/chat/completions messages (the shared system text as a system message, each answer
+as an assistant message), which the server renders with its chat template.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import httpx
 from benchmarks.serving_load import arrival_offsets, stream_body
 from benchmarks.serving_metrics import RequestResult
 
+APIS = ("completions", "chat")
+USER, ANSWER = "\nuser: ", "\nassistant:"   # a text prompt's turn labels
 WORDS = ("def", "return", "self", "value", "list", "for", "in", "if", "else", "print", "class", "import",
          "data", "item", "index", "count", "result", "while", "true", "none", "the", "and", "with", "user")
 
@@ -44,8 +48,11 @@ class MultiturnSpec:
     num_system_prompts: int = 1           # conversation i opens with system text i % num_system_prompts
     session_rate: float | None = None     # conversations started per second (open loop); None: closed loop
     think_time_s: float = 0.0             # pause between an answer and the next turn
+    api: str = "completions"              # APIS: text prompts, or chat messages
 
     def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         if self.session_rate is not None and not self.session_rate > 0:
             raise ValueError("session_rate must be positive (None: closed loop)")
         if self.think_time_s < 0:
@@ -87,16 +94,28 @@ def make_conversations(spec: MultiturnSpec) -> tuple[str, list[Conversation]]:
     for i in range(spec.num_conversations):
         own = "" if spec.num_system_prompts == 1 else systems[i % spec.num_system_prompts]
         opening = own + f"conversation {i}: " + _text(rng, rng.randint(*spec.opening_chars))
-        users = tuple("\nuser: " + _text(rng, rng.randint(*spec.user_chars)) + "\nassistant:"
-                      for _ in range(spec.num_turns - 1))
+        users = tuple(USER + _text(rng, rng.randint(*spec.user_chars)) + ANSWER for _ in range(spec.num_turns - 1))
         lens = tuple(rng.randint(*spec.output_len) for _ in range(spec.num_turns))
-        conversations.append(Conversation(opening + "\nassistant:", users, lens))
+        conversations.append(Conversation(opening + ANSWER, users, lens))
     return system, conversations
 
 
-def turn_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+def turn_body(model: str, prompt: str | list[dict[str, str]], output_len: int) -> dict[str, Any]:
+    """A text prompt's completion, or the chat completion of `prompt`'s messages."""
+    return {"model": model, "messages" if isinstance(prompt, list) else "prompt": prompt, "max_tokens": output_len,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def chat_messages(system: str, conversation: Conversation, answers: list[str]) -> list[dict[str, str]]:
+    """The messages of the turn after `answers`: the texts of the text prompt without its turn labels."""
+    said = [conversation.opening.removesuffix(ANSWER)]
+    said += [text.removeprefix(USER).removesuffix(ANSWER) for text in conversation.user_turns[:len(answers)]]
+    messages = [{"role": "system", "content": system}] if system else []
+    for turn, text in enumerate(said):
+        messages.append({"role": "user", "content": text})
+        if turn < len(answers):
+            messages.append({"role": "assistant", "content": answers[turn]})
+    return messages
 
 
 def start_offsets(spec: MultiturnSpec) -> list[float] | None:
@@ -115,14 +134,15 @@ def start_offsets(spec: MultiturnSpec) -> list[float] | None:
 
 async def run_conversation(client: httpx.AsyncClient, url: str, model: str, system: str,
                            conversation: Conversation, timeout_s: float,
-                           think_time_s: float = 0.0) -> list[RequestResult]:
+                           think_time_s: float = 0.0, chat: bool = False) -> list[RequestResult]:
     """Every turn in order; a failed turn ends the conversation (the next prompt would lack its answer)."""
     prompt, results = system + conversation.opening, []
     for turn, output_len in enumerate(conversation.output_lens):
         if turn:
             await asyncio.sleep(think_time_s)
             prompt += results[-1].text + conversation.user_turns[turn - 1]
-        result = await stream_body(client, url, turn_body(model, prompt, output_len),
+        sent = chat_messages(system, conversation, [r.text for r in results]) if chat else prompt
+        result = await stream_body(client, url, turn_body(model, sent, output_len),
                                    RequestResult(len(prompt), output_len), timeout_s)
         results.append(result)
         if not result.ok:
@@ -133,7 +153,7 @@ async def run_conversation(client: httpx.AsyncClient, url: str, model: str, syst
 async def run_multiturn(base_url: str, model: str, spec: MultiturnSpec) -> tuple[list[RequestResult], float]:
     """Runs every conversation (closed loop: `max_concurrency` at once; open loop: each at its start offset);
     the turns' results and the run's duration."""
-    url = base_url.rstrip("/") + "/v1/completions"
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if spec.api == "chat" else "/v1/completions")
     system, conversations = make_conversations(spec)
     offsets = start_offsets(spec)
     gate = asyncio.Semaphore(spec.max_concurrency if offsets is None else spec.num_conversations)
@@ -143,7 +163,7 @@ async def run_multiturn(base_url: str, model: str, spec: MultiturnSpec) -> tuple
             await asyncio.sleep(max(offset - (time.perf_counter() - t0), 0.0))
             async with gate:
                 return await run_conversation(client, url, model, system, conversation, spec.request_timeout_s,
-                                              spec.think_time_s)
+                                              spec.think_time_s, spec.api == "chat")
 
         t0 = time.perf_counter()
         per_conversation: Sequence[list[RequestResult]] = await asyncio.gather(

@@ -135,16 +135,25 @@ async def _read_events(response: httpx.Response, result: RequestResult) -> None:
             result.error = f"stream error: {_message(event)}"
             return
         # Workers send one chunk per token; its text may be empty (part of a UTF-8 character).
-        # An empty chunk that only carries the finish reason is no token arrival.
+        # An empty chunk that only carries the finish reason (or, in a chat, the role) is no token arrival.
         choices = event.get("choices") or ()
-        if any(choice.get("text") or ("text" in choice and choice.get("finish_reason") is None)
-               for choice in choices):
+        texts = [_chunk_text(choice) for choice in choices]
+        if any(text or (text is not None and choice.get("finish_reason") is None)
+               for text, choice in zip(texts, choices)):
             result.chunk_times.append(time.perf_counter())
-        result.text += "".join(choice.get("text") or "" for choice in choices)
+        result.text += "".join(text or "" for text in texts)
         if event.get("usage"):
             result.output_tokens = int(event["usage"].get("completion_tokens", 0))
             result.input_tokens = int(event["usage"].get("prompt_tokens", result.input_tokens))
     result.error = "stream ended without [DONE]"
+
+
+def _chunk_text(choice: dict[str, Any]) -> str | None:
+    """A completion chunk's text, or a chat chunk's content (None: the chunk carries none, as a chat's role chunk)."""
+    if "delta" not in choice:
+        return choice.get("text")
+    delta = choice.get("delta") or {}
+    return None if "role" in delta or "content" not in delta else delta.get("content") or ""
 
 
 def _error_text(status: int, body: bytes) -> str:

@@ -5,10 +5,11 @@
 Starts two prefill workers and a decode worker that publish their KV cache events, and a proxy with
 `--routing kv`, on free ports on 127.0.0.1. It then has a chat of a few turns through the proxy with the
 official `openai` client, each turn's prompt being the chat so far, and prints, per turn, which prefill worker
-served it and how many of the prompt's tokens it computed: the rest it held already. With write-back (the
-default here: `--kv-write-back` on every worker) the decode worker gives each answer's KV back to that prefill
-worker, so a turn computes little more than its new message; with `--no-write-back` it computes the last
-answer again too. Every process is stopped on the way out, also on Ctrl-C or an error. Exit status 1: the
+served it and how many of the prompt's tokens it computed: the rest it held already. With write-back of every
+answer (the default here: `--kv-write-back all` on every worker; the workers' own default, `chats`, starts with
+the second answer, once the chat holds one) the decode worker gives each answer's KV back to that prefill
+worker, so a turn computes little more than its new message; with `--no-write-back` (`--kv-write-back off`) it
+computes the last answer again too. Every process is stopped on the way out, also on Ctrl-C or an error. Exit status 1: the
 stack could not be started or a request failed.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=4, help="turns of the chat (default 4)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
     p.add_argument("--no-write-back", dest="write_back", action="store_false",
-                   help="workers without --kv-write-back: each turn computes the last answer again")
+                   help="workers with --kv-write-back off: each turn computes the last answer again")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each process to be ready")
     return p
 
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--turns and --max-tokens must be at least 1", file=sys.stderr)
         return 2
     options = StackOptions(model=args.model, kv_transport="shm", startup_timeout_s=args.startup_timeout,
-                           worker_extra=("--kv-write-back",) if args.write_back else (),
+                           worker_extra=("--kv-write-back", "all" if args.write_back else "off"),
                            proxy_extra=("--routing", "kv", "--tokenizer", args.model or "builtin"))
     print("starting two prefill workers, a decode worker and a KV-routed proxy ...", flush=True)
     try:

@@ -11,6 +11,10 @@ from worker.dtype import resolve_dtype
 DEFAULT_CHUNKED_BUDGET = 512
 DEFAULT_UNCHUNKED_BUDGET = 4096   # whole prompts batched together, a lone one may exceed it
 CHUNKED_BY_DEFAULT = ("both", "decode")  # roles whose running streams a long prefill would stall
+# Which finished answers' KV a decode worker writes back to their prefill worker (worker/engine/kv_write_back.py):
+# none, the answers to chats under way (their messages hold an answer already: a next turn likely comes), or all.
+WRITE_BACK_MODES = ("off", "chats", "all")
+DEFAULT_WRITE_BACK = "chats"
 
 
 @dataclass(slots=True)

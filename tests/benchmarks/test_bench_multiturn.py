@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 
 from benchmarks import bench_serving
-from benchmarks.multiturn_load import MultiturnSpec, make_conversations, run_multiturn, start_offsets
+from benchmarks.multiturn_load import MultiturnSpec, chat_messages, make_conversations, run_multiturn, start_offsets
 from benchmarks.serving_load import arrival_offsets
 from benchmarks.prefix_compare import PrefixRun, format_kv_table, prefix_report
 from benchmarks.serving_metrics import RequestResult
@@ -68,6 +68,24 @@ def test_open_loop_starts_chats_at_the_seeds_poisson_times() -> None:
     for bad in ({"session_rate": 0.0}, {"session_rate": -1.0}, {"think_time_s": -0.1}):
         with pytest.raises(ValueError):
             MultiturnSpec(1, 1, **bad)
+
+
+def test_chat_turns_send_the_same_texts_as_messages(worker: WorkerProcess) -> None:
+    spec = MultiturnSpec(2, 3, system_chars=60, opening_chars=(30, 40), user_chars=(10, 20), output_len=(4, 6),
+                         api="chat")
+    results, _ = asyncio.run(run_multiturn(worker.url, "neuron-di-builtin", spec))
+    system, conversations = make_conversations(spec)
+    assert len(results) == 6 and all(r.ok for r in results)
+    for c, turns in zip(conversations, (results[:3], results[3:])):
+        assert [r.output_tokens for r in turns] == list(c.output_lens)
+        messages = chat_messages(system, c, [r.text for r in turns[:2]])
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+        assert messages[1]["content"] + "\nassistant:" == c.opening and messages[2]["content"] == turns[0].text
+        # The built-in chat template: BOS, each message's role token, bytes and newline, then <|assistant|>.
+        assert turns[2].input_tokens == 1 + sum(len(m["content"].encode()) + 2 for m in messages) + 1
+    worker.wait_blocks_free()
+    with pytest.raises(ValueError, match="api must be one of"):
+        MultiturnSpec(1, 1, api="grpc")
 
 
 def test_open_loop_sends_at_the_start_times_and_waits_the_think_time(worker: WorkerProcess) -> None:

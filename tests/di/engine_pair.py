@@ -15,12 +15,12 @@ from worker.engine.kv_connector import KVConnector, KVConnectorConfig
 
 
 @contextmanager
-def engine_trio(num_blocks: int, dtype: str = "float32", decode_dtype: str | None = None, write_back: bool = False,
-                prefill_write_back: bool | None = None,
+def engine_trio(num_blocks: int, dtype: str = "float32", decode_dtype: str | None = None, write_back: str = "off",
+                prefill_write_back: str | None = None,
                 **decode_config: Any) -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
     """A prefill and a decode engine over shm, and a `both` engine to compare with, computing in `dtype`
-    (the decode engine in `decode_dtype` if given; with `write_back`, answers' KV goes back to the prefill
-    engine, unless `prefill_write_back` turns it off there); closed on the way out."""
+    (the decode engine in `decode_dtype` if given; `write_back`: which answers' KV goes back to the prefill engine,
+    whose own mode is `prefill_write_back` if given); closed on the way out."""
     torch.set_num_threads(1)
     takes = write_back if prefill_write_back is None else prefill_write_back
     prefill = LLMEngine(EngineConfig(role="prefill", num_kv_blocks=num_blocks, dtype=dtype),

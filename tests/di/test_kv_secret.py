@@ -66,10 +66,12 @@ def test_start_up_says_where_the_kv_plane_listens_and_whether_it_is_authenticate
     assert listens in secured and "(loopback: reachable only from this host)" in secured
     assert "authenticated with the shared KV secret (HMAC; not encrypted)" in secured
     assert "NOT authenticated (no --kv-secret-file or NEURON_DI_KV_SECRET_FILE)" in open_
-    # A decode worker has no signal plane of its own: its record says port 0 and it logs none.
+    # A decode worker's own signal plane is its hand-back plane, where the answers' KV it writes back waits
+    # (write-back of chats under way is on by default): its record names that port, and it is authenticated too.
     decode = workers["decode"]
-    assert httpx.get(f"{decode.url}/health", timeout=10).json()["worker"]["kv_port"] == 0
-    assert "signal plane" not in decode.proc.output()
+    port = httpx.get(f"{decode.url}/health", timeout=10).json()["worker"]["kv_port"]
+    assert port > 0 and f"KV plane listens on signal plane 127.0.0.1:{port}, " in decode.proc.output()
+    assert "authenticated with the shared KV secret" in decode.proc.output()
 
 
 def test_a_wrong_secret_is_refused_and_logged_by_the_prefill(workers: dict[str, WorkerProcess]) -> None:

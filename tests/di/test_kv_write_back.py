@@ -24,7 +24,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
-    with engine_trio(NUM_BLOCKS, write_back=True) as trio:
+    with engine_trio(NUM_BLOCKS, write_back="all") as trio:
         yield trio
 
 
@@ -116,7 +116,7 @@ def test_a_bad_or_withdrawn_offer_caches_nothing_and_frees_both_sides(engines, b
 def test_a_prefill_engine_without_write_back_is_offered_nothing() -> None:
     """Its handshake says it takes no write-backs, so the decode engine holds no blocks for a pull that would never
     come (they would stay pinned until the hand-back timeout)."""
-    with engine_trio(NUM_BLOCKS, write_back=True, prefill_write_back=False) as (prefill, decode, both):
+    with engine_trio(NUM_BLOCKS, write_back="all", prefill_write_back="off") as (prefill, decode, both):
         params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
         prompt = tokens(7, 70)
         _, (got,) = run_pair(prefill, decode, [prompt], [params])

@@ -1,7 +1,7 @@
 """--kv-write-back with real worker processes behind a KV-routed proxy: a chat's answer KV goes back to the
 prefill worker that served the prompt, the proxy hears of it from that worker's KV events and sends the next
 turn there, which holds every block of the last turn's prompt and answer; the answers equal one `both`
-worker's and every block comes back."""
+worker's and every block comes back. By default (`chats`) only the answers of chats under way go back."""
 from __future__ import annotations
 
 import random
@@ -23,6 +23,12 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
     with kv_routed_stack(2, 1, ["--kv-write-back"]) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def default_stack() -> Iterator[tuple[Server, list[WorkerProcess]]]:
+    with kv_routed_stack(1, 1) as served:
         yield served
 
 
@@ -67,3 +73,27 @@ def test_the_next_turn_finds_the_answer_on_its_prefill_worker(stack, sampling: d
     decode = workers[2]
     assert metric(decode.url, "neuron_di_kv_write_back_offers_total", 0.0) >= 3
     assert sum(metric(w.url, "neuron_di_kv_write_back_failed_total", 0.0) for w in workers[:2]) == 0
+
+
+def chat(client: httpx.Client, url: str, messages: list[dict[str, str]]) -> str:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 20, "ignore_eos": True, "temperature": 0.0}
+    reply = client.post(f"{url}/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def test_by_default_only_the_answers_of_chats_under_way_are_written_back(default_stack) -> None:
+    proxy, (prefill, decode, both) = default_stack
+    offers = lambda: metric(decode.url, "neuron_di_kv_write_back_offers_total", 0.0)  # noqa: E731
+    first = [{"role": "system", "content": "You answer in one line. " * 4}, {"role": "user", "content": "The sea?"}]
+    with httpx.Client(timeout=120) as client:
+        complete(client, proxy.url, [random.Random(3).randrange(30, 230) for _ in range(100)], {"temperature": 0.0})
+        answer = chat(client, proxy.url, first)   # a first turn: no answer in its messages yet
+        decode.wait_blocks_free()   # an offered answer's blocks would be held until pulled
+        assert offers() == 0 and written_back([prefill]) == 0
+        second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the rivers?"}]
+        assert chat(client, proxy.url, second) == chat(client, both.url, second)
+        wait_until(lambda: written_back([prefill]) > 0, timeout=30)
+        assert offers() == 1
+    for worker in (prefill, decode):
+        worker.wait_blocks_free()

@@ -80,8 +80,10 @@ def test_a_hand_back_kv_port_is_for_a_worker_that_decodes_and_hands_streams_back
 
 def test_kv_write_back_is_for_prefill_and_decode_workers(capsys: pytest.CaptureFixture[str]) -> None:
     for role in ("prefill", "decode"):
-        assert parse_args(["--role", role, "--kv-write-back"])[0].kv_write_back
-    assert not parse_args(["--role", "decode"])[0].kv_write_back
-    with pytest.raises(SystemExit) as exc:
-        parse_args(["--role", "both", "--kv-write-back"])
-    assert exc.value.code == 2 and "--kv-write-back" in capsys.readouterr().err
+        assert parse_args(["--role", role])[0].kv_write_back == "chats"   # the default
+        assert parse_args(["--role", role, "--kv-write-back"])[0].kv_write_back == "all"
+        assert parse_args(["--role", role, "--kv-write-back", "off"])[0].kv_write_back == "off"
+    for argv in (["--role", "both", "--kv-write-back"], ["--role", "decode", "--kv-write-back", "some"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2 and "--kv-write-back" in capsys.readouterr().err

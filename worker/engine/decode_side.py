@@ -46,7 +46,7 @@ class DecodeSide(DisaggregatedRole):
                 skip_sample(self.parts.vocab_size, request.params, request.generator)
                 self.kv.pulled(request_id, len(request.block_table) - request.num_cached_blocks,
                                request.num_cached_blocks)
-                if self.kv.config.write_back:
+                if self.write_backs.wants(request):
                     request.write_back_target = request.pull_target
                 scheduler.transfer_done(request, token_id)
                 request.advance(token_id)   # the prefill's token is this request's first output
@@ -79,7 +79,7 @@ class DecodeSide(DisaggregatedRole):
         super().abort(request)
 
     def write_back_counts(self) -> WriteBackCounts | None:
-        return replace(self.write_backs.counts) if self.kv.config.write_back else None
+        return replace(self.write_backs.counts) if self.kv.config.writes_back else None
 
     def holds_kv(self) -> bool:
         return self.write_backs.holds_kv

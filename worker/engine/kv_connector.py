@@ -8,9 +8,9 @@ reports the pulls its thread announces as finished: "done with first token t" or
 with this error". Either buffer's announcement also calls `wake`, so an idle engine thread
 steps at once instead of polling.
 
-With `write_back` a decode worker offers the prefill worker that served a finished request the KV of its
-prompt and answer (held on its hand-back plane), and that prefill worker pulls it with a RecvBuffer of its own
-(worker/engine/kv_write_back.py).
+With `write_back` ("chats": answers to chats under way; "all": every answer) a decode worker offers the prefill
+worker that served a finished request the KV of its prompt and answer (held on its hand-back plane), and that
+prefill worker (any mode but "off") pulls it with a RecvBuffer of its own (worker/engine/kv_write_back.py).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from neuron_connector import (ConnectorError, EngineMismatch, HandshakeError, In
                               PullState, RecvBuffer, SendBuffer, UnknownRequest, WriteBack)
 from transfer import KVLayout, TransferError, create_transfer_engine
 from common.held_blocks import HeldBlocks
+from worker.config import WRITE_BACK_MODES
 from worker.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,18 @@ class KVConnectorConfig:
     integrity_check: bool = True           # decode: verify every pull with a CRC-32C the prefill sends
     hand_back_port: int | None = None      # decode: serve handed-back streams' KV here (0 = a free port); None: no
     hand_back_timeout: float = 3.0         # decode: free a handed-back stream's KV nobody pulled after this long
-    write_back: bool = False               # decode: offer finished answers' KV to their prefill; prefill: take it
+    write_back: str = "off"                # decode: which finished answers' KV to offer their prefill worker
+                                           # (WRITE_BACK_MODES); prefill: any but "off" takes them
     secret: bytes | None = field(default=None, repr=False)   # the shared KV secret; None: unauthenticated
+
+    def __post_init__(self) -> None:
+        if self.write_back not in WRITE_BACK_MODES:
+            raise ValueError(f"write_back must be one of {', '.join(WRITE_BACK_MODES)}, got {self.write_back!r}")
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether this worker takes part in write-back (offers answers' KV, or takes them)."""
+        return self.write_back != "off"
 
 
 @dataclass(slots=True)
@@ -101,7 +112,7 @@ class KVConnector:
             self._block_bytes = layout.block_bytes
             engine_id = self.engine_id = cfg.engine_id or self._transfer.transfer_id  # unique: one session per id
             decode = self.role == "decode"
-            hand_back_port = 0 if cfg.hand_back_port is None and cfg.write_back else cfg.hand_back_port
+            hand_back_port = 0 if cfg.hand_back_port is None and cfg.writes_back else cfg.hand_back_port
             if not decode or hand_back_port is not None:
                 self.send = SendBuffer(self._transfer, layout, engine_id, cfg.kv_host,
                                        hand_back_port if decode else cfg.kv_port, on_release=self._on_release,
@@ -110,9 +121,9 @@ class KVConnector:
                                        on_transfer=lambda seconds, blocks: self.on_transfer(
                                            seconds, blocks, blocks * layout.block_bytes), secret=cfg.secret,
                                        timeline=self.timeline,
-                                       on_write_back=self._on_write_back if cfg.write_back and not decode else None)
+                                       on_write_back=self._on_write_back if cfg.writes_back and not decode else None)
                 self.send.start()
-            if decode or cfg.write_back:
+            if decode or cfg.writes_back:
                 self.recv = RecvBuffer(self._transfer, layout, engine_id, default_timeout=cfg.pull_timeout,
                                        on_finished=self._on_finished, secret=cfg.secret,
                                        integrity_check=cfg.integrity_check, timeline=self.timeline)

@@ -1,4 +1,5 @@
-"""A finished answer's KV written back to the prefill worker that served its prompt (`--kv-write-back`).
+"""A finished answer's KV written back to the prefill worker that served its prompt (`--kv-write-back`: by default
+the answers to chats whose messages hold an answer already, a conversation under way; `all`: every answer).
 
 In a chat, the next turn's prompt is this turn's prompt, its answer and a new message. The prefill worker
 holds the prompt's KV, but the answer's exists only on the decode worker that generated it, so the next
@@ -62,6 +63,11 @@ class WriteBackOffers:
         self.parts, self.kv = parts, kv
         self._held: dict[str, Sequence] = {}
         self.counts = WriteBackCounts()
+
+    def wants(self, request: Request) -> bool:
+        """Whether this worker's write-back mode writes back `request`'s answer, once finished."""
+        mode = self.kv.config.write_back
+        return mode == "all" or (mode == "chats" and request.continues_chat)
 
     def offer(self, request: Request) -> None:
         """Holds the full blocks of finished `request`'s prompt and answer that the prefix cache has, and

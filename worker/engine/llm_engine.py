@@ -112,13 +112,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     leg: LegParams | None = None,
-                    mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Resumed = Resumed()) -> None:
+                    mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Resumed = Resumed(),
+                    continues_chat: bool = False) -> None:
         """Queues a request; raises InvalidRequestError or QueueFullError instead of queueing it.
 
         `leg` (the parsed `kv_transfer_params`: role "prefill" or "decode") makes it one leg of a
         disaggregated request; a worker of role "both" ignores it. `mm` gives prompt
         positions start .. start + n - 1 the n rows of an image's embeddings as their input. `resumed`:
-        the outputs of an answer another worker began (worker/engine/resumed.py).
+        the outputs of an answer another worker began (worker/engine/resumed.py). `continues_chat`: a chat
+        whose messages hold an answer already (a decode worker writing back "chats" writes back its answer).
         """
         self._validate(request_id, prompt_token_ids, params)
         may_resume = leg is None or leg.role == self.config.role == "decode"   # a decode leg pulls a moved stream's KV
@@ -136,7 +138,7 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids), reads_prefix_cache=not wants_prompt_logprobs,
             generator=torch.Generator(device=self.kv_pool.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
-            remote_kv=role_leg.remote_kv, pull_target=role_leg.pull_target,
+            remote_kv=role_leg.remote_kv, pull_target=role_leg.pull_target, continues_chat=continues_chat,
             mm=tuple(mm or ()), mm_spans=spans, prompt_logprobs=[None] if wants_prompt_logprobs else None,
             grammar=self._grammars.matcher(params.grammar, "response_format") if params.grammar else None,
         )

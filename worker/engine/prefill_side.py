@@ -22,7 +22,7 @@ class PrefillSide(DisaggregatedRole):
     def __init__(self, parts: EngineParts, connector: KVConnector | None = None) -> None:
         super().__init__(parts, connector)
         # With write-back: the answers' KV decode workers send back, for the prefix cache.
-        self.write_backs = WriteBackPulls(parts, self.kv) if self.kv.config.write_back else None
+        self.write_backs = WriteBackPulls(parts, self.kv) if self.kv.config.writes_back else None
 
     def leg(self, request_id: str, params: LegParams | None) -> Leg:
         leg = super().leg(request_id, params)

@@ -24,6 +24,7 @@ class Request(Sequence):
     detokenizer: IncrementalDetokenizer
     pull_target: DecodeParams | None = None   # decode: where its prompt's KV comes from
     write_back_target: DecodeParams | None = None   # decode, with write-back: the prefill worker it was pulled from
+    continues_chat: bool = False   # a chat whose messages hold an answer already (write-back "chats" takes it)
     mm: tuple[tuple[int, ImageEmbeds], ...] = ()   # (start, embeds): input rows of positions start.. (mm_spans)
     # With params.prompt_logprobs: one entry per prompt token computed so far (the first has none).
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -324,8 +324,8 @@ class _Worker:
                     seeded = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
                     request_id = f"{g.request_id}-{index}" if many else engine_id or g.request_id
                     timer = self.metrics.timer(len(prompt.token_ids), seeded.max_tokens)
-                    stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded,
-                                                              req.leg, prompt.spans or None, req.resume_from)
+                    stream = await self.async_engine.generate(request_id, prompt.token_ids, seeded, req.leg,
+                                                              prompt.spans or None, req.resume_from, req.continues_chat)
                     choice = Choice(choice_spec(req, index, prompt.token_ids, i, self.strings), self.strings)
                     choice.resumes(req.resume_from.token_ids)
                     parts.append(Part(choice, stream, timer, i, len(prompt.token_ids)))

@@ -37,6 +37,7 @@ class _Add:
     leg: LegParams | None = None
     mm: list[tuple[int, ImageEmbeds]] | None = None
     resumed: Resumed = Resumed()
+    continues_chat: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,17 +175,19 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        leg: LegParams | None = None,
-                       mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Resumed = Resumed()) -> RequestStream:
+                       mm: list[tuple[int, ImageEmbeds]] | None = None, resumed: Resumed = Resumed(),
+                       continues_chat: bool = False) -> RequestStream:
         """Admits a request and returns its output stream; admission errors (queue full, invalid) raise here.
 
-        A request that fails later (e.g. its KV transfer) raises its error from the stream.
+        A request that fails later (e.g. its KV transfer) raises its error from the stream. `continues_chat`:
+        see LLMEngine.add_request.
         """
         if not self.is_alive():
             raise WorkerError("the engine is not running")
         loop = asyncio.get_running_loop()
         sink = Sink(loop, asyncio.Queue())
         admitted: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, leg, mm, resumed))
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, sink, admitted, leg, mm, resumed, continues_chat))
         try:
             await self._admission(admitted)
         except asyncio.CancelledError:
@@ -317,7 +320,7 @@ class AsyncEngine:
         error: BaseException | None = None
         try:
             engine.add_request(command.request_id, command.prompt_ids, command.params,
-                               command.leg, command.mm, command.resumed)
+                               command.leg, command.mm, command.resumed, continues_chat=command.continues_chat)
             self._sinks[command.request_id] = command.sink
             self.stats = engine.stats()  # before the caller hears of it: a drain must see it in flight
         except Exception as exc:  # QueueFullError / InvalidRequestError (e.g. a duplicate id) go to the caller

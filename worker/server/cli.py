@@ -21,7 +21,8 @@ from common.listen import hypercorn_bind, listen_socket
 from common.tracing import Tracing, add_traces_endpoint_flag
 from common.roles import (DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE,
                           WORKER_ROLES)
-from worker.config import CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, EngineConfig
+from worker.config import (CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, DEFAULT_WRITE_BACK,
+                           WRITE_BACK_MODES, EngineConfig)
 from worker.dtype import AUTO, BF16_CPU_FLAGS
 from worker.mock import flags as mock_flags
 from worker.model.model_config import ModelConfig
@@ -144,10 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--prefix-aware-transfer", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: pull only the prompt's KV blocks this worker's prefix cache lacks, and cache the "
                          "pulled ones for the next prompt with that prefix (default: on; needs prefix caching)")
-    kv.add_argument("--kv-write-back", action="store_true",
-                    help="give both roles: a decode worker offers the KV of each finished answer back to the prefill "
-                         "worker that served its prompt, which pulls it into its prefix cache, so a chat's next turn "
-                         "sent there computes only the new message (default: off)")
+    kv.add_argument("--kv-write-back", nargs="?", const="all", default=None, choices=WRITE_BACK_MODES,
+                    metavar="{" + ",".join(WRITE_BACK_MODES) + "}",
+                    help="a decode worker offers the KV of finished answers back to the prefill worker that served "
+                         "their prompt, which pulls it into its prefix cache, so a chat's next turn sent there "
+                         "computes only the new message. chats: the answers to chats whose messages hold an answer "
+                         "already (a conversation under way); all (the flag alone): every answer; off: none, and a "
+                         f"prefill worker takes none (default: {DEFAULT_WRITE_BACK})")
     kv.add_argument("--kv-events-config", default=None, metavar="JSON",
                     help="publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\":true,"
                          "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}' (default: off)")
@@ -167,8 +171,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                                                    and 0 <= args.hand_back_kv_port <= 65535):
         parser.error("--hand-back-kv-port is a TCP port or 0, for a decode worker (or a prefill worker that may "
                      "change role to decode) with --drain-hands-back-streams")
-    if args.kv_write_back and args.role not in DISAGGREGATED_ROLES:
+    if args.kv_write_back is not None and args.role not in DISAGGREGATED_ROLES:
         parser.error("--kv-write-back is for prefill and decode workers")
+    args.kv_write_back = args.kv_write_back or DEFAULT_WRITE_BACK
     if not 0 <= args.kv_port <= 65535:
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:

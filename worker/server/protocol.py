@@ -62,6 +62,11 @@ class GenerateRequest:
     def is_decode_leg(self) -> bool:
         return isinstance(self.leg, (DecodeParams, QueuedDecodeParams))
 
+    @property
+    def continues_chat(self) -> bool:
+        """A chat whose messages hold an answer already: a conversation under way, whose next turn likely comes."""
+        return any(m["role"] == "assistant" for m in self.messages)
+
     def wire_sampling(self) -> dict[str, Any]:
         """The sampling fields as a request body spells them (the constraint as the client sent it)."""
         return {**{k: v for k, v in self.sampling.items() if k != "grammar"}, **self.structured}
