@@ -71,8 +71,11 @@ def test_a_hand_back_kv_port_is_for_a_worker_that_decodes_and_hands_streams_back
     # A prefill worker may change role to decode: its decode engine then holds handed-back streams' KV.
     assert parse_args(["--role", "prefill", "--drain-hands-back-streams", "--hand-back-kv-port", "0"])[0] \
         .hand_back_kv_port == 0
-    for wrong in (["--role", "decode", "--hand-back-kv-port", "0"], ["--role", "both", "--drain-hands-back-streams",
-                  "--hand-back-kv-port", "0"], [*decode, "--hand-back-kv-port", "70000"]):
+    # Write-back (on by default) waits on the same plane: a firewalled decode worker can name its port.
+    assert parse_args(["--role", "decode", "--hand-back-kv-port", "14700"])[0].hand_back_kv_port == 14700
+    for wrong in (["--role", "decode", "--kv-write-back", "off", "--hand-back-kv-port", "0"],
+                  ["--role", "both", "--drain-hands-back-streams", "--hand-back-kv-port", "0"],
+                  [*decode, "--hand-back-kv-port", "70000"]):
         with pytest.raises(SystemExit) as exc:
             parse_args(wrong)
         assert exc.value.code == 2 and "--hand-back-kv-port" in capsys.readouterr().err

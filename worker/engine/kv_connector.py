@@ -48,7 +48,8 @@ class KVConnectorConfig:
     abort_timeout: float = 60.0            # prefill: free blocks nobody pulled after this long
     pull_timeout: float = 30.0             # decode: fail a pull not done after this long
     integrity_check: bool = True           # decode: verify every pull with a CRC-32C the prefill sends
-    hand_back_port: int | None = None      # decode: serve handed-back streams' KV here (0 = a free port); None: no
+    hand_back_port: int | None = None      # decode: serve handed-back streams' and written-back answers' KV here
+                                           # (0 = a free port); None: a free one with write-back, else none
     hand_back_timeout: float = 3.0         # decode: free a handed-back stream's KV nobody pulled after this long
     write_back: str = "off"                # decode: which finished answers' KV to offer their prefill worker
                                            # (WRITE_BACK_MODES); prefill: any but "off" takes them

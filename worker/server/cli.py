@@ -85,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a drain ends each running stream after its tokens so far, for the proxy (with "
                              "--resume-streams) to go on with on another worker, instead of finishing it here")
     server.add_argument("--hand-back-kv-port", type=int, default=None, metavar="PORT",
-                        help="decode (or prefill, for when it changes role to decode), with "
-                             "--drain-hands-back-streams: a handed-back stream's KV waits on this "
-                             "signal-plane port (0: a free one) for the next decode worker to pull over the "
-                             "transfer engine, instead of that worker recomputing it (default: off)")
+                        help="decode (or prefill, for when it changes role to decode): the signal-plane port (0: a "
+                             "free one) where, with --drain-hands-back-streams, a handed-back stream's KV waits for "
+                             "the next decode worker to pull over the transfer engine, instead of that worker "
+                             "recomputing it, and where the answers' KV written back waits for its prefill worker "
+                             "(--kv-write-back; a free port when not given)")
     add_traces_endpoint_flag(server)
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="model directory (default: the built-in model)")
@@ -167,13 +168,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
     """Parses and validates everything up front; a bad value exits with status 2 and a clear message."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.hand_back_kv_port is not None and not (args.drain_hands_back_streams and args.role in DISAGGREGATED_ROLES
-                                                   and 0 <= args.hand_back_kv_port <= 65535):
-        parser.error("--hand-back-kv-port is a TCP port or 0, for a decode worker (or a prefill worker that may "
-                     "change role to decode) with --drain-hands-back-streams")
     if args.kv_write_back is not None and args.role not in DISAGGREGATED_ROLES:
         parser.error("--kv-write-back is for prefill and decode workers")
     args.kv_write_back = args.kv_write_back or DEFAULT_WRITE_BACK
+    hands_back = args.drain_hands_back_streams or args.kv_write_back != "off"   # streams, or answers' KV
+    if args.hand_back_kv_port is not None and not (hands_back and args.role in DISAGGREGATED_ROLES
+                                                   and 0 <= args.hand_back_kv_port <= 65535):
+        parser.error("--hand-back-kv-port is a TCP port or 0, for a decode worker (or a prefill worker that may "
+                     "change role to decode) with --drain-hands-back-streams or write-back")
     if not 0 <= args.kv_port <= 65535:
         parser.error(f"--kv-port must be a TCP port or 0, got {args.kv_port}")
     if args.kv_abort_timeout <= 0 or args.kv_pull_timeout <= 0:
