@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="both proxies run conditional disaggregation (a decode worker prefills a prompt whose "
                         "uncached part is short itself); KV routing weighs it with the index, round-robin with "
                         "the proxy's own estimate")
-    p.add_argument("--kv-write-back", default=None, choices=WRITE_BACK_MODES,
+    p.add_argument("--kv-write-back", default=DEFAULT_WRITE_BACK, choices=WRITE_BACK_MODES,
                    help="every worker with --kv-write-back MODE, under both routings: which finished answers' KV a "
                         "decode worker gives back to the prefill worker that served its prompt (default: the "
                         f"workers' own, {DEFAULT_WRITE_BACK})")
@@ -114,8 +114,7 @@ def stack_options(args: argparse.Namespace, routing: str) -> StackOptions:
         proxy += ["--kv-load-tokens", str(args.kv_load_tokens)]
     if routing == "kv" and args.kv_load_queued_tokens is not None:
         proxy += ["--kv-load-queued-tokens" if args.kv_load_queued_tokens else "--no-kv-load-queued-tokens"]
-    workers = (MOCK if args.engine == "mock" else ()) + (
-        ("--kv-write-back", args.kv_write_back) if args.kv_write_back else ())
+    workers = (MOCK if args.engine == "mock" else ()) + ("--kv-write-back", args.kv_write_back)
     return StackOptions(cores=(0, 1), worker_extra=workers,
                         startup_timeout_s=300.0, proxy_extra=tuple(proxy))
 
