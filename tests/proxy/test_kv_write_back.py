@@ -84,7 +84,10 @@ def chat(client: httpx.Client, url: str, messages: list[dict[str, str]]) -> str:
 
 def test_by_default_only_the_answers_of_chats_under_way_are_written_back(default_stack) -> None:
     proxy, (prefill, decode, both) = default_stack
-    offers = lambda: metric(decode.url, "neuron_di_kv_write_back_offers_total", 0.0)  # noqa: E731
+
+    def offers() -> float:
+        return metric(decode.url, "neuron_di_kv_write_back_offers_total", 0.0)
+
     first = [{"role": "system", "content": "You answer in one line. " * 4}, {"role": "user", "content": "The sea?"}]
     with httpx.Client(timeout=120) as client:
         complete(client, proxy.url, [random.Random(3).randrange(30, 230) for _ in range(100)], {"temperature": 0.0})

@@ -63,7 +63,7 @@ def test_kv_events_config_is_vllms_json(capsys: pytest.CaptureFixture[str]) -> N
     assert exc.value.code == 2 and "--kv-events-config is not JSON" in capsys.readouterr().err
 
 
-def test_a_hand_back_kv_port_is_for_a_worker_that_decodes_and_hands_streams_back(
+def test_a_hand_back_kv_port_is_for_a_worker_that_decodes_and_hands_streams_or_answers_back(
         capsys: pytest.CaptureFixture[str]) -> None:
     decode = ["--role", "decode", "--drain-hands-back-streams"]
     assert parse_args([*decode, "--hand-back-kv-port", "0"])[0].hand_back_kv_port == 0
