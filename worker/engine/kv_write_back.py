@@ -15,8 +15,8 @@ A chat's next turn often reaches the prefill worker as the write-back of its las
 pulled: a waiting prompt that extends a write-back in flight (and the queue behind it) waits for that pull,
 at most `HOLD_S`, so that it computes only its new tokens.
 
-A decode worker offers only to a prefill worker whose handshake said it takes write-backs (one without
-`--kv-write-back`, or a `vllm serve` one, is offered nothing). Write-back is bounded: the prefill worker
+A decode worker offers only to a prefill worker whose handshake said it takes write-backs (one with
+`--kv-write-back off`, or a `vllm serve` one, is offered nothing). Write-back is bounded: the prefill worker
 takes an offer only while at most `MAX_PULLS` are in flight and half its pool stays free, and fails a pull
 not done within `PULL_TIMEOUT_S`; the decode worker offers only while its held blocks stay under a quarter
 of its pool. Whatever is refused, fails or is not pulled in time frees its blocks on both sides (the decode
@@ -65,17 +65,18 @@ class WriteBackOffers:
         self.counts = WriteBackCounts()
 
     def wants(self, request: Request) -> bool:
-        """Whether this worker's write-back mode writes back `request`'s answer, once finished."""
+        """Whether `request`'s answer, once finished, is to be offered to the prefill worker its KV was just pulled
+        from: this worker's write-back mode takes it, and that worker's handshake said it takes write-backs."""
         mode = self.kv.config.write_back
-        return mode == "all" or (mode == "chats" and request.continues_chat)
+        return (mode == "all" or (mode == "chats" and request.continues_chat)) and \
+            request.pull_target is not None and self.kv.takes_write_backs(request.pull_target)
 
     def offer(self, request: Request) -> None:
         """Holds the full blocks of finished `request`'s prompt and answer that the prefix cache has, and
         offers them to the prefill worker it was pulled from."""
         target, size = request.write_back_target, request.block_size
         manager = self.parts.scheduler.block_manager
-        if target is None or request.finish_reason not in ("stop", "length") or request.mm_spans \
-                or not self.kv.takes_write_backs(target):
+        if target is None or request.finish_reason not in ("stop", "length") or request.mm_spans:
             return
         full = (len(request) - 1) // size   # the newest token's KV is never computed
         held_id = request.request_id + SUFFIX
