@@ -149,11 +149,13 @@ async def _read_events(response: httpx.Response, result: RequestResult) -> None:
 
 
 def _chunk_text(choice: dict[str, Any]) -> str | None:
-    """A completion chunk's text, or a chat chunk's content (None: the chunk carries none, as a chat's role chunk)."""
+    """A completion chunk's text, or a chat chunk's content (None: the chunk carries none, as a chat's role chunk
+    with empty content)."""
     if "delta" not in choice:
         return choice.get("text")
     delta = choice.get("delta") or {}
-    return None if "role" in delta or "content" not in delta else delta.get("content") or ""
+    content = delta.get("content")
+    return None if content is None or ("role" in delta and not content) else content
 
 
 def _error_text(status: int, body: bytes) -> str:
