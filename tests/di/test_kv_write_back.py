@@ -106,8 +106,9 @@ def test_a_bad_or_withdrawn_offer_caches_nothing_and_frees_both_sides(engines, b
     pulls = prefill.role.write_backs.counts
     failed, refused, cached = pulls.failed, pulls.refused, pulls.cached_blocks
     decode.role.write_backs.hold(held, offered, DecodeParams("127.0.0.1", prefill.kv_connector.kv_port))
-    if bad == "withdrawn":
-        decode.kv_connector.discard(held.request_id)   # before the prefill engine steps to take the offer
+    if bad == "withdrawn":   # the offer has reached the prefill engine, which has not stepped to take it yet
+        wait_until(prefill.kv_connector.has_write_backs, timeout=10, what="the offer of the answer's KV")
+        decode.kv_connector.discard(held.request_id)
     wait_all_free(prefill, decode)
     assert (pulls.failed - failed, pulls.refused - refused) == ((0, 1) if bad == "not_whole_blocks" else (1, 0))
     assert pulls.cached_blocks == cached
