@@ -10,7 +10,10 @@ gets its blocks and waits TRANSFERRING (`admit_transfers`) until the engine repo
 pull done (`transfer_done`, its first token) or failed (`release`). With
 `prefix_aware_transfer` its leading blocks come from the prefix cache where it has them
 (`Sequence.num_cached_blocks`), only the rest is pulled, and the pulled full blocks join the
-cache once they arrived. In every role running + transferring never exceeds `max_num_seqs`.
+cache once they arrived. Running + transferring never exceeds `max_num_seqs`, but on a prefill worker,
+whose held requests cost only their blocks: were they to take batch slots, a decode peer's pulls could
+wait on prefills queued behind KV held for requests that decode peer has no slot for yet, each side's
+slots full of the other's missing half until a timeout.
 A waiting request whose prefix's KV is on its way into the prefix cache (`kv_arriving`, set by
 the engine) is not started, nor is any request behind it, until the flag is cleared.
 """
@@ -112,7 +115,8 @@ class Scheduler:
         return bool(self.running) or (first is not None and not first.kv_arriving)
 
     def _num_busy(self) -> int:
-        return len(self.running) + len(self.transferring)
+        """The batch slots taken (a prefill worker's held requests take none: see the module docstring)."""
+        return len(self.running) + (len(self.transferring) if self.config.role != "prefill" else 0)
 
     def _needs_pull(self, seq: Sequence) -> bool:
         return self.config.role == "decode" and seq.remote_kv

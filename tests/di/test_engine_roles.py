@@ -1,4 +1,4 @@
-"""The engine's DI roles in one process over shm: wake-ups instead of polling, and publish failures."""
+"""The engine's DI roles in one process over shm: wake-ups instead of polling, held KV, and publish failures."""
 from __future__ import annotations
 
 import threading
@@ -19,16 +19,18 @@ from worker.server.protocol import error_for
 NUM_BLOCKS = 64
 
 
-def prefill_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(role="prefill", num_kv_blocks=NUM_BLOCKS),
+def prefill_engine(max_num_seqs: int = 16) -> LLMEngine:
+    return LLMEngine(EngineConfig(role="prefill", num_kv_blocks=NUM_BLOCKS, max_num_seqs=max_num_seqs),
                      kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port())))
 
 
 @pytest.fixture()
-def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    """A prefill and a decode engine; `indirect` parametrization gives both that max_num_seqs."""
     torch.set_num_threads(1)
-    prefill = prefill_engine()
-    decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=NUM_BLOCKS),
+    max_num_seqs = getattr(request, "param", 16)
+    prefill = prefill_engine(max_num_seqs)
+    decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=NUM_BLOCKS, max_num_seqs=max_num_seqs),
                        kv_connector=KVConnector(KVConnectorConfig("decode", "shm", engine_id="decode-roles")))
     try:
         yield prefill, decode
@@ -54,6 +56,37 @@ def test_a_pending_pull_sleeps_until_the_connector_wakes_the_engine(pair) -> Non
     while decode.has_unfinished_requests() or prefill.has_unfinished_requests():
         decode.step()
         prefill.step()
+    assert decode.stats().num_blocks_used == prefill.stats().num_blocks_used == 0
+
+
+@pytest.mark.parametrize("pair", [1], indirect=True)
+def test_kv_held_for_a_pull_to_come_does_not_stop_the_prefill_a_waiting_pull_needs(pair) -> None:
+    """One slot each: the decode engine pulls A while B waits for its slot, and the prefill engine holds B's
+    KV for that later pull. Held KV costs the prefill engine blocks, not its slot, so it prefills A too and
+    both finish, well before A's pull timeout (30 s) would end the standoff with an error."""
+    prefill, decode = pair
+    prompts = {"A": [40 + i % 50 for i in range(50)], "B": [60 + i % 40 for i in range(50)]}
+    params, leg = SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=1, ignore_eos=True)
+    prefill.add_request("B", prompts["B"], leg, parse_leg({"role": "prefill", "request_id": "B"}))
+    wait_until(prefill.step, timeout=30, what="B's prefill")
+    for rid in "AB":
+        decode.add_request(rid, prompts[rid], params, parse_leg({
+            "role": "decode", "request_id": rid, "remote_host": "127.0.0.1",
+            "remote_port": prefill.kv_connector.kv_port}))
+    decode.step()
+    assert (decode.stats().num_transferring, decode.stats().num_waiting) == (1, 1)   # A pulls, B waits
+    prefill.add_request("A", prompts["A"], leg, parse_leg({"role": "prefill", "request_id": "A"}))
+    tokens: dict[str, int] = {}
+    errors: list[str] = []
+
+    def both_finished() -> bool:
+        prefill.step()
+        for out in decode.step():
+            errors.extend([out.error] if out.error else [])
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
+        return not decode.has_unfinished_requests() and not prefill.has_unfinished_requests()
+    wait_until(both_finished, timeout=20, what="both requests to finish")
+    assert (tokens, errors) == ({"A": 3, "B": 3}, [])
     assert decode.stats().num_blocks_used == prefill.stats().num_blocks_used == 0
 
 

@@ -44,17 +44,17 @@ def test_a_prompt_whose_prefix_kv_is_arriving_waits_with_the_queue_behind_it() -
     assert s.has_runnable() and s.schedule().seqs == [first]
 
 
-def test_prefill_admits_nothing_while_transfers_fill_the_batch() -> None:
-    s = scheduler("prefill", max_num_seqs=2)
-    for i in range(3):
-        s.add(seq(i))
-    for _ in range(2):
+def test_prefill_holds_finished_requests_past_the_batch_size_and_waits_only_for_blocks() -> None:
+    s = scheduler("prefill", num_blocks=6, max_num_seqs=2)  # a 5-token prompt takes 2 blocks
+    for i in range(4):
+        s.add(Sequence(f"r{i}", [10 * i + j for j in range(1, 6)], 1, block_size=BLOCK, remote_kv=True))
+    for _ in range(3):
         seqs = s.schedule().seqs
         s.postprocess(seqs, [7])
-    assert len(s.transferring) == 2
-    assert not s.schedule()
+    assert sorted(s.transferring) == ["r0", "r1", "r2"] and not s.running   # past max_num_seqs 2
+    assert not s.schedule()   # r3 waits for blocks
     s.release(s.transferring["r0"])
-    assert [x.request_id for x in s.schedule().seqs] == ["r2"]
+    assert [x.request_id for x in s.schedule().seqs] == ["r3"]
 
 
 def test_decode_runs_a_request_only_after_its_transfer() -> None:
@@ -123,7 +123,8 @@ def test_invariants_hold_over_random_events(role: str, events: list[tuple[str, i
 
 
 def check(s: Scheduler, live: list[Sequence]) -> None:
-    assert len(s.running) + len(s.transferring) <= s.config.max_num_seqs
+    busy = len(s.running) + (len(s.transferring) if s.config.role != "prefill" else 0)
+    assert busy <= s.config.max_num_seqs
     held = {b for x in live for b in x.block_table}
     assert held == s.block_manager.used_block_ids
     assert len(s.block_manager.free_block_ids) + len(held) == s.config.num_blocks
