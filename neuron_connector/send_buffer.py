@@ -15,14 +15,13 @@ from neuron_connector.incarnation import new_incarnation, stale_lookup
 from neuron_connector.lookup import Answer, InProgress, LookupTable, NotReady, Start
 from neuron_connector.parked import ParkedLookups
 from neuron_connector.protocol import (
-    BAD_REQUEST, ENGINE_ID_IN_USE, HANDSHAKE_REQUIRED, LAYOUT_MISMATCH, PREFILL_PROOF, UNAUTHORIZED, ErrorReply,
-    Handshake, HandshakeReply, KVMapInit, KVMapReply, LookupAll, LookupReply, Probe, Release, WriteBack, decode_request,
-    handshake_proof, request_fields)
+    BAD_REQUEST, HANDSHAKE_REQUIRED, ErrorReply, Handshake, KVMapInit, LookupAll, LookupReply, Probe, Release,
+    WriteBack, decode_request, request_fields)
 from neuron_connector.pullers import Pullers
 from neuron_connector.send_stats import Push, SendStats
-from neuron_connector.sessions import SessionTable, proof_refusal
+from neuron_connector.session_gate import SessionGate
+from neuron_connector.sessions import SessionTable
 from transfer import CompletionToken, KVLayout, StaleHandoff, TransferError
-from transfer import LayoutMismatch as TransferLayoutMismatch
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,8 @@ class SendBuffer:
     lookup's handoff (transfer.fences).
 
     Each decode connection is a session (`sessions.SessionTable`) bound to the engine id its handshake names; with a
-    `secret` it is established only once the peer proved it holds the secret, and this side proves it back. A request
+    `secret` it is established only once the peer proved it holds the secret, and this side proves it back
+    (`session_gate.SessionGate` answers the handshake and kv_map_init). A request
     whose decode engine (named by `expect`, or by its first lookup) lost its session or came back as another
     incarnation is released within seconds (`pullers.Pullers`); a lookup naming another life of either side than the
     one its request is held for is refused (`incarnation`)."""
@@ -57,12 +57,15 @@ class SendBuffer:
                  transfer_timeout: float = 30.0, on_transfer: Callable[[float, int], None] | None = None,
                  secret: bytes | None = None, timeline: Timeline | None = None,
                  on_write_back: Callable[[WriteBack], None] | None = None) -> None:
-        self._engine, self.layout, self.engine_id, self._bind = transfer_engine, layout, engine_id, (bind_host, kv_port)
-        self._on_release, self._on_transfer, self._on_write_back = on_release, on_transfer, on_write_back
+        self._engine = transfer_engine
+        self.layout, self.engine_id = layout, engine_id
+        self._bind = (bind_host, kv_port)
+        self._on_release = on_release
+        self._on_transfer = on_transfer
+        self._on_write_back = on_write_back
         self._table = LookupTable(abort_timeout)
         self.transfer_timeout = transfer_timeout
         self._lock = threading.Lock()
-        self._secret = secret
         self._pullers = Pullers(max_age=abort_timeout)
         self._sessions = SessionTable(self._pullers.session_up, self._pullers.session_gone)  # only the thread's
         self._running: dict[str, Push] = {}                     # request id -> its running push
@@ -72,6 +75,7 @@ class SendBuffer:
         self._router: RouterChannel | None = None
         self._started_at, self.incarnation = 0.0, ""   # this life of the signal plane (neuron_connector.incarnation)
         self.stats = SendStats()
+        self._gate = SessionGate(self._sessions, transfer_engine, layout, engine_id, secret, self.stats, self._alive)
         self.port = kv_port
         self.timeline = timeline if timeline is not None else Timeline("prefill")
 
@@ -213,63 +217,15 @@ class SendBuffer:
             kind, rid = request_fields(payload)
             return ErrorReply(str(exc), BAD_REQUEST, kind, rid).to_bytes()
         if isinstance(message, Handshake):
-            return self._handshake(identity, message).to_bytes()
+            return self._gate.handshake(identity, message, self._started_at, self.incarnation,
+                                        self._on_write_back is not None).to_bytes()
         if isinstance(message, KVMapInit):
-            return self._kv_map_init(identity, message).to_bytes()
+            return self._gate.kv_map_init(identity, message).to_bytes()
         if isinstance(message, (Release, WriteBack)):
             self._notice(identity, message)
             return None
         reply = self._lookup(identity, message)
         return None if reply is None else reply.to_bytes()
-
-    def _handshake(self, identity: bytes, message: Handshake) -> HandshakeReply | ErrorReply:
-        """Opens the connection's session, unless another live session holds the engine id."""
-        assert self._router is not None
-        self._sessions.drop_gone(self._alive, but=identity)
-        if (refusal := self._engine_id_taken(identity, message.engine_id, Handshake.TYPE)) is not None:
-            return refusal
-        session = self._sessions.open(identity, message.engine_id, message.nonce, message.incarnation)
-        return HandshakeReply(self._started_at, self.engine_id, self._engine.descriptor(), session.server_nonce,
-                              authenticated=self._secret is not None, incarnation=self.incarnation,
-                              takes_write_backs=self._on_write_back is not None)
-
-    def _engine_id_taken(self, identity: bytes, engine_id: str, reply_to: str) -> ErrorReply | None:
-        """The refusal of connection `identity` as `engine_id` while another live session holds it."""
-        holder = self._sessions.holder(engine_id, identity)
-        if holder is None:
-            return None
-        self.stats.engine_id_conflicts += 1
-        log.warning("refused connection %s as decode engine %r: another live connection (%s) holds that id",
-                    identity.hex(), engine_id, holder.hex())
-        return ErrorReply(f"prefill {self.engine_id} refused engine id {engine_id!r}: another live "
-                          "decode worker holds it; give each decode worker a unique --engine-id",
-                          ENGINE_ID_IN_USE, reply_to)
-
-    def _kv_map_init(self, identity: bytes, message: KVMapInit) -> KVMapReply | ErrorReply:
-        session = self._sessions.get(identity)
-        if session is None:
-            return ErrorReply(f"connection {identity.hex()} sent kv_map_init before a handshake",
-                              HANDSHAKE_REQUIRED, KVMapInit.TYPE)
-        refusal = proof_refusal(self._secret, self.engine_id, session, message.proof)
-        if refusal is not None:
-            self.stats.unauthorized += 1
-            log.warning("refused %s: %s", session.describe(), refusal)
-            return ErrorReply(refusal, UNAUTHORIZED, KVMapInit.TYPE)
-        # Another connection of the same id may have proved itself since this one's handshake.
-        if (refusal := self._engine_id_taken(identity, session.engine_id, KVMapInit.TYPE)) is not None:
-            return refusal
-        try:
-            peer_layout = KVLayout.from_dict(message.kv_map)
-            self.layout.check_compatible(peer_layout)
-            self._sessions.establish(session, self._engine.connect(message.transfer))
-        except TransferError as exc:
-            code = LAYOUT_MISMATCH if isinstance(exc, TransferLayoutMismatch) else BAD_REQUEST
-            return ErrorReply(f"kv_map_init refused by {self.engine_id}: {exc}", code, KVMapInit.TYPE)
-        log.info("decode peer %s: KV blocks go over %s", session.engine_id,
-                 self._engine.peer_backend(session.transfer_peer))
-        proof = None if self._secret is None else handshake_proof(
-            self._secret, PREFILL_PROOF, session.server_nonce, session.client_nonce, session.engine_id)
-        return KVMapReply(self.layout.to_dict(), proof)
 
     def _answer_parked(self) -> None:
         """Held lookups whose request is published now are handled; those held long enough get "not ready"."""

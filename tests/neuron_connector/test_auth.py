@@ -74,7 +74,7 @@ def test_the_same_secret_on_both_sides_pulls(make_pair) -> None:
 def test_a_wrong_secret_is_refused_and_logged(make_pair, caplog: pytest.LogCaptureFixture) -> None:
     pair = make_pair(SECRET, OTHER_SECRET)
     pair.send.publish("a", [3], 7)
-    with caplog.at_level(logging.WARNING, logger="neuron_connector.send_buffer"):
+    with caplog.at_level(logging.WARNING, logger="neuron_connector.session_gate"):
         pair.recv.request_pull("a", "127.0.0.1", pair.send.port, [5])
         status = wait_terminal(pair.recv, "a")
     assert isinstance(status.error, Unauthorized), status
@@ -92,7 +92,7 @@ def test_a_secret_on_one_side_only_fails_the_pull_and_the_prefill_side_logs_it(
         make_pair, p_secret, d_secret, fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     pair = make_pair(p_secret, d_secret)
     pair.send.publish("a", [3], 7)
-    with caplog.at_level(logging.WARNING, logger="neuron_connector.send_buffer"):
+    with caplog.at_level(logging.WARNING, logger="neuron_connector.session_gate"):
         pair.recv.request_pull("a", "127.0.0.1", pair.send.port, [5])
         status = wait_terminal(pair.recv, "a")
         wait_until(lambda: pair.send.stats.unauthorized == 1, timeout=10, what="the prefill side's refusal")
