@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 import httpx
 
-from benchmarks.serving_load import stream_body
+from benchmarks.serving_load import progress, stream_body
 from benchmarks.serving_metrics import RequestResult
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -95,15 +95,16 @@ async def run_trace(base_url: str, model: str, rows: Sequence[TraceRow], block_t
     """Sends every row at its (scaled) time as a streamed token-id prompt; the results and the duration."""
     url = base_url.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-        t0 = time.perf_counter()
+    with progress(len(rows), "trace rows") as bar:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+            t0 = time.perf_counter()
 
-        async def one(row: TraceRow) -> RequestResult:
-            await asyncio.sleep(max(row.timestamp_ms / 1000 * time_scale - (time.perf_counter() - t0), 0))
-            prompt, out = trace_prompt(row, block_tokens, scale), max(row.output_length // scale, 1)
-            body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": out, "ignore_eos": True,
-                                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-            return await stream_body(client, url, body, RequestResult(len(prompt), out), timeout_s)
+            async def one(row: TraceRow) -> RequestResult:
+                await asyncio.sleep(max(row.timestamp_ms / 1000 * time_scale - (time.perf_counter() - t0), 0))
+                prompt, out = trace_prompt(row, block_tokens, scale), max(row.output_length // scale, 1)
+                body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": out, "ignore_eos": True,
+                                        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                return await stream_body(client, url, body, RequestResult(len(prompt), out), timeout_s, bar)
 
-        results = await asyncio.gather(*(one(r) for r in rows))
+            results = await asyncio.gather(*(one(r) for r in rows))
     return list(results), time.perf_counter() - t0

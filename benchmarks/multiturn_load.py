@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import httpx
+from tqdm import tqdm
 
-from benchmarks.serving_load import arrival_offsets, stream_body
+from benchmarks.serving_load import arrival_offsets, progress, stream_body
 from benchmarks.serving_metrics import RequestResult
 
 APIS = ("completions", "chat")
@@ -133,9 +134,10 @@ def start_offsets(spec: MultiturnSpec) -> list[float] | None:
 
 
 async def run_conversation(client: httpx.AsyncClient, url: str, model: str, system: str,
-                           conversation: Conversation, timeout_s: float,
-                           think_time_s: float = 0.0, chat: bool = False) -> list[RequestResult]:
-    """Every turn in order; a failed turn ends the conversation (the next prompt would lack its answer)."""
+                           conversation: Conversation, timeout_s: float, think_time_s: float = 0.0,
+                           chat: bool = False, bar: tqdm | None = None) -> list[RequestResult]:
+    """Every turn in order (each counted on `bar`); a failed turn ends the conversation (the next prompt would lack
+    its answer)."""
     prompt, results = system + conversation.opening, []
     for turn, output_len in enumerate(conversation.output_lens):
         if turn:
@@ -143,7 +145,7 @@ async def run_conversation(client: httpx.AsyncClient, url: str, model: str, syst
             prompt += results[-1].text + conversation.user_turns[turn - 1]
         sent = chat_messages(system, conversation, [r.text for r in results]) if chat else prompt
         result = await stream_body(client, url, turn_body(model, sent, output_len),
-                                   RequestResult(len(prompt), output_len), timeout_s)
+                                   RequestResult(len(prompt), output_len), timeout_s, bar)
         results.append(result)
         if not result.ok:
             break
@@ -158,15 +160,17 @@ async def run_multiturn(base_url: str, model: str, spec: MultiturnSpec) -> tuple
     offsets = start_offsets(spec)
     gate = asyncio.Semaphore(spec.max_concurrency if offsets is None else spec.num_conversations)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(spec.request_timeout_s), limits=limits) as client:
-        async def one(conversation: Conversation, offset: float) -> list[RequestResult]:
-            await asyncio.sleep(max(offset - (time.perf_counter() - t0), 0.0))
-            async with gate:
-                return await run_conversation(client, url, model, system, conversation, spec.request_timeout_s,
-                                              spec.think_time_s, spec.api == "chat")
+    turns = sum(len(c.output_lens) for c in conversations)
+    with progress(turns, "turns") as bar:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(spec.request_timeout_s), limits=limits) as client:
+            async def one(conversation: Conversation, offset: float) -> list[RequestResult]:
+                await asyncio.sleep(max(offset - (time.perf_counter() - t0), 0.0))
+                async with gate:
+                    return await run_conversation(client, url, model, system, conversation, spec.request_timeout_s,
+                                                  spec.think_time_s, spec.api == "chat", bar)
 
-        t0 = time.perf_counter()
-        per_conversation: Sequence[list[RequestResult]] = await asyncio.gather(
-            *(one(c, offset) for c, offset in zip(conversations, offsets or [0.0] * len(conversations))))
+            t0 = time.perf_counter()
+            per_conversation: Sequence[list[RequestResult]] = await asyncio.gather(
+                *(one(c, offset) for c, offset in zip(conversations, offsets or [0.0] * len(conversations))))
     results = [r for turns in per_conversation for r in turns]
     return results, time.perf_counter() - t0

@@ -7,14 +7,16 @@ growing queue instead of a slower client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
+from tqdm import tqdm
 
 from benchmarks.serving_metrics import RequestResult
 
@@ -88,16 +90,28 @@ def completion_body(model: str, request: SyntheticRequest) -> dict[str, Any]:
             "stream_options": {"include_usage": True}}
 
 
+@contextlib.contextmanager
+def progress(total: int, what: str | None) -> Iterator[tqdm]:
+    """A bar on stderr counting a load's answers (shown on a terminal only; never when `what` is None), gone once
+    the load ended."""
+    bar = tqdm(total=total, desc=what, unit="req", leave=False, disable=None if what else True)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
 async def stream_one(client: httpx.AsyncClient, url: str, model: str, request: SyntheticRequest,
-                     timeout_s: float) -> RequestResult:
+                     timeout_s: float, bar: tqdm | None = None) -> RequestResult:
     """Sends one streamed completion and records when each content chunk arrived; never raises."""
     result = RequestResult(len(request.prompt_token_ids), request.output_len)
-    return await stream_body(client, url, completion_body(model, request), result, timeout_s)
+    return await stream_body(client, url, completion_body(model, request), result, timeout_s, bar)
 
 
 async def stream_body(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult,
-                      timeout_s: float) -> RequestResult:
-    """Sends the streamed completion `body`, recording its chunks' times and text into `result`; never raises."""
+                      timeout_s: float, bar: tqdm | None = None) -> RequestResult:
+    """Sends the streamed completion `body`, recording its chunks' times and text into `result` (and counting it
+    on `bar` once it ended); never raises."""
     result.start = time.perf_counter()
     try:
         await asyncio.wait_for(_exchange(client, url, body, result), timeout_s)
@@ -108,6 +122,8 @@ async def stream_body(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     result.end = time.perf_counter()
     if result.error is None and not result.output_tokens:
         result.output_tokens = len(result.chunk_times)
+    if bar is not None:
+        bar.update()
     return result
 
 
@@ -170,24 +186,26 @@ def _message(body: Any) -> str:
     return str(error.get("message", error)) if isinstance(error, dict) else str(error or body)
 
 
-async def run_load(base_url: str, model: str, spec: LoadSpec,
-                   requests: Sequence[SyntheticRequest]) -> tuple[list[RequestResult], float]:
-    """Sends every request at its arrival time; returns the results in order and the run's duration."""
+async def run_load(base_url: str, model: str, spec: LoadSpec, requests: Sequence[SyntheticRequest],
+                   what: str | None = "load") -> tuple[list[RequestResult], float]:
+    """Sends every request at its arrival time (counted on a progress bar named `what`; None: no bar); returns
+    the results in order and the run's duration."""
     if not requests:
         raise ValueError("no requests to send")
     url = base_url.rstrip("/") + "/v1/completions"
     gate = asyncio.Semaphore(spec.max_concurrency or len(requests))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(spec.request_timeout_s), limits=limits) as client:
-        t0 = time.perf_counter()
+    with progress(len(requests), what) as bar:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(spec.request_timeout_s), limits=limits) as client:
+            t0 = time.perf_counter()
 
-        async def send_at(offset: float, request: SyntheticRequest) -> RequestResult:
-            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))  # the arrival schedule
-            async with gate:
-                return await stream_one(client, url, model, request, spec.request_timeout_s)
+            async def send_at(offset: float, request: SyntheticRequest) -> RequestResult:
+                await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))  # the arrival schedule
+                async with gate:
+                    return await stream_one(client, url, model, request, spec.request_timeout_s, bar)
 
-        offsets = arrival_offsets(len(requests), spec.request_rate, spec.seed)
-        results = await asyncio.gather(*(send_at(o, r) for o, r in zip(offsets, requests)))
+            offsets = arrival_offsets(len(requests), spec.request_rate, spec.seed)
+            results = await asyncio.gather(*(send_at(o, r) for o, r in zip(offsets, requests)))
     duration = max(r.end for r in results) - min(r.start for r in results)
     return list(results), duration
 
@@ -196,7 +214,7 @@ async def warm_up(base_url: str, model: str, count: int, timeout_s: float = 300.
                   input_len: tuple[int, int] = (16, 16)) -> None:
     """Sends `count` requests of 4 output tokens one at a time, unmeasured; a failing one is a LoadError."""
     spec = LoadSpec(count, input_len, (4, 4), max_concurrency=1, seed=12345, request_timeout_s=timeout_s)
-    results, _ = await run_load(base_url, model, spec, make_requests(spec))
+    results, _ = await run_load(base_url, model, spec, make_requests(spec), what=None)
     errors = [r.error for r in results if not r.ok]
     if errors:
         raise LoadError(f"warm-up requests to {base_url} failed: {errors[0]}")
