@@ -160,8 +160,7 @@ async def run_multiturn(base_url: str, model: str, spec: MultiturnSpec) -> tuple
     offsets = start_offsets(spec)
     gate = asyncio.Semaphore(spec.max_concurrency if offsets is None else spec.num_conversations)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    turns = sum(len(c.output_lens) for c in conversations)
-    with progress(turns, "turns") as bar:
+    with progress(sum(len(c.output_lens) for c in conversations), "turns") as bar:
         async with httpx.AsyncClient(timeout=httpx.Timeout(spec.request_timeout_s), limits=limits) as client:
             async def one(conversation: Conversation, offset: float) -> list[RequestResult]:
                 await asyncio.sleep(max(offset - (time.perf_counter() - t0), 0.0))
