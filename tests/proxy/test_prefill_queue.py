@@ -75,6 +75,11 @@ class QueueStack:
         recent = httpx.get(f"{worker.url}/timeline", params={"n": 1000}, timeout=10).json()["requests"]
         return sum(record["uid"] == attempt_id(record["uid"].split("-take")[0], 2) for record in recent)
 
+    def given_again(self, worker: WorkerProcess) -> int:
+        """Jobs another worker had taken first that `worker` took: run again (`retaken`), or dropped because their
+        requester was done with them (the first taker died after their KV left it, before it acked them)."""
+        return self.retaken(worker) + worker.proc.output().count("dropped: its requester is gone")
+
     def _jetstream(self, ask: Callable[[JetStreamContext], Awaitable[T]]) -> T:
         async def read() -> T:
             nc = await nats.connect(self.nats.url)
@@ -253,13 +258,15 @@ def test_a_prefill_worker_killed_holding_jobs_loses_nothing(stack: QueueStack) -
         victim.proc.kill()
         return await load
 
+    given_before = stack.given_again(survivor)
     via_queue = asyncio.run(run())
-    assert stack.retaken(survivor) > 0, "no job of the killed worker was given to the survivor"
     assert via_queue == asyncio.run(all_of(lambda _: stack.both.url))
+    # Every job the victim held comes back ACK_WAIT_S after its death, and leaves the stream once acked.
+    wait_until(lambda: stack.stream_messages() == 0, timeout=15)
+    assert stack.given_again(survivor) > given_before, "no job of the killed worker was given to the survivor"
     print("decode_first retakes:", stack.decode.proc.output().count("its prefill job was taken again"),
           "survivor retakes:", stack.retaken(survivor))
     stack.workers.remove(victim)
     survivor.wait_blocks_free()
     stack.decode.wait_blocks_free()
-    wait_until(lambda: stack.stream_messages() == 0, timeout=15)
     victim.stop()
