@@ -54,6 +54,32 @@ def test_native_prefill_follows_sdpa(lens: list[int], query_lens: list[int], hea
     assert (out.double() - exact).abs().max() <= max(2 * sdpa_error.max().item(), floor)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_peaked_scores_subtract_the_largest_visible_one(dtype: torch.dtype) -> None:
+    """Scores hundreds apart, as peaked attention has: each row's softmax must subtract the largest score it may
+    see, or its powers overflow (a larger visible score missed) or all vanish (a masked one counted). Half the
+    rows peak on a key every row of their block sees, half on their own key; every row scores a masked key twice
+    as high still."""
+    ctx, n, heads, kv_heads, d = 700, 180, 4, 2, 64
+    layer_kv, tables = pool_and_tables([ctx], BLOCKS, BLOCK_SIZE, kv_heads, d, dtype=dtype)
+    keys = layer_kv[0][tables[0]].flatten(0, 1)[:ctx].double()                # (ctx, kv_heads, d)
+    first = ctx - n
+    q = torch.empty(n, heads, d, dtype=torch.float64)
+    for i in range(n):
+        peak = first + i if i % 2 else i
+        masked = min(first + i + 5, ctx - 1) if first + i + 5 < ctx else None
+        for h in range(heads):
+            q[i, h] = 20 * keys[peak, h * kv_heads // heads]
+            if masked is not None:
+                q[i, h] += 40 * keys[masked, h * kv_heads // heads]
+    q = q.to(dtype)
+    out = prefill_native.chunk_attention(q, layer_kv, tables, torch.tensor([ctx]), [n])
+    exact = reference(q, layer_kv, tables, [ctx], [n], torch.float64)
+    assert torch.isfinite(out).all()
+    floor = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+    assert (out.double() - exact).abs().max() <= max(floor * exact.abs().max().item(), floor)
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_native_prefill_takes_the_query_as_a_split_view(dtype: torch.dtype) -> None:
     layer_kv, tables = pool_and_tables([50], BLOCKS, BLOCK_SIZE, 2, 64, dtype=dtype)

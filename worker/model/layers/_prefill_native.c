@@ -35,7 +35,7 @@ typedef struct {
     int64_t n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, max_blocks, ctx;
     int64_t elem;                   /* bytes of one element of q, K, V, out and the softmax's weights: 2 or 4 */
     int64_t first_head, end_head;   /* the KV heads this call computes (callers split heads across threads) */
-    float scale;
+    float scale;                    /* 1 / sqrt(head_dim) times log2(e): scores in units of log2(e) */
 } Dims;
 
 #define OK 0
@@ -45,23 +45,25 @@ typedef struct {
 #define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-/* exp(x) for x <= 0 (Cephes' expf polynomial, 2^n applied by VSCALEFPS): ~1 ulp, underflows to 0. */
-TARGET_F32 static inline __m512 exp_ps(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+/* 2^x for x <= 0: 2^round(x) (VSCALEFPS) times a polynomial for 2^f, |f| <= 1/2, fitted for relative
+   error (least squares reweighted toward minimax); underflows to 0. The scores are in units of log2(e), so
+   this is exp of the natural ones. fp32 keeps degree 6 (relative error 1e-7, about 2 half-ulps); bf16
+   rounds the result to 8 bits, where degree 4 (3e-6) is already a thousand times finer. */
+#define EXP2_PS(NAME, ...)                                                                                      \
+TARGET_F32 static inline __m512 NAME(__m512 x)                                                                 \
+{                                                                                                               \
+    static const float c[] = {__VA_ARGS__};                                                                     \
+    const int degree = sizeof c / sizeof c[0] - 1;                                                              \
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));                                                              \
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                     \
+    const __m512 f = _mm512_sub_ps(x, n);                                                                       \
+    __m512 p = _mm512_set1_ps(c[degree]);                                                                       \
+    for (int i = degree - 1; i >= 0; i--)                                                                       \
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));                                                        \
+    return _mm512_scalef_ps(p, n);                                                                              \
 }
+EXP2_PS(exp2_f32, 1.0f, 0.693147182f, 0.240226462f, 0.0555032864f, 0.00961848907f, 0.00133999309f, 0.000153458124f)
+EXP2_PS(exp2_bf16, 0.999999285f, 0.693121791f, 0.240247443f, 0.0559178628f, 0.00957010128f)
 
 /* Lanes 0 .. left - 1 of a vector of 16 (all of them when left >= 16). */
 static inline __mmask16 lanes(int64_t left)
@@ -69,29 +71,27 @@ static inline __mmask16 lanes(int64_t left)
     return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
-/* The largest of the scores s[0 .. valid), in every lane. */
-TARGET_F32 static inline __m512 row_max(const float *s, int64_t valid)
+/* The largest of the scores s[from .. valid) and of top, in every lane. */
+TARGET_F32 static inline __m512 row_max(const float *s, int64_t from, int64_t valid, float top)
 {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < valid; j += 16)
+    __m512 mx = _mm512_set1_ps(top);
+    for (int64_t j = from; j < valid; j += 16)
         mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(valid - j), s + j));
     return _mm512_set1_ps(_mm512_reduce_max_ps(mx));
 }
 
-/* exp(s - top) for the scores s[j .. j + 16) below valid, zeros past it. */
-TARGET_F32 static inline __m512 weights(const float *s, int64_t j, int64_t valid, __m512 top)
-{
-    const __mmask16 m = lanes(valid - j);
-    return _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top)));
-}
-
-/* Scaled scores of QK_ROWS rows x KEY_TILE keys into s at column j. */
-TARGET_F32 static inline void store_scores(__m512 acc[QK_ROWS][2], float *s, int64_t s_stride, int64_t j, float scale)
+/* Scaled scores of QK_ROWS rows x KEY_TILE keys into s at column j; where tops is given, each row's
+   running largest score takes them in too. */
+TARGET_F32 static inline void store_scores(__m512 acc[QK_ROWS][2], float *s, int64_t s_stride, int64_t j, float scale,
+                                           __m512 *tops)
 {
     const __m512 k = _mm512_set1_ps(scale);
     for (int r = 0; r < QK_ROWS; r++) {
-        _mm512_storeu_ps(s + r * s_stride + j, _mm512_mul_ps(acc[r][0], k));
-        _mm512_storeu_ps(s + r * s_stride + j + 16, _mm512_mul_ps(acc[r][1], k));
+        const __m512 lo = _mm512_mul_ps(acc[r][0], k), hi = _mm512_mul_ps(acc[r][1], k);
+        _mm512_storeu_ps(s + r * s_stride + j, lo);
+        _mm512_storeu_ps(s + r * s_stride + j + 16, hi);
+        if (tops != NULL)
+            tops[r] = _mm512_max_ps(tops[r], _mm512_max_ps(lo, hi));
     }
 }
 
@@ -108,8 +108,9 @@ static const char *pool_row(const char *plane, const int64_t *table, int64_t t, 
 typedef struct {
     int (*pack)(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded, void *kp, void *vp,
                 const Dims *d);
-    void (*scores)(const void *qb, const void *kp, int64_t keys, float *s, int64_t s_stride, const Dims *d);
-    float (*softmax)(const float *s, int64_t valid, int64_t width, void *p);
+    void (*scores)(const void *qb, const void *kp, int64_t keys, int64_t shared, float *s, int64_t s_stride,
+                   float *tops, const Dims *d);
+    float (*softmax)(const float *s, int64_t valid, float top, int64_t from, int64_t width, void *p);
     void (*values)(const void *p, int64_t p_stride, const void *vp, int64_t keys, const float *sums, int rows,
                    void *out, int64_t out_stride, const Dims *d);
 } Kernel;
@@ -161,13 +162,17 @@ static int pack_head_f32(const char *k, const char *v, const int64_t *table, int
 /* The three steps that differ by dtype only in their vector operations, written once. A "unit" is what one
    broadcast lane holds: a pair of bf16 values (PER_UNIT 2: VDPBF16PS multiplies pairs) or one fp32 value (1).
    K tiles hold units x 16 keys; V rows (or pairs of rows) hold units x d; the weights p are one element a key. */
-#define DEFINE_STEPS(NAME, TGT, UNIT, PER_UNIT, VEC, LOADV, BCAST, MAC, ELEM, STORE16)                          \
-/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS rows of qb (padded rows are zeros). */                        \
-TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, float *s, int64_t s_stride,       \
-                              const Dims *d)                                                                    \
+#define DEFINE_STEPS(NAME, TGT, UNIT, PER_UNIT, VEC, LOADV, BCAST, MAC, ELEM, STORE16, EXP2)                    \
+/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS rows of qb (padded rows are zeros); tops[r] = the largest of  \
+   s[r][0 .. shared_end), where shared_end is `shared` (keys every row sees) rounded down to a tile. */           \
+TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, int64_t shared, float *s,         \
+                              int64_t s_stride, float *tops, const Dims *d)                                     \
 {                                                                                                               \
     const UNIT *qb = qb_, *kp = kp_;                                                                            \
     const int64_t units = d->head_dim / PER_UNIT;                                                               \
+    __m512 top[QK_ROWS];                                                                                        \
+    for (int r = 0; r < QK_ROWS; r++)                                                                           \
+        top[r] = _mm512_set1_ps(-INFINITY);                                                                     \
     for (int64_t j = 0; j < keys; j += KEY_TILE) {                                                              \
         __m512 acc[QK_ROWS][2];                                                                                 \
         for (int r = 0; r < QK_ROWS; r++)                                                                       \
@@ -181,18 +186,22 @@ TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, fl
                 acc[r][1] = MAC(acc[r][1], a, b1);                                                              \
             }                                                                                                   \
         }                                                                                                       \
-        store_scores(acc, s, s_stride, j, d->scale);                                                            \
+        store_scores(acc, s, s_stride, j, d->scale, j + KEY_TILE <= shared ? top : NULL);                       \
     }                                                                                                           \
+    for (int r = 0; r < QK_ROWS; r++)                                                                           \
+        tops[r] = _mm512_reduce_max_ps(top[r]);                                                                 \
 }                                                                                                               \
                                                                                                                 \
-/* Turns scores s[0 .. valid) into exp(s - max) in p[0 .. width) (zeros past valid); returns their fp32 sum. */  \
-TGT static float softmax_##NAME(const float *s, int64_t valid, int64_t width, void *p_)                         \
+/* Turns scores s[0 .. valid) into exp(s - max) in p[0 .. width) (zeros past valid), where `top` is the largest \
+   of s[0 .. from); returns their fp32 sum. */                                                                  \
+TGT static float softmax_##NAME(const float *s, int64_t valid, float top, int64_t from, int64_t width, void *p_) \
 {                                                                                                               \
     ELEM *p = p_;                                                                                               \
-    const __m512 top = row_max(s, valid);                                                                       \
+    const __m512 mx = row_max(s, from, valid, top);                                                             \
     __m512 sum = _mm512_setzero_ps();                                                                           \
     for (int64_t j = 0; j < valid; j += 16) {                                                                   \
-        const __m512 e = weights(s, j, valid, top);                                                             \
+        const __mmask16 m = lanes(valid - j);                                                                   \
+        const __m512 e = _mm512_maskz_mov_ps(m, EXP2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx)));     \
         sum = _mm512_add_ps(sum, e);                                                                            \
         STORE16(p + j, e);                                                                                      \
     }                                                                                                           \
@@ -239,11 +248,13 @@ TGT static void values_##NAME(const void *p_, int64_t p_stride, const void *vp_,
 #define BCAST_BF16(pair) ((__m512bh)_mm512_set1_epi32((int)(pair)))
 #define MAC_BF16(acc, a, b) _mm512_dpbf16_ps((acc), (a), (b))
 #define STORE_BF16(ptr, v) _mm256_storeu_si256((__m256i *)(ptr), (__m256i)_mm512_cvtneps_pbh(v))
-DEFINE_STEPS(bf16, TARGET_BF16, uint32_t, 2, __m512bh, LOAD_BF16, BCAST_BF16, MAC_BF16, uint16_t, STORE_BF16)
+DEFINE_STEPS(bf16, TARGET_BF16, uint32_t, 2, __m512bh, LOAD_BF16, BCAST_BF16, MAC_BF16, uint16_t, STORE_BF16,
+             exp2_bf16)
 
 /* fp32: FMAs, nothing rounded below fp32. */
 #define MAC_F32(acc, a, b) _mm512_fmadd_ps((a), (b), (acc))
-DEFINE_STEPS(f32, TARGET_F32, float, 1, __m512, _mm512_loadu_ps, _mm512_set1_ps, MAC_F32, float, _mm512_storeu_ps)
+DEFINE_STEPS(f32, TARGET_F32, float, 1, __m512, _mm512_loadu_ps, _mm512_set1_ps, MAC_F32, float, _mm512_storeu_ps,
+             exp2_f32)
 
 static const Kernel BF16 = {pack_head_bf16, scores_bf16, softmax_bf16, values_bf16};
 static const Kernel F32 = {pack_head_f32, scores_f32, softmax_f32, values_f32};
@@ -253,16 +264,19 @@ static void attend_head(const Kernel *kern, const char *q, int64_t hq, const voi
                         int64_t padded, char *qb, float *s, char *p, float *sums, char *out, const Dims *d)
 {
     const int64_t D = d->head_dim, E = d->elem, first = d->ctx - d->n;
+    float tops[QB];
     for (int64_t i0 = 0; i0 < d->n; i0 += QB) {
         const int64_t rows = d->n - i0 < QB ? d->n - i0 : QB;
         const int64_t keys = (first + i0 + rows + KEY_TILE - 1) / KEY_TILE * KEY_TILE;   /* <= padded */
         memset(qb, 0, (size_t)(QB * D * E));
         for (int64_t r = 0; r < rows; r++)
             memcpy(qb + r * D * E, q + ((i0 + r) * d->q_stride + hq * D) * E, (size_t)(D * E));
+        /* Every row of the block sees keys 0 .. first + i0: the score kernel takes their largest as it goes. */
+        const int64_t shared = first + i0 + 1, from = shared / KEY_TILE * KEY_TILE;
         for (int64_t r = 0; r < rows; r += QK_ROWS)
-            kern->scores(qb + r * D * E, kp, keys, s + r * padded, padded, d);
+            kern->scores(qb + r * D * E, kp, keys, shared, s + r * padded, padded, tops + r, d);
         for (int64_t r = 0; r < rows; r++)
-            sums[r] = kern->softmax(s + r * padded, first + i0 + r + 1, keys, p + r * padded * E);
+            sums[r] = kern->softmax(s + r * padded, first + i0 + r + 1, tops[r], from, keys, p + r * padded * E);
         for (int64_t r = rows; r < (rows + PV_ROWS - 1) / PV_ROWS * PV_ROWS; r++)
             memset(p + r * padded * E, 0, (size_t)(keys * E));
         for (int64_t r = 0; r < rows; r += PV_ROWS)
@@ -319,7 +333,7 @@ static PyObject *prefill(PyObject *module, PyObject *args)
                           &d.head_dim, &d.q_stride, &d.num_blocks, &d.block_size, &d.max_blocks, &d.ctx, &scale,
                           &d.first_head, &d.end_head, &fp32))
         return NULL;
-    d.scale = (float)scale;
+    d.scale = (float)(scale * M_LOG2E);
     d.elem = fp32 ? 4 : 2;
     if (d.head_dim % 32 || d.kv_heads < 1 || d.heads % d.kv_heads || d.block_size < 1 || d.n < 1 || d.n > d.ctx
         || d.max_blocks * d.block_size < d.ctx || d.first_head < 0 || d.end_head > d.kv_heads
