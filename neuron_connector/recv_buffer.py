@@ -102,12 +102,16 @@ class RecvBuffer:
         """Makes sure a link to the peer exists (created on demand); returns its address."""
         address = f"{peer_host}:{peer_kv_port}"
         with self._lock:
-            link = self._links.get(address)
-            if link is None or link.state is LinkState.FAILED:
-                self._links[address] = PeerLink(address, self.engine_id, self.layout.to_dict(), self._descriptor(),
-                                                self._secret, self._resend_after, incarnation=self.incarnation)
+            self._link_to(address)
         self._service.wake()
         return address
+
+    def _link_to(self, address: str) -> None:
+        """A link to `address` that has not failed, made anew if it had (the lock held)."""
+        link = self._links.get(address)
+        if link is None or link.state is LinkState.FAILED:
+            self._links[address] = PeerLink(address, self.engine_id, self.layout.to_dict(), self._descriptor(),
+                                            self._secret, self._resend_after, incarnation=self.incarnation)
 
     def _descriptor(self) -> dict[str, Any]:
         try:
@@ -133,14 +137,16 @@ class RecvBuffer:
             raise ValueError(f"block ids {dst_block_ids} out of range [0, {self.layout.num_blocks})")
         if skipped_blocks is not None and skipped_blocks < 0:
             raise ValueError(f"skipped_blocks must not be negative, got {skipped_blocks}")
-        address = self.maybe_setup_buffer(peer_host, peer_kv_port)
-        now = time.monotonic()
+        address, now = f"{peer_host}:{peer_kv_port}", time.monotonic()
         timeout = self.default_timeout if deadline_s is None else deadline_s
         self.timeline.mark(request_id, PULL_STARTED)  # first: a traced pull's span is open for its lookup to name
         spans = spans_of(self.timeline)
         traceparent = spans.headers(request_id, LOOKUP_SPAN).get(TRACEPARENT) if spans is not None else None
         fences = self._fences()
         with self._lock:
+            # The link and the pull under one hold of the lock: a link that fails between them would fail
+            # only the pulls it had, and leave this one to wait out its deadline.
+            self._link_to(address)
             generation = None if fences is None else next(self._generations)
             self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id,
                             skipped_blocks, traceparent, generation)

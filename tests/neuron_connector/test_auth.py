@@ -11,7 +11,9 @@ import torch
 import zmq
 
 from common.kv_secret import new_nonce
+from common.timeline import PULL_STARTED
 from neuron_connector import EngineIdInUse, PullState, RecvBuffer, Unauthorized
+from neuron_connector.peer_link import LinkState
 from neuron_connector.protocol import Handshake, KVMapInit, LookupAll, Release
 from tests.helpers import wait_until
 from tests.neuron_connector.conftest import Pair, running_pair
@@ -83,6 +85,26 @@ def test_a_wrong_secret_is_refused_and_logged(make_pair, caplog: pytest.LogCaptu
     assert "refused decode engine 'decode-0'" in caplog.text and "failed to prove the KV secret" in caplog.text
     assert not pair.d_pool[:, :, 5].any()
 
+
+
+def test_a_pull_asked_for_while_the_refusal_comes_fails_with_it(make_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link to the peer is mid-handshake when the pull starts and refused before the pull is counted on it:
+    the pull still fails with the refusal (it waited out its deadline when the link was chosen first)."""
+    pair = make_pair(SECRET, OTHER_SECRET)
+    address = pair.recv.maybe_setup_buffer("127.0.0.1", pair.send.port)
+    mark = pair.recv.timeline.mark
+
+    def mark_once_refused(request_id: str, event: str) -> None:   # inside request_pull, before the pull is added
+        mark(request_id, event)
+        if event == PULL_STARTED:
+            wait_until(lambda: pair.recv._links[address].state is LinkState.FAILED, timeout=10,
+                       what="the refusal of the handshake begun before the pull")
+
+    monkeypatch.setattr(pair.recv.timeline, "mark", mark_once_refused)
+    pair.recv.request_pull("late", "127.0.0.1", pair.send.port, [5], deadline_s=60)
+    status = wait_terminal(pair.recv, "late", timeout=15)
+    assert isinstance(status.error, Unauthorized), status
+    assert pair.send.stats.unauthorized == 2   # the link made anew for the pull was refused in turn
 
 @pytest.mark.parametrize("p_secret, d_secret, fragment", [
     (SECRET, None, "requires the KV secret, and this decode worker has none (give it --kv-secret-file)"),
