@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from transfer import memcopy
-from worker.model.layers import paged_decode, prefill_native
+from worker.model.layers import paged_decode, pointwise, prefill_native
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the Python/torch paths run")
@@ -15,7 +15,9 @@ def test_native_loop_is_built(module) -> None:
     assert module.NATIVE, f"{module.__name__}'s C extension was not built; reinstall (pip install -e .)"
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: torch's attention runs")
-def test_native_prefill_is_built() -> None:
-    # Built wherever a compiler is; it can run where the CPU has AVX-512 (prefill_native.SUPPORTED).
-    assert prefill_native._prefill_native is not None, "reinstall (pip install -e .) to build _prefill_native"
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: torch's ops run")
+@pytest.mark.parametrize("extension", [lambda: prefill_native._prefill_native, lambda: pointwise._pointwise],
+                         ids=["_prefill_native", "_pointwise"])
+def test_avx512_kernels_are_built(extension) -> None:
+    # Built wherever a compiler is; they can run where the CPU has AVX-512 (their module's SUPPORTED).
+    assert extension() is not None, "reinstall (pip install -e .) to build the AVX-512 kernels"

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.model.layers.attention import AttentionMetadata, causal_attention, paged_attention
 from worker.model.layers.linear import Linear
-from worker.model.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.model.layers.pointwise import rms_norm, rotary, silu_mul
+from worker.model.layers.rotary import RotaryEmbedding
 from worker.model.model_config import ModelConfig
 
 InputRows = tuple[torch.Tensor, torch.Tensor]   # (row indices (k,), embeddings (k, hidden))
@@ -59,11 +59,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's formula, in fp32 whatever the storage dtype; F.rms_norm has no fused CPU kernel
-        # and runs more ops. The in-place ops only touch fresh intermediates.
-        h = x.float()
-        h = h * h.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -81,7 +77,7 @@ class LlamaAttention(nn.Module):
         lead = x.shape[:-1]
         qk, v = self.qkv_proj(x).split([self.sizes[0] + self.sizes[1], self.sizes[2]], dim=-1)
         # q and k rotated as one tensor of heads: half the small ops of rotating each.
-        qk = apply_rotary(qk.view(*lead, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        qk = rotary(qk.view(*lead, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         out = causal_attention(q, k, v) if meta is None else paged_attention(self.layer, q, k, v, meta)
@@ -95,8 +91,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

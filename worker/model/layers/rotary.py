@@ -36,18 +36,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, blended, scaled)
 
 
-def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x: (..., heads, head_dim); rope: cos and signed sin (see RotaryEmbedding), (..., 1, head_dim).
-
-    HF's x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1): the sign lives in
-    the table, so the rotation is one swap of the halves. Each product is rounded to x's dtype
-    before the sum, as HF rounds them: in bf16 a fused multiply-add drifts from HF's logits.
-    """
-    cos, signed_sin = rope
-    # Rolling by half a head swaps the halves; measured cheaper than flip or cat of slices.
-    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(signed_sin))
-
-
 class RotaryEmbedding(nn.Module):
     """Holds cos and signed sin (-sin on the first half of head_dim) for every position up to `max_positions`."""
 
