@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -19,8 +19,8 @@ from worker.server.protocol import error_for
 NUM_BLOCKS = 64
 
 
-def prefill_engine(max_num_seqs: int = 16) -> LLMEngine:
-    return LLMEngine(EngineConfig(role="prefill", num_kv_blocks=NUM_BLOCKS, max_num_seqs=max_num_seqs),
+def prefill_engine(**config: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig(role="prefill", num_kv_blocks=NUM_BLOCKS, **config),
                      kv_connector=KVConnector(KVConnectorConfig("prefill", "shm", kv_port=free_port())))
 
 
@@ -28,9 +28,9 @@ def prefill_engine(max_num_seqs: int = 16) -> LLMEngine:
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LLMEngine, LLMEngine]]:
     """A prefill and a decode engine; `indirect` parametrization gives both that max_num_seqs."""
     torch.set_num_threads(1)
-    max_num_seqs = getattr(request, "param", 16)
-    prefill = prefill_engine(max_num_seqs)
-    decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=NUM_BLOCKS, max_num_seqs=max_num_seqs),
+    config = {"max_num_seqs": request.param} if hasattr(request, "param") else {}
+    prefill = prefill_engine(**config)
+    decode = LLMEngine(EngineConfig(role="decode", num_kv_blocks=NUM_BLOCKS, **config),
                        kv_connector=KVConnector(KVConnectorConfig("decode", "shm", engine_id="decode-roles")))
     try:
         yield prefill, decode
