@@ -10,14 +10,14 @@ from torch import nn
 
 from worker import EngineConfig, LLMEngine, SamplingParams
 from worker.model.checkpoint import save_checkpoint
-from worker.model.layers.linear import MIN_PACKED_ELEMENTS, Linear, can_pack, pack_linears
+from worker.model.layers.linear import Linear, can_pack, pack_linears
 from worker.model.loader import load_model
 from worker.model.model_config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
-# Wide enough that every decoder linear is packed; the 262 x 512 LM head stays plain.
+# Every linear is packed, the 262 x 512 LM head too.
 WIDE = dict(vocab_size=262, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=4, head_dim=64, bos_token_id=256, eos_token_ids=[257])
 PROMPTS = [[256] + list(range(40, 40 + 29)), [256, 104, 105], [256] + list(range(99, 99 + 17))]
@@ -31,15 +31,16 @@ def linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Li
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(512,), (0, 512), (1, 512), (8, 512), (300, 512), (3, 5, 512)])
-def test_packed_linear_equals_f_linear(shape: tuple[int, ...], bias: bool) -> None:
-    layer = linear(512, 1024, bias)
+@pytest.mark.parametrize("out_features", [1024, 40], ids=["wide", "small"])
+def test_packed_linear_equals_f_linear(shape: tuple[int, ...], bias: bool, out_features: int) -> None:
+    layer = linear(512, out_features, bias)
     plain_weight = layer.weight.detach().clone()
     x = torch.randn(*shape)
     expected = F.linear(x, plain_weight, layer.bias)
     assert layer.pack() and layer.packed
     with torch.inference_mode():
         out = layer(x)
-    assert out.shape == expected.shape == (*shape[:-1], 1024)
+    assert out.shape == expected.shape == (*shape[:-1], out_features)
     assert torch.allclose(out, expected, atol=1e-5, rtol=0), (out - expected).abs().max()
     assert torch.equal(layer.weight.to_dense(), plain_weight)  # the packed copy holds the exact values
 
@@ -66,10 +67,9 @@ def test_packed_linear_takes_non_contiguous_input() -> None:
 
 
 @pytest.mark.parametrize("weight", [
-    torch.zeros(MIN_PACKED_ELEMENTS // 512 - 1, 512),               # small: F.linear is faster
     torch.zeros(1024, 512, dtype=torch.float16),                     # fp32 and bf16 only
     torch.zeros(1024, 512, device="meta"),                           # CPU only
-], ids=["small", "float16", "meta"])
+], ids=["float16", "meta"])
 def test_pack_leaves_what_it_does_not_apply_to(weight: torch.Tensor) -> None:
     layer = Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     assert not can_pack(layer.weight)
@@ -87,7 +87,7 @@ def test_pack_is_idempotent_and_inference_only() -> None:
 
 @needs_onednn
 def test_tied_weight_is_copied_and_the_embedding_keeps_its_own() -> None:
-    embed = nn.Embedding(MIN_PACKED_ELEMENTS // 256, 256)
+    embed = nn.Embedding(1024, 256)
     nn.init.normal_(embed.weight, std=0.05)
     head = Linear(256, embed.num_embeddings, bias=False)
     head.weight = embed.weight
@@ -123,7 +123,7 @@ def engines(path: Path) -> tuple[LLMEngine, LLMEngine]:
     made = [LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64)) for _ in range(2)]
     packed, plain = made
     plain.runner.model = load_model(path, plain.model_config, torch.float32)
-    for engine, expected in ((packed, 4 * WIDE["num_hidden_layers"]), (plain, 0)):  # the LM head stays plain
+    for engine, expected in ((packed, 4 * WIDE["num_hidden_layers"] + 1), (plain, 0)):
         assert sum(m.packed for m in engine.runner.model.modules() if isinstance(m, Linear)) == expected
     for engine in made:
         for i, prompt in enumerate(PROMPTS):
