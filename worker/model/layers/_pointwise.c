@@ -16,14 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-/* Lanes 0 .. left - 1 of a vector of 16 (all of them when left >= 16). */
-static inline __mmask16 lanes(int64_t left)
-{
-    return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-}
+#include "_avx512.h"
 
 /* Up to 16 elements at p as fp32 (zeros in the masked-off lanes), and back; bf16 rounds to nearest even. */
 TARGET_F32 static inline __m512 load_f32(const void *p, __mmask16 m)
@@ -147,18 +140,7 @@ DEFINE_STEPS(f32, TARGET_F32, float, load_f32, store_f32, round_f32)
 static PyObject *supported(PyObject *module, PyObject *dtype)
 {
     (void)module;
-    const char *name = PyUnicode_AsUTF8(dtype);
-    if (name == NULL)
-        return NULL;
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                       && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (strcmp(name, "float32") == 0)
-        return PyBool_FromLong(avx512);
-    if (strcmp(name, "bfloat16") == 0)
-        return PyBool_FromLong(avx512 && __builtin_cpu_supports("avx512bf16"));
-    PyErr_Format(PyExc_ValueError, "no native element-wise steps in %s: bfloat16 or float32", name);
-    return NULL;
+    return avx512_supported(dtype, "element-wise steps");
 }
 
 static int valid(const Rows *d)

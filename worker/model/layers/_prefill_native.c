@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_avx512.h"
+
 #define QB 48          /* query rows per block: their scores (QB x context, fp32) stay in L2 */
 #define QK_ROWS 12     /* score micro-kernel: 12 rows x 32 keys, 24 accumulators */
 #define PV_ROWS 12     /* value micro-kernel: 12 rows x 32 dims, 24 accumulators */
@@ -41,9 +43,6 @@ typedef struct {
 #define OK 0
 #define BAD_BLOCK (-1)
 #define NO_MEMORY (-2)
-
-#define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 /* 2^x for x <= 0: 2^round(x) (VSCALEFPS) times a polynomial for 2^f, |f| <= 1/2, fitted for relative
    error (least squares reweighted toward minimax); underflows to 0. The scores are in units of log2(e), so
@@ -64,12 +63,6 @@ TARGET_F32 static inline __m512 NAME(__m512 x)                                  
 }
 EXP2_PS(exp2_f32, 1.0f, 0.693147182f, 0.240226462f, 0.0555032864f, 0.00961848907f, 0.00133999309f, 0.000153458124f)
 EXP2_PS(exp2_bf16, 0.999999285f, 0.693121791f, 0.240247443f, 0.0559178628f, 0.00957010128f)
-
-/* Lanes 0 .. left - 1 of a vector of 16 (all of them when left >= 16). */
-static inline __mmask16 lanes(int64_t left)
-{
-    return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-}
 
 /* The largest of the scores s[from .. valid) and of top, in every lane. */
 TARGET_F32 static inline __m512 row_max(const float *s, int64_t from, int64_t valid, float top)
@@ -308,18 +301,7 @@ static int attention(const Kernel *kern, const char *q, const char *k, const cha
 static PyObject *supported(PyObject *module, PyObject *dtype)
 {
     (void)module;
-    const char *name = PyUnicode_AsUTF8(dtype);
-    if (name == NULL)
-        return NULL;
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                       && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (strcmp(name, "float32") == 0)
-        return PyBool_FromLong(avx512);
-    if (strcmp(name, "bfloat16") == 0)
-        return PyBool_FromLong(avx512 && __builtin_cpu_supports("avx512bf16"));
-    PyErr_Format(PyExc_ValueError, "no native prompt attention in %s: bfloat16 or float32", name);
-    return NULL;
+    return avx512_supported(dtype, "prompt attention");
 }
 
 static PyObject *prefill(PyObject *module, PyObject *args)

@@ -1,0 +1,38 @@
+/* What the AVX-512 kernels of worker.model.layers share: their target attributes, the lanes of a partial vector,
+   and whether this CPU runs them in a dtype. Included after Python.h. */
+#ifndef NEURON_DI_AVX512_H
+#define NEURON_DI_AVX512_H
+
+#include <Python.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TARGET_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* Lanes 0 .. left - 1 of a vector of 16 (all of them when left >= 16). */
+static inline __mmask16 lanes(int64_t left)
+{
+    return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* supported(dtype) of a kernel module: whether this CPU runs its kernels in "float32" (AVX-512F, BW, VL, DQ) or
+   "bfloat16" (those and AVX-512 BF16); ValueError naming `what` for any other dtype. */
+static inline PyObject *avx512_supported(PyObject *dtype, const char *what)
+{
+    const char *name = PyUnicode_AsUTF8(dtype);
+    if (name == NULL)
+        return NULL;
+    __builtin_cpu_init();
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                       && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (strcmp(name, "float32") == 0)
+        return PyBool_FromLong(avx512);
+    if (strcmp(name, "bfloat16") == 0)
+        return PyBool_FromLong(avx512 && __builtin_cpu_supports("avx512bf16"));
+    PyErr_Format(PyExc_ValueError, "no native %s in %s: bfloat16 or float32", what, name);
+    return NULL;
+}
+
+#endif
