@@ -89,3 +89,19 @@ def test_torch_runs_the_step_where_the_kernel_does_not_apply(step: str, args: Ca
     if case == "grad":   # training: the torch ops carry the gradient
         out.sum().backward()
         assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_runs_for_parameters_where_autograd_records_nothing(dtype: torch.dtype, monkeypatch) -> None:
+    """A model's weights require grad; under inference_mode (the engine) the kernel takes them, with grad enabled
+    and a tracked tensor (training) torch's ops run."""
+    calls: list[str] = []
+    native = pointwise._pointwise.rms_norm
+    monkeypatch.setattr(pointwise._pointwise, "rms_norm", lambda *args: (calls.append("native"), native(*args))[1])
+    weight = torch.nn.Parameter(rows((64,), dtype, seed=1))
+    x = rows((3, 64), dtype, seed=2)
+    with torch.inference_mode():
+        pointwise.rms_norm(x, weight, 1e-5)
+    assert calls == ["native"]
+    pointwise.rms_norm(x, weight, 1e-5).sum().backward()
+    assert calls == ["native"] and weight.grad is not None

@@ -7,7 +7,7 @@ rotary embedding 3x as fast as torch's ops in bf16, and a 256-token bf16 prefill
 (fp32: 61.0 instead of 63.1). They round where torch's op sequence does (see _pointwise.c), so bf16 results
 are torch's but where an fp32 intermediate straddles a bf16 rounding boundary. Each function runs torch's ops
 instead where the kernel does not apply: no C compiler or AVX-512 (BF16, for bf16), another dtype or device,
-or a tensor that autograd tracks (training).
+or an op that autograd records (training).
 """
 from __future__ import annotations
 
@@ -24,9 +24,12 @@ SUPPORTED = frozenset(dtype for dtype in (torch.bfloat16, torch.float32)
 
 
 def _native(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel can take these tensors: one supported dtype, on the CPU, and no autograd to record the
+    op (a model's parameters require grad, but not under inference_mode or no_grad)."""
     first = tensors[0]
-    return (first.dtype in SUPPORTED and all(t.device.type == "cpu" and t.dtype == first.dtype and not t.requires_grad
-                                             for t in tensors))
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return (first.dtype in SUPPORTED and not tracked
+            and all(t.device.type == "cpu" and t.dtype == first.dtype for t in tensors))
 
 
 def _rows(x: torch.Tensor) -> bool:
