@@ -3,8 +3,8 @@ rotary embedding, in bf16 or fp32.
 
 torch runs each as three to eight ops, each a pass over memory, and in bf16 each converts to fp32 and back. On
 the benchmark model (one thread, 256 tokens, AMD EPYC) the kernels run silu * up 1.6x, RMSNorm 2.7x and the
-rotary embedding 3x as fast as torch's ops in bf16, and a 256-token bf16 prefill takes 33.8 ms instead of 36.4
-(fp32: 61.0 instead of 63.1). They round where torch's op sequence does (see _pointwise.c), so bf16 results
+rotary embedding 3x as fast as torch's ops in bf16, and a 256-token bf16 prefill takes 33.5 ms instead of 36.4
+(fp32: 61.4 instead of 63.1). They round where torch's op sequence does (see _pointwise.c), so bf16 results
 are torch's but where an fp32 intermediate straddles a bf16 rounding boundary. Each function runs torch's ops
 instead where the kernel does not apply: no C compiler or AVX-512 (BF16, for bf16), another dtype or device,
 or an op that autograd records (training).
