@@ -137,15 +137,16 @@ class RecvBuffer:
             raise ValueError(f"block ids {dst_block_ids} out of range [0, {self.layout.num_blocks})")
         if skipped_blocks is not None and skipped_blocks < 0:
             raise ValueError(f"skipped_blocks must not be negative, got {skipped_blocks}")
-        address, now = f"{peer_host}:{peer_kv_port}", time.monotonic()
+        address = self.maybe_setup_buffer(peer_host, peer_kv_port)   # raises before anything is marked
+        now = time.monotonic()
         timeout = self.default_timeout if deadline_s is None else deadline_s
         self.timeline.mark(request_id, PULL_STARTED)  # first: a traced pull's span is open for its lookup to name
         spans = spans_of(self.timeline)
         traceparent = spans.headers(request_id, LOOKUP_SPAN).get(TRACEPARENT) if spans is not None else None
         fences = self._fences()
         with self._lock:
-            # The link and the pull under one hold of the lock: a link that fails between them would fail
-            # only the pulls it had, and leave this one to wait out its deadline.
+            # Again, with the pull under the same hold of the lock: a link that failed since would fail only the
+            # pulls it had, and leave this one to wait out its deadline.
             self._link_to(address)
             generation = None if fences is None else next(self._generations)
             self._pulls.add(request_id, address, list(dst_block_ids), now + timeout, now, peer_engine_id,
