@@ -8,13 +8,12 @@
    where an fp32 intermediate lands on the other side of a bf16 rounding boundary (the exponential, the row's
    sum of squares in another order), and fp32 results are within a few ulps of torch's.
 
-   Rows are `rows` apart by their stride in elements; the columns of a row are contiguous. */
+   Each call walks `rows` rows, `in_stride` and `out_stride` elements apart; the columns of a row are contiguous. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "_avx512.h"
 
@@ -29,9 +28,15 @@ TARGET_F32 static inline void store_f32(void *p, __mmask16 m, __m512 v)
     _mm512_mask_storeu_ps(p, m, v);
 }
 
+/* 16 bf16 values as fp32: each one's bits in the upper half of its lane. */
+TARGET_BF16 static inline __m512 widen_bf16(__m256i v)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 TARGET_BF16 static inline __m512 load_bf16(const void *p, __mmask16 m)
 {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
 }
 
 TARGET_BF16 static inline void store_bf16(void *p, __mmask16 m, __m512 v)
@@ -42,7 +47,7 @@ TARGET_BF16 static inline void store_bf16(void *p, __mmask16 m, __m512 v)
 /* v rounded to bf16 and widened again: where torch's op sequence stores a bf16 intermediate. */
 TARGET_BF16 static inline __m512 round_bf16(__m512 v)
 {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 TARGET_F32 static inline __m512 round_f32(__m512 v)
@@ -75,8 +80,10 @@ typedef struct {
 /* The three steps, written once for both dtypes (LOAD / STORE / ROUND move between the storage dtype and fp32). */
 #define DEFINE_STEPS(NAME, TGT, ELEM, LOAD, STORE, ROUND)                                                       \
 /* out[r][i] = silu(in[r][i]) * in[r][cols + i]: a fused gate and up projection's halves. */                    \
-TGT static void silu_mul_##NAME(const ELEM *in, ELEM *out, const Rows *d)                                       \
+TGT static void silu_mul_##NAME(const void *in_, void *out_, const Rows *d)                                     \
 {                                                                                                               \
+    const ELEM *in = in_;                                                                                       \
+    ELEM *out = out_;                                                                                           \
     for (int64_t r = 0; r < d->rows; r++) {                                                                     \
         const ELEM *gate = in + r * d->in_stride, *up = gate + d->cols;                                         \
         ELEM *o = out + r * d->out_stride;                                                                      \
@@ -84,15 +91,17 @@ TGT static void silu_mul_##NAME(const ELEM *in, ELEM *out, const Rows *d)       
             const __mmask16 m = lanes(d->cols - i);                                                             \
             const __m512 g = LOAD(gate + i, m);                                                                 \
             const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));                                     \
-            const __m512 silu = ROUND(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));               \
+            const __m512 silu = ROUND(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));                \
             STORE(o + i, m, _mm512_mul_ps(silu, LOAD(up + i, m)));                                              \
         }                                                                                                       \
     }                                                                                                           \
 }                                                                                                               \
                                                                                                                 \
 /* out[r] = weight * (in[r] / sqrt(mean(in[r]^2) + eps)), the normalised row rounded before the weight. */      \
-TGT static void rms_norm_##NAME(const ELEM *in, const ELEM *weight, float eps, ELEM *out, const Rows *d)        \
+TGT static void rms_norm_##NAME(const void *in_, const void *weight_, float eps, void *out_, const Rows *d)     \
 {                                                                                                               \
+    const ELEM *in = in_, *weight = weight_;                                                                    \
+    ELEM *out = out_;                                                                                           \
     for (int64_t r = 0; r < d->rows; r++) {                                                                     \
         const ELEM *x = in + r * d->in_stride;                                                                  \
         ELEM *o = out + r * d->out_stride;                                                                      \
@@ -110,11 +119,13 @@ TGT static void rms_norm_##NAME(const ELEM *in, const ELEM *weight, float eps, E
     }                                                                                                           \
 }                                                                                                               \
                                                                                                                 \
-/* Each head of in[r] (heads x cols) rotated: x * cos + rotate_half(x) * signed_sin, each product rounded        \
+/* Each head of in[r] (heads x cols) rotated: x * cos + rotate_half(x) * signed_sin, each product rounded       \
    before the sum; cos and signed_sin (rows x cols) are one row per position. */                                \
-TGT static void rotary_##NAME(const ELEM *in, const ELEM *cos, const ELEM *sin, int64_t heads, ELEM *out,      \
+TGT static void rotary_##NAME(const void *in_, const void *cos_, const void *sin_, int64_t heads, void *out_,   \
                               const Rows *d)                                                                    \
 {                                                                                                               \
+    const ELEM *in = in_, *cos = cos_, *sin = sin_;                                                             \
+    ELEM *out = out_;                                                                                           \
     const int64_t half = d->cols / 2;                                                                           \
     for (int64_t r = 0; r < d->rows; r++) {                                                                     \
         const ELEM *c = cos + r * d->cols, *s = sin + r * d->cols;                                              \
@@ -162,10 +173,7 @@ static PyObject *silu_mul(PyObject *module, PyObject *args)
         || !valid(&d))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (fp32)
-        silu_mul_f32((const float *)(uintptr_t)in, (float *)(uintptr_t)out, &d);
-    else
-        silu_mul_bf16((const uint16_t *)(uintptr_t)in, (uint16_t *)(uintptr_t)out, &d);
+    (fp32 ? silu_mul_f32 : silu_mul_bf16)((const void *)(uintptr_t)in, (void *)(uintptr_t)out, &d);
     Py_END_ALLOW_THREADS
     return Py_NewRef(Py_None);
 }
@@ -181,12 +189,8 @@ static PyObject *rms_norm(PyObject *module, PyObject *args)
                           &d.out_stride, &fp32) || !valid(&d))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (fp32)
-        rms_norm_f32((const float *)(uintptr_t)in, (const float *)(uintptr_t)weight, (float)eps,
-                     (float *)(uintptr_t)out, &d);
-    else
-        rms_norm_bf16((const uint16_t *)(uintptr_t)in, (const uint16_t *)(uintptr_t)weight, (float)eps,
-                      (uint16_t *)(uintptr_t)out, &d);
+    (fp32 ? rms_norm_f32 : rms_norm_bf16)((const void *)(uintptr_t)in, (const void *)(uintptr_t)weight, (float)eps,
+                                          (void *)(uintptr_t)out, &d);
     Py_END_ALLOW_THREADS
     return Py_NewRef(Py_None);
 }
@@ -206,12 +210,8 @@ static PyObject *rotary(PyObject *module, PyObject *args)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (fp32)
-        rotary_f32((const float *)(uintptr_t)in, (const float *)(uintptr_t)cos, (const float *)(uintptr_t)sin,
-                   heads, (float *)(uintptr_t)out, &d);
-    else
-        rotary_bf16((const uint16_t *)(uintptr_t)in, (const uint16_t *)(uintptr_t)cos,
-                    (const uint16_t *)(uintptr_t)sin, heads, (uint16_t *)(uintptr_t)out, &d);
+    (fp32 ? rotary_f32 : rotary_bf16)((const void *)(uintptr_t)in, (const void *)(uintptr_t)cos,
+                                      (const void *)(uintptr_t)sin, heads, (void *)(uintptr_t)out, &d);
     Py_END_ALLOW_THREADS
     return Py_NewRef(Py_None);
 }
