@@ -86,7 +86,6 @@ def test_a_wrong_secret_is_refused_and_logged(make_pair, caplog: pytest.LogCaptu
     assert not pair.d_pool[:, :, 5].any()
 
 
-
 def test_a_pull_asked_for_while_the_refusal_comes_fails_with_it(make_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """The link to the peer is mid-handshake when the pull starts and refused before the pull is counted on it:
     the pull still fails with the refusal (it waited out its deadline when the link was chosen first)."""
@@ -105,6 +104,7 @@ def test_a_pull_asked_for_while_the_refusal_comes_fails_with_it(make_pair, monke
     status = wait_terminal(pair.recv, "late", timeout=15)
     assert isinstance(status.error, Unauthorized), status
     assert pair.send.stats.unauthorized == 2   # the link made anew for the pull was refused in turn
+
 
 @pytest.mark.parametrize("p_secret, d_secret, fragment", [
     (SECRET, None, "requires the KV secret, and this decode worker has none (give it --kv-secret-file)"),
