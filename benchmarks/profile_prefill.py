@@ -7,8 +7,8 @@ runs it (chunked prefill, --max-num-batched-tokens a step; --no-chunks: the whol
 Wall time is the best of --repeats; the split comes from torch's profiler over one more run (ops'
 self time, so nothing is counted twice). The linear layers' GFLOP/s (their FLOPs over their time) is
 set against a ceiling: what the engine's Linear reaches at the MLP's shape on this thread. Prompt
-attention runs where the engine runs it: the native kernel on a CPU with AVX-512 (BF16 for bf16, and no
-AMX for bf16), else torch's flash kernel; --attention picks either.
+attention runs where the engine runs it: the native kernel on a CPU with AVX-512 (BF16 for bf16; on AMX
+tiles for bf16 where the CPU has them), else torch's flash kernel; --attention picks either.
 """
 from __future__ import annotations
 

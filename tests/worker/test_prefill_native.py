@@ -1,5 +1,5 @@
-"""The native prompt attention: SDPA's numbers in bf16 (within bf16 rounding) and in fp32, read from the paged
-pool."""
+"""The native prompt attention: SDPA's numbers in bf16 (within bf16 rounding; on AVX-512 and, where the CPU has
+them, on AMX tiles) and in fp32, read from the paged pool."""
 from __future__ import annotations
 
 import pytest
@@ -9,12 +9,24 @@ import torch.nn.functional as F
 from tests.worker.paged_pool import pool_and_tables
 from worker.model.layers import prefill_native
 
-needs_native = pytest.mark.skipif(torch.bfloat16 not in prefill_native.SUPPORTED,
-                                  reason="_prefill_native is not built or this CPU lacks AVX-512 BF16")
 needs_native_fp32 = pytest.mark.skipif(torch.float32 not in prefill_native.SUPPORTED,
                                        reason="_prefill_native is not built or this CPU lacks AVX-512")
-DTYPES = [pytest.param(torch.bfloat16, marks=needs_native, id="bf16"),
-          pytest.param(torch.float32, marks=needs_native_fp32, id="fp32")]
+
+
+def kernel(name: str, dtype: torch.dtype, lacks: str) -> object:
+    runs = prefill_native._prefill_native is not None and prefill_native._prefill_native.supported(name)
+    return pytest.param((name, dtype), id=name, marks=pytest.mark.skipif(
+        not runs, reason=f"_prefill_native is not built or this CPU lacks {lacks}"))
+
+
+@pytest.fixture(params=[kernel("bfloat16", torch.bfloat16, "AVX-512 BF16"), kernel("amx", torch.bfloat16, "AMX"),
+                        kernel("float32", torch.float32, "AVX-512")])
+def dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
+    """Each kernel in turn, as what chunk_attention runs for its dtype."""
+    name, dtype = request.param
+    monkeypatch.setitem(prefill_native.KERNELS, dtype, name)
+    return dtype
+
 
 BLOCKS, BLOCK_SIZE = 160, 16
 
@@ -33,7 +45,6 @@ def reference(q: torch.Tensor, layer_kv: torch.Tensor, tables: torch.Tensor, len
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens, query_lens, heads, kv_heads, head_dim", [
     ([1], [1], 8, 4, 64),                      # one token
     ([300], [300], 8, 4, 64),                  # a fresh prompt: plain causal
@@ -54,8 +65,6 @@ def test_native_prefill_follows_sdpa(lens: list[int], query_lens: list[int], hea
     assert (out.double() - exact).abs().max() <= max(2 * sdpa_error.max().item(), floor)
 
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_peaked_scores_subtract_the_largest_visible_one(dtype: torch.dtype) -> None:
     """Scores hundreds apart, as peaked attention has: each row's softmax must subtract the largest score it may
     see, or its powers overflow (a larger visible score missed) or all vanish (a masked one counted). Half the
@@ -80,7 +89,7 @@ def test_peaked_scores_subtract_the_largest_visible_one(dtype: torch.dtype) -> N
     floor = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
     assert (out.double() - exact).abs().max() <= max(floor * exact.abs().max().item(), floor)
 
-@pytest.mark.parametrize("dtype", DTYPES)
+
 def test_native_prefill_takes_the_query_as_a_split_view(dtype: torch.dtype) -> None:
     layer_kv, tables = pool_and_tables([50], BLOCKS, BLOCK_SIZE, 2, 64, dtype=dtype)
     qk = torch.randn(50, 4 + 2, 64).to(dtype)   # q and k heads rotated as one tensor, as the model does
@@ -89,7 +98,6 @@ def test_native_prefill_takes_the_query_as_a_split_view(dtype: torch.dtype) -> N
     assert torch.equal(out, prefill_native.chunk_attention(q.contiguous(), layer_kv, tables, torch.tensor([50]), [50]))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_block_id_outside_the_pool_is_an_error_not_a_stray_read(dtype: torch.dtype) -> None:
     layer_kv, tables = pool_and_tables([40], BLOCKS, BLOCK_SIZE, 2, 64, dtype=dtype)
     tables[0, 1] = BLOCKS
@@ -113,7 +121,6 @@ def test_native_path_stays_off_where_it_does_not_apply(pool: torch.Tensor) -> No
     assert not prefill_native.applies(pool)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [2, 3])
 def test_heads_split_across_threads_give_the_same_numbers(threads: int, dtype: torch.dtype) -> None:
     layer_kv, tables = pool_and_tables([120], BLOCKS, BLOCK_SIZE, 4, 64, dtype=dtype)
@@ -127,3 +134,9 @@ def test_heads_split_across_threads_give_the_same_numbers(threads: int, dtype: t
         torch.set_num_threads(before)
     assert prefill_native.head_ranges(4, threads) == ([(0, 2), (2, 4)] if threads == 2 else [(0, 1), (1, 2), (2, 4)])
     assert torch.equal(split, one)
+
+
+@needs_native_fp32
+def test_a_kernel_this_module_does_not_have_is_refused() -> None:
+    with pytest.raises(ValueError, match="no prompt attention kernel fp8 here"):
+        prefill_native._prefill_native.prefill(0, 0, 0, 0, 0, 1, 1, 1, 32, 32, 1, 16, 1, 1, 1.0, 0, 1, "fp8")

@@ -7,6 +7,7 @@
    Like the flash kernel, the exponentials are rounded to bf16 before they weigh V and the
    sum that normalises them is taken in fp32 before rounding. In fp32 the same blocks run on FMAs
    and nothing is rounded below fp32 (torch's flash kernel reaches about a third of the FMA peak there).
+   Where the CPU has AMX, bf16's scores and weighted values run on its tiles instead (_prefill_amx.h).
 
    One sequence per call: n query rows at positions ctx - n .. ctx - 1, each sees keys 0 .. its
    position. K and V are read from the paged pool through the block table (the step has
@@ -97,7 +98,8 @@ static const char *pool_row(const char *plane, const int64_t *table, int64_t t, 
     return plane + ((block * d->block_size + t % d->block_size) * d->kv_heads + h) * d->head_dim * d->elem;
 }
 
-/* One dtype's steps: pack a KV head, score a block of rows, weigh a row, sum the weighted values. */
+/* One dtype's steps: pack a KV head, score a block of rows, weigh a row, sum the weighted values; `rows` is what
+   one call of scores or values takes, `tiles` whether they run on AMX tiles (configured around a call). */
 typedef struct {
     int (*pack)(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded, void *kp, void *vp,
                 const Dims *d);
@@ -106,6 +108,7 @@ typedef struct {
     float (*softmax)(const float *s, int64_t valid, float top, int64_t from, int64_t width, void *p);
     void (*values)(const void *p, int64_t p_stride, const void *vp, int64_t keys, const float *sums, int rows,
                    void *out, int64_t out_stride, const Dims *d);
+    int rows, tiles;
 } Kernel;
 
 /* kp[tile][pair][16 keys] and vp[key pair][dim] as bf16 pairs (uint32); keys past ctx are zeros. */
@@ -249,8 +252,12 @@ DEFINE_STEPS(bf16, TARGET_BF16, uint32_t, 2, __m512bh, LOAD_BF16, BCAST_BF16, MA
 DEFINE_STEPS(f32, TARGET_F32, float, 1, __m512, _mm512_loadu_ps, _mm512_set1_ps, MAC_F32, float, _mm512_storeu_ps,
              exp2_f32)
 
-static const Kernel BF16 = {pack_head_bf16, scores_bf16, softmax_bf16, values_bf16};
-static const Kernel F32 = {pack_head_f32, scores_f32, softmax_f32, values_f32};
+#include "_prefill_amx.h"
+
+static const Kernel BF16 = {pack_head_bf16, scores_bf16, softmax_bf16, values_bf16, QK_ROWS, 0};
+static const Kernel F32 = {pack_head_f32, scores_f32, softmax_f32, values_f32, QK_ROWS, 0};
+_Static_assert(QK_ROWS == PV_ROWS, "one Kernel.rows for both AVX-512 steps");
+static const Kernel AMX = {pack_head_bf16, scores_amx, softmax_bf16, values_amx, AMX_ROWS, 1};
 
 /* All query heads of one KV head: per block of QB rows, scores, softmax, then P @ V. */
 static void attend_head(const Kernel *kern, const char *q, int64_t hq, const void *kp, const void *vp,
@@ -266,14 +273,14 @@ static void attend_head(const Kernel *kern, const char *q, int64_t hq, const voi
             memcpy(qb + r * D * E, q + ((i0 + r) * d->q_stride + hq * D) * E, (size_t)(D * E));
         /* Every row of the block sees keys 0 .. first + i0: the score kernel takes their largest as it goes. */
         const int64_t shared = first + i0 + 1, from = shared / KEY_TILE * KEY_TILE;
-        for (int64_t r = 0; r < rows; r += QK_ROWS)
+        for (int64_t r = 0; r < rows; r += kern->rows)
             kern->scores(qb + r * D * E, kp, keys, shared, s + r * padded, padded, tops + r, d);
         for (int64_t r = 0; r < rows; r++)
             sums[r] = kern->softmax(s + r * padded, first + i0 + r + 1, tops[r], from, keys, p + r * padded * E);
-        for (int64_t r = rows; r < (rows + PV_ROWS - 1) / PV_ROWS * PV_ROWS; r++)
+        for (int64_t r = rows; r < (rows + kern->rows - 1) / kern->rows * kern->rows; r++)
             memset(p + r * padded * E, 0, (size_t)(keys * E));
-        for (int64_t r = 0; r < rows; r += PV_ROWS)
-            kern->values(p + r * padded * E, padded, vp, keys, sums + r, (int)(rows - r < PV_ROWS ? rows - r : PV_ROWS),
+        for (int64_t r = 0; r < rows; r += kern->rows)
+            kern->values(p + r * padded * E, padded, vp, keys, sums + r, (int)(rows - r < kern->rows ? rows - r : kern->rows),
                          out + ((i0 + r) * d->heads + hq) * D * E, d->heads * D, d);
     }
 }
@@ -288,20 +295,40 @@ static int attention(const Kernel *kern, const char *q, const char *k, const cha
     float *s = malloc((size_t)(QB * padded) * sizeof(float));
     float sums[QB];
     int rc = kp && vp && qb && s && p ? OK : NO_MEMORY;
+    if (kern->tiles)
+        amx_configure();
     for (int64_t h = d->first_head; rc == OK && h < d->end_head; h++) {
         rc = kern->pack(k, v, table, h, padded, kp, vp, d);
         for (int64_t g = 0; rc == OK && g < group; g++)
             attend_head(kern, q, h * group + g, kp, vp, padded, qb, s, p, sums, out, d);
     }
+    if (kern->tiles)
+        amx_release();
     free(kp), free(vp), free(qb), free(s), free(p);
     return rc;
 }
 
-/* supported(dtype): whether this CPU runs the kernel in "bfloat16" (AVX-512 BF16) or "float32" (AVX-512F). */
-static PyObject *supported(PyObject *module, PyObject *dtype)
+static int amx_ok = -1;   /* amx_usable(), asked once */
+
+/* supported(kernel): whether this CPU runs the kernel "float32" (AVX-512F), "bfloat16" (AVX-512 BF16) or "amx"
+   (bf16 on AMX tiles). */
+static PyObject *supported(PyObject *module, PyObject *kernel)
 {
     (void)module;
-    return avx512_supported(dtype, "prompt attention");
+    const char *name = PyUnicode_AsUTF8(kernel);
+    if (name == NULL)
+        return NULL;
+    if (strcmp(name, "amx") != 0)
+        return avx512_supported(kernel, "prompt attention");
+    if (amx_ok < 0)
+        amx_ok = amx_usable();
+    PyObject *bf16 = PyUnicode_FromString("bfloat16"), *avx = bf16 ? avx512_supported(bf16, "prompt attention") : NULL;
+    Py_XDECREF(bf16);
+    if (avx == NULL)
+        return NULL;
+    const int ok = avx == Py_True && amx_ok;
+    Py_DECREF(avx);
+    return PyBool_FromLong(ok);
 }
 
 static PyObject *prefill(PyObject *module, PyObject *args)
@@ -309,14 +336,22 @@ static PyObject *prefill(PyObject *module, PyObject *args)
     unsigned long long q, k, v, table, out;
     Dims d;
     double scale = 0;
-    int fp32 = 0, rc;
+    const char *name;
+    int rc;
     (void)module;
-    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLLdLLp", &q, &k, &v, &table, &out, &d.n, &d.heads, &d.kv_heads,
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLLdLLs", &q, &k, &v, &table, &out, &d.n, &d.heads, &d.kv_heads,
                           &d.head_dim, &d.q_stride, &d.num_blocks, &d.block_size, &d.max_blocks, &d.ctx, &scale,
-                          &d.first_head, &d.end_head, &fp32))
+                          &d.first_head, &d.end_head, &name))
         return NULL;
+    const Kernel *kern = strcmp(name, "float32") == 0 ? &F32 : strcmp(name, "bfloat16") == 0 ? &BF16
+                         : strcmp(name, "amx") == 0 && amx_ok == 1 ? &AMX : NULL;
+    if (kern == NULL) {
+        PyErr_Format(PyExc_ValueError, "no prompt attention kernel %s here: float32, bfloat16 or, where "
+                                       "supported('amx') said so, amx", name);
+        return NULL;
+    }
     d.scale = (float)(scale * M_LOG2E);
-    d.elem = fp32 ? 4 : 2;
+    d.elem = kern == &F32 ? 4 : 2;
     if (d.head_dim % 32 || d.kv_heads < 1 || d.heads % d.kv_heads || d.block_size < 1 || d.n < 1 || d.n > d.ctx
         || d.max_blocks * d.block_size < d.ctx || d.first_head < 0 || d.end_head > d.kv_heads
         || d.first_head >= d.end_head) {
@@ -325,7 +360,7 @@ static PyObject *prefill(PyObject *module, PyObject *args)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = attention(fp32 ? &F32 : &BF16, (const char *)(uintptr_t)q, (const char *)(uintptr_t)k,
+    rc = attention(kern, (const char *)(uintptr_t)q, (const char *)(uintptr_t)k,
                    (const char *)(uintptr_t)v, (const int64_t *)(uintptr_t)table, (char *)(uintptr_t)out, &d);
     Py_END_ALLOW_THREADS
     if (rc != OK) {
@@ -339,12 +374,13 @@ static PyObject *prefill(PyObject *module, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"supported", supported, METH_O,
-     "supported(dtype): whether this CPU runs the kernel in dtype ('bfloat16': AVX-512 BF16, 'float32': AVX-512F)."},
+     "supported(kernel): whether this CPU runs the kernel 'float32' (AVX-512F), 'bfloat16' (AVX-512 BF16) or 'amx' "
+     "(bf16 on AMX tiles, once this process may use them)."},
     {"prefill", prefill, METH_VARARGS,
      "prefill(q, k_plane, v_plane, table, out, n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, "
-     "max_blocks, ctx, scale, first_head, end_head, fp32): causal attention of one sequence's last n positions "
-     "over its context, for KV heads first_head .. end_head - 1 (and their query heads); every tensor fp32 if "
-     "fp32, else bf16."},
+     "max_blocks, ctx, scale, first_head, end_head, kernel): causal attention of one sequence's last n positions "
+     "over its context, for KV heads first_head .. end_head - 1 (and their query heads); every tensor fp32 for "
+     "kernel 'float32', else bf16."},
     {NULL, NULL, 0, NULL},
 };
 
