@@ -46,15 +46,14 @@ TARGET_AMX static void amx_release(void)
     _tile_release();
 }
 
-/* Like scores_bf16 for AMX_ROWS rows: s[r][0 .. keys) = scale * q[r] . K, tops[r] the largest over whole tiles
-   of 32 keys below `shared`. */
+/* Like scores_bf16 for AMX_ROWS rows: s[r][0 .. keys) = q[r] . K, tops[r] the largest over whole tiles of 32 keys
+   below `shared`. */
 TARGET_AMX static void scores_amx(const void *qb_, const void *kp_, int64_t keys, int64_t shared, float *s,
                                   int64_t s_stride, float *tops, const Dims *d)
 {
     const uint16_t *qb = qb_;
     const uint32_t *kp = kp_;
     const int64_t pairs = d->head_dim / 2;
-    const __m512 k = _mm512_set1_ps(d->scale);
     __m512 top[AMX_ROWS];
     for (int r = 0; r < AMX_ROWS; r++)
         top[r] = _mm512_set1_ps(-INFINITY);
@@ -71,15 +70,11 @@ TARGET_AMX static void scores_amx(const void *qb_, const void *kp_, int64_t keys
         }
         _tile_stored(4, s + j, s_stride * 4);
         _tile_stored(5, s + j + 16, s_stride * 4);
-        const int shared_tile = j + KEY_TILE <= shared;
-        for (int r = 0; r < AMX_ROWS; r++) {
-            float *row = s + r * s_stride + j;
-            const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(row), k), hi = _mm512_mul_ps(_mm512_loadu_ps(row + 16), k);
-            _mm512_storeu_ps(row, lo);
-            _mm512_storeu_ps(row + 16, hi);
-            if (shared_tile)
-                top[r] = _mm512_max_ps(top[r], _mm512_max_ps(lo, hi));
-        }
+        if (j + KEY_TILE <= shared)
+            for (int r = 0; r < AMX_ROWS; r++) {
+                const float *row = s + r * s_stride + j;
+                top[r] = _mm512_max_ps(top[r], _mm512_max_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16)));
+            }
     }
     for (int r = 0; r < AMX_ROWS; r++)
         tops[r] = _mm512_reduce_max_ps(top[r]);

@@ -38,7 +38,7 @@ typedef struct {
     int64_t n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, max_blocks, ctx;
     int64_t elem;                   /* bytes of one element of q, K, V, out and the softmax's weights: 2 or 4 */
     int64_t first_head, end_head;   /* the KV heads this call computes (callers split heads across threads) */
-    float scale;                    /* 1 / sqrt(head_dim) times log2(e): scores in units of log2(e) */
+    float scale;                    /* 1 / sqrt(head_dim) times log2(e): what turns a score into a power of 2 */
 } Dims;
 
 #define OK 0
@@ -74,18 +74,15 @@ TARGET_F32 static inline __m512 row_max(const float *s, int64_t from, int64_t va
     return _mm512_set1_ps(_mm512_reduce_max_ps(mx));
 }
 
-/* Scaled scores of QK_ROWS rows x KEY_TILE keys into s at column j; where tops is given, each row's
-   running largest score takes them in too. */
-TARGET_F32 static inline void store_scores(__m512 acc[QK_ROWS][2], float *s, int64_t s_stride, int64_t j, float scale,
-                                           __m512 *tops)
+/* Scores of QK_ROWS rows x KEY_TILE keys into s at column j; where tops is given, each row's running largest
+   score takes them in too. */
+TARGET_F32 static inline void store_scores(__m512 acc[QK_ROWS][2], float *s, int64_t s_stride, int64_t j, __m512 *tops)
 {
-    const __m512 k = _mm512_set1_ps(scale);
     for (int r = 0; r < QK_ROWS; r++) {
-        const __m512 lo = _mm512_mul_ps(acc[r][0], k), hi = _mm512_mul_ps(acc[r][1], k);
-        _mm512_storeu_ps(s + r * s_stride + j, lo);
-        _mm512_storeu_ps(s + r * s_stride + j + 16, hi);
+        _mm512_storeu_ps(s + r * s_stride + j, acc[r][0]);
+        _mm512_storeu_ps(s + r * s_stride + j + 16, acc[r][1]);
         if (tops != NULL)
-            tops[r] = _mm512_max_ps(tops[r], _mm512_max_ps(lo, hi));
+            tops[r] = _mm512_max_ps(tops[r], _mm512_max_ps(acc[r][0], acc[r][1]));
     }
 }
 
@@ -105,32 +102,69 @@ typedef struct {
                 const Dims *d);
     void (*scores)(const void *qb, const void *kp, int64_t keys, int64_t shared, float *s, int64_t s_stride,
                    float *tops, const Dims *d);
-    float (*softmax)(const float *s, int64_t valid, float top, int64_t from, int64_t width, void *p);
+    float (*softmax)(const float *s, int64_t valid, float top, int64_t from, int64_t width, float scale, void *p);
     void (*values)(const void *p, int64_t p_stride, const void *vp, int64_t keys, const float *sums, int rows,
                    void *out, int64_t out_stride, const Dims *d);
     int rows, tiles;
 } Kernel;
 
-/* kp[tile][pair][16 keys] and vp[key pair][dim] as bf16 pairs (uint32); keys past ctx are zeros. */
-static int pack_head_bf16(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded,
-                          void *kp_, void *vp_, const Dims *d)
+/* r[c] = column c of the 16 x 16 matrix of 32-bit words whose rows r held (four rounds of interleaving). */
+TARGET_F32 static inline void transpose16(__m512i r[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2)   /* per 128-bit lane: words 0, 1 (lo) or 2, 3 (hi) of two rows */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    for (int g = 0; g < 16; g += 4) {   /* u[g + j], lane L: word 4L + j of rows g .. g + 3 */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]), u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]), u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {   /* the lanes of u[j], u[4 + j], u[8 + j], u[12 + j], transposed */
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88), r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88), r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* kp[tile][pair][16 keys] and vp[key pair][dim] as bf16 pairs (uint32); keys past ctx are zeros. Per tile of 16
+   keys: K's pairs transposed 16 x 16 words at a time, V's rows interleaved two at a time. */
+TARGET_F32 static int pack_head_bf16(const char *k, const char *v, const int64_t *table, int64_t h, int64_t padded,
+                                     void *kp_, void *vp_, const Dims *d)
 {
     uint32_t *kp = kp_, *vp = vp_;
-    const int64_t pairs = d->head_dim / 2;
-    memset(kp, 0, (size_t)(padded * pairs) * sizeof(uint32_t));
-    memset(vp, 0, (size_t)(padded / 2 * d->head_dim) * sizeof(uint32_t));
-    for (int64_t t = 0; t < d->ctx; t++) {
-        const uint16_t *kr = (const uint16_t *)pool_row(k, table, t, h, d);
-        const uint16_t *vr = (const uint16_t *)pool_row(v, table, t, h, d);
-        if (kr == NULL || vr == NULL)
-            return BAD_BLOCK;
-        const uint32_t *kr32 = (const uint32_t *)kr;
-        uint32_t *tile = kp + (t / 16) * pairs * 16 + t % 16;
-        for (int64_t p = 0; p < pairs; p++)
-            tile[p * 16] = kr32[p];
-        uint16_t *vpair = (uint16_t *)(vp + (t / 2) * d->head_dim) + t % 2;
-        for (int64_t i = 0; i < d->head_dim; i++)
-            vpair[2 * i] = vr[i];
+    const int64_t D = d->head_dim, pairs = D / 2;
+    /* Qwords of the two interleavings (lo, hi: 4 dims a lane each) in the order of the dims. */
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+        const uint16_t *kr[16], *vr[16];
+        __mmask16 live[16];
+        for (int n = 0; n < 16; n++) {
+            live[n] = t0 + n < d->ctx ? 0xFFFF : 0;
+            kr[n] = live[n] ? (const uint16_t *)pool_row(k, table, t0 + n, h, d) : (const uint16_t *)k;
+            vr[n] = live[n] ? (const uint16_t *)pool_row(v, table, t0 + n, h, d) : (const uint16_t *)v;
+            if (kr[n] == NULL || vr[n] == NULL)
+                return BAD_BLOCK;
+        }
+        uint32_t *tile = kp + t0 * pairs;
+        for (int64_t c = 0; c < pairs; c += 16) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++)
+                r[n] = _mm512_maskz_loadu_epi32(live[n], kr[n] + 2 * c);
+            transpose16(r);
+            for (int p = 0; p < 16; p++)
+                _mm512_storeu_si512(tile + (c + p) * 16, r[p]);
+        }
+        for (int n = 0; n < 16; n += 2) {
+            uint32_t *row = vp + (t0 + n) / 2 * D;
+            for (int64_t i = 0; i < D; i += 32) {
+                const __m512i a = _mm512_maskz_loadu_epi32(live[n], vr[n] + i);
+                const __m512i b = _mm512_maskz_loadu_epi32(live[n + 1], vr[n + 1] + i);
+                const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+                _mm512_storeu_si512(row + i, _mm512_permutex2var_epi64(lo, first, hi));
+                _mm512_storeu_si512(row + i + 16, _mm512_permutex2var_epi64(lo, second, hi));
+            }
+        }
     }
     return OK;
 }
@@ -159,7 +193,7 @@ static int pack_head_f32(const char *k, const char *v, const int64_t *table, int
    broadcast lane holds: a pair of bf16 values (PER_UNIT 2: VDPBF16PS multiplies pairs) or one fp32 value (1).
    K tiles hold units x 16 keys; V rows (or pairs of rows) hold units x d; the weights p are one element a key. */
 #define DEFINE_STEPS(NAME, TGT, UNIT, PER_UNIT, VEC, LOADV, BCAST, MAC, ELEM, STORE16, EXP2)                    \
-/* s[r][0 .. keys) = scale * q[r] . K for QK_ROWS rows of qb (padded rows are zeros); tops[r] = the largest of  \
+/* s[r][0 .. keys) = q[r] . K for QK_ROWS rows of qb (padded rows are zeros); tops[r] = the largest of  \
    s[r][0 .. shared_end), where shared_end is `shared` (keys every row sees) rounded down to a tile. */           \
 TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, int64_t shared, float *s,         \
                               int64_t s_stride, float *tops, const Dims *d)                                     \
@@ -182,22 +216,23 @@ TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, in
                 acc[r][1] = MAC(acc[r][1], a, b1);                                                              \
             }                                                                                                   \
         }                                                                                                       \
-        store_scores(acc, s, s_stride, j, d->scale, j + KEY_TILE <= shared ? top : NULL);                       \
+        store_scores(acc, s, s_stride, j, j + KEY_TILE <= shared ? top : NULL);                                  \
     }                                                                                                           \
     for (int r = 0; r < QK_ROWS; r++)                                                                           \
         tops[r] = _mm512_reduce_max_ps(top[r]);                                                                 \
 }                                                                                                               \
                                                                                                                 \
-/* Turns scores s[0 .. valid) into exp(s - max) in p[0 .. width) (zeros past valid), where `top` is the largest \
-   of s[0 .. from); returns their fp32 sum. */                                                                  \
-TGT static float softmax_##NAME(const float *s, int64_t valid, float top, int64_t from, int64_t width, void *p_) \
+/* Turns scores s[0 .. valid) into 2^(scale * (s - max)) in p[0 .. width) (zeros past valid), where `top` is the \
+   largest of s[0 .. from); returns their fp32 sum. */                                                          \
+TGT static float softmax_##NAME(const float *s, int64_t valid, float top, int64_t from, int64_t width, float scale, \
+                                void *p_)                                                                       \
 {                                                                                                               \
     ELEM *p = p_;                                                                                               \
-    const __m512 mx = row_max(s, from, valid, top);                                                             \
+    const __m512 k = _mm512_set1_ps(scale), mxk = _mm512_mul_ps(row_max(s, from, valid, top), k);                \
     __m512 sum = _mm512_setzero_ps();                                                                           \
     for (int64_t j = 0; j < valid; j += 16) {                                                                   \
         const __mmask16 m = lanes(valid - j);                                                                   \
-        const __m512 e = _mm512_maskz_mov_ps(m, EXP2(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx)));     \
+        const __m512 e = _mm512_maskz_mov_ps(m, EXP2(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), k, mxk)));\
         sum = _mm512_add_ps(sum, e);                                                                            \
         STORE16(p + j, e);                                                                                      \
     }                                                                                                           \
@@ -276,7 +311,8 @@ static void attend_head(const Kernel *kern, const char *q, int64_t hq, const voi
         for (int64_t r = 0; r < rows; r += kern->rows)
             kern->scores(qb + r * D * E, kp, keys, shared, s + r * padded, padded, tops + r, d);
         for (int64_t r = 0; r < rows; r++)
-            sums[r] = kern->softmax(s + r * padded, first + i0 + r + 1, tops[r], from, keys, p + r * padded * E);
+            sums[r] = kern->softmax(s + r * padded, first + i0 + r + 1, tops[r], from, keys, d->scale,
+                                    p + r * padded * E);
         for (int64_t r = rows; r < (rows + kern->rows - 1) / kern->rows * kern->rows; r++)
             memset(p + r * padded * E, 0, (size_t)(keys * E));
         for (int64_t r = 0; r < rows; r += kern->rows)
