@@ -11,7 +11,7 @@ TURN = re.compile(r"^=== turn (\d+): (\d+) prompt tokens; (prefill worker \d) co
 
 
 @needs_di
-@pytest.mark.parametrize("write_back", [True, False])
+@pytest.mark.parametrize("write_back", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_each_turn_goes_where_the_chat_is_and_write_back_keeps_the_answers(write_back: bool) -> None:
     result = run_script("examples/multiturn_chat.py", "--turns", "3", "--max-tokens", "24",
                         *(() if write_back else ("--no-write-back",)))

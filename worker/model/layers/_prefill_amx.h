@@ -80,7 +80,7 @@ TARGET_AMX static void scores_amx(const void *qb_, const void *kp_, int64_t keys
         tops[r] = _mm512_reduce_max_ps(top[r]);
 }
 
-/* One group of `tiles` (1 .. 4) accumulators of 16 dims from dim c: the weights of 32 keys at a time times V. */
+/* One group of TILES (2 or 4) accumulators of 16 dims from dim c: the weights of 32 keys at a time times V. */
 #define AMX_VALUES_GROUP(TILES)                                                                                 \
     for (int64_t m = 0; m < keys; m += 32) {                                                                    \
         _tile_loadd(0, p + m, p_stride * 2);                                                                    \

@@ -50,7 +50,7 @@ typedef struct {
    this is exp of the natural ones. fp32 keeps degree 6 (relative error 1e-7, about 2 half-ulps); bf16
    rounds the result to 8 bits, where degree 4 (3e-6) is already a thousand times finer. */
 #define EXP2_PS(NAME, ...)                                                                                      \
-TARGET_F32 static inline __m512 NAME(__m512 x)                                                                 \
+TARGET_F32 static inline __m512 NAME(__m512 x)                                                                  \
 {                                                                                                               \
     static const float c[] = {__VA_ARGS__};                                                                     \
     const int degree = sizeof c / sizeof c[0] - 1;                                                              \
@@ -135,7 +135,8 @@ TARGET_F32 static int pack_head_bf16(const char *k, const char *v, const int64_t
     uint32_t *kp = kp_, *vp = vp_;
     const int64_t D = d->head_dim, pairs = D / 2;
     /* Qwords of the two interleavings (lo, hi: 4 dims a lane each) in the order of the dims. */
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     for (int64_t t0 = 0; t0 < padded; t0 += 16) {
         const uint16_t *kr[16], *vr[16];
         __mmask16 live[16];
@@ -193,8 +194,8 @@ static int pack_head_f32(const char *k, const char *v, const int64_t *table, int
    broadcast lane holds: a pair of bf16 values (PER_UNIT 2: VDPBF16PS multiplies pairs) or one fp32 value (1).
    K tiles hold units x 16 keys; V rows (or pairs of rows) hold units x d; the weights p are one element a key. */
 #define DEFINE_STEPS(NAME, TGT, UNIT, PER_UNIT, VEC, LOADV, BCAST, MAC, ELEM, STORE16, EXP2)                    \
-/* s[r][0 .. keys) = q[r] . K for QK_ROWS rows of qb (padded rows are zeros); tops[r] = the largest of  \
-   s[r][0 .. shared_end), where shared_end is `shared` (keys every row sees) rounded down to a tile. */           \
+/* s[r][0 .. keys) = q[r] . K for QK_ROWS rows of qb (padded rows are zeros); tops[r] = the largest of          \
+   s[r][0 .. shared_end), where shared_end is `shared` (keys every row sees) rounded down to a tile. */         \
 TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, int64_t shared, float *s,         \
                               int64_t s_stride, float *tops, const Dims *d)                                     \
 {                                                                                                               \
@@ -216,19 +217,19 @@ TGT static void scores_##NAME(const void *qb_, const void *kp_, int64_t keys, in
                 acc[r][1] = MAC(acc[r][1], a, b1);                                                              \
             }                                                                                                   \
         }                                                                                                       \
-        store_scores(acc, s, s_stride, j, j + KEY_TILE <= shared ? top : NULL);                                  \
+        store_scores(acc, s, s_stride, j, j + KEY_TILE <= shared ? top : NULL);                                 \
     }                                                                                                           \
     for (int r = 0; r < QK_ROWS; r++)                                                                           \
         tops[r] = _mm512_reduce_max_ps(top[r]);                                                                 \
 }                                                                                                               \
                                                                                                                 \
-/* Turns scores s[0 .. valid) into 2^(scale * (s - max)) in p[0 .. width) (zeros past valid), where `top` is the \
-   largest of s[0 .. from); returns their fp32 sum. */                                                          \
-TGT static float softmax_##NAME(const float *s, int64_t valid, float top, int64_t from, int64_t width, float scale, \
-                                void *p_)                                                                       \
+/* Turns scores s[0 .. valid) into 2^(scale (s - max)) in p[0 .. width) (zeros past valid), where `top` is      \
+   the largest of s[0 .. from); returns their fp32 sum. */                                                      \
+TGT static float softmax_##NAME(const float *s, int64_t valid, float top, int64_t from, int64_t width,          \
+                                float scale, void *p_)                                                          \
 {                                                                                                               \
     ELEM *p = p_;                                                                                               \
-    const __m512 k = _mm512_set1_ps(scale), mxk = _mm512_mul_ps(row_max(s, from, valid, top), k);                \
+    const __m512 k = _mm512_set1_ps(scale), mxk = _mm512_mul_ps(row_max(s, from, valid, top), k);               \
     __m512 sum = _mm512_setzero_ps();                                                                           \
     for (int64_t j = 0; j < valid; j += 16) {                                                                   \
         const __mmask16 m = lanes(valid - j);                                                                   \
@@ -315,9 +316,11 @@ static void attend_head(const Kernel *kern, const char *q, int64_t hq, const voi
                                     p + r * padded * E);
         for (int64_t r = rows; r < (rows + kern->rows - 1) / kern->rows * kern->rows; r++)
             memset(p + r * padded * E, 0, (size_t)(keys * E));
-        for (int64_t r = 0; r < rows; r += kern->rows)
-            kern->values(p + r * padded * E, padded, vp, keys, sums + r, (int)(rows - r < kern->rows ? rows - r : kern->rows),
+        for (int64_t r = 0; r < rows; r += kern->rows) {
+            const int take = (int)(rows - r < kern->rows ? rows - r : kern->rows);
+            kern->values(p + r * padded * E, padded, vp, keys, sums + r, take,
                          out + ((i0 + r) * d->heads + hq) * D * E, d->heads * D, d);
+        }
     }
 }
 
