@@ -17,20 +17,29 @@ static inline __mmask16 lanes(int64_t left)
     return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
-/* supported(dtype) of a kernel module: whether this CPU runs its kernels in "float32" (AVX-512F, BW, VL, DQ) or
-   "bfloat16" (those and AVX-512 BF16); ValueError naming `what` for any other dtype. */
+/* Whether this CPU runs the kernels in dtype "float32" (AVX-512F, BW, VL, DQ) or "bfloat16" (those and AVX-512
+   BF16): 1 or 0; -1 for any other name. */
+static inline int avx512_runs(const char *dtype)
+{
+    __builtin_cpu_init();
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                       && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (strcmp(dtype, "float32") == 0)
+        return avx512;
+    if (strcmp(dtype, "bfloat16") == 0)
+        return avx512 && __builtin_cpu_supports("avx512bf16");
+    return -1;
+}
+
+/* supported(dtype) of a kernel module: avx512_runs as a bool; ValueError naming `what` for any other dtype. */
 static inline PyObject *avx512_supported(PyObject *dtype, const char *what)
 {
     const char *name = PyUnicode_AsUTF8(dtype);
     if (name == NULL)
         return NULL;
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                       && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (strcmp(name, "float32") == 0)
-        return PyBool_FromLong(avx512);
-    if (strcmp(name, "bfloat16") == 0)
-        return PyBool_FromLong(avx512 && __builtin_cpu_supports("avx512bf16"));
+    const int runs = avx512_runs(name);
+    if (runs >= 0)
+        return PyBool_FromLong(runs);
     PyErr_Format(PyExc_ValueError, "no native %s in %s: bfloat16 or float32", what, name);
     return NULL;
 }

@@ -87,7 +87,8 @@ TARGET_AMX static void scores_amx(const void *qb_, const void *kp_, int64_t keys
         const uint32_t *vrow = vp + (m / 2) * D + c;                                                            \
         _tile_loadd(2, vrow, D * 4);                                                                            \
         _tile_dpbf16ps(4, 0, 2);                                                                                \
-        if (TILES > 1) { _tile_loadd(3, vrow + 16, D * 4); _tile_dpbf16ps(5, 0, 3); }                           \
+        _tile_loadd(3, vrow + 16, D * 4);                                                                       \
+        _tile_dpbf16ps(5, 0, 3);                                                                                \
         if (TILES > 2) { _tile_loadd(2, vrow + 32, D * 4); _tile_dpbf16ps(6, 0, 2); }                           \
         if (TILES > 3) { _tile_loadd(3, vrow + 48, D * 4); _tile_dpbf16ps(7, 0, 3); }                           \
     }

@@ -347,7 +347,7 @@ static int attention(const Kernel *kern, const char *q, const char *k, const cha
     return rc;
 }
 
-static int amx_ok = -1;   /* amx_usable(), asked once */
+static int amx_ok;   /* whether the "amx" kernel runs here: asked once, as the module loads */
 
 /* supported(kernel): whether this CPU runs the kernel "float32" (AVX-512F), "bfloat16" (AVX-512 BF16) or "amx"
    (bf16 on AMX tiles). */
@@ -357,17 +357,7 @@ static PyObject *supported(PyObject *module, PyObject *kernel)
     const char *name = PyUnicode_AsUTF8(kernel);
     if (name == NULL)
         return NULL;
-    if (strcmp(name, "amx") != 0)
-        return avx512_supported(kernel, "prompt attention");
-    if (amx_ok < 0)
-        amx_ok = amx_usable();
-    PyObject *bf16 = PyUnicode_FromString("bfloat16"), *avx = bf16 ? avx512_supported(bf16, "prompt attention") : NULL;
-    Py_XDECREF(bf16);
-    if (avx == NULL)
-        return NULL;
-    const int ok = avx == Py_True && amx_ok;
-    Py_DECREF(avx);
-    return PyBool_FromLong(ok);
+    return strcmp(name, "amx") == 0 ? PyBool_FromLong(amx_ok) : avx512_supported(kernel, "prompt attention");
 }
 
 static PyObject *prefill(PyObject *module, PyObject *args)
@@ -383,10 +373,10 @@ static PyObject *prefill(PyObject *module, PyObject *args)
                           &d.first_head, &d.end_head, &name))
         return NULL;
     const Kernel *kern = strcmp(name, "float32") == 0 ? &F32 : strcmp(name, "bfloat16") == 0 ? &BF16
-                         : strcmp(name, "amx") == 0 && amx_ok == 1 ? &AMX : NULL;
+                         : strcmp(name, "amx") == 0 && amx_ok ? &AMX : NULL;
     if (kern == NULL) {
         PyErr_Format(PyExc_ValueError, "no prompt attention kernel %s here: float32, bfloat16 or, where "
-                                       "supported('amx') said so, amx", name);
+                                       "supported('amx') says so, amx", name);
         return NULL;
     }
     d.scale = (float)(scale * M_LOG2E);
@@ -414,7 +404,7 @@ static PyObject *prefill(PyObject *module, PyObject *args)
 static PyMethodDef methods[] = {
     {"supported", supported, METH_O,
      "supported(kernel): whether this CPU runs the kernel 'float32' (AVX-512F), 'bfloat16' (AVX-512 BF16) or 'amx' "
-     "(bf16 on AMX tiles, once this process may use them)."},
+     "(bf16 on AMX tiles, where this process may use them)."},
     {"prefill", prefill, METH_VARARGS,
      "prefill(q, k_plane, v_plane, table, out, n, heads, kv_heads, head_dim, q_stride, num_blocks, block_size, "
      "max_blocks, ctx, scale, first_head, end_head, kernel): causal attention of one sequence's last n positions "
@@ -427,5 +417,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_prefill_native", NU
 
 PyMODINIT_FUNC PyInit__prefill_native(void)
 {
+    amx_ok = avx512_runs("bfloat16") == 1 && amx_usable();
     return PyModule_Create(&module);
 }

@@ -10,7 +10,7 @@ kernel does, and reads K and V through the block table (no gather, no mask). Res
 within the dtype's rounding. Where the CPU has AMX (Intel Xeon from Sapphire Rapids on) torch's flash kernel
 runs its bf16 products on the tile unit, and so does the kernel's "amx" variant, with the same packing and
 softmax as the AVX-512 one: one thread, the benchmark model's heads, one layer of a 2000-token prompt
-11.6 ms against torch's 24 ms and 60 ms on AVX-512 BF16 (512 tokens: 1.2, 2.6 and 4.5 ms; the 2.1 GHz Xeon
+10.5 ms against torch's 24 ms and 60 ms on AVX-512 BF16 (512 tokens: 1.2, 2.6 and 4.5 ms; the 2.1 GHz Xeon
 machine). Without a C compiler or without AVX-512 (BF16, for bf16), `applies` is False and attention runs as
 before; `KERNELS` says which variant runs each dtype here. With more than one torch thread, the KV heads
 are split across threads (the kernel releases the GIL); each head's numbers are the same whatever the split.
