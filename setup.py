@@ -16,7 +16,11 @@ setup(
                            depends=["transfer/_crc32c.h", "transfer/_crc32c_fold.h"], optional=True),
                  Extension("worker.model.layers._paged_decode", ["worker/model/layers/_paged_decode.c"], optional=True),
                  Extension("worker.model.layers._prefill_native", ["worker/model/layers/_prefill_native.c"],
-                           depends=["worker/model/layers/_avx512.h", "worker/model/layers/_prefill_amx.h"],
+                           depends=["worker/model/layers/_avx512.h", "worker/model/layers/_amx.h",
+                                    "worker/model/layers/_prefill_amx.h"],
+                           extra_compile_args=["-O3"], optional=True),
+                 Extension("worker.model.layers._decode_linear", ["worker/model/layers/_decode_linear.c"],
+                           depends=["worker/model/layers/_avx512.h", "worker/model/layers/_amx.h"],
                            extra_compile_args=["-O3"], optional=True),
                  # No contraction: a product rounded before a sum (the rotary embedding) must not become an FMA.
                  Extension("worker.model.layers._pointwise", ["worker/model/layers/_pointwise.c"],

@@ -9,42 +9,7 @@
 #ifndef NEURON_DI_PREFILL_AMX_H
 #define NEURON_DI_PREFILL_AMX_H
 
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
-#define AMX_ROWS 16
-#define ARCH_REQ_XCOMP_PERM 0x1023   /* Linux: ask to use an extended state component */
-#define XFEATURE_XTILEDATA 18        /* the tile data */
-
-/* Whether this CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tiles. */
-static int amx_usable(void)
-{
-    unsigned int a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
-        return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-/* Palette 1, every tile 16 rows x 64 bytes. Written out whole rather than filled in: GCC 12 drops the stores to
-   a local configuration before LDTILECFG, as if the instruction read only the palette byte. */
-static const struct __attribute__((aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TILE_CONFIG = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
-TARGET_AMX static void amx_configure(void)
-{
-    _tile_loadconfig(&TILE_CONFIG);
-}
-
-/* Back to the initial tile state (the configuration and the tiles' contents dropped). */
-TARGET_AMX static void amx_release(void)
-{
-    _tile_release();
-}
+#include "_amx.h"
 
 /* Like scores_bf16 for AMX_ROWS rows: s[r][0 .. keys) = q[r] . K, tops[r] the largest over whole tiles of 32 keys
    below `shared`. */
