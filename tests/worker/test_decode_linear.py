@@ -33,7 +33,7 @@ def onednn(layer: Linear, x: torch.Tensor) -> torch.Tensor:
 def test_equals_onednn_bit_for_bit(shape: tuple[int, int], rows: int, bias: bool) -> None:
     out_features, in_features = shape   # 262, 17, 40: partial blocks of outputs; 6, 100: partial tiles of inputs
     layer = bf16_linear(in_features, out_features, bias)
-    assert layer.pack() and layer.few_rows is not None
+    assert layer.pack() and layer.decode_weight is not None
     x = torch.randn(rows, in_features).to(torch.bfloat16) * 4
     with torch.inference_mode():
         ours = layer(x)
@@ -86,7 +86,22 @@ def test_no_packed_copy_where_it_does_not_apply(case: str, monkeypatch: pytest.M
     else:
         monkeypatch.setattr(decode_linear, "SUPPORTED", False)
     layer.pack()
-    assert layer.few_rows is None
+    assert layer.decode_weight is None
+
+
+@needs_amx
+def test_more_threads_keep_larger_weights_on_onednn() -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert decode_linear.max_weight_bytes() == decode_linear.MAX_WEIGHT_BYTES
+        torch.set_num_threads(2)
+        assert decode_linear.max_weight_bytes() == decode_linear.MAX_WEIGHT_BYTES_THREADED
+        small, large = bf16_linear(512, 1024, bias=False), bf16_linear(512, 1025, bias=False)   # 1 MiB, just over
+        small.pack(), large.pack()
+        assert small.decode_weight is not None and large.decode_weight is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_amx

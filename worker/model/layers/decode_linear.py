@@ -6,8 +6,9 @@ batch 8 on the 2.1 GHz Xeon VM. The kernel runs oneDNN's AMX product for up to M
 so results are the packed Linear's bit for bit; one thread, batch 8: 23 -> 6 us for a 256 x 256 weight,
 44 -> 22 us for 1024 x 512, 202 -> 144 us for 2816 x 512 (weights in cache). Beyond 32 rows oneDNN changes
 how it sums, and more rows amortise the call: those stay with oneDNN. The packed copy is kept beside oneDNN's,
-only for weights up to MAX_WEIGHT_BYTES, where the call is a large part of the time (a weight of 32 MB takes
-~3 ms to read either way).
+only for weights up to `max_weight_bytes()`: 8 MiB on one torch thread (a weight of 32 MB takes ~3 ms to read
+either way), 1 MiB on more, where oneDNN splits a larger weight across the threads and wins (2 threads, batch 8:
+139 against 182 us for 2816 x 512; 36 against 53 us for 1024 x 512 still ours).
 """
 from __future__ import annotations
 
@@ -21,15 +22,21 @@ except ImportError:  # built without a C compiler
 
 SUPPORTED = _decode_linear is not None and _decode_linear.supported()   # AMX here, and the kernel built
 MAX_ROWS = 32
-MAX_WEIGHT_BYTES = 8 << 20
+MAX_WEIGHT_BYTES = 8 << 20            # on one torch thread
+MAX_WEIGHT_BYTES_THREADED = 1 << 20   # on more
 BLOCK = 32    # outputs per packed block
 K_TILE = 32   # inputs per tile
+
+
+def max_weight_bytes() -> int:
+    """The largest weight the kernel runs at torch's current thread count."""
+    return MAX_WEIGHT_BYTES if torch.get_num_threads() == 1 else MAX_WEIGHT_BYTES_THREADED
 
 
 def packs(weight: torch.Tensor) -> bool:
     """Whether `weight` (out_features, in_features) gets a packed copy: bf16 on the CPU, here, small enough."""
     return (SUPPORTED and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.layout == torch.strided and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES)
+            and weight.layout == torch.strided and weight.numel() * weight.element_size() <= max_weight_bytes())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

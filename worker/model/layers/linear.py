@@ -34,7 +34,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same training behaviour) plus an inference-only `pack()`."""
 
-    few_rows: torch.Tensor | None = None   # the weight packed for decode_linear, by pack() where that applies
+    decode_weight: torch.Tensor | None = None   # the weight packed for decode_linear, by pack() where that applies
 
     @property
     def packed(self) -> bool:
@@ -50,7 +50,7 @@ class Linear(nn.Linear):
         if not can_pack(self.weight):
             return False
         if decode_linear.packs(self.weight) and (self.bias is None or self.bias.is_contiguous()):
-            self.few_rows = decode_linear.pack(self.weight)
+            self.decode_weight = decode_linear.pack(self.weight)
         # No batch-size hint: measured as fast as the best hint for 1 to 64 rows.
         packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -59,8 +59,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and decode_linear.applies(x):
-            return decode_linear.linear(x, self.few_rows, self.bias, self.out_features)
+        if self.decode_weight is not None and decode_linear.applies(x):
+            return decode_linear.linear(x, self.decode_weight, self.bias, self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
