@@ -50,19 +50,30 @@ def test_reads_rows_through_their_stride() -> None:
     x = wide[:, 30:130]   # each row contiguous, 160 apart
     layer.pack()
     with torch.inference_mode():
-        assert decode_linear.applies(x)
+        assert decode_linear.applies(x, 100)
         assert torch.equal(layer(x), F.linear(x.contiguous(), plain, layer.bias))
 
 
 @needs_amx
 def test_applies_to_few_contiguous_bf16_rows_only() -> None:
     x = torch.zeros(decode_linear.MAX_ROWS, 64, dtype=torch.bfloat16)
-    assert decode_linear.applies(x)
-    assert not decode_linear.applies(torch.zeros(decode_linear.MAX_ROWS + 1, 64, dtype=torch.bfloat16))
-    assert not decode_linear.applies(x.float())
-    assert not decode_linear.applies(x.view(2, -1, 64))       # the engine's inputs are (tokens, features)
-    assert not decode_linear.applies(torch.zeros(64, 8, dtype=torch.bfloat16).t())   # rows not contiguous
-    assert not decode_linear.applies(x.clone().requires_grad_())   # autograd would record nothing
+    assert decode_linear.applies(x, 64) and decode_linear.applies(x[:0], 64)
+    assert not decode_linear.applies(torch.zeros(decode_linear.MAX_ROWS + 1, 64, dtype=torch.bfloat16), 64)
+    assert not decode_linear.applies(x, 65)                      # another layer's width
+    assert not decode_linear.applies(x.float(), 64)
+    assert not decode_linear.applies(x.view(2, -1, 64), 64)      # the engine's inputs are (tokens, features)
+    assert not decode_linear.applies(torch.zeros(64, 8, dtype=torch.bfloat16).t(), 64)   # rows not contiguous
+    assert not decode_linear.applies(x.clone().requires_grad_(), 64)   # autograd would record nothing
+
+
+@needs_amx
+def test_no_rows_and_a_wrong_width() -> None:
+    layer = bf16_linear(64, 96, bias=True)
+    layer.pack()
+    with torch.inference_mode():
+        assert layer(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
+        with pytest.raises(RuntimeError):   # oneDNN's refusal, not a read past the weight
+            layer(torch.zeros(4, 65, dtype=torch.bfloat16))
 
 
 @needs_amx
@@ -76,11 +87,13 @@ def test_more_rows_run_on_onednn(rows: int, monkeypatch: pytest.MonkeyPatch) -> 
         assert torch.equal(layer(x), onednn(layer, x))
 
 
-@pytest.mark.parametrize("case", ["float32", "large", "no-amx"])
+@pytest.mark.parametrize("case", ["float32", "large", "no-amx", "float32-bias"])
 def test_no_packed_copy_where_it_does_not_apply(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    layer = bf16_linear(256, 256, bias=False)
+    layer = bf16_linear(256, 256, bias=case == "float32-bias")
     if case == "float32":
         layer = layer.float()
+    elif case == "float32-bias":
+        layer.bias = torch.nn.Parameter(layer.bias.float())
     elif case == "large":
         monkeypatch.setattr(decode_linear, "MAX_WEIGHT_BYTES", 256 * 256 * 2 - 1)
     else:

@@ -33,10 +33,12 @@ def max_weight_bytes() -> int:
     return MAX_WEIGHT_BYTES if torch.get_num_threads() == 1 else MAX_WEIGHT_BYTES_THREADED
 
 
-def packs(weight: torch.Tensor) -> bool:
-    """Whether `weight` (out_features, in_features) gets a packed copy: bf16 on the CPU, here, small enough."""
+def packs(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a layer of `weight` (out_features, in_features) and `bias` gets a packed copy: bf16 on the CPU,
+    here, small enough, and any bias a contiguous bf16 vector the kernel can read."""
     return (SUPPORTED and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.layout == torch.strided and weight.numel() * weight.element_size() <= max_weight_bytes())
+            and weight.layout == torch.strided and weight.numel() * weight.element_size() <= max_weight_bytes()
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -47,10 +49,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel takes input `x`: up to MAX_ROWS bf16 rows, each contiguous, no autograd to record."""
-    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1
-            and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad))
+def applies(x: torch.Tensor, in_features: int) -> bool:
+    """Whether the kernel takes input `x` to a layer of `in_features`: up to MAX_ROWS bf16 rows of that width,
+    each contiguous, no autograd to record. (Any other width goes to oneDNN, which refuses it.)"""
+    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] == in_features and x.dtype == torch.bfloat16
+            and x.stride(1) == 1 and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

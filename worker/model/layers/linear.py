@@ -49,7 +49,7 @@ class Linear(nn.Linear):
         """
         if not can_pack(self.weight):
             return False
-        if decode_linear.packs(self.weight) and (self.bias is None or self.bias.is_contiguous()):
+        if decode_linear.packs(self.weight, self.bias):
             self.decode_weight = decode_linear.pack(self.weight)
         # No batch-size hint: measured as fast as the best hint for 1 to 64 rows.
         packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
@@ -59,7 +59,7 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_weight is not None and decode_linear.applies(x):
+        if self.decode_weight is not None and decode_linear.applies(x, self.in_features):
             return decode_linear.linear(x, self.decode_weight, self.bias, self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
