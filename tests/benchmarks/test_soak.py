@@ -21,6 +21,7 @@ def run_soak(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess[st
     return done, json.loads(out.read_text()) if out.exists() else {}
 
 
+@pytest.mark.slow   # a load run (13 s); blocks back to zero after load is asserted by the fault and stream tests too
 def test_quick_soak_loses_nothing_and_frees_every_block(tmp_path: Path) -> None:
     # A short run's RSS still grows (warm-up), so the memory verdict is not asked of it here.
     done, report = run_soak("--quick", "--minutes", "0.1", "--warmup-minutes", "0.05", "--rss-tolerance-mb", "100000",

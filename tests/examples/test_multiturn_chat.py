@@ -11,7 +11,8 @@ TURN = re.compile(r"^=== turn (\d+): (\d+) prompt tokens; (prefill worker \d) co
 
 
 @needs_di
-@pytest.mark.parametrize("write_back", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow   # 11-22 s; the multiturn load's own tests (tests/benchmarks/test_bench_multiturn.py) run by default
+@pytest.mark.parametrize("write_back", [True, False])
 def test_each_turn_goes_where_the_chat_is_and_write_back_keeps_the_answers(write_back: bool) -> None:
     result = run_script("examples/multiturn_chat.py", "--turns", "3", "--max-tokens", "24",
                         *(() if write_back else ("--no-write-back",)))

@@ -65,7 +65,7 @@ def serve(stack: Stack, reference: Reference) -> Tally:
 
 
 @pytest.mark.parametrize("explicit_ids", [pytest.param(True, id="engine-ids-given", marks=pytest.mark.slow),
-                                          pytest.param(False, id="default-engine-ids")])
+                                          pytest.param(False, id="default-engine-ids", marks=pytest.mark.slow)])
 def test_2p2d_over_etcd_across_two_hosts_serves_exactly(explicit_ids: bool) -> None:
     try:
         check_available()
