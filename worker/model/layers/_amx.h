@@ -12,11 +12,13 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023   /* Linux: ask to use an extended state component */
 #define XFEATURE_XTILEDATA 18        /* the tile data */
 
-/* Whether this CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tiles. */
+/* Whether the AMX kernels run here: this CPU has AVX-512 BF16 (their loads, stores and softmax), AMX-TILE and
+   AMX-BF16, and the kernel lets this process use the tiles. */
 static int amx_usable(void)
 {
     unsigned int a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+    if (avx512_runs("bfloat16") != 1 || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))
+        || !(d & (1u << 22)))
         return 0;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }

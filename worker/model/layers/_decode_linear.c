@@ -27,12 +27,6 @@ static int64_t padded_inputs(const Shape *s)
     return (s->in_features + K_TILE - 1) / K_TILE * K_TILE;
 }
 
-/* 16 bf16 of `at` (the lanes of `mask`; 0 elsewhere) as fp32. */
-TARGET_AMX static __m512 load_bf16(const uint16_t *at, __mmask16 mask)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, at)), 16));
-}
-
 /* sums (AMX_ROWS x BLOCK fp32) + bias, rounded to bf16, into the first `rows` rows and `width` columns (at most
    BLOCK) of out. */
 TARGET_AMX static void store_block(const float *sums, const uint16_t *bias, uint16_t *out, int64_t rows,
@@ -44,9 +38,8 @@ TARGET_AMX static void store_block(const float *sums, const uint16_t *bias, uint
     for (int64_t r = 0; r < rows; r++) {
         const float *row = sums + r * BLOCK;
         uint16_t *o = out + r * s->out_stride;
-        const __m512 lo = _mm512_add_ps(_mm512_load_ps(row), b0), hi = _mm512_add_ps(_mm512_load_ps(row + 16), b1);
-        _mm256_mask_storeu_epi16(o, m0, (__m256i)_mm512_cvtneps_pbh(lo));
-        _mm256_mask_storeu_epi16(o + 16, m1, (__m256i)_mm512_cvtneps_pbh(hi));
+        store_bf16(o, m0, _mm512_add_ps(_mm512_load_ps(row), b0));
+        store_bf16(o + 16, m1, _mm512_add_ps(_mm512_load_ps(row + 16), b1));
     }
 }
 
@@ -137,6 +130,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode_linear", NUL
 
 PyMODINIT_FUNC PyInit__decode_linear(void)
 {
-    amx_ok = avx512_runs("bfloat16") == 1 && amx_usable();
+    amx_ok = amx_usable();
     return PyModule_Create(&module);
 }

@@ -28,22 +28,6 @@ TARGET_F32 static inline void store_f32(void *p, __mmask16 m, __m512 v)
     _mm512_mask_storeu_ps(p, m, v);
 }
 
-/* 16 bf16 values as fp32: each one's bits in the upper half of its lane. */
-TARGET_BF16 static inline __m512 widen_bf16(__m256i v)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-TARGET_BF16 static inline __m512 load_bf16(const void *p, __mmask16 m)
-{
-    return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
-}
-
-TARGET_BF16 static inline void store_bf16(void *p, __mmask16 m, __m512 v)
-{
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 /* v rounded to bf16 and widened again: where torch's op sequence stores a bf16 intermediate. */
 TARGET_BF16 static inline __m512 round_bf16(__m512 v)
 {
