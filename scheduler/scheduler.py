@@ -3,7 +3,10 @@
 Role "both": new requests prefill while others decode. With chunked prefill (`enable_chunked_
 prefill`) a step holds at most `max_num_batched_tokens` tokens: every decode first, then the rest
 of the budget to prompt chunks, oldest first, so a long prompt never stalls running streams
-for its whole prefill. Without it a step is either whole prompts or one decode of every
+for its whole prefill. A short prompt (one that fits in a step) stalls running streams once either
+way: with `decode_pause_tokens` (N > 0) short prompts run in steps of their own, ahead of the
+decodes, until the running streams have waited for N prompt tokens, and a wave of them costs the
+streams one gap instead of one per prompt; long prompts still share steps with the decodes. Without chunked prefill a step is either whole prompts or one decode of every
 running request. Role "prefill": one prefill runs at a time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
 its blocks held after it finished, until `release`. Role "decode": a `remote_kv` request
 gets its blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from common.roles import ROLES
 from scheduler.block_manager import BlockManager
@@ -40,6 +43,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     role: str = "both"
     prefix_aware_transfer: bool = True   # decode: pull only the blocks the prefix cache lacks
+    decode_pause_tokens: int = 0   # chunked: short prompts' tokens run alone before a decode step (0: mixed)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -48,6 +52,8 @@ class SchedulerConfig:
             raise ValueError(f"with chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be at least max_num_seqs ({self.max_num_seqs}): every step decodes "
                              f"every running request")
+        if self.decode_pause_tokens < 0:
+            raise ValueError(f"decode_pause_tokens must be >= 0, got {self.decode_pause_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.transferring: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._paused_tokens = 0   # prompt tokens run since the last decode step
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.transferring)
@@ -137,24 +144,46 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """The chunks to compute this step (see the module docstring for the policy)."""
-        if self.config.enable_chunked_prefill:
-            budget, preemptions = self.config.max_num_batched_tokens, self.num_preemptions
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill:
+            chunks = self._schedule_waiting(budget) or self._schedule_running(None)
+        elif not (chunks := self._schedule_short_prompts_alone(budget)):
+            preemptions = self.num_preemptions
             chunks = self._schedule_running(budget)
             if self.num_preemptions == preemptions:   # blocks ran short: admit nothing new this step
                 chunks += self._schedule_waiting(budget - sum(c.num_tokens for c in chunks))
-        else:
-            chunks = self._schedule_waiting(self.config.max_num_batched_tokens) or self._schedule_running(None)
         chunks.sort(key=lambda c: c.num_tokens > 1)   # stable: decodes first, as the runner wants them
         return ScheduledStep(chunks)
 
-    def _schedule_waiting(self, budget: int) -> list[ScheduledChunk]:
-        """New (or preempted) requests that get blocks now and their first chunk, oldest first."""
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        return seq.num_uncomputed_tokens == 1
+
+    def _schedule_short_prompts_alone(self, budget: int) -> list[ScheduledChunk]:
+        """With `decode_pause_tokens`: a step of short prompts alone (each fits in `budget` whole), running
+        ones first, while the running streams have waited for fewer prompt tokens than that; [] otherwise."""
+        pause = self.config.decode_pause_tokens
+        decoding = any(map(self._decodes, self.running))
+        if not pause or (decoding and self._paused_tokens >= pause):
+            self._paused_tokens = 0
+            return []
+        def short(seq: Sequence) -> bool:   # a whole prompt that fits in a step (not a long one's last chunk)
+            return len(seq) <= budget and not self._decodes(seq)
+        chunks = self._schedule_running(budget, short)
+        chunks += self._schedule_waiting(budget - sum(c.num_tokens for c in chunks), short)
+        self._paused_tokens = self._paused_tokens + sum(c.num_tokens for c in chunks) if decoding else 0
+        return chunks
+
+    def _schedule_waiting(self, budget: int,
+                          which: Callable[[Sequence], bool] = lambda s: True) -> list[ScheduledChunk]:
+        """New (or preempted) requests that get blocks now and their first chunk, oldest first, up to
+        the first that is not `which`."""
         chunks: list[ScheduledChunk] = []
         if self.config.role == "prefill" and self.running:
             return chunks  # one prefill at a time: it starts only when nothing runs
         chunked = self.config.enable_chunked_prefill
         for seq in [s for s in self.waiting if not self._needs_pull(s)]:
-            if budget <= 0 or self._num_busy() >= self.config.max_num_seqs or seq.kv_arriving:
+            if budget <= 0 or self._num_busy() >= self.config.max_num_seqs or seq.kv_arriving or not which(seq):
                 break
             # Unchunked, a lone request may exceed the token budget: prompts are not split.
             too_many = not chunked and chunks and len(seq) > budget
@@ -170,12 +199,13 @@ class Scheduler:
                 break
         return chunks
 
-    def _schedule_running(self, budget: int | None) -> list[ScheduledChunk]:
-        """Running requests, decodes first, within `budget` tokens (None: no limit). A decode
-        that finds no free block preempts the newest request not yet scheduled (or itself)."""
+    def _schedule_running(self, budget: int | None,
+                          which: Callable[[Sequence], bool] = lambda s: True) -> list[ScheduledChunk]:
+        """Running requests (`which` of them), decodes first, within `budget` tokens (None: no limit).
+        A decode that finds no free block preempts the newest request not yet scheduled (or itself)."""
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+        for seq in sorted(filter(which, self.running), key=lambda s: s.num_uncomputed_tokens > 1):
             if seq.status is not SequenceStatus.RUNNING or (budget is not None and budget <= 0):
                 continue   # preempted by an earlier one, or no budget left
             while not self.block_manager.can_append(seq):

@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None   # None: DEFAULT_CHUNKED_BUDGET or DEFAULT_UNCHUNKED_BUDGET
     enable_chunked_prefill: bool | None = None  # None: on for the roles in CHUNKED_BY_DEFAULT
+    decode_pause_tokens: int = 0           # chunked: prompt tokens run alone before a decode step (0: mixed)
     max_waiting: int = 256                 # bounded waiting queue
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     dtype: str = "float32"                 # or "auto": resolved at once (worker/dtype.py)
@@ -44,6 +45,8 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.decode_pause_tokens, int) or self.decode_pause_tokens < 0:
+            raise ValueError(f"decode_pause_tokens must be an int >= 0, got {self.decode_pause_tokens!r}")
         self.dtype = resolve_dtype(self.dtype)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")

@@ -51,6 +51,44 @@ def test_chunked_prefill_runs_decodes_first_and_the_prompt_in_chunks() -> None:
                       [("a", 5, 1, True), ("b", 14, 6, True)]]
 
 
+def shapes_of(s: Scheduler, steps: int) -> list[list[tuple[str, int, int]]]:
+    """(request, start, tokens) of each chunk of the next `steps` steps, every sampled token 7."""
+    shapes = []
+    for _ in range(steps):
+        step = s.schedule()
+        shapes.append([(c.seq.request_id, c.start, c.num_tokens) for c in step.chunks])
+        s.postprocess(step.sampled, [7] * len(step.sampled))
+    return shapes
+
+
+def test_short_prompts_run_alone_until_the_streams_waited_decode_pause_tokens() -> None:
+    s = make(num_blocks=64, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=8,
+             decode_pause_tokens=16)
+    s.add(seq("a", max_tokens=10))
+    assert shapes_of(s, 1) == [[("a", 0, 5)]]
+    for i, rid in enumerate("bcde"):
+        s.add(seq(rid, max_tokens=10, first=10 * (i + 1)))
+    assert shapes_of(s, 4) == [[("b", 0, 5), ("c", 0, 3)],                # a waits: 8 prompt tokens
+                               [("e", 0, 1), ("c", 3, 2), ("d", 0, 5)],   # 16: a decode step is due
+                               [("a", 5, 1), ("b", 5, 1), ("c", 5, 1), ("d", 5, 1), ("e", 1, 4)],
+                               [("a", 6, 1), ("b", 6, 1), ("c", 6, 1), ("d", 6, 1), ("e", 5, 1)]]
+
+
+def test_long_prompts_share_steps_with_decodes_under_decode_pause_tokens() -> None:
+    s = make(num_blocks=64, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=8,
+             decode_pause_tokens=64)
+    s.add(seq("a", max_tokens=10))
+    s.add(seq("long", n=12, max_tokens=2, first=50))
+    assert shapes_of(s, 3) == [[("a", 0, 5)],                     # alone: nothing decodes yet
+                               [("a", 5, 1), ("long", 0, 7)],     # 12 tokens do not fit in a step
+                               [("a", 6, 1), ("long", 7, 5)]]     # nor does its rest run alone
+
+
+def test_decode_pause_tokens_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="decode_pause_tokens must be >= 0"):
+        SchedulerConfig(num_blocks=4, block_size=4, decode_pause_tokens=-1)
+
+
 def test_finish_on_eos_and_length() -> None:
     s = make()
     a, b = seq("a", max_tokens=2), seq("b", max_tokens=2)

@@ -34,6 +34,14 @@ def test_chunked_equals_whole_prompt_prefill(tiny_llama: Path, params: SamplingP
     assert chunked.stats().num_blocks_used == 0
 
 
+def test_short_prompts_alone_ahead_of_decodes_keep_outputs(tiny_llama: Path) -> None:
+    ps = prompts(10, seed=1)
+    whole = engine(tiny_llama, enable_chunked_prefill=False).generate(ps, GREEDY)
+    paused = engine(tiny_llama, enable_chunked_prefill=True, max_num_batched_tokens=16, decode_pause_tokens=32)
+    assert paused.generate(ps, GREEDY) == whole
+    assert paused.stats().num_blocks_used == 0
+
+
 def test_preemption_with_chunks_keeps_outputs(tiny_llama: Path) -> None:
     ps = prompts(8, seed=3)
     whole = engine(tiny_llama, enable_chunked_prefill=False).generate(ps, GREEDY)
@@ -81,6 +89,12 @@ def test_cli_flags_set_chunking_and_budget(capsys: pytest.CaptureFixture[str]) -
     assert not config.chunked_prefill and config.token_budget == 2048 and not config.enable_prefix_caching
     _, config = parse_args(["--role", "prefill", "--enable-chunked-prefill"])
     assert config.chunked_prefill and config.token_budget == 512
+    assert config.decode_pause_tokens == 0
+    _, config = parse_args(["--decode-pause-tokens", "4096"])
+    assert config.decode_pause_tokens == 4096
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--decode-pause-tokens", "-1"])
+    assert exc.value.code == 2 and "must be at least 0, got -1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         parse_args(["--max-num-batched-tokens", "4"])
     assert exc.value.code == 2 and "must be at least max_num_seqs" in capsys.readouterr().err

@@ -39,14 +39,20 @@ TRANSPORTS = ("auto", "shm", "tcp", "nixl", "neuron")
 LAST_ANSWERS_S = 5.0  # after the drain: time for the engine to stop and the ended requests to answer
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _integer_from(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+_positive = _integer_from(1)
+_non_negative = _integer_from(0)
 
 
 def _port(text: str) -> int:
@@ -107,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill long prompts in chunks that share each step with the running requests' "
                              "decodes, so streams never stall for a whole prefill (default: on for roles "
                              f"{' and '.join(CHUNKED_BY_DEFAULT)}, off for prefill)")
+    engine.add_argument("--decode-pause-tokens", type=_non_negative, default=0,
+                        help="with chunked prefill, run prompt chunks alone, ahead of the running requests' "
+                             "decodes, until these have waited for this many prompt tokens; then one decode "
+                             "step (default 0: every step mixes the decodes with prompt chunks)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of prompt prefixes computed before (default: on)")
     engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
@@ -211,6 +221,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                               max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               enable_chunked_prefill=args.enable_chunked_prefill,
+                              decode_pause_tokens=args.decode_pause_tokens,
                               enable_prefix_caching=args.enable_prefix_caching,
                               prefix_aware_transfer=args.prefix_aware_transfer,
                               max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
