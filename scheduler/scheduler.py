@@ -3,10 +3,11 @@
 Role "both": new requests prefill while others decode. With chunked prefill (`enable_chunked_
 prefill`) a step holds at most `max_num_batched_tokens` tokens: every decode first, then the rest
 of the budget to prompt chunks, oldest first, so a long prompt never stalls running streams
-for its whole prefill. A short prompt (one that fits in a step) stalls running streams once either
-way: with `decode_pause_tokens` (N > 0) short prompts run in steps of their own, ahead of the
-decodes, until the running streams have waited for N prompt tokens, and a wave of them costs the
-streams one gap instead of one per prompt; long prompts still share steps with the decodes. Without chunked prefill a step is either whole prompts or one decode of every
+for its whole prefill. A short prompt stalls running streams once whether it shares their step or
+not: with `short_prompt_tokens` (S > 0) prompts of at most S tokens run in steps of their own,
+ahead of the decodes, until the running streams have waited for `decode_pause_tokens` prompt
+tokens, and a wave of them costs the streams one gap instead of one per prompt; longer prompts
+still share steps with the decodes. Without chunked prefill a step is either whole prompts or one decode of every
 running request. Role "prefill": one prefill runs at a time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
 its blocks held after it finished, until `release`. Role "decode": a `remote_kv` request
 gets its blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
@@ -43,7 +44,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     role: str = "both"
     prefix_aware_transfer: bool = True   # decode: pull only the blocks the prefix cache lacks
-    decode_pause_tokens: int = 0   # chunked: short prompts' tokens run alone before a decode step (0: mixed)
+    short_prompt_tokens: int = 0      # chunked: prompts this long or shorter run ahead of decodes (0: none)
+    decode_pause_tokens: int = 4096   # ... for at most this many prompt tokens before a decode step
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -52,8 +54,9 @@ class SchedulerConfig:
             raise ValueError(f"with chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be at least max_num_seqs ({self.max_num_seqs}): every step decodes "
                              f"every running request")
-        if self.decode_pause_tokens < 0:
-            raise ValueError(f"decode_pause_tokens must be >= 0, got {self.decode_pause_tokens}")
+        if self.short_prompt_tokens < 0 or self.decode_pause_tokens < 1:
+            raise ValueError(f"short_prompt_tokens must be >= 0 and decode_pause_tokens >= 1, got "
+                             f"{self.short_prompt_tokens} and {self.decode_pause_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,15 +163,14 @@ class Scheduler:
         return seq.num_uncomputed_tokens == 1
 
     def _schedule_short_prompts_alone(self, budget: int) -> list[ScheduledChunk]:
-        """With `decode_pause_tokens`: a step of short prompts alone (each fits in `budget` whole), running
-        ones first, while the running streams have waited for fewer prompt tokens than that; [] otherwise."""
-        pause = self.config.decode_pause_tokens
+        """A step of short prompts alone, running ones first, while the running streams have waited for
+        fewer than `decode_pause_tokens` prompt tokens; [] when there is none or a decode step is due."""
         decoding = any(map(self._decodes, self.running))
-        if not pause or (decoding and self._paused_tokens >= pause):
+        if not self.config.short_prompt_tokens or (decoding and self._paused_tokens >= self.config.decode_pause_tokens):
             self._paused_tokens = 0
             return []
-        def short(seq: Sequence) -> bool:   # a whole prompt that fits in a step (not a long one's last chunk)
-            return len(seq) <= budget and not self._decodes(seq)
+        def short(seq: Sequence) -> bool:   # a whole prompt, not a long one's last chunk
+            return len(seq) <= self.config.short_prompt_tokens and not self._decodes(seq)
         chunks = self._schedule_running(budget, short)
         chunks += self._schedule_waiting(budget - sum(c.num_tokens for c in chunks), short)
         self._paused_tokens = self._paused_tokens + sum(c.num_tokens for c in chunks) if decoding else 0

@@ -11,6 +11,9 @@ from worker.dtype import resolve_dtype
 DEFAULT_CHUNKED_BUDGET = 512
 DEFAULT_UNCHUNKED_BUDGET = 4096   # whole prompts batched together, a lone one may exceed it
 CHUNKED_BY_DEFAULT = ("both", "decode")  # roles whose running streams a long prefill would stall
+# Prompts of at most this many tokens run in steps of their own, ahead of a "both" worker's decodes, which wait
+# for up to decode_pause_tokens of them (scheduler/scheduler.py). Off (0) on a decode worker.
+DEFAULT_SHORT_PROMPT_TOKENS = 1024
 # Which finished answers' KV a decode worker writes back to their prefill worker (worker/engine/kv_write_back.py):
 # none, the answers to chats under way (their messages hold an answer already: a next turn likely comes), or all.
 WRITE_BACK_MODES = ("off", "chats", "all")
@@ -29,7 +32,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None   # None: DEFAULT_CHUNKED_BUDGET or DEFAULT_UNCHUNKED_BUDGET
     enable_chunked_prefill: bool | None = None  # None: on for the roles in CHUNKED_BY_DEFAULT
-    decode_pause_tokens: int = 0           # chunked: prompt tokens run alone before a decode step (0: mixed)
+    short_prompt_tokens: int | None = None  # None: DEFAULT_SHORT_PROMPT_TOKENS for role both, else 0 (off)
+    decode_pause_tokens: int = 4096        # prompt tokens short prompts may run ahead of decodes
     max_waiting: int = 256                 # bounded waiting queue
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     dtype: str = "float32"                 # or "auto": resolved at once (worker/dtype.py)
@@ -39,14 +43,14 @@ class EngineConfig:
     prefix_aware_transfer: bool = True     # decode: pull only the blocks the prefix cache lacks
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_waiting")
+        positive = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_waiting", "decode_pause_tokens")
         for name in positive:
             _check_positive_int(name, getattr(self, name))
         for name in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        if not isinstance(self.decode_pause_tokens, int) or self.decode_pause_tokens < 0:
-            raise ValueError(f"decode_pause_tokens must be an int >= 0, got {self.decode_pause_tokens!r}")
+        if self.short_prompt_tokens is not None and self.short_prompt_tokens != 0:
+            _check_positive_int("short_prompt_tokens", self.short_prompt_tokens)
         self.dtype = resolve_dtype(self.dtype)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
@@ -62,6 +66,15 @@ class EngineConfig:
         if self.enable_chunked_prefill is None:
             return self.role in CHUNKED_BY_DEFAULT
         return self.enable_chunked_prefill
+
+    @property
+    def short_prompts(self) -> int:
+        """Prompts of at most this many tokens run ahead of the decodes (0: none do; chunked prefill only)."""
+        if not self.chunked_prefill:
+            return 0
+        if self.short_prompt_tokens is None:
+            return DEFAULT_SHORT_PROMPT_TOKENS if self.role == "both" else 0
+        return self.short_prompt_tokens
 
     @property
     def token_budget(self) -> int:

@@ -63,7 +63,7 @@ def shapes_of(s: Scheduler, steps: int) -> list[list[tuple[str, int, int]]]:
 
 def test_short_prompts_run_alone_until_the_streams_waited_decode_pause_tokens() -> None:
     s = make(num_blocks=64, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=8,
-             decode_pause_tokens=16)
+             short_prompt_tokens=8, decode_pause_tokens=16)
     s.add(seq("a", max_tokens=10))
     assert shapes_of(s, 1) == [[("a", 0, 5)]]
     for i, rid in enumerate("bcde"):
@@ -74,19 +74,20 @@ def test_short_prompts_run_alone_until_the_streams_waited_decode_pause_tokens() 
                                [("a", 6, 1), ("b", 6, 1), ("c", 6, 1), ("d", 6, 1), ("e", 5, 1)]]
 
 
-def test_long_prompts_share_steps_with_decodes_under_decode_pause_tokens() -> None:
+def test_long_prompts_share_steps_with_decodes() -> None:
     s = make(num_blocks=64, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=8,
-             decode_pause_tokens=64)
+             short_prompt_tokens=11, decode_pause_tokens=64)
     s.add(seq("a", max_tokens=10))
     s.add(seq("long", n=12, max_tokens=2, first=50))
     assert shapes_of(s, 3) == [[("a", 0, 5)],                     # alone: nothing decodes yet
-                               [("a", 5, 1), ("long", 0, 7)],     # 12 tokens do not fit in a step
-                               [("a", 6, 1), ("long", 7, 5)]]     # nor does its rest run alone
+                               [("a", 5, 1), ("long", 0, 7)],     # 12 tokens are not short
+                               [("a", 6, 1), ("long", 7, 5)]]     # nor is its rest
 
 
-def test_decode_pause_tokens_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="decode_pause_tokens must be >= 0"):
-        SchedulerConfig(num_blocks=4, block_size=4, decode_pause_tokens=-1)
+@pytest.mark.parametrize("short, pause", [(-1, 8), (8, 0)])
+def test_short_prompt_and_pause_tokens_are_checked(short: int, pause: int) -> None:
+    with pytest.raises(ValueError, match=f"got {short} and {pause}"):
+        SchedulerConfig(num_blocks=4, block_size=4, short_prompt_tokens=short, decode_pause_tokens=pause)
 
 
 def test_finish_on_eos_and_length() -> None:

@@ -37,7 +37,8 @@ def test_chunked_equals_whole_prompt_prefill(tiny_llama: Path, params: SamplingP
 def test_short_prompts_alone_ahead_of_decodes_keep_outputs(tiny_llama: Path) -> None:
     ps = prompts(10, seed=1)
     whole = engine(tiny_llama, enable_chunked_prefill=False).generate(ps, GREEDY)
-    paused = engine(tiny_llama, enable_chunked_prefill=True, max_num_batched_tokens=16, decode_pause_tokens=32)
+    paused = engine(tiny_llama, enable_chunked_prefill=True, max_num_batched_tokens=16, short_prompt_tokens=40,
+                    decode_pause_tokens=32)
     assert paused.generate(ps, GREEDY) == whole
     assert paused.stats().num_blocks_used == 0
 
@@ -52,7 +53,7 @@ def test_preemption_with_chunks_keeps_outputs(tiny_llama: Path) -> None:
 
 
 def test_a_long_prompt_does_not_stall_running_streams(tiny_llama: Path) -> None:
-    eng = engine(tiny_llama, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    eng = engine(tiny_llama, enable_chunked_prefill=True, max_num_batched_tokens=16, short_prompt_tokens=100)
     streams = prompts(3, seed=5)
     for i, p in enumerate(streams):
         eng.add_request(f"s{i}", p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
@@ -69,11 +70,12 @@ def test_a_long_prompt_does_not_stall_running_streams(tiny_llama: Path) -> None:
     assert steps >= 200 // 16  # the prompt really was prefilled in chunks
 
 
-@pytest.mark.parametrize("role, chunked", [("both", True), ("decode", True), ("prefill", False)])
-def test_chunked_prefill_default_per_role(role: str, chunked: bool) -> None:
+@pytest.mark.parametrize("role, chunked, short", [("both", True, 1024), ("decode", True, 0), ("prefill", False, 0)])
+def test_chunked_prefill_default_per_role(role: str, chunked: bool, short: int) -> None:
     config = EngineConfig(role=role)
     assert config.chunked_prefill is chunked
     assert config.token_budget == (512 if chunked else 4096)
+    assert config.short_prompts == short and config.decode_pause_tokens == 4096
 
 
 def test_budget_below_max_num_seqs_is_refused() -> None:
@@ -89,12 +91,13 @@ def test_cli_flags_set_chunking_and_budget(capsys: pytest.CaptureFixture[str]) -
     assert not config.chunked_prefill and config.token_budget == 2048 and not config.enable_prefix_caching
     _, config = parse_args(["--role", "prefill", "--enable-chunked-prefill"])
     assert config.chunked_prefill and config.token_budget == 512
-    assert config.decode_pause_tokens == 0
-    _, config = parse_args(["--decode-pause-tokens", "4096"])
-    assert config.decode_pause_tokens == 4096
-    with pytest.raises(SystemExit) as exc:
-        parse_args(["--decode-pause-tokens", "-1"])
-    assert exc.value.code == 2 and "must be at least 0, got -1" in capsys.readouterr().err
+    assert config.short_prompts == 0   # no chunks on a prefill worker: nothing to run ahead of
+    _, config = parse_args(["--short-prompt-tokens", "300", "--decode-pause-tokens", "2048"])
+    assert (config.short_prompts, config.decode_pause_tokens) == (300, 2048)
+    for flag, low in (("--short-prompt-tokens", 0), ("--decode-pause-tokens", 1)):
+        with pytest.raises(SystemExit) as exc:
+            parse_args([flag, "-1"])
+        assert exc.value.code == 2 and f"must be at least {low}, got -1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         parse_args(["--max-num-batched-tokens", "4"])
     assert exc.value.code == 2 and "must be at least max_num_seqs" in capsys.readouterr().err

@@ -78,7 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.kv_layout.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
-            enable_chunked_prefill=config.chunked_prefill, decode_pause_tokens=config.decode_pause_tokens,
+            enable_chunked_prefill=config.chunked_prefill,
+            short_prompt_tokens=config.short_prompts, decode_pause_tokens=config.decode_pause_tokens,
             max_waiting=config.max_waiting, enable_prefix_caching=config.enable_prefix_caching,
             prefix_aware_transfer=config.prefix_aware_transfer, role=config.role,
         ), eos_token_ids=self.tokenizer.eos_token_ids)

@@ -21,8 +21,8 @@ from common.listen import hypercorn_bind, listen_socket
 from common.tracing import Tracing, add_traces_endpoint_flag
 from common.roles import (DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE,
                           WORKER_ROLES)
-from worker.config import (CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_UNCHUNKED_BUDGET, DEFAULT_WRITE_BACK,
-                           WRITE_BACK_MODES, EngineConfig)
+from worker.config import (CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_SHORT_PROMPT_TOKENS,
+                           DEFAULT_UNCHUNKED_BUDGET, DEFAULT_WRITE_BACK, WRITE_BACK_MODES, EngineConfig)
 from worker.dtype import AUTO, BF16_CPU_FLAGS
 from worker.mock import flags as mock_flags
 from worker.model.model_config import ModelConfig
@@ -113,10 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill long prompts in chunks that share each step with the running requests' "
                              "decodes, so streams never stall for a whole prefill (default: on for roles "
                              f"{' and '.join(CHUNKED_BY_DEFAULT)}, off for prefill)")
-    engine.add_argument("--decode-pause-tokens", type=_non_negative, default=0,
-                        help="with chunked prefill, run prompt chunks alone, ahead of the running requests' "
-                             "decodes, until these have waited for this many prompt tokens; then one decode "
-                             "step (default 0: every step mixes the decodes with prompt chunks)")
+    engine.add_argument("--short-prompt-tokens", type=_non_negative, default=None,
+                        help="with chunked prefill, prompts of at most this many tokens run in steps of their "
+                             "own, ahead of the running requests' decodes, so a wave of them stalls the "
+                             "streams once, not once per prompt; longer prompts share steps with the decodes "
+                             f"(default {DEFAULT_SHORT_PROMPT_TOKENS} for role both, 0 (off) for decode)")
+    engine.add_argument("--decode-pause-tokens", type=_positive, default=4096,
+                        help="the prompt tokens short prompts may run while the running requests wait for "
+                             "their next token; then one step decodes them (default 4096)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of prompt prefixes computed before (default: on)")
     engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
@@ -221,6 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, E
                               max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               enable_chunked_prefill=args.enable_chunked_prefill,
+                              short_prompt_tokens=args.short_prompt_tokens,
                               decode_pause_tokens=args.decode_pause_tokens,
                               enable_prefix_caching=args.enable_prefix_caching,
                               prefix_aware_transfer=args.prefix_aware_transfer,
