@@ -7,8 +7,8 @@ for its whole prefill. A short prompt stalls running streams once whether it sha
 not: with `short_prompt_tokens` (S > 0) prompts of at most S tokens run in steps of their own,
 ahead of the decodes, until the running streams have waited for `decode_pause_tokens` prompt
 tokens, and a wave of them costs the streams one gap instead of one per prompt; longer prompts
-still share steps with the decodes. Without chunked prefill a step is either whole prompts or one decode of every
-running request. Role "prefill": one prefill runs at a time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
+still share steps with the decodes. Without chunked prefill a step is either whole prompts or one
+decode of every running request. Role "prefill": one prefill runs at a time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
 its blocks held after it finished, until `release`. Role "decode": a `remote_kv` request
 gets its blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
 pull done (`transfer_done`, its first token) or failed (`release`). With
@@ -111,7 +111,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.transferring: dict[str, Sequence] = {}
         self.num_preemptions = 0
-        self._paused_tokens = 0   # prompt tokens run since the last decode step
+        self._paused_tokens = 0   # short prompts' tokens run while streams wait for their next token
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.transferring)
@@ -165,12 +165,14 @@ class Scheduler:
     def _schedule_short_prompts_alone(self, budget: int) -> list[ScheduledChunk]:
         """A step of short prompts alone, running ones first, while the running streams have waited for
         fewer than `decode_pause_tokens` prompt tokens; [] when there is none or a decode step is due."""
-        decoding = any(map(self._decodes, self.running))
-        if not self.config.short_prompt_tokens or (decoding and self._paused_tokens >= self.config.decode_pause_tokens):
+        limit, decoding = self.config.short_prompt_tokens, any(map(self._decodes, self.running))
+        if not limit or (decoding and self._paused_tokens >= self.config.decode_pause_tokens):
             self._paused_tokens = 0
             return []
+
         def short(seq: Sequence) -> bool:   # a whole prompt, not a long one's last chunk
-            return len(seq) <= self.config.short_prompt_tokens and not self._decodes(seq)
+            return len(seq) <= limit and not self._decodes(seq)
+
         chunks = self._schedule_running(budget, short)
         chunks += self._schedule_waiting(budget - sum(c.num_tokens for c in chunks), short)
         self._paused_tokens = self._paused_tokens + sum(c.num_tokens for c in chunks) if decoding else 0

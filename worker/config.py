@@ -50,7 +50,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.short_prompt_tokens is not None and self.short_prompt_tokens != 0:
-            _check_positive_int("short_prompt_tokens", self.short_prompt_tokens)
+            _check_positive_int("short_prompt_tokens (or 0)", self.short_prompt_tokens)
         self.dtype = resolve_dtype(self.dtype)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
