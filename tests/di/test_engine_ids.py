@@ -100,6 +100,7 @@ def test_an_intruder_posing_as_a_live_decode_worker_changes_nothing(workers, bot
         worker.wait_blocks_free()
 
 
+@pytest.mark.slow   # 7 s of waiting out a lease; lease expiry and keep-alive: tests/neuron_connector/test_registry.py
 def test_a_frozen_decode_worker_loses_its_engine_id_within_seconds(workers, both_worker: WorkerProcess) -> None:
     """A peer that stops answering (its host gone, here its process stopped) misses the signal plane's
     heartbeats: the prefill worker drops its connection, and the id is free for another decode worker."""

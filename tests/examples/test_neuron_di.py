@@ -84,6 +84,7 @@ def test_bad_arguments_exit_2_before_starting_anything():
 
 
 @needs_di
+@pytest.mark.slow   # 8 s; Ctrl-C stopping every process of a running stack: tests/examples/test_launchers.py
 def test_ctrl_c_during_generation_stops_every_process(tmp_path):
     status, out = interrupted_run(tmp_path / "neuron_di.log", "examples/neuron_di.py", "--max-tokens", "400",
                                   "--concurrency", "1", marker="DI generate")

@@ -74,6 +74,7 @@ def test_delay_and_loss_on_the_cable_still_serve_exactly(two_hosts: FaultStack, 
     assert_all_exact(result)
 
 
+@pytest.mark.slow   # 13 s; a peer lost mid-transfer: tests/transfer/test_failures.py, kills under load: test_faults_2p2d.py
 def test_a_cut_while_kv_moves_fails_clearly_frees_blocks_and_recovers(two_hosts: FaultStack,
                                                                       campaign: Campaign) -> None:
     result = run(two_hosts, campaign, LinkFault("cut", cut=True), 4, (1200, 1800), seed=3)

@@ -105,7 +105,8 @@ def test_decode_logits_through_paged_cache_match_transformers(checkpoint: Path, 
 def test_chunked_steps_logits_match_transformers(checkpoint: Path, budget: int) -> None:
     """Steps mixing decodes with prompt chunks that start mid-block give transformers' logits at every row."""
     hf = hf_model(checkpoint)
-    engine = engine_for(checkpoint, enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=4)
+    engine = engine_for(checkpoint, enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=4,
+                        short_prompt_tokens=0)   # every step mixed
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     mixed = False
