@@ -3,8 +3,8 @@
 Role "both": new requests prefill while others decode. With chunked prefill (`enable_chunked_
 prefill`) a step holds at most `max_num_batched_tokens` tokens: every decode first, then the rest
 of the budget to prompt chunks, oldest first, so a long prompt never stalls running streams
-for its whole prefill. A short prompt stalls running streams once whether it shares their step or
-not: with `short_prompt_tokens` (S > 0) prompts of at most S tokens run in steps of their own,
+for its whole prefill. Mixed steps stall running streams once per short prompt of a wave: with
+`short_prompt_tokens` (S > 0) prompts of at most S tokens run in steps of their own,
 ahead of the decodes, until the running streams have waited for `decode_pause_tokens` prompt
 tokens, and a wave of them costs the streams one gap instead of one per prompt; longer prompts
 still share steps with the decodes. Without chunked prefill a step is either whole prompts or one
