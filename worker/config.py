@@ -14,6 +14,7 @@ CHUNKED_BY_DEFAULT = ("both", "decode")  # roles whose running streams a long pr
 # Prompts of at most this many tokens run in steps of their own, ahead of a "both" worker's decodes, which wait
 # for up to decode_pause_tokens of them (scheduler/scheduler.py). Off (0) on a decode worker.
 DEFAULT_SHORT_PROMPT_TOKENS = 1024
+DEFAULT_DECODE_PAUSE_TOKENS = 4096
 # Which finished answers' KV a decode worker writes back to their prefill worker (worker/engine/kv_write_back.py):
 # none, the answers to chats under way (their messages hold an answer already: a next turn likely comes), or all.
 WRITE_BACK_MODES = ("off", "chats", "all")
@@ -33,7 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None   # None: DEFAULT_CHUNKED_BUDGET or DEFAULT_UNCHUNKED_BUDGET
     enable_chunked_prefill: bool | None = None  # None: on for the roles in CHUNKED_BY_DEFAULT
     short_prompt_tokens: int | None = None  # None: DEFAULT_SHORT_PROMPT_TOKENS for role both, else 0 (off)
-    decode_pause_tokens: int = 4096        # prompt tokens short prompts may run ahead of decodes
+    decode_pause_tokens: int = DEFAULT_DECODE_PAUSE_TOKENS   # prompt tokens short prompts may run ahead of decodes
     max_waiting: int = 256                 # bounded waiting queue
     max_model_len: int | None = None       # default: the model's max_position_embeddings
     dtype: str = "float32"                 # or "auto": resolved at once (worker/dtype.py)

@@ -21,8 +21,9 @@ from common.listen import hypercorn_bind, listen_socket
 from common.tracing import Tracing, add_traces_endpoint_flag
 from common.roles import (DEFAULT_HOST, DEFAULT_HTTP_PORTS, DEFAULT_KV_PORT, DISAGGREGATED_ROLES, ENCODE_ROLE,
                           WORKER_ROLES)
-from worker.config import (CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_SHORT_PROMPT_TOKENS,
-                           DEFAULT_UNCHUNKED_BUDGET, DEFAULT_WRITE_BACK, WRITE_BACK_MODES, EngineConfig)
+from worker.config import (CHUNKED_BY_DEFAULT, DEFAULT_CHUNKED_BUDGET, DEFAULT_DECODE_PAUSE_TOKENS,
+                           DEFAULT_SHORT_PROMPT_TOKENS, DEFAULT_UNCHUNKED_BUDGET, DEFAULT_WRITE_BACK, WRITE_BACK_MODES,
+                           EngineConfig)
 from worker.dtype import AUTO, BF16_CPU_FLAGS
 from worker.mock import flags as mock_flags
 from worker.model.model_config import ModelConfig
@@ -118,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "own, ahead of the running requests' decodes, so a wave of them stalls the "
                              "streams once, not once per prompt; longer prompts share steps with the decodes "
                              f"(default {DEFAULT_SHORT_PROMPT_TOKENS} for role both, 0 (off) for decode)")
-    engine.add_argument("--decode-pause-tokens", type=_positive, default=4096,
+    engine.add_argument("--decode-pause-tokens", type=_positive, default=DEFAULT_DECODE_PAUSE_TOKENS,
                         help="the prompt tokens short prompts may run while the running requests wait for "
-                             "their next token; then one step decodes them (default 4096)")
+                             f"their next token; then one step decodes them (default {DEFAULT_DECODE_PAUSE_TOKENS})")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of prompt prefixes computed before (default: on)")
     engine.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 503s (default 256)")
