@@ -6,8 +6,9 @@ of the budget to prompt chunks, oldest first, so a long prompt never stalls runn
 for its whole prefill. Mixed steps stall running streams once per short prompt of a wave: with
 `short_prompt_tokens` (S > 0) prompts of at most S tokens run in steps of their own,
 ahead of the decodes, until the running streams have waited for `decode_pause_tokens` prompt
-tokens, and a wave of them costs the streams one gap instead of one per prompt; longer prompts
-still share steps with the decodes. Without chunked prefill a step is either whole prompts or one
+tokens, and a wave of them costs the streams one gap instead of one per prompt (a pause starts
+only while something decodes and the prompts need more than one step beside the decodes); longer
+prompts still share steps with the decodes. Without chunked prefill a step is either whole prompts or one
 decode of every running request. Role "prefill": one prefill runs at a time, and a request whose KV a decode peer will pull (`remote_kv`) stays TRANSFERRING with
 its blocks held after it finished, until `release`. Role "decode": a `remote_kv` request
 gets its blocks and waits TRANSFERRING (`admit_transfers`) until the engine reports the
@@ -163,20 +164,29 @@ class Scheduler:
         return seq.num_uncomputed_tokens == 1
 
     def _schedule_short_prompts_alone(self, budget: int) -> list[ScheduledChunk]:
-        """A step of short prompts alone, running ones first, while the running streams have waited for
-        fewer than `decode_pause_tokens` prompt tokens; [] when there is none or a decode step is due."""
-        limit, decoding = self.config.short_prompt_tokens, any(map(self._decodes, self.running))
-        if not limit or (decoding and self._paused_tokens >= self.config.decode_pause_tokens):
-            self._paused_tokens = 0
-            return []
+        """A step of short prompts alone, running ones first, while the running streams have waited for fewer
+        than `decode_pause_tokens` prompt tokens; [] when a normal step is due, which decodes the streams and
+        so ends the pause: the policy is off, nothing decodes (a normal step batches every prompt), the pause
+        is over, one step takes every prompt under way or waiting beside the decodes (a pause would not
+        shorten the streams' gap, only add a step), or no short prompt is left."""
+        limit, paused = self.config.short_prompt_tokens, self._paused_tokens
+        chunks: list[ScheduledChunk] = []
+        if (limit and any(map(self._decodes, self.running)) and paused < self.config.decode_pause_tokens
+                and not self._prompts_fit(budget)):
+            def short(seq: Sequence) -> bool:   # a whole prompt, not a long one's last chunk
+                return len(seq) <= limit and not self._decodes(seq)
 
-        def short(seq: Sequence) -> bool:   # a whole prompt, not a long one's last chunk
-            return len(seq) <= limit and not self._decodes(seq)
-
-        chunks = self._schedule_running(budget, short)
-        chunks += self._schedule_waiting(budget - sum(c.num_tokens for c in chunks), short)
-        self._paused_tokens = self._paused_tokens + sum(c.num_tokens for c in chunks) if decoding else 0
+            chunks = self._schedule_running(budget, short)
+            chunks += self._schedule_waiting(budget - sum(c.num_tokens for c in chunks), short)
+        self._paused_tokens = paused + sum(c.num_tokens for c in chunks) if chunks else 0
         return chunks
+
+    def _prompts_fit(self, budget: int) -> bool:
+        """Whether every prompt under way or waiting fits in one step beside the decodes (a waiting one counted
+        whole, as if none of it were cached)."""
+        tokens = sum(s.num_uncomputed_tokens for s in self.running if not self._decodes(s))
+        tokens += sum(len(s) for s in self.waiting if not self._needs_pull(s))
+        return tokens <= budget - sum(map(self._decodes, self.running))
 
     def _schedule_waiting(self, budget: int,
                           which: Callable[[Sequence], bool] = lambda s: True) -> list[ScheduledChunk]:

@@ -79,9 +79,35 @@ def test_long_prompts_share_steps_with_decodes() -> None:
              short_prompt_tokens=11, decode_pause_tokens=64)
     s.add(seq("a", max_tokens=10))
     s.add(seq("long", n=12, max_tokens=2, first=50))
-    assert shapes_of(s, 3) == [[("a", 0, 5)],                     # alone: nothing decodes yet
-                               [("a", 5, 1), ("long", 0, 7)],     # 12 tokens are not short
-                               [("a", 6, 1), ("long", 7, 5)]]     # nor is its rest
+    assert shapes_of(s, 3) == [[("a", 0, 5), ("long", 0, 3)],     # nothing decodes yet: one step takes both
+                               [("a", 5, 1), ("long", 3, 7)],     # 12 tokens are not short
+                               [("a", 6, 1), ("long", 10, 2)]]    # nor is its rest
+
+
+def test_prompts_that_fit_beside_the_decodes_share_their_step() -> None:
+    s = make(num_blocks=64, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=8,
+             short_prompt_tokens=6, decode_pause_tokens=64)
+    s.add(seq("a", n=3, max_tokens=20))
+    assert shapes_of(s, 1) == [[("a", 0, 3)]]
+    s.add(seq("b", n=4, max_tokens=20, first=30))
+    s.add(seq("c", n=3, max_tokens=20, first=40))
+    assert shapes_of(s, 1) == [[("a", 3, 1), ("b", 0, 4), ("c", 0, 3)]]   # one gap either way, one step fewer
+
+
+def test_each_wave_gets_a_whole_pause() -> None:
+    s = make(num_blocks=64, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=8,
+             short_prompt_tokens=6, decode_pause_tokens=20)
+    s.add(seq("a", n=3, max_tokens=20))
+    assert shapes_of(s, 1) == [[("a", 0, 3)]]
+    for i, rid in enumerate("bcd"):
+        s.add(seq(rid, max_tokens=20, first=10 * (i + 1)))
+    assert shapes_of(s, 3) == [[("b", 0, 5), ("c", 0, 3)], [("c", 3, 2), ("d", 0, 5)],   # the wave, 15 tokens
+                               [("a", 3, 1), ("b", 5, 1), ("c", 5, 1), ("d", 5, 1)]]
+    for i, rid in enumerate("efg"):
+        s.add(seq(rid, max_tokens=20, first=50 + 10 * i))
+    # The decode step ended the first pause: the next wave's starts from 0, not from the first wave's 15.
+    assert shapes_of(s, 3) == [[("e", 0, 5), ("f", 0, 3)], [("f", 3, 2), ("g", 0, 5)],
+                               [(rid, n, 1) for rid, n in zip("abcdefg", [4, 6, 6, 6, 5, 5, 5])]]
 
 
 @pytest.mark.parametrize("short, pause", [(-1, 8), (8, 0)])
@@ -130,10 +156,12 @@ def test_batch_limits() -> None:
 @given(lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10)), min_size=1, max_size=12),
        num_blocks=st.integers(8, 20), max_num_seqs=st.integers(1, 6),
        aborts=st.sets(st.integers(0, 11)), abort_step=st.integers(0, 30), caching=st.booleans(),
-       shared_prefix=st.booleans(), chunk_budget=st.one_of(st.none(), st.integers(6, 14)))
+       shared_prefix=st.booleans(), chunk_budget=st.one_of(st.none(), st.integers(6, 14)),
+       short=st.integers(0, 12), pause=st.integers(1, 20))
 def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, aborts, abort_step, caching,
-                                        shared_prefix, chunk_budget) -> None:
-    chunking = {} if chunk_budget is None else {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk_budget}
+                                        shared_prefix, chunk_budget, short, pause) -> None:
+    chunking = {} if chunk_budget is None else {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk_budget,
+                                                "short_prompt_tokens": short, "decode_pause_tokens": pause}
     s = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=caching, **chunking)
     seqs = []
     for i, (n, m) in enumerate(lengths):
@@ -143,6 +171,7 @@ def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, abort
             seqs.append(x)
         except WillNeverFit:
             assert (n + m + 3) // 4 > num_blocks
+    waited = 0
     for step in range(2000):
         if s.is_finished():
             break
@@ -154,7 +183,7 @@ def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, abort
         computed = {x.request_id: x.num_computed_tokens for x in s.running}
         step = s.schedule()
         batch = step.seqs
-        check_chunks(s, step, decoding, computed)
+        waited = check_chunks(s, step, decoding, computed, waited)
         bm = s.block_manager
         assert len(bm.free_block_ids) + len(bm.used_block_ids) == num_blocks
         assert len(s.running) <= max_num_seqs
@@ -177,9 +206,12 @@ def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, abort
             assert x.num_output_tokens == x.max_tokens
 
 
-def check_chunks(s: Scheduler, step: ScheduledStep, decoding: list[Sequence], computed: dict[str, int]) -> None:
-    """Chunks continue where the last step stopped, sample only at a sequence's end, and (chunked)
-    stay within the budget with every decode that was not preempted scheduled ahead of prompt chunks."""
+def check_chunks(s: Scheduler, step: ScheduledStep, decoding: list[Sequence], computed: dict[str, int],
+                 waited: int = 0) -> int:
+    """Chunks continue where the last step stopped, sample only at a sequence's end, and (chunked) stay within
+    the budget with every decode that was not preempted scheduled ahead of prompt chunks, or none while the
+    streams have waited (`waited`: prompt tokens run ahead of them so far) less than the pause. Returns how
+    long the streams have waited after this step."""
     sizes = [c.num_tokens for c in step.chunks]
     assert sizes == sorted(sizes, key=lambda n: n > 1) and min(sizes, default=1) >= 1
     for c in step.chunks:
@@ -189,6 +221,13 @@ def check_chunks(s: Scheduler, step: ScheduledStep, decoding: list[Sequence], co
     if s.config.enable_chunked_prefill:
         assert step.num_tokens <= s.config.max_num_batched_tokens
         scheduled = {id(x) for x in step.seqs}
-        assert all(id(x) in scheduled for x in decoding if x.status is SequenceStatus.RUNNING)
-    else:
-        assert all(c.samples for c in step.chunks)   # whole prompts, whole decodes
+        running = [x for x in decoding if x.status is SequenceStatus.RUNNING]
+        if all(id(x) in scheduled for x in running):
+            return 0
+        # Or none: short prompts alone ahead of them, for fewer than the pause's tokens before this step.
+        assert s.config.short_prompt_tokens and not any(id(x) in scheduled for x in running)
+        assert all(len(c.seq) <= s.config.short_prompt_tokens for c in step.chunks)
+        assert waited < s.config.decode_pause_tokens
+        return waited + step.num_tokens
+    assert all(c.samples for c in step.chunks)   # unchunked: whole prompts, whole decodes
+    return 0
