@@ -207,7 +207,7 @@ def test_everything_completes_and_frees(lengths, num_blocks, max_num_seqs, abort
 
 
 def check_chunks(s: Scheduler, step: ScheduledStep, decoding: list[Sequence], computed: dict[str, int],
-                 waited: int = 0) -> int:
+                 waited: int) -> int:
     """Chunks continue where the last step stopped, sample only at a sequence's end, and (chunked) stay within
     the budget with every decode that was not preempted scheduled ahead of prompt chunks, or none while the
     streams have waited (`waited`: prompt tokens run ahead of them so far) less than the pause. Returns how
