@@ -170,9 +170,10 @@ class Scheduler:
         is over, one step takes every prompt under way or waiting beside the decodes (a pause would not
         shorten the streams' gap, only add a step), or no short prompt is left."""
         limit, paused = self.config.short_prompt_tokens, self._paused_tokens
+        decodes = sum(map(self._decodes, self.running))
         chunks: list[ScheduledChunk] = []
-        if (limit and any(map(self._decodes, self.running)) and paused < self.config.decode_pause_tokens
-                and not self._prompts_fit(budget)):
+        if (limit and decodes and paused < self.config.decode_pause_tokens
+                and not self._prompts_fit(budget - decodes)):
             def short(seq: Sequence) -> bool:   # a whole prompt, not a long one's last chunk
                 return len(seq) <= limit and not self._decodes(seq)
 
@@ -181,12 +182,12 @@ class Scheduler:
         self._paused_tokens = paused + sum(c.num_tokens for c in chunks) if chunks else 0
         return chunks
 
-    def _prompts_fit(self, budget: int) -> bool:
-        """Whether every prompt under way or waiting fits in one step beside the decodes (a waiting one counted
-        whole, as if none of it were cached)."""
+    def _prompts_fit(self, room: int) -> bool:
+        """Whether every prompt under way or waiting fits in `room` tokens, what a step leaves beside the decodes
+        (a waiting one counted whole, as if none of it were cached)."""
         tokens = sum(s.num_uncomputed_tokens for s in self.running if not self._decodes(s))
         tokens += sum(len(s) for s in self.waiting if not self._needs_pull(s))
-        return tokens <= budget - sum(map(self._decodes, self.running))
+        return tokens <= room
 
     def _schedule_waiting(self, budget: int,
                           which: Callable[[Sequence], bool] = lambda s: True) -> list[ScheduledChunk]:
